@@ -1,0 +1,34 @@
+"""orttrainer — the ONNX Runtime ``ORTTrainer`` training API, maintained as a standalone package.
+
+Public names: ``ORTTrainer``, ``ORTTrainerOptions``, ``TrainStepInfo`` and the sub-modules ``optim``, ``amp``,
+``checkpoint`` and ``debug``. The pure-Python layers (options, model description, optimizer configs, LR schedulers,
+loss scalers) import without onnxruntime; ``ORTTrainer`` (and with it onnxruntime) is loaded on first access.
+"""
+
+from __future__ import annotations
+
+from . import amp, optim
+from .schema.options import ORTTrainerOptions, PropagateCastOpsStrategy
+from .train_step_info import TrainStepInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ORTTrainer",
+    "ORTTrainerOptions",
+    "PropagateCastOpsStrategy",
+    "TrainStepInfo",
+    "amp",
+    "checkpoint",
+    "debug",
+    "optim",
+]
+
+
+def __getattr__(name: str):
+    # ORTTrainer pulls in torch.onnx and onnxruntime; importing it lazily keeps `import orttrainer.optim` light.
+    if name == "ORTTrainer":
+        from .trainer import ORTTrainer
+
+        return ORTTrainer
+    raise AttributeError(f"module 'orttrainer' has no attribute {name!r}")
