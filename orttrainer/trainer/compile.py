@@ -1,0 +1,113 @@
+"""The compile pipeline: forward ONNX model -> training graph, eval graph and initial state.
+
+Order (DESIGN.md § Data flow): fix-ups the gradient builder needs -> gradient graph -> accumulation, clipping and
+optimizer update. The debug option `graph_save_paths` writes the intermediate stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .graph import fixups
+from .graph.editor import FLOAT_TYPES
+from .graph.gradient import build_ort_gradient_graph, move_initializers_to_inputs
+from .graph.training import ParamGroup, TrainingGraph, build_training_graph, zero_state
+
+
+@dataclass
+class CompileRequest:
+    """What the trainer knows when it compiles: names from model_desc, the parameter split and the options."""
+
+    forward: onnx.ModelProto  # after post-processing
+    loss_name: str
+    data_inputs: list[str]
+    outputs: list[str]
+    trainable: list[str]
+    frozen: list[str]
+    optim_config: object
+    accumulation_steps: int
+    clip_grad_norm: bool
+    dropout_off: bool  # the torch model was in eval mode: train without dropout
+    graph_save_paths: dict[str, str]
+
+
+@dataclass
+class CompiledModel:
+    training: TrainingGraph
+    eval_model: onnx.ModelProto
+    initial_state: dict[str, np.ndarray]
+
+
+def compile_model(request: CompileRequest) -> CompiledModel:
+    forward = fixups.name_optional_outputs(request.forward)
+    if request.dropout_off:
+        forward = fixups.dropout_to_identity(forward)
+    _save(forward, request.graph_save_paths.get("model_after_graph_transforms_path"))
+    state = request.trainable + request.frozen
+    gradient_model = build_ort_gradient_graph(forward, request.loss_name, request.trainable, state)
+    _save(gradient_model, request.graph_save_paths.get("model_with_gradient_graph_path"))
+    training = build_training_graph(
+        gradient_model, data_inputs=request.data_inputs, outputs=request.outputs, trainable=request.trainable,
+        optimizer_name=request.optim_config.name, groups=param_groups(request.optim_config, request.trainable),
+        accumulation_steps=request.accumulation_steps, clip_grad_norm=request.clip_grad_norm)
+    _save(training.model, request.graph_save_paths.get("model_with_training_graph_path"))
+    initial = {**initializer_values(request.forward, state), **zero_state(training.state_shapes)}
+    return CompiledModel(training, build_eval_model(request.forward, state, request.outputs), initial)
+
+
+def build_eval_model(forward: onnx.ModelProto, state: list[str], outputs: list[str]) -> onnx.ModelProto:
+    """The forward graph for `eval_step`: state as inputs, dropout off, BatchNorm on running statistics, only the
+    model_desc outputs."""
+    model = move_initializers_to_inputs(forward, state)
+    model = fixups.batchnorm_to_inference(fixups.dropout_to_identity(model))
+    kept = [o for o in model.graph.output if o.name in outputs]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+    return model
+
+
+def param_groups(optim_config, trainable: list[str]) -> list[ParamGroup]:
+    """Group trainable tensors by their resolved hyper-parameters (legacy per-weight attribute rules)."""
+    groups: dict[tuple, ParamGroup] = {}
+    for name in trainable:
+        floats, ints = optim_config.hyper_parameters(name)
+        hyper = {**floats, **ints}
+        key = tuple(sorted(hyper.items()))
+        groups.setdefault(key, ParamGroup(hyper, []))
+        groups[key].params.append(name)
+    return list(groups.values())
+
+
+def split_parameters(model: onnx.ModelProto, frozen_weights: list[str], torch_params: list[str] | None,
+                     torch_state: list[str] | None) -> tuple[list[str], list[str]]:
+    """(trainable, frozen) initializer names.
+
+    PyTorch model: its `requires_grad` parameters minus `utils.frozen_weights` are trained; buffers, other
+    parameters and the listed frozen weights are frozen state. ONNX model: every floating-point initializer not in
+    `frozen_weights` is trained; other initializers stay constants of the graph.
+    """
+    initializers = {i.name: i for i in model.graph.initializer}
+    unknown = [name for name in frozen_weights if name not in initializers]
+    if unknown:
+        raise RuntimeError(f"{unknown} params from 'frozen_weights' not found in the ONNX model.")
+    frozen_set = set(frozen_weights)
+    if torch_params is not None:
+        trainable = [n for n in torch_params if n not in frozen_set]
+        frozen = [n for n in (torch_state or []) if n in initializers] + [n for n in torch_params if n in frozen_set]
+        return trainable, frozen
+    trainable = [n for n, i in initializers.items() if n not in frozen_set and i.data_type in FLOAT_TYPES]
+    return trainable, [n for n in frozen_weights]
+
+
+def initializer_values(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
+    wanted = set(names)
+    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if i.name in wanted}
+
+
+def _save(model: onnx.ModelProto, path: str | None) -> None:
+    if path:
+        onnx.save(model, path)

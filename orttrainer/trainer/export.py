@@ -1,0 +1,179 @@
+"""Export a PyTorch model (plus loss function) to the forward ONNX model the training graph is compiled from.
+
+Contract (legacy_api.md §3.2): `_ModelWithLoss(model, loss_fn)` takes the model_desc inputs positionally, passes them
+to `model.forward` by parameter name, and — with a loss function — uses the last input as the label and returns
+`(loss, *model_outputs)`. The export runs in `TrainingMode.TRAINING` (EVAL exports merge equal-valued parameters,
+engine.md §1.3), without constant folding, with dynamic axes named by the string dims of model_desc.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import warnings
+from dataclasses import dataclass
+
+import onnx
+import torch
+
+from .graph.editor import copy_model
+
+MODEL_PREFIX = "model."
+
+
+class _ModelWithLoss(torch.nn.Module):
+    """`forward(*inputs)`: model outputs, or `(loss_fn(preds, inputs[-1]), *preds)` when a loss function is set."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn, input_names: list[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.input_names = list(input_names)
+        self.forward_params = list(inspect.signature(model.forward).parameters)
+
+    def forward(self, *inputs):
+        kwargs = {name: inputs[self.input_names.index(name)] for name in self.forward_params
+                  if name in self.input_names}
+        preds = self.model(**kwargs)
+        if self.loss_fn is None:
+            return preds
+        loss = self.loss_fn(preds, inputs[-1])
+        return (loss, *preds) if isinstance(preds, (tuple, list)) else (loss, preds)
+
+
+@dataclass
+class ExportedModel:
+    """The forward ONNX model and what the dry run learned about the model's inputs and outputs."""
+
+    model: onnx.ModelProto
+    sample_outputs: list[torch.Tensor]
+    input_dtypes: list[torch.dtype]
+    output_dtypes: list[torch.dtype]
+    parameters: list[str]  # trainable (requires_grad) parameters, ONNX initializer names
+    buffers: list[str]  # buffers and requires_grad=False parameters: frozen state
+    was_training: bool  # the model's train/eval mode when it was handed over (eval: dropout off in training)
+    custom_functions: list[str]  # custom torch.autograd.Functions met in the dry run
+
+
+def check_forward_accepts(model: torch.nn.Module, input_names: list[str], has_loss_fn: bool) -> None:
+    """Every model_desc input must be a parameter of `model.forward` (the label too when there is no loss_fn)."""
+    signature = inspect.signature(model.forward)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        return
+    checked = input_names[:-1] if has_loss_fn else input_names
+    unknown = [name for name in checked if name not in signature.parameters]
+    if unknown:
+        raise ValueError(
+            f"model_desc inputs {unknown} are not parameters of {type(model).__name__}.forward{signature}; inputs are "
+            "passed to forward by name" + (" (with a loss_fn, the last input is the label)" if has_loss_fn else ""))
+
+
+def custom_autograd_functions(outputs) -> list[str]:
+    """Names of the custom `torch.autograd.Function`s in the autograd graph behind `outputs`."""
+    found: set[str] = set()
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in _flatten(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        forward_cls = getattr(node, "_forward_cls", None)  # only Python-defined Functions have one
+        if forward_cls is not None:
+            found.add(forward_cls.__qualname__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sorted(found)
+
+
+def export_model(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: list[torch.Tensor], *,
+                 opset_version: int, enable_contrib_ops: bool) -> ExportedModel:
+    """Dry-run and export `model` (+ `loss_fn`); returns the forward ONNX model with the `model.` prefix removed."""
+    input_names = [d.name for d in model_desc.inputs]
+    output_names = [d.name for d in model_desc.outputs]
+    check_forward_accepts(model, input_names, loss_fn is not None)
+    was_training = model.training
+    wrapper = _ModelWithLoss(model, loss_fn, input_names)
+    sample_outputs, functions = _dry_run(wrapper, sample_inputs)
+    if len(sample_outputs) < len(output_names):
+        raise ValueError(f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
+                         f"{' with its loss_fn' if loss_fn else ''} returns {len(sample_outputs)}")
+    _register_contrib_ops(enable_contrib_ops)
+    buffer = io.BytesIO()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*TorchScript-based ONNX export")
+            torch.onnx.export(wrapper, tuple(sample_inputs), buffer, input_names=input_names,
+                              output_names=output_names, opset_version=opset_version,
+                              dynamic_axes=_dynamic_axes(model_desc), do_constant_folding=False,
+                              training=torch.onnx.TrainingMode.TRAINING, dynamo=False)
+    except Exception as err:
+        raise RuntimeError(f"exporting {type(model).__name__} to ONNX failed: {err}") from err
+    finally:
+        model.train(was_training)
+    onnx_model = strip_prefix(onnx.load_from_string(buffer.getvalue()), MODEL_PREFIX)
+    initializers = {i.name for i in onnx_model.graph.initializer}
+    params = [n for n, p in model.named_parameters() if p.requires_grad and n in initializers]
+    state = [n for n in model.state_dict() if n in initializers and n not in params]
+    return ExportedModel(onnx_model, sample_outputs, [t.dtype for t in sample_inputs],
+                         [t.dtype for t in sample_outputs[: len(output_names)]], params, state, was_training, functions)
+
+
+def strip_prefix(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
+    """Rule: initializers named `<prefix><name>` are renamed `<name>`, and so are their uses by nodes."""
+    result = copy_model(model)
+    renamed = {i.name: i.name[len(prefix):] for i in result.graph.initializer if i.name.startswith(prefix)}
+    for init in result.graph.initializer:
+        init.name = renamed.get(init.name, init.name)
+    for node in result.graph.node:
+        for k, name in enumerate(node.input):
+            if name in renamed:
+                node.input[k] = renamed[name]
+    for value in list(result.graph.input) + list(result.graph.value_info):
+        value.name = renamed.get(value.name, value.name)
+    return result
+
+
+def _dry_run(wrapper: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str]]:
+    """Run an eval-mode copy of the wrapper: its outputs give the output dtypes, and its autograd graph shows the
+    custom autograd Functions (which the TorchScript exporter would silently inline, dropping their backward)."""
+    try:
+        runner = copy.deepcopy(wrapper)
+    except Exception:
+        warnings.warn("This model cannot be deep copied (or pickled), which is a required step for stateful models "
+                      "to be properly exported to ONNX. Compute will continue, but unexpected results may occur!")
+        runner = wrapper
+    was_training = runner.training
+    runner.eval()
+    try:
+        with torch.enable_grad():
+            outputs = runner(*[copy.deepcopy(t) for t in inputs])
+    finally:
+        runner.train(was_training)
+    functions = custom_autograd_functions(outputs)
+    return [t.detach() if isinstance(t, torch.Tensor) else t for t in _flatten(outputs)], functions
+
+
+def _flatten(outputs) -> list:
+    if isinstance(outputs, (tuple, list)):
+        return [leaf for item in outputs for leaf in _flatten(item)]
+    return [outputs]
+
+
+def _dynamic_axes(model_desc) -> dict[str, dict[int, str]]:
+    axes: dict[str, dict[int, str]] = {}
+    for desc in list(model_desc.inputs) + list(model_desc.outputs):
+        named = {i: dim for i, dim in enumerate(desc.shape) if isinstance(dim, str)}
+        if named:
+            axes[desc.name] = named
+    return axes
+
+
+def _register_contrib_ops(enabled: bool) -> None:
+    """`_internal_use.enable_onnx_contrib_ops`: ORT's extra exporter symbolics (GridSample, Inverse, ...)."""
+    from onnxruntime.tools import pytorch_export_contrib_ops
+
+    if enabled:
+        pytorch_export_contrib_ops.register()
+    else:
+        pytorch_export_contrib_ops.unregister()

@@ -1,0 +1,131 @@
+"""A small helper that appends nodes, constants, inputs and outputs to an ONNX graph under unique names.
+
+Every pass that adds nodes goes through `GraphEditor`, so names never collide with the user's tensors and every
+added node carries a readable name (`orttrainer/<pass>/<hint>`) that shows up in ORT profiles and graph dumps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A deep copy, so passes never mutate their argument."""
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    return result
+
+
+def fresh_name(base: str, taken: set[str]) -> str:
+    """`base`, or `base_<k>` for the first k that is not in `taken`; the result is added to `taken`."""
+    name, k = base, 1
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def graph_value_names(graph: onnx.GraphProto) -> set[str]:
+    """All tensor names that appear anywhere in `graph` (inputs, outputs, initializers, node inputs/outputs)."""
+    names = {v.name for v in graph.input} | {v.name for v in graph.output} | {i.name for i in graph.initializer}
+    for node in graph.node:
+        names.update(node.input)
+        names.update(node.output)
+    names.discard("")
+    return names
+
+
+class GraphEditor:
+    """Appends to `graph` in place; `prefix` namespaces the names it invents."""
+
+    def __init__(self, graph: onnx.GraphProto, prefix: str) -> None:
+        self.graph = graph
+        self.prefix = prefix
+        self._taken = graph_value_names(graph) | {n.name for n in graph.node}
+        self._constants: dict[tuple, str] = {}
+
+    def fresh(self, hint: str) -> str:
+        """A name based on `hint` that no tensor or node of the graph uses yet."""
+        base = hint if hint.startswith("orttrainer/") else f"{self.prefix}/{hint}"
+        return fresh_name(base, self._taken)
+
+    def claim(self, name: str) -> str:
+        """Reserve an exact name (for graph inputs/outputs whose names are part of a contract)."""
+        if name in self._taken:
+            raise ValueError(f"tensor name {name!r} is already used in the graph")
+        self._taken.add(name)
+        return name
+
+    def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, outputs: int | Sequence[str] = 1,
+           domain: str = "", **attrs) -> str | list[str]:
+        """Append one node; returns its output name (or list of names when `outputs` is not 1)."""
+        hint = hint or op_type
+        if isinstance(outputs, int):
+            out_names = [self.fresh(hint if outputs == 1 else f"{hint}_out{i}") for i in range(outputs)]
+        else:
+            out_names = list(outputs)
+        node = helper.make_node(op_type, list(inputs), out_names, name=self.fresh(f"{hint}_node"), domain=domain,
+                                **attrs)
+        self.graph.node.append(node)
+        return out_names[0] if isinstance(outputs, int) and outputs == 1 else out_names
+
+    def constant(self, value, dtype=np.float32, hint: str = "const") -> str:
+        """An initializer holding `value` (deduplicated by value, dtype and shape)."""
+        array = np.asarray(value, dtype=dtype)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key not in self._constants:
+            name = self.fresh(hint)
+            self.graph.initializer.append(numpy_helper.from_array(array, name))
+            self._constants[key] = name
+        return self._constants[key]
+
+    def add_input(self, name: str, elem_type: int, shape: Sequence[int | str] | None) -> str:
+        self.graph.input.append(helper.make_tensor_value_info(self.claim(name), elem_type, shape))
+        return name
+
+    def add_output(self, name: str, elem_type: int, shape: Sequence[int | str] | None) -> str:
+        self.graph.output.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
+
+    def scalar_product(self, factors: Iterable[str | float], hint: str) -> str | float:
+        """Multiply scalars: Python floats are folded on the host, tensor names become Mul nodes.
+
+        Returns a float when every factor is a float, else the name of the product tensor.
+        """
+        folded = 1.0
+        tensors: list[str] = []
+        for f in factors:
+            if isinstance(f, str):
+                tensors.append(f)
+            else:
+                folded *= float(f)
+        if not tensors:
+            return folded
+        result = tensors[0]
+        for t in tensors[1:]:
+            result = self.op("Mul", [result, t], hint)
+        if folded != 1.0:
+            result = self.op("Mul", [result, self.constant(folded, hint=f"{hint}_c")], hint)
+        return result
+
+    def as_tensor(self, value: str | float, hint: str = "const") -> str:
+        return value if isinstance(value, str) else self.constant(value, hint=hint)
+
+
+def tensor_elem_type(model: onnx.ModelProto, name: str) -> int:
+    """The element type of a graph input, output, initializer or value_info entry called `name`."""
+    graph = model.graph
+    for init in graph.initializer:
+        if init.name == name:
+            return init.data_type
+    for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
+        if vi.name == name and vi.type.tensor_type.elem_type:
+            return vi.type.tensor_type.elem_type
+    raise KeyError(f"no type information for tensor {name!r}")
+
+
+FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}

@@ -1,0 +1,93 @@
+"""The `ort` gradient builder: ONNX Runtime's C++ GradientGraphBuilder behind orttrainer's gradient contract.
+
+Contract shared by every gradient builder: given a forward model whose output `loss_name` is a scalar loss, return a
+model that additionally outputs `<param>_grad` for every trainable parameter, with every state tensor (trainable
+and frozen) as a graph input, so that weights are fed per step instead of baked into the session.
+
+This is the only module that touches ONNX Runtime's private training-graph API (`get_optimized_model`,
+`GradientGraphBuilder` in `onnxruntime.capi._pybind_state`), so an ORT upgrade breaks one place.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import onnx
+from onnx import helper
+
+from .editor import copy_model
+
+
+class GradientBuildError(RuntimeError):
+    """ONNX Runtime could not differentiate the model; the message names the op and node."""
+
+
+def move_initializers_to_inputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """Rule: each initializer in `names` becomes a graph input of the same name, type and shape (appended after
+    the existing inputs, in initializer order); all other initializers stay constants."""
+    wanted = set(names)
+    result = copy_model(model)
+    kept = []
+    for init in result.graph.initializer:
+        if init.name in wanted:
+            result.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+        else:
+            kept.append(init)
+    del result.graph.initializer[:]
+    result.graph.initializer.extend(kept)
+    return result
+
+
+def build_ort_gradient_graph(forward: onnx.ModelProto, loss_name: str, trainable: list[str],
+                             state: list[str]) -> onnx.ModelProto:
+    """Forward model with `loss_name` -> model that also outputs `<p>_grad` for each `p` in `trainable`.
+
+    `state` (trainable and frozen tensors) must be initializers of `forward`; they become graph inputs. ORT's
+    pre-training transformers (Gelu/LayerNorm fusions, ...) run first, as the legacy TrainingSession did.
+    Outputs are ordered: the forward outputs, then the gradients in `trainable` order.
+    """
+    from onnxruntime import SessionOptions
+    from onnxruntime.capi import _pybind_state as C
+
+    model = move_initializers_to_inputs(forward, state)
+    options = SessionOptions()
+    options.log_severity_level = 3  # the pre-training transformers log every pass at INFO level otherwise
+    requires_grad = set(trainable)
+    try:
+        optimized = C.get_optimized_model(model.SerializeToString(), requires_grad, options)
+        builder = C.GradientGraphBuilder(optimized, {loss_name}, requires_grad, loss_name, options)
+        builder.build()
+    except Exception as err:  # the pybind layer raises plain RuntimeError/Fail with the C++ message
+        raise _explain(err, forward) from err
+    graded = onnx.load_from_string(builder.get_model())
+    return _order_outputs(graded, [o.name for o in forward.graph.output], trainable)
+
+
+def _order_outputs(model: onnx.ModelProto, forward_outputs: list[str], trainable: list[str]) -> onnx.ModelProto:
+    by_name = {o.name: o for o in model.graph.output}
+    missing = [f"{p}_grad" for p in trainable if f"{p}_grad" not in by_name]
+    if missing:
+        raise GradientBuildError(f"ONNX Runtime produced no gradient for {missing}: these parameters do not "
+                                 "influence the loss. Freeze them with options utils.frozen_weights.")
+    ordered = [by_name[n] for n in forward_outputs] + [by_name[f"{p}_grad"] for p in trainable]
+    del model.graph.output[:]
+    model.graph.output.extend(ordered)
+    return model
+
+
+_NO_GRADIENT = re.compile(r"gradient builder has not been registered[:\s]*([A-Za-z0-9_]+)")
+
+
+def _explain(err: Exception, forward: onnx.ModelProto) -> Exception:
+    """Turn ORT's C++ error into one that names the op, the nodes and what to do."""
+    text = str(err)
+    match = _NO_GRADIENT.search(text)
+    if not match:
+        return GradientBuildError(f"ONNX Runtime could not build the gradient graph: {text}")
+    op = match.group(1)
+    nodes = [n.name or f"<unnamed {n.op_type}>" for n in forward.graph.node if n.op_type == op]
+    return GradientBuildError(
+        f"ONNX Runtime's gradient builder cannot differentiate op '{op}' (node{'s' if len(nodes) > 1 else ''} "
+        f"{', '.join(repr(n) for n in nodes) or '?'}). Rewrite that part of the model with differentiable ops, "
+        "or freeze the parameters that lead only into it (options utils.frozen_weights).")

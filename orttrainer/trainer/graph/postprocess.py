@@ -1,0 +1,98 @@
+"""The legacy "internal post-processing" of an exported model (`_internal_use.enable_internal_postprocess`).
+
+The original ran four passes (legacy_api.md §11). Two of them matter for training with current exporters and ORT:
+
+* `name_nodes`: every node gets a unique name, so gradient nodes and error messages can refer to it. The original
+  renamed *every* node to `<op_type>_<i>`; this one only names unnamed nodes, because the exporter's names carry the
+  module scope (`/encoder/layers.0/self_attn/...`) that recompute and the debug tools use.
+* `fuse_log_softmax_nll`: `LogSoftmax -> NegativeLogLikelihoodLoss` becomes one `SoftmaxCrossEntropyLoss`, because
+  ORT has no gradient for NegativeLogLikelihoodLoss. The original fused into the contrib op SparseSoftmaxCrossEntropy;
+  the standard op has the same value, a CPU kernel and a gradient.
+
+The original's two `fix_expand_shape` passes only added `value_info` hints for PyTorch 1.5 exports; ONNX Runtime's
+own shape inference has covered those patterns for years, so they are not repeated.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from .editor import copy_model
+
+
+def run_postprocess(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Apply the legacy post-processing passes in order; returns a new model."""
+    return fuse_log_softmax_nll(name_nodes(model))
+
+
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Rule: a node without a name gets `<op_type>_<i>` (i = its index), made unique; named nodes keep theirs."""
+    result = copy_model(model)
+    taken = {n.name for n in result.graph.node if n.name}
+    for i, node in enumerate(result.graph.node):
+        if node.name:
+            continue
+        name, k = f"{node.op_type}_{i}", 1
+        while name in taken:
+            name, k = f"{node.op_type}_{i}_{k}", k + 1
+        node.name = name
+        taken.add(name)
+    return result
+
+
+def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Rule: `y = LogSoftmax(x, axis=1 or -1 on 2-D x); loss = NegativeLogLikelihoodLoss(y, label[, weight])`
+    becomes `loss, y = SoftmaxCrossEntropyLoss(x, label[, weight])` with the same `reduction` and `ignore_index`.
+
+    Only fused when the log-probabilities are consumed by that one NLL node or are a graph output (then the fused
+    node's second output keeps the name), and when the softmax axis is the class axis (1) as both ops require.
+    """
+    result = copy_model(model)
+    graph = result.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers[name] = consumers.get(name, 0) + 1
+    shapes = None
+    replaced: dict[int, onnx.NodeProto] = {}
+    removed: set[int] = set()
+    for node in graph.node:
+        if node.op_type != "NegativeLogLikelihoodLoss" or node.domain not in ("", "ai.onnx"):
+            continue
+        log_softmax = producers.get(node.input[0])
+        if log_softmax is None or log_softmax.op_type != "LogSoftmax" or consumers.get(node.input[0], 0) != 1:
+            continue
+        shapes = shapes or onnx.shape_inference.infer_shapes(result).graph
+        if not _is_class_axis(log_softmax, shapes):
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        replaced[id(node)] = helper.make_node(
+            "SoftmaxCrossEntropyLoss", [log_softmax.input[0], *node.input[1:]], [node.output[0], log_softmax.output[0]],
+            name=f"{node.name or 'nll'}_fused_softmax_cross_entropy",
+            **{k: v for k, v in attrs.items() if k in ("reduction", "ignore_index")})
+        removed.add(id(log_softmax))
+    if not replaced:
+        return result
+    # The fused node takes the NLL node's place: its inputs (logits, label) exist before the NLL node, and its
+    # log-probability output only fed that NLL node (or is a graph output), so the order stays topological.
+    nodes = [replaced.get(id(n), n) for n in graph.node if id(n) not in removed]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return result
+
+
+def _is_class_axis(log_softmax: onnx.NodeProto, graph: onnx.GraphProto) -> bool:
+    axis = next((helper.get_attribute_value(a) for a in log_softmax.attribute if a.name == "axis"), -1)
+    if axis == 1:
+        return True
+    rank = _rank_of(log_softmax.input[0], graph)
+    return axis == -1 and rank == 2
+
+
+def _rank_of(name: str, graph: onnx.GraphProto) -> int | None:
+    for vi in list(graph.value_info) + list(graph.input) + list(graph.output):
+        if vi.name == name and vi.type.tensor_type.HasField("shape"):
+            return len(vi.type.tensor_type.shape.dim)
+    return None

@@ -1,0 +1,157 @@
+"""Assemble the training graph: gradient model + accumulation + clipping + optimizer update, in one ONNX model.
+
+Input: the gradient model (forward outputs + `<p>_grad` for each trainable parameter, all state as graph inputs).
+Output: a `TrainingGraph` whose model has, as graph inputs, the data, every state tensor, the learning rate and the
+update number; and as graph outputs, the forward outputs, the accumulated gradients (micro-steps), and the updated
+weights and optimizer moments (optimizer steps). The session fetches one set or the other per step and runs with
+`only_execute_path_to_fetches`, so an accumulation step never executes optimizer nodes.
+
+Gradient semantics (DESIGN.md): with k accumulation steps the update uses the mean of the k micro-batch gradients.
+The mean, the loss-scale unscaling and the clipping coefficient are one scalar `coef` per parameter group, folded
+into the optimizer's moment updates, so no pass over the gradients materialises them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from .editor import GraphEditor, copy_model
+from .optimizer import OPTIMIZERS, StepScalars, TensorUpdate
+
+LEARNING_RATE_INPUT = "__learning_rate"
+UPDATE_COUNT_INPUT = "__update_count"
+CLIP_EPSILON = 1e-6  # as torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Trainable tensors that share one set of optimizer hyper-parameters."""
+
+    hyper: dict
+    params: list[str]
+
+
+@dataclass
+class TrainingGraph:
+    """A compiled training graph and the contract the session needs to run it."""
+
+    model: onnx.ModelProto
+    data_inputs: list[str]
+    outputs: list[str]
+    lr_input: str
+    update_count_input: str
+    weight_updates: dict[str, str]  # trainable weight -> output with its updated value
+    optimizer_state: dict[str, str]  # optimizer state input (moments) -> output with its updated value
+    accumulation: dict[str, str]  # accumulation buffer input -> output with the new running sum
+    state_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # moments and buffers (zero-initialised)
+    loss_scale_input: str | None = None
+    all_finite_output: str | None = None
+
+
+def accumulation_buffer_name(weight: str) -> str:
+    return f"{weight}_grad_accumulation_buffer"
+
+
+def build_training_graph(gradient_model: onnx.ModelProto, *, data_inputs: list[str], outputs: list[str],
+                         trainable: list[str], optimizer_name: str, groups: list[ParamGroup],
+                         accumulation_steps: int, clip_grad_norm: bool) -> TrainingGraph:
+    """Append accumulation, clipping and the optimizer update to `gradient_model` (which is not modified)."""
+    if optimizer_name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer_name!r}; expected one of {sorted(OPTIMIZERS)}")
+    model = copy_model(gradient_model)
+    shapes = _input_shapes(model, trainable)
+    _drop_gradient_outputs(model, trainable)
+    ed = GraphEditor(model.graph, "orttrainer/train")
+    grads = {p: f"{p}_grad" for p in trainable}
+
+    accumulation: dict[str, str] = {}
+    state_shapes: dict[str, tuple[int, ...]] = {}
+    if accumulation_steps > 1:
+        grads, accumulation = _append_accumulation(ed, grads, shapes)
+        state_shapes.update({accumulation_buffer_name(p): shapes[p] for p in trainable})
+    coef = 1.0 / accumulation_steps
+    step = _append_step_inputs(ed)
+    group_coefs = _clip_coefficients(ed, grads, groups, coef, clip_grad_norm and optimizer_name != "SGDOptimizer")
+
+    updates: list[TensorUpdate] = []
+    for group, group_coef in zip(groups, group_coefs, strict=True):
+        updates += OPTIMIZERS[optimizer_name](ed, group.params, [grads[p] for p in group.params], group_coef, step,
+                                              group.hyper)
+    result = TrainingGraph(model, list(data_inputs), list(outputs), LEARNING_RATE_INPUT, UPDATE_COUNT_INPUT,
+                           {u.weight: u.new_weight for u in updates},
+                           {m_in: m_out for u in updates for m_in, m_out in u.moments}, accumulation)
+    state_shapes.update({m_in: shapes[u.weight] for u in updates for m_in, _ in u.moments})
+    result.state_shapes = state_shapes
+    _declare_state(ed, result, {**shapes, **state_shapes})
+    return result
+
+
+def _append_accumulation(ed: GraphEditor, grads: dict[str, str], shapes: dict[str, tuple[int, ...]]):
+    """`G = buffer + g`: the running sum of micro-batch gradients (the buffer is zero after each update)."""
+    summed, accumulation = {}, {}
+    for p, g in grads.items():
+        buffer = ed.add_input(accumulation_buffer_name(p), TensorProto.FLOAT, list(shapes[p]))
+        summed[p] = ed.op("Add", [buffer, g], f"{buffer}.new")
+        accumulation[buffer] = summed[p]
+    return summed, accumulation
+
+
+def _append_step_inputs(ed: GraphEditor) -> StepScalars:
+    lr = ed.add_input(LEARNING_RATE_INPUT, TensorProto.FLOAT, [])
+    count = ed.add_input(UPDATE_COUNT_INPUT, TensorProto.INT64, [])
+    return StepScalars(lr=lr, update_count=ed.op("Cast", [count], "update_count_d", to=TensorProto.DOUBLE))
+
+
+def _clip_coefficients(ed: GraphEditor, grads: dict[str, str], groups: list[ParamGroup], coef: float,
+                       enabled: bool) -> list[str | float]:
+    """Per group: `coef · min(1, max_norm_clip / (‖coef·G‖ + 1e-6))`, the norm taken over all trainable gradients
+    (torch.nn.utils.clip_grad_norm_ semantics); just `coef` when clipping is off."""
+    if not enabled:
+        return [coef for _ in groups]
+    squares = [ed.op("ReduceSumSquare", [g], "clip/grad_sq", keepdims=0) for g in grads.values()]
+    total = squares[0] if len(squares) == 1 else ed.op("Sum", squares, "clip/total_sq")
+    norm = ed.scalar_product([ed.op("Sqrt", [total], "clip/raw_norm"), coef], "clip/norm")
+    shifted = ed.op("Add", [ed.as_tensor(norm), ed.constant(CLIP_EPSILON, hint="clip/eps")], "clip/norm_eps")
+    one = ed.constant(1.0, hint="clip/one")
+    coefs: list[str | float] = []
+    for group in groups:
+        ratio = ed.op("Div", [ed.constant(float(group.hyper["max_norm_clip"]), hint="clip/max_norm"), shifted],
+                      "clip/ratio")
+        coefs.append(ed.scalar_product([ed.op("Min", [ratio, one], "clip/factor"), coef], "clip/coef"))
+    return coefs
+
+
+def _declare_state(ed: GraphEditor, graph: TrainingGraph, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Add moment inputs and all state/accumulation outputs to the graph, in a stable order."""
+    for m_in in graph.optimizer_state:
+        ed.add_input(m_in, TensorProto.FLOAT, list(graph.state_shapes[m_in]))
+    outputs = {**graph.accumulation, **graph.weight_updates, **graph.optimizer_state}  # state input -> output
+    for state, out in outputs.items():
+        ed.add_output(out, TensorProto.FLOAT, list(shapes[state]))
+
+
+def _input_shapes(model: onnx.ModelProto, names: list[str]) -> dict[str, tuple[int, ...]]:
+    by_name = {i.name: i for i in model.graph.input}
+    shapes = {}
+    for n in names:
+        dims = by_name[n].type.tensor_type.shape.dim
+        if any(not d.HasField("dim_value") for d in dims):
+            raise ValueError(f"trainable tensor {n!r} has a dynamic shape; parameters must have static shapes")
+        shapes[n] = tuple(int(d.dim_value) for d in dims)
+    return shapes
+
+
+def _drop_gradient_outputs(model: onnx.ModelProto, trainable: list[str]) -> None:
+    grad_names = {f"{p}_grad" for p in trainable}
+    kept = [o for o in model.graph.output if o.name not in grad_names]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+
+
+def zero_state(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Initial values of optimizer moments and accumulation buffers."""
+    return {name: np.zeros(shape, dtype=np.float32) for name, shape in shapes.items()}

@@ -1,0 +1,283 @@
+"""`ORTTrainer`: the legacy training front end (legacy_api.md §3) on orttrainer's compiler and session."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+
+import onnx
+import torch
+
+from .. import amp, optim
+from ..schema.model_desc import _ORTTrainerModelDesc
+from ..schema.options import ORTTrainerOptions
+from ..train_step_info import TrainStepInfo
+from . import export as export_mod
+from .compile import CompiledModel, CompileRequest, compile_model, split_parameters
+from .graph.editor import copy_model, tensor_elem_type
+from .graph.postprocess import run_postprocess
+from .inputs import check_inputs, check_outputs, order_inputs
+from .session import Device, SessionConfig, TrainingSession
+from .support import check_supported_options, onnx_to_torch_dtype
+
+
+class ORTTrainer:
+    """Train a PyTorch model (plus loss function) or an ONNX model with a loss output, on ONNX Runtime.
+
+    Args:
+        model: a `torch.nn.Module`, or an `onnx.ModelProto` whose model_desc marks one output `is_loss=True`.
+        model_desc: `{'inputs': [(name, shape), ...], 'outputs': [(name, shape[, is_loss]), ...]}`.
+        optim_config: `optim.AdamConfig`, `optim.LambConfig` or `optim.SGDConfig`.
+        loss_fn: `loss_fn(predictions, label)`; the label is the last model_desc input.
+        options: `ORTTrainerOptions`.
+    """
+
+    def __init__(self, model, model_desc, optim_config, loss_fn=None, options=None) -> None:
+        _require(model is not None, "'model' is required and must be either a 'torch.nn.Module' or ONNX model")
+        _require(isinstance(model_desc, dict), "'model_desc' must be a 'dict'")
+        _require(isinstance(optim_config, optim._OptimizerConfig),
+                 "'optim_config' is required and must be any of 'AdamConfig', 'LambConfig' or 'SGDConfig'")
+        _require(loss_fn is None or _takes_two_arguments(loss_fn),
+                 "'loss_fn' must be either 'None' or a callable with two parameters")
+        _require(options is None or isinstance(options, ORTTrainerOptions),
+                 "'options' must be either 'None' or 'ORTTrainerOptions'")
+        self._torch_model = None
+        self._onnx_model = None
+        if isinstance(model, torch.nn.Module):
+            self._torch_model = model
+            self._torch_state_dict_keys = list(model.state_dict().keys())
+        elif isinstance(model, onnx.ModelProto):
+            _require(loss_fn is None, "'loss_fn' must not be specified when 'model' is an ONNX model")
+        else:
+            raise ValueError("'model' must be either 'torch.nn.Module' or 'onnx.ModelProto'")
+        self.loss_fn = loss_fn
+        self.model_desc = _ORTTrainerModelDesc(model_desc)
+        self.optim_config = optim_config
+        self.options = options or ORTTrainerOptions()
+        if self.options.mixed_precision.enabled and not self.options.mixed_precision.loss_scaler:
+            self.options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
+        check_supported_options(self.options)
+        self._device = Device.parse(self.options.device.id)
+        self._train_step_info = TrainStepInfo(optim_config)
+        self._training_session: TrainingSession | None = None
+        self._compiled: CompiledModel | None = None
+        self._optimizer_updates = 0  # updates applied so far; the next one is number `_optimizer_updates + 1`
+        self._dropout_off = False
+        self._frozen: list[str] = []
+        self.torch_sample_outputs = None
+        if isinstance(model, onnx.ModelProto):
+            self._onnx_model = self._postprocess(model, check_result=True)
+            self._type_descriptions_from_graph()
+            self._init_session()
+
+    # ------------------------------------------------------------------------------------------------ public API
+    def train_step(self, *args, **kwargs):
+        """One training micro-step; returns the model_desc outputs (or `_train_step_info.fetches`)."""
+        inputs = order_inputs(args, kwargs, self.model_desc.inputs)
+        if self._training_session is None:
+            self._init_onnx_model(inputs)
+            if self.options.debug.check_model_export:
+                self._check_model_export(inputs)
+        sizes = check_inputs(inputs, self.model_desc.inputs)
+        info = self._train_step_info
+        names = self._requested_outputs(info.fetches)
+        info.step += 1
+        optimizer_step = info.step % self.options.batch.gradient_accumulation_steps == 0
+        lr = self._learning_rate()
+        data = {d.name: t for d, t in zip(self.model_desc.inputs, inputs, strict=True)}
+        results = self._training_session.train(data, lr, self._optimizer_updates + 1, names, optimizer_step)
+        if optimizer_step:
+            self._optimizer_updates += 1
+            info.optimization_step += 1
+        check_outputs(results, self.model_desc.outputs, sizes)
+        ordered = [results[n] for n in (info.fetches or names)]
+        return ordered[0] if len(ordered) == 1 else ordered
+
+    def eval_step(self, *args, **kwargs):
+        """Forward pass with dropout off; changes no state. Returns outputs in model_desc order."""
+        inputs = order_inputs(args, kwargs, self.model_desc.inputs)
+        if self._training_session is None:
+            if self._torch_model is None:
+                raise RuntimeError("Model is uninitialized. Only ONNX and PyTorch models are supported")
+            self._init_onnx_model(inputs)
+        sizes = check_inputs(inputs, self.model_desc.inputs)
+        names = self._requested_outputs(self._train_step_info.fetches)
+        data = {d.name: t for d, t in zip(self.model_desc.inputs, inputs, strict=True)}
+        results = self._training_session.evaluate(data, names)
+        check_outputs(results, self.model_desc.outputs, sizes)
+        ordered = [results[n] for n in names]
+        return ordered[0] if len(ordered) == 1 else ordered
+
+    def save_as_onnx(self, path: str) -> None:
+        """Write the forward (+loss) ONNX model with the current weights to `path`."""
+        if self._training_session is None:
+            warnings.warn("Training session is not initialized yet. 'train_step' or 'eval_step' methods must be "
+                          "executed at least once before calling 'save_as_onnx()'.")
+            return
+        _require(isinstance(path, str), "'path' must be a valid path string")
+        directory, filename = os.path.split(path)
+        if (directory and not os.path.isdir(directory)) or not filename:
+            warnings.warn("'path' is not valid or does not exist")
+            return
+        model = self._onnx_model_with_current_weights()
+        temporary = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(temporary, "wb") as f:
+                f.write(model.SerializeToString())
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+
+    # ------------------------------------------------------------------------------------------ graph and session
+    def _init_onnx_model(self, sample_inputs: list) -> None:
+        """Export the PyTorch model (first step), post-process it and create the session."""
+        check_inputs(sample_inputs, self.model_desc.inputs)
+        internal = self.options._internal_use
+        exported = export_mod.export_model(
+            self._torch_model, self.loss_fn, self.model_desc, sample_inputs,
+            opset_version=internal.onnx_opset_version, enable_contrib_ops=internal.enable_onnx_contrib_ops)
+        if exported.custom_functions:
+            raise NotImplementedError(
+                f"the model uses custom torch.autograd.Function(s) {exported.custom_functions}: the ONNX exporter "
+                "inlines their forward and ONNX Runtime's gradient builder would ignore their backward (a silently "
+                "wrong gradient). orttrainer refuses to train it with the 'ort' gradient builder.")
+        for i, dtype in enumerate(exported.input_dtypes):
+            self.model_desc.add_type_to_input_description(i, dtype)
+        for i, dtype in enumerate(exported.output_dtypes):
+            self.model_desc.add_type_to_output_description(i, dtype)
+        self.torch_sample_outputs = exported.sample_outputs
+        self._check_loss_is_scalar(exported)
+        self._torch_split = (exported.parameters, exported.buffers)
+        self._dropout_off = not exported.was_training
+        self._onnx_model = self._postprocess(exported.model, check_result=False)
+        self._init_session()
+
+    def _postprocess(self, model: onnx.ModelProto, check_result: bool) -> onnx.ModelProto:
+        internal = self.options._internal_use
+        if internal.enable_internal_postprocess:
+            model = run_postprocess(model)
+        if internal.extra_postprocess:
+            model = internal.extra_postprocess(model)
+            if check_result:
+                _require(isinstance(model, onnx.ModelProto), "'extra_postprocess' must return a ONNX model")
+        if self.options.utils.run_symbolic_shape_infer:
+            from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+            model = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
+        return model
+
+    def _init_session(self, state_overrides: dict | None = None) -> None:
+        losses = [o.name for o in self.model_desc.outputs if o.is_loss]
+        _require(len(losses) == 1, f"Only one loss output is supported ({len(losses)} were specified)")
+        torch_params, torch_state = getattr(self, "_torch_split", (None, None))
+        trainable, frozen = split_parameters(self._onnx_model, list(self.options.utils.frozen_weights), torch_params,
+                                             torch_state)
+        self._frozen = frozen
+        opts = self.options
+        self._compiled = compile_model(CompileRequest(
+            forward=self._onnx_model, loss_name=losses[0], data_inputs=[d.name for d in self.model_desc.inputs],
+            outputs=[d.name for d in self.model_desc.outputs], trainable=trainable, frozen=frozen,
+            optim_config=self.optim_config, accumulation_steps=opts.batch.gradient_accumulation_steps,
+            clip_grad_norm=opts.utils.grad_norm_clip, dropout_off=self._dropout_off,
+            graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts)))
+        state = {**self._compiled.initial_state, **(state_overrides or {})}
+        config = SessionConfig(
+            device=self._device, mem_limit=opts.device.mem_limit,
+            provider_options=dict(opts._validated_opts["provider_options"]), session_options=opts.session_options,
+            deterministic=opts.debug.deterministic_compute,
+            optimized_model_path=opts.debug.graph_save_paths.model_with_training_graph_after_optimization_path)
+        _seed_onnxruntime()
+        self._training_session = TrainingSession(self._compiled.training, self._compiled.eval_model, state, config)
+
+    def _onnx_model_with_current_weights(self) -> onnx.ModelProto:
+        from onnx import numpy_helper
+
+        model = copy_model(self._onnx_model)
+        values = self._training_session.get_state([n for n in self._state_tensor_names()])
+        for i, init in enumerate(model.graph.initializer):
+            if init.name in values:
+                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+        return model
+
+    def _state_tensor_names(self) -> list[str]:
+        graph = self._compiled.training
+        return list(graph.weight_updates) + list(self._frozen)
+
+    # -------------------------------------------------------------------------------------------------- helpers
+    def _requested_outputs(self, fetches: list[str]) -> list[str]:
+        names = [d.name for d in self.model_desc.outputs]
+        if not fetches:
+            return names
+        selected = [n for n in names if n in fetches]
+        if len(selected) != len(fetches):
+            raise RuntimeError("The specified fetches list contains invalid output names")
+        return selected
+
+    def _learning_rate(self) -> float:
+        scheduler = self.options.lr_scheduler
+        if scheduler is None:
+            return self.optim_config.lr
+        return scheduler._step(self._train_step_info)[0]
+
+    def _type_descriptions_from_graph(self) -> None:
+        """ONNX model: input and output dtypes come from the graph."""
+        graph = self._onnx_model.graph
+        known = {v.name for v in list(graph.input) + list(graph.output)}
+        for kind, descs, add in (("input", self.model_desc.inputs, self.model_desc.add_type_to_input_description),
+                                 ("output", self.model_desc.outputs, self.model_desc.add_type_to_output_description)):
+            for i, desc in enumerate(descs):
+                _require(desc.name in known, f"ONNX model with unknown {kind} type ({desc.name})")
+                add(i, onnx_to_torch_dtype(tensor_elem_type(self._onnx_model, desc.name)))
+
+    def _check_loss_is_scalar(self, exported) -> None:
+        for desc, value in zip(self.model_desc.outputs, exported.sample_outputs, strict=False):
+            if desc.is_loss and isinstance(value, torch.Tensor) and value.dim() != 0:
+                raise ValueError(f"the loss output {desc.name!r} must be a scalar (shape []), but the model returns "
+                                 f"shape {list(value.shape)}; reduce it (e.g. mean) in the model or loss_fn")
+
+    def _check_model_export(self, inputs: list) -> None:
+        """debug.check_model_export: the exported graph (eval mode) must reproduce PyTorch's outputs."""
+        import numpy as np
+
+        outputs = [d.name for d in self.model_desc.outputs]
+        results = self._training_session.evaluate(dict(zip([d.name for d in self.model_desc.inputs], inputs,
+                                                           strict=True)), outputs)
+        for name, expected in zip(outputs, self.torch_sample_outputs, strict=False):
+            try:
+                np.testing.assert_allclose(results[name].cpu().numpy(), expected.cpu().numpy(), rtol=1e-2, atol=1e-6)
+            except AssertionError as err:
+                raise AssertionError(
+                    f"Mismatch between outputs of PyTorch model and exported ONNX model for output {name!r}. Note "
+                    "that different backends may exhibit small computational differences. If this is within "
+                    "acceptable margin, or if there is random generator in the model causing inevitable mismatch, "
+                    f"you can proceed training by setting the flag debug.check_model_export to False.\n{err}"
+                ) from err
+
+
+def _require(condition: bool, message: str) -> None:
+    # The legacy API raised AssertionError with these messages; raise explicitly so `python -O` keeps the checks.
+    if not condition:
+        raise AssertionError(message)
+
+
+def _takes_two_arguments(fn) -> bool:
+    """A loss function must accept `(predictions, label)`. Legacy demanded exactly two parameters, which rejected
+    `torch.nn.functional.cross_entropy`; any callable that can bind two positional arguments is accepted."""
+    if not callable(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature available (some builtins): trust the caller
+        return True
+    return True
+
+
+def _seed_onnxruntime() -> None:
+    """Seed ONNX Runtime's RNG (dropout masks) from torch's seed, so `torch.manual_seed` makes runs repeatable."""
+    from onnxruntime.capi import _pybind_state as C
+
+    C.set_seed(torch.initial_seed() & 0x7FFFFFFF)

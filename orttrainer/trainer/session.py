@@ -1,0 +1,222 @@
+"""TrainingSession: runs the compiled training and eval graphs with ONNX Runtime, owning the training state.
+
+State (weights, frozen tensors, optimizer moments, gradient-accumulation buffers) lives in `OrtValue`s on the
+device between steps. A step feeds them as inputs and receives the updated values as new, owned `OrtValue`s that
+replace them — outputs are never bound onto input buffers (engine.md §3.2: that corrupts weights still read by the
+backward pass). Data and outputs cross between torch and ONNX Runtime through DLPack, without host copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+
+from .graph.training import TrainingGraph
+
+
+@dataclass(frozen=True)
+class Device:
+    """`device.id` parsed: 'cpu', or 'cuda' with an index."""
+
+    type: str
+    index: int = 0
+
+    @classmethod
+    def parse(cls, device_id: str) -> Device:
+        text = device_id.strip().lower()
+        if text == "cpu":
+            return cls("cpu")
+        if text == "cuda" or text.startswith("cuda:"):
+            index = text.partition(":")[2]
+            if index and not index.isdigit():
+                raise ValueError(f"options device.id {device_id!r}: expected 'cpu', 'cuda' or 'cuda:<index>'")
+            return cls("cuda", int(index or 0))
+        raise ValueError(f"options device.id {device_id!r}: expected 'cpu', 'cuda' or 'cuda:<index>'")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.type, self.index) if self.type == "cuda" else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Everything from the options that shapes how ONNX Runtime runs the graphs."""
+
+    device: Device
+    mem_limit: int = 0
+    provider_options: dict | None = None
+    session_options: object | None = None  # onnxruntime.SessionOptions given by the user
+    deterministic: bool = False
+    optimized_model_path: str = ""
+
+
+class TrainingSession:
+    """One ONNX Runtime session for the training graph and one for the eval graph, sharing the state."""
+
+    def __init__(self, graph: TrainingGraph, eval_model: onnx.ModelProto, state: dict[str, np.ndarray],
+                 config: SessionConfig) -> None:
+        import onnxruntime as ort
+
+        self.graph = graph
+        self.config = config
+        self._ort = ort
+        options = _session_options(config)
+        providers = _providers(config)
+        self._train = _create_session(graph.model, options, providers, config, config.optimized_model_path)
+        self._eval = _create_session(eval_model, options, providers, config, "")
+        self._train_inputs = {i.name for i in self._train.get_inputs()}
+        self._eval_inputs = {i.name for i in self._eval.get_inputs()}
+        self._state: dict[str, object] = {name: self._to_device(value) for name, value in state.items()}
+        self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
+        self._partial_run = ort.RunOptions()
+        self._partial_run.only_execute_path_to_fetches = True
+
+    # ---------------------------------------------------------------------------------------------------- running
+    def train(self, data: dict[str, torch.Tensor], lr: float, update_count: int, outputs: list[str],
+              optimizer_step: bool) -> dict[str, torch.Tensor]:
+        """Run one micro-step (`optimizer_step=False`: accumulate gradients) or an optimizer step.
+
+        Returns the requested forward outputs as torch tensors on the trainer's device.
+        """
+        g = self.graph
+        feeds = self._feeds(data, self._train_inputs)
+        feeds[g.lr_input] = self._host_scalar(np.float32(lr))
+        feeds[g.update_count_input] = self._host_scalar(np.int64(update_count))
+        state_outputs = ({**g.weight_updates, **g.optimizer_state} if optimizer_step else g.accumulation)
+        fetched = self._run(self._train, feeds, outputs + list(state_outputs.values()))
+        results = dict(zip(outputs, fetched[: len(outputs)], strict=True))
+        for state_name, value in zip(state_outputs, fetched[len(outputs):], strict=True):
+            self._state[state_name] = value
+        if optimizer_step:
+            self._state.update(self._zeros)  # accumulation restarts from zero after every update
+        return {name: self._to_torch(value) for name, value in results.items()}
+
+    def evaluate(self, data: dict[str, torch.Tensor], outputs: list[str]) -> dict[str, torch.Tensor]:
+        feeds = self._feeds(data, self._eval_inputs)
+        fetched = self._run(self._eval, feeds, outputs)
+        return {name: self._to_torch(value) for name, value in zip(outputs, fetched, strict=True)}
+
+    # ------------------------------------------------------------------------------------------------------ state
+    def state_names(self) -> list[str]:
+        return list(self._state)
+
+    def get_state(self, names: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Copies of the state tensors (never views: the caller must not alias the session's buffers)."""
+        return {n: np.array(self._state[n].numpy(), copy=True) for n in (names or self._state)}
+
+    def set_state(self, values: dict[str, np.ndarray]) -> None:
+        """Replace state tensors; each value must match the current shape and dtype."""
+        for name, value in values.items():
+            if name not in self._state:
+                raise KeyError(f"{name!r} is not a state tensor of this training session")
+            current = self._state[name]
+            array = np.asarray(value)
+            if tuple(array.shape) != tuple(current.shape()):
+                raise ValueError(f"state {name!r}: shape {tuple(array.shape)} does not match {tuple(current.shape())}")
+            self._state[name] = self._to_device(array.astype(current.numpy().dtype, copy=False))
+
+    # --------------------------------------------------------------------------------------------------- plumbing
+    def _feeds(self, data: dict[str, torch.Tensor], wanted: set[str]) -> dict[str, object]:
+        feeds = {name: self._state[name] for name in wanted if name in self._state}
+        for name, tensor in data.items():
+            if name in wanted:  # inputs the graph does not use were pruned by ORT
+                feeds[name] = _from_torch(tensor)
+        return feeds
+
+    def _run(self, session, feeds: dict[str, object], fetch: list[str]) -> list:
+        options = self._partial_run if session is self._train else None
+        return list(session._sess.run_with_ort_values(feeds, fetch, options))
+
+    def _to_device(self, array: np.ndarray):
+        return _owned_ortvalue(array, self.config.device.type, self.config.device.index)
+
+    def _host_scalar(self, value: np.generic):
+        return _owned_ortvalue(np.array(value), "cpu", 0)
+
+    def _to_torch(self, value) -> torch.Tensor:
+        tensor = torch.utils.dlpack.from_dlpack(value.to_dlpack())
+        return tensor.to(self.config.device.torch_device)
+
+
+def _owned_ortvalue(array: np.ndarray, device_type: str, device_index: int):
+    """An OrtValue that owns a copy of `array` on the device.
+
+    `OrtValue.ortvalue_from_numpy` would share the numpy buffer (and only the Python wrapper keeps it alive), so
+    the value is allocated by ONNX Runtime and the data copied in.
+    """
+    import onnxruntime as ort
+
+    array = np.ascontiguousarray(array)
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype, device_type, device_index)
+    value.update_inplace(array)
+    return value._get_c_value()
+
+
+def _from_torch(tensor: torch.Tensor):
+    from onnxruntime.capi import _pybind_state as C
+
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.dtype == torch.bool:  # DLPack has no bool in older protocols; ORT reads it as uint8 otherwise
+        return C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), True)
+    return C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False)
+
+
+def _create_session(model: onnx.ModelProto, options, providers: list, config: SessionConfig,
+                    optimized_model_path: str):
+    import onnxruntime as ort
+
+    saved_path = options.optimized_model_filepath
+    options.optimized_model_filepath = optimized_model_path  # read once, at session creation
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    finally:
+        options.optimized_model_filepath = saved_path
+    if config.device.type == "cuda" and session.get_providers()[0] != "CUDAExecutionProvider":
+        raise RuntimeError(
+            f"options device.id is cuda:{config.device.index} but ONNX Runtime's CUDAExecutionProvider could not "
+            "be used on this machine (onnxruntime-training 1.19.2 needs CUDA 11.8 and cuDNN 8). Set options "
+            "{'device': {'id': 'cpu'}} to train on the CPU.")
+    return session
+
+
+def _session_options(config: SessionConfig):
+    """The user's SessionOptions (modified in place, as the legacy trainer did) or new ones."""
+    import onnxruntime as ort
+
+    options = config.session_options
+    if options is None:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # ORT warns about every unused initializer otherwise
+    options.use_deterministic_compute = config.deterministic
+    return options
+
+
+def _providers(config: SessionConfig) -> list:
+    """Providers for `device.id`, then `provider_options` (EP name -> options) merged in or put first."""
+    import onnxruntime as ort
+
+    device = config.device
+    if device.type == "cuda":
+        if "CUDAExecutionProvider" not in ort.get_available_providers() or not torch.cuda.is_available():
+            raise RuntimeError(
+                f"options device.id asks for CUDA ({device.type}:{device.index}) but CUDA is not available here. "
+                "Set options {'device': {'id': 'cpu'}} to train on the CPU.")
+        cuda = {"device_id": device.index}
+        if config.mem_limit > 0:
+            cuda["gpu_mem_limit"] = config.mem_limit
+        providers: list = [("CUDAExecutionProvider", cuda), ("CPUExecutionProvider", {})]
+    else:
+        providers = [("CPUExecutionProvider", {})]
+    for name, opts in (config.provider_options or {}).items():
+        names = [p[0] for p in providers]
+        if name in names:
+            i = names.index(name)
+            providers[i] = (name, {**providers[i][1], **dict(opts)})
+        else:
+            providers.insert(0, (name, dict(opts)))
+    return providers

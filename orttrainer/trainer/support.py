@@ -1,0 +1,69 @@
+"""Which option values this build can honour, and small type conversions shared by the trainer.
+
+An option is never accepted and then silently ignored: a value the trainer cannot honour raises
+`NotImplementedError` naming the option and what to do instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from onnx import TensorProto
+
+# option path -> (predicate on the value that means "cannot be honoured", what to do instead)
+_UNSUPPORTED = {
+    "mixed_precision.enabled": (lambda v: v, "train in float32 (mixed_precision.enabled=False)"),
+    "distributed.world_size": (lambda v: v > 1, "run a single process"),
+    "distributed.world_rank": (lambda v: v > 0, "run a single process"),
+    "distributed.local_rank": (lambda v: v > 0, "run a single process"),
+    "distributed.data_parallel_size": (lambda v: v > 1, "run a single process"),
+    "distributed.horizontal_parallel_size": (lambda v: v > 1, "use data parallelism or a single process"),
+    "distributed.pipeline_parallel.pipeline_parallel_size": (lambda v: v > 1, "use a single pipeline stage"),
+    "distributed.pipeline_parallel.num_pipeline_micro_batches": (lambda v: v > 1, "use gradient accumulation"),
+    "distributed.pipeline_parallel.pipeline_cut_info_string": (bool, "leave it empty (no pipeline parallelism)"),
+    "distributed.pipeline_parallel.sliced_schema": (bool, "leave it empty (no pipeline parallelism)"),
+    "distributed.pipeline_parallel.sliced_axes": (bool, "leave it empty (no pipeline parallelism)"),
+    "distributed.pipeline_parallel.sliced_tensor_names": (bool, "leave it empty (no pipeline parallelism)"),
+    "distributed.allreduce_post_accumulation": (lambda v: v, "run a single process"),
+    "distributed.deepspeed_zero_optimization.stage": (lambda v: v > 0, "leave ZeRO off (stage 0)"),
+    "distributed.enable_adasum": (lambda v: v, "run a single process"),
+    "graph_transformer.attn_dropout_recompute": (lambda v: v, "leave recompute off"),
+    "graph_transformer.gelu_recompute": (lambda v: v, "leave recompute off"),
+    "graph_transformer.transformer_layer_recompute": (lambda v: v, "leave recompute off"),
+    "graph_transformer.number_recompute_layers": (lambda v: v > 0, "leave recompute off"),
+    "utils.memory_efficient_gradient": (lambda v: v, "leave it off"),
+}
+
+
+def check_supported_options(options) -> None:
+    """Raise NotImplementedError for the first option value this build cannot honour."""
+    for path, (unsupported, instead) in _UNSUPPORTED.items():
+        value = _lookup(options._validated_opts, path)
+        if unsupported(value):
+            raise NotImplementedError(f"options {path}={value!r} is not supported by this orttrainer build; "
+                                      f"{instead}.")
+    device = str(options.device.id).strip().lower()
+    if device == "cpu" and options.device.mem_limit > 0:
+        raise NotImplementedError("options device.mem_limit limits the CUDA memory arena; on device.id 'cpu' it has no "
+                                  "equivalent. Leave it 0 on the CPU.")
+
+
+def _lookup(tree: dict, path: str):
+    value = tree
+    for key in path.split("."):
+        value = value[key]
+    return value
+
+
+_ONNX_TO_TORCH = {
+    TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
+    TensorProto.BFLOAT16: torch.bfloat16, TensorProto.INT8: torch.int8, TensorProto.UINT8: torch.uint8,
+    TensorProto.INT16: torch.int16, TensorProto.INT32: torch.int32, TensorProto.INT64: torch.int64,
+    TensorProto.BOOL: torch.bool, TensorProto.COMPLEX64: torch.complex64, TensorProto.COMPLEX128: torch.complex128,
+}
+
+
+def onnx_to_torch_dtype(elem_type: int) -> torch.dtype:
+    """ONNX element type -> torch dtype (unlike the legacy helper, UINT8 maps to uint8 and BFLOAT16 works)."""
+    if elem_type not in _ONNX_TO_TORCH:
+        raise ValueError(f"ONNX element type {TensorProto.DataType.Name(elem_type)} has no torch equivalent")
+    return _ONNX_TO_TORCH[elem_type]

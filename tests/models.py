@@ -1,0 +1,50 @@
+"""Small models shared by the trainer tests, and their model_desc."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """784-style classifier: Linear -> GELU -> Linear."""
+
+    def __init__(self, d_in: int = 32, hidden: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+def mlp_desc(d_in: int = 32, classes: int = 10) -> dict:
+    return {"inputs": [("x", ["batch", d_in]), ("target", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", classes])]}
+
+
+class TinyTransformer(nn.Module):
+    """Token + position embedding, a 2-layer post-LN TransformerEncoder with GELU and dropout, and an LM head."""
+
+    def __init__(self, vocab: int = 50, d_model: int = 32, heads: int = 4, ff: int = 64, layers: int = 2,
+                 seq: int = 16, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(d_model, heads, ff, dropout=dropout, activation="gelu", batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens):
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        return self.head(self.norm(self.encoder(h)))
+
+
+def transformer_loss(logits, target):
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def transformer_desc(vocab: int = 50) -> dict:
+    return {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
