@@ -15,6 +15,7 @@ from onnx import numpy_helper
 from .graph import fixups
 from .graph.editor import FLOAT_TYPES
 from .graph.gradient import build_ort_gradient_graph, move_initializers_to_inputs
+from .graph.scatter_grad import gather_grad_to_scatter_add
 from .graph.training import ParamGroup, TrainingGraph, build_training_graph, zero_state
 
 
@@ -48,7 +49,8 @@ def compile_model(request: CompileRequest) -> CompiledModel:
         forward = fixups.dropout_to_identity(forward)
     _save(forward, request.graph_save_paths.get("model_after_graph_transforms_path"))
     state = request.trainable + request.frozen
-    gradient_model = build_ort_gradient_graph(forward, request.loss_name, request.trainable, state)
+    gradient_model = gather_grad_to_scatter_add(
+        build_ort_gradient_graph(forward, request.loss_name, request.trainable, state))
     _save(gradient_model, request.graph_save_paths.get("model_with_gradient_graph_path"))
     training = build_training_graph(
         gradient_model, data_inputs=request.data_inputs, outputs=request.outputs, trainable=request.trainable,

@@ -102,7 +102,9 @@ def export_model(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: lis
     buffer = io.BytesIO()
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*TorchScript-based ONNX export")
+            # torch deprecates the TorchScript exporter and its `training` argument; both are chosen on purpose
+            # (DESIGN.md: dynamo=False, TrainingMode.TRAINING), so their notices are not the user's concern.
+            warnings.simplefilter("ignore", DeprecationWarning)
             torch.onnx.export(wrapper, tuple(sample_inputs), buffer, input_names=input_names,
                               output_names=output_names, opset_version=opset_version,
                               dynamic_axes=_dynamic_axes(model_desc), do_constant_folding=False,

@@ -1,0 +1,90 @@
+"""Shared pieces of the benchmarks: the benchmark models, batches, and running each measurement in its own process.
+
+Each runner is measured in a fresh Python process: ONNX Runtime's thread pool spins after a run and steals cores
+from whatever runs next in the same process (engine.md §3.3), so interleaving would distort both numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+
+
+class BenchMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(784, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 10)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class BenchTransformer(nn.Module):
+    """Embedding(1000, 256) + learned positions + 2 x TransformerEncoderLayer(256, 4 heads, ff 1024, GELU) + head."""
+
+    def __init__(self, vocab: int = 1000, d_model: int = 256, seq: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(d_model, 4, 1024, dropout=0.0, activation="gelu", batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens) + self.pos[: tokens.shape[1]]))
+
+
+def token_loss(logits, target):
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    make_model: object
+    loss_fn: object
+    model_desc: dict
+    make_batch: object  # () -> (input, target)
+
+
+WORKLOADS = {
+    "mlp": Workload("MLP 784-1024-1024-10, batch 64", BenchMLP, nn.functional.cross_entropy,
+                    {"inputs": [("x", ["batch", 784]), ("target", ["batch"])], "outputs": [("loss", [], True)]},
+                    lambda: (torch.randn(64, 784), torch.randint(0, 10, (64,)))),
+    "transformer": Workload("Transformer 2x256, seq 128, batch 16", BenchTransformer, token_loss,
+                            {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])],
+                             "outputs": [("loss", [], True)]},
+                            lambda: (torch.randint(0, 1000, (16, 128)), torch.randint(0, 1000, (16, 128)))),
+}
+
+
+def run_worker(script: str, args: list[str], timeout: float = 900) -> dict:
+    """Run `script --worker ...` in a fresh process; it prints one JSON line last."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    done = subprocess.run([sys.executable, script, "--worker", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"worker {args} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def save_json(name: str, payload: dict) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, name)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    return path
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""Small helpers shared by trainer tests."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+from orttrainer import ORTTrainer, ORTTrainerOptions
+
+
+def cpu_options(extra: dict | None = None) -> ORTTrainerOptions:
+    """Options on the CPU with `extra` merged in (one level deep per group)."""
+    opts: dict = {"device": {"id": "cpu"}}
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict):
+            opts.setdefault(key, {}).update(value)
+        else:
+            opts[key] = value
+    return ORTTrainerOptions(opts)
+
+
+def make_trainer(model, desc, config, loss_fn=None, extra: dict | None = None) -> ORTTrainer:
+    return ORTTrainer(model, desc, config, loss_fn=loss_fn, options=cpu_options(extra))
+
+
+def trainer_weights(trainer: ORTTrainer) -> dict[str, np.ndarray]:
+    return trainer._training_session.get_state(list(trainer._compiled.training.weight_updates))
+
+
+def torch_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def clone(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)

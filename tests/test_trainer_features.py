@@ -1,0 +1,346 @@
+"""ORTTrainer features: accumulation, parameter groups, frozen weights, ONNX-model input, fetches, save_as_onnx,
+LR schedulers, eval semantics and the input conventions of legacy_api.md §3.5–§3.9."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from helpers import clone, make_trainer, max_difference, torch_weights, trainer_weights
+from models import MLP, mlp_desc
+
+from orttrainer import ORTTrainer, optim
+from orttrainer.optim import LinearWarmupLRScheduler
+
+CE = torch.nn.functional.cross_entropy
+
+
+def _batches(n: int, batch: int = 8, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("config", [optim.SGDConfig(lr=0.1), optim.AdamConfig(lr=1e-2)], ids=["sgd", "adam"])
+def test_accumulation_of_four_equals_one_step_on_the_concatenation(config):
+    torch.manual_seed(0)
+    model = MLP()
+    micro = _batches(4, batch=4)
+    accumulating = make_trainer(clone(model), mlp_desc(), config, CE, {"batch": {"gradient_accumulation_steps": 4}})
+    single = make_trainer(clone(model), mlp_desc(), config, CE)
+    initial = torch_weights(model)
+    for i, (x, y) in enumerate(micro):
+        accumulating.train_step(x, y)
+        if i < 3:  # micro-steps accumulate only
+            assert max_difference(trainer_weights(accumulating), initial) == 0.0
+            assert accumulating._train_step_info.optimization_step == 0
+    single.train_step(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))
+    assert accumulating._train_step_info.optimization_step == 1
+    assert max_difference(trainer_weights(accumulating), trainer_weights(single)) < 1e-5
+    assert max_difference(trainer_weights(accumulating), initial) > 1e-3
+
+
+def test_accumulation_continues_over_several_windows_like_pytorch():
+    torch.manual_seed(0)
+    model = MLP()
+    reference = clone(model)
+    trainer = make_trainer(model, mlp_desc(), optim.AdamConfig(lr=1e-2), CE,
+                           {"batch": {"gradient_accumulation_steps": 3}, "utils": {"grad_norm_clip": False}})
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(_batches(9)):
+        trainer.train_step(x, y)
+        (CE(reference(x), y) / 3).backward()
+        if (i + 1) % 3 == 0:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    assert trainer._train_step_info.step == 9 and trainer._train_step_info.optimization_step == 3
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
+
+
+def test_two_parameter_groups_use_their_own_hyper_parameters():
+    torch.manual_seed(0)
+    model = MLP()
+    reference = clone(model)
+    config = optim.AdamConfig(params=[{"params": ["fc1.weight", "fc1.bias"], "alpha": 0.8, "lambda_coef": 0.1}],
+                              lr=5e-3)
+    trainer = make_trainer(model, mlp_desc(), config, CE, {"utils": {"grad_norm_clip": False}})
+    ref_opt = torch.optim.AdamW([
+        {"params": [reference.fc1.weight, reference.fc1.bias], "betas": (0.8, 0.999), "weight_decay": 0.1},
+        {"params": [reference.fc2.weight, reference.fc2.bias], "betas": (0.9, 0.999), "weight_decay": 0.0},
+    ], lr=5e-3)
+    for x, y in _batches(10):
+        trainer.train_step(x, y)
+        ref_opt.zero_grad()
+        CE(reference(x), y).backward()
+        ref_opt.step()
+    assert len(trainer._compiled.training.weight_updates) == 4
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
+
+
+def test_frozen_weights_and_requires_grad_false_parameters_stay_unchanged():
+    torch.manual_seed(0)
+    model = MLP()
+    model.fc2.bias.requires_grad_(False)
+    reference = clone(model)
+    reference.fc1.weight.requires_grad_(False)
+    initial = torch_weights(model)
+    trainer = make_trainer(model, mlp_desc(), optim.SGDConfig(lr=0.1), CE,
+                           {"utils": {"frozen_weights": ["fc1.weight"]}})
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    for x, y in _batches(5):
+        trainer.train_step(x, y)
+        ref_opt.zero_grad()
+        CE(reference(x), y).backward()
+        ref_opt.step()
+    state = trainer._training_session.get_state()
+    assert np.array_equal(state["fc1.weight"], initial["fc1.weight"])
+    assert np.array_equal(state["fc2.bias"], initial["fc2.bias"])
+    assert sorted(trainer._compiled.training.weight_updates) == ["fc1.bias", "fc2.weight"]
+    assert max_difference({k: state[k] for k in initial}, torch_weights(reference)) < 1e-6
+
+
+class _ModelWithLoss(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x, target):
+        logits = self.mlp(x)
+        return CE(logits, target), logits
+
+
+def _export_with_loss(model: torch.nn.Module) -> onnx.ModelProto:
+    buffer = io.BytesIO()
+    x, y = _batches(1)[0]
+    torch.onnx.export(model, (x, y), buffer, input_names=["x", "target"], output_names=["loss", "logits"],
+                      dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}},
+                      opset_version=14, do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING,
+                      dynamo=False)
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def test_an_onnx_model_with_a_loss_output_trains_like_pytorch():
+    torch.manual_seed(0)
+    model = _ModelWithLoss()
+    reference = clone(model)
+    trainer = make_trainer(_export_with_loss(model), mlp_desc(), optim.SGDConfig(lr=0.1))
+    assert trainer._training_session is not None  # ONNX models get their session in the constructor
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in _batches(10):
+        loss, logits = trainer.train_step(x, y)
+        ref_opt.zero_grad()
+        ref_loss, _ = reference(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+    assert trainer.model_desc.inputs[0].dtype == torch.float32 and trainer.model_desc.inputs[1].dtype == torch.int64
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-6
+
+
+def test_fetches_select_outputs_in_fetches_order_for_train_and_model_desc_order_for_eval():
+    torch.manual_seed(0)
+    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(lr=0.1), CE)
+    x, y = _batches(1)[0]
+    trainer.train_step(x, y)
+    trainer._train_step_info.fetches = ["logits"]
+    logits = trainer.train_step(x, y)
+    assert isinstance(logits, torch.Tensor) and logits.shape == (8, 10)
+    trainer._train_step_info.fetches = ["logits", "loss"]
+    first, second = trainer.train_step(x, y)
+    assert first.shape == (8, 10) and second.shape == ()
+    first, second = trainer.eval_step(x, y)
+    assert first.shape == () and second.shape == (8, 10)
+    trainer._train_step_info.fetches = ["nope"]
+    with pytest.raises(RuntimeError, match="^The specified fetches list contains invalid output names$"):
+        trainer.train_step(x, y)
+    trainer._train_step_info.fetches = []
+    assert len(trainer.train_step(x, y)) == 2
+    assert trainer._train_step_info.optimization_step == 4  # a fetches step still trains
+
+
+def test_save_as_onnx_reloads_into_a_new_trainer_with_identical_eval_outputs(tmp_path):
+    torch.manual_seed(0)
+    trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(lr=1e-2), CE)
+    batches = _batches(4)
+    for x, y in batches[:3]:
+        trainer.train_step(x, y)
+    path = str(tmp_path / "model.onnx")
+    trainer.save_as_onnx(path)
+    reloaded = make_trainer(onnx.load(path), mlp_desc(), optim.AdamConfig(lr=1e-2))
+    x, y = batches[3]
+    for ours, theirs in zip(trainer.eval_step(x, y), reloaded.eval_step(x, y), strict=True):
+        assert torch.equal(ours, theirs)
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    loss = session.run(["loss"], {"x": x.numpy(), "target": y.numpy()})[0]
+    np.testing.assert_allclose(loss, trainer.eval_step(x, y)[0].numpy(), rtol=1e-6)
+
+
+def test_save_as_onnx_before_the_first_step_or_to_a_bad_path_warns_and_writes_nothing(tmp_path):
+    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(lr=0.1), CE)
+    path = tmp_path / "model.onnx"
+    with pytest.warns(UserWarning, match="Training session is not initialized yet"):
+        trainer.save_as_onnx(str(path))
+    assert not path.exists()
+    trainer.train_step(*_batches(1)[0])
+    with pytest.warns(UserWarning, match="'path' is not valid or does not exist"):
+        trainer.save_as_onnx(str(tmp_path / "missing_dir" / "model.onnx"))
+    with pytest.raises(AssertionError, match="'path' must be a valid path string"):
+        trainer.save_as_onnx(path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_lr_scheduler_drives_the_learning_rate_per_optimization_step():
+    torch.manual_seed(0)
+    model = MLP()
+    reference = clone(model)
+    scheduler = LinearWarmupLRScheduler(total_steps=8, warmup=0.25)
+    trainer = make_trainer(model, mlp_desc(), optim.SGDConfig(lr=0.1), CE,
+                           {"lr_scheduler": scheduler, "batch": {"gradient_accumulation_steps": 2}})
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    seen = []
+    for i, (x, y) in enumerate(_batches(8)):
+        trainer.train_step(x, y)
+        seen.append(scheduler.get_last_lr()[0])
+        (CE(reference(x), y) / 2).backward()
+        if i % 2 == 1:
+            s = i // 2  # optimization_step before this update
+            ref_opt.param_groups[0]["lr"] = 0.1 * (s / 2 if s < 2 else (8 - s) / 6)
+            ref_opt.step()
+            ref_opt.zero_grad()
+    assert seen == pytest.approx([0.0, 0.0, 0.05, 0.05, 0.1, 0.1, 0.1 * 5 / 6, 0.1 * 5 / 6])
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-6
+
+
+class _DropoutMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.nn.functional.gelu(self.fc1(x))))
+
+
+def test_eval_step_disables_dropout_and_changes_nothing():
+    torch.manual_seed(0)
+    model = _DropoutMLP()
+    trainer = make_trainer(model, mlp_desc(), optim.SGDConfig(lr=0.1), CE)
+    x, y = _batches(1)[0]
+    first = trainer.eval_step(x, y)
+    weights = trainer_weights(trainer)
+    second = trainer.eval_step(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert max_difference(trainer_weights(trainer), weights) == 0.0
+    assert trainer._train_step_info.step == 0
+    expected = model.eval()(x)
+    torch.testing.assert_close(first[1], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_is_on_in_training_unless_the_model_was_handed_over_in_eval_mode():
+    torch.manual_seed(0)
+    x, y = _batches(1)[0]
+    training = make_trainer(_DropoutMLP(), mlp_desc(), optim.SGDConfig(lr=0.0), CE)
+    assert not torch.equal(training.train_step(x, y)[1], training.eval_step(x, y)[1])
+    evaluating = make_trainer(_DropoutMLP().eval(), mlp_desc(), optim.SGDConfig(lr=0.0), CE)
+    assert torch.equal(evaluating.train_step(x, y)[1], evaluating.eval_step(x, y)[1])
+
+
+def test_positional_keyword_and_list_inputs_are_equivalent():
+    torch.manual_seed(0)
+    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(lr=0.1), CE)
+    x, y = _batches(1)[0]
+    expected = trainer.eval_step(x, y)
+    for result in (trainer.eval_step(x, target=y), trainer.eval_step([x, y]), trainer.eval_step(target=y, x=x)):
+        assert all(torch.equal(a, b) for a, b in zip(expected, result, strict=True))
+
+
+def test_single_output_is_returned_unwrapped_and_counters_follow_the_legacy_rules():
+    torch.manual_seed(0)
+    desc = {"inputs": [("x", ["batch", 32]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
+    trainer = make_trainer(MLP(), desc, optim.SGDConfig(lr=0.1), CE, {"batch": {"gradient_accumulation_steps": 3}})
+    results = [trainer.train_step(x, y) for x, y in _batches(7)]
+    assert all(isinstance(r, torch.Tensor) and r.shape == () and r.dtype == torch.float32 for r in results)
+    assert (trainer._train_step_info.step, trainer._train_step_info.optimization_step) == (7, 2)
+
+
+def test_returned_tensors_are_not_overwritten_by_later_steps():
+    torch.manual_seed(0)
+    trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(lr=1e-2), CE)
+    batches = _batches(6)
+    loss, logits = trainer.train_step(*batches[0])
+    kept = loss.clone(), logits.clone()
+    for x, y in batches[1:]:
+        trainer.train_step(x, y)
+    assert torch.equal(loss, kept[0]) and torch.equal(logits, kept[1])
+
+
+def test_debug_graph_save_paths_write_the_four_stages(tmp_path):
+    names = ["model_after_graph_transforms_path", "model_with_gradient_graph_path", "model_with_training_graph_path",
+             "model_with_training_graph_after_optimization_path"]
+    paths = {name: str(tmp_path / f"{name}.onnx") for name in names}
+    trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE, {"debug": {"graph_save_paths": paths}})
+    trainer.train_step(*_batches(1)[0])
+    ops = {name: {n.op_type for n in onnx.load(path).graph.node} for name, path in paths.items()}
+    assert "GeluGrad" not in ops["model_after_graph_transforms_path"]
+    assert {"Gemm", "SoftmaxCrossEntropyLossGrad"} <= ops["model_with_gradient_graph_path"]
+    assert "Sqrt" not in ops["model_with_gradient_graph_path"] and "Sqrt" in ops["model_with_training_graph_path"]
+    assert ops["model_with_training_graph_after_optimization_path"]
+
+
+def test_check_model_export_passes_for_a_faithful_export_and_fails_for_a_changed_graph():
+    torch.manual_seed(0)
+    x, y = _batches(1)[0]
+    make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, {"debug": {"check_model_export": True}}).train_step(x, y)
+
+    def perturb(model: onnx.ModelProto) -> onnx.ModelProto:
+        weight = next(i for i in model.graph.initializer if i.name == "fc2.bias")
+        values = onnx.numpy_helper.to_array(weight) + 1.0
+        weight.CopyFrom(onnx.numpy_helper.from_array(values, "fc2.bias"))
+        return model
+
+    broken = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE,
+                          {"debug": {"check_model_export": True}, "_internal_use": {"extra_postprocess": perturb}})
+    with pytest.raises(AssertionError, match="Mismatch between outputs of PyTorch model and exported ONNX model"):
+        broken.train_step(x, y)
+
+
+def test_run_symbolic_shape_infer_annotates_the_graph():
+    torch.manual_seed(0)
+    x, y = _batches(1)[0]
+    plain = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE)
+    inferred = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, {"utils": {"run_symbolic_shape_infer": True}})
+    plain.train_step(x, y)
+    inferred.train_step(x, y)
+    assert len(inferred._onnx_model.graph.value_info) > len(plain._onnx_model.graph.value_info)
+
+
+def test_deterministic_compute_and_user_session_options_reach_onnxruntime():
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE,
+                           {"session_options": options, "debug": {"deterministic_compute": True}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.train_step(*_batches(1)[0])
+    assert options.use_deterministic_compute is True
+    session_options = trainer._training_session._train.get_session_options()
+    assert session_options.use_deterministic_compute and session_options.intra_op_num_threads == 1
+
+
+def test_the_legacy_wrapper_passes_inputs_to_forward_by_name():
+    class Named(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, b, a):  # model_desc order differs from forward's order
+            return self.fc(a - b)
+
+    torch.manual_seed(0)
+    model = Named()
+    desc = {"inputs": [("a", ["n", 4]), ("b", ["n", 4]), ("target", ["n"])], "outputs": [("loss", [], True)]}
+    trainer = make_trainer(model, desc, optim.SGDConfig(), CE)
+    a, b, t = torch.randn(3, 4), torch.randn(3, 4), torch.tensor([0, 1, 0])
+    torch.testing.assert_close(trainer.eval_step(a, b, t), CE(model(b=b, a=a), t))
