@@ -15,7 +15,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 demo: $(STAMP)
-	$(PY) examples/pretrain_mlm.py
+	$(PY) examples/digits.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

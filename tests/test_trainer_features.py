@@ -344,3 +344,48 @@ def test_the_legacy_wrapper_passes_inputs_to_forward_by_name():
     trainer = make_trainer(model, desc, optim.SGDConfig(), CE)
     a, b, t = torch.randn(3, 4), torch.randn(3, 4), torch.tensor([0, 1, 0])
     torch.testing.assert_close(trainer.eval_step(a, b, t), CE(model(b=b, a=a), t))
+
+
+def _log_softmax_nll_model() -> onnx.ModelProto:
+    """logits = x @ W; loss = NegativeLogLikelihoodLoss(LogSoftmax(logits), target) — the pattern ORT cannot
+    differentiate unless the internal post-processing fuses it."""
+    rng = np.random.default_rng(0)
+    nodes = [onnx.helper.make_node("MatMul", ["x", "W"], ["logits"]),
+             onnx.helper.make_node("LogSoftmax", ["logits"], ["log_prob"], axis=1),
+             onnx.helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "target"], ["loss"], reduction="mean")]
+    graph = onnx.helper.make_graph(nodes, "nll", [
+        onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 32]),
+        onnx.helper.make_tensor_value_info("target", onnx.TensorProto.INT64, ["batch"])],
+        [onnx.helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])],
+        [onnx.numpy_helper.from_array(rng.standard_normal((32, 10)).astype(np.float32), "W")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 14)])
+    model.ir_version = 8
+    return model
+
+
+def test_internal_postprocess_fuses_log_softmax_and_nll_so_the_model_trains():
+    desc = {"inputs": [("x", ["batch", 32]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
+    x, y = _batches(1)[0]
+    weight = torch.from_numpy(onnx.numpy_helper.to_array(_log_softmax_nll_model().graph.initializer[0]).copy())
+    weight.requires_grad_(True)
+    trainer = make_trainer(_log_softmax_nll_model(), desc, optim.SGDConfig(lr=0.5))
+    trainer.train_step(x, y)
+    CE(x @ weight, y).backward()
+    np.testing.assert_allclose(trainer_weights(trainer)["W"], (weight - 0.5 * weight.grad).detach().numpy(),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="cannot differentiate op 'NegativeLogLikelihoodLoss'"):
+        make_trainer(_log_softmax_nll_model(), desc, optim.SGDConfig(),
+                     extra={"_internal_use": {"enable_internal_postprocess": False}})
+
+
+def test_provider_options_are_merged_into_the_provider_list_given_to_onnxruntime():
+    from orttrainer.trainer.session import Device, SessionConfig, _providers
+
+    config = SessionConfig(Device("cpu"), provider_options={"CPUExecutionProvider": {"a": "1"},
+                                                            "CUDAExecutionProvider": {"b": "2"}})
+    assert _providers(config) == [("CUDAExecutionProvider", {"b": "2"}), ("CPUExecutionProvider", {"a": "1"})]
+    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE,
+                           {"provider_options": {"NoSuchExecutionProvider": {}}})
+    with pytest.raises(ValueError, match="provider_options names 'NoSuchExecutionProvider', which this onnxruntime "
+                                         "build does not provide"):  # ONNX Runtime itself would drop it silently
+        trainer.train_step(*_batches(1)[0])

@@ -212,7 +212,11 @@ def _providers(config: SessionConfig) -> list:
         providers: list = [("CUDAExecutionProvider", cuda), ("CPUExecutionProvider", {})]
     else:
         providers = [("CPUExecutionProvider", {})]
+    available = ort.get_available_providers()
     for name, opts in (config.provider_options or {}).items():
+        if name not in available:  # ONNX Runtime would only log a warning and drop it
+            raise ValueError(f"options provider_options names {name!r}, which this onnxruntime build does not "
+                             f"provide; available: {available}")
         names = [p[0] for p in providers]
         if name in names:
             i = names.index(name)
