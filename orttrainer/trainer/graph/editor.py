@@ -62,12 +62,16 @@ class GraphEditor:
 
     def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, outputs: int | Sequence[str] = 1,
            domain: str = "", **attrs) -> str | list[str]:
-        """Append one node; returns its output name (or list of names when `outputs` is not 1)."""
+        """Append one node; returns its output name (or list of names when `outputs` is not 1).
+
+        Explicit output names in `outputs` are reserved too, so no later fresh name repeats them.
+        """
         hint = hint or op_type
         if isinstance(outputs, int):
             out_names = [self.fresh(hint if outputs == 1 else f"{hint}_out{i}") for i in range(outputs)]
         else:
             out_names = list(outputs)
+            self._taken.update(out_names)
         node = helper.make_node(op_type, list(inputs), out_names, name=self.fresh(f"{hint}_node"), domain=domain,
                                 **attrs)
         self.graph.node.append(node)

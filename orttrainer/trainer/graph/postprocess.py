@@ -47,6 +47,7 @@ def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
 
     Only fused when the log-probabilities are consumed by that one NLL node or are a graph output (then the fused
     node's second output keeps the name), and when the softmax axis is the class axis (1) as both ops require.
+    Before opset 13 LogSoftmax flattens its input to 2-D at `axis`, so it is the class-axis softmax on 2-D x only.
     """
     result = copy_model(model)
     graph = result.graph
@@ -65,7 +66,7 @@ def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
         if log_softmax is None or log_softmax.op_type != "LogSoftmax" or consumers.get(node.input[0], 0) != 1:
             continue
         shapes = shapes or onnx.shape_inference.infer_shapes(result).graph
-        if not _is_class_axis(log_softmax, shapes):
+        if not _is_class_axis(log_softmax, shapes, _onnx_opset(result)):
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         replaced[id(node)] = helper.make_node(
@@ -83,12 +84,19 @@ def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
-def _is_class_axis(log_softmax: onnx.NodeProto, graph: onnx.GraphProto) -> bool:
-    axis = next((helper.get_attribute_value(a) for a in log_softmax.attribute if a.name == "axis"), -1)
+def _is_class_axis(log_softmax: onnx.NodeProto, graph: onnx.GraphProto, opset: int) -> bool:
+    axis = next((helper.get_attribute_value(a) for a in log_softmax.attribute if a.name == "axis"),
+                -1 if opset >= 13 else 1)
+    rank = _rank_of(log_softmax.input[0], graph)
+    if opset < 13:  # LogSoftmax-1/11 normalises over all axes from `axis` on: the class axis alone only on 2-D x
+        return axis in (1, -1) and rank == 2
     if axis == 1:
         return True
-    rank = _rank_of(log_softmax.input[0], graph)
     return axis == -1 and rank == 2
+
+
+def _onnx_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
 def _rank_of(name: str, graph: onnx.GraphProto) -> int | None:

@@ -1,0 +1,193 @@
+"""GraphEditor and its helpers, on hand-built graphs: unique names, constant dedup, scalar folding."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from orttrainer.trainer.graph.editor import (
+    GraphEditor,
+    copy_model,
+    fresh_name,
+    graph_value_names,
+    tensor_elem_type,
+)
+
+OPSET = [helper.make_opsetid("", 14)]
+
+
+def _vi(name: str, shape=None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem_type, shape)
+
+
+def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    return helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(initializers)), opset_imports=OPSET)
+
+
+def _add_model() -> onnx.ModelProto:
+    """y = x + b; a tensor and a node already use names the editor would invent."""
+    b = numpy_helper.from_array(np.array(2.0, np.float32), "b")
+    nodes = [helper.make_node("Add", ["x", "b"], ["orttrainer/t/Mul"], name="orttrainer/t/Mul_node"),
+             helper.make_node("Identity", ["orttrainer/t/Mul"], ["y"], name="id")]
+    return _model(nodes, [_vi("x", [])], [_vi("y", [])], [b])
+
+
+def _run(model: onnx.ModelProto, feeds: dict, outputs: list[str]) -> list[np.ndarray]:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(outputs, feeds)
+
+
+def test_fresh_name_skips_taken_names_and_records_the_result():
+    taken = {"a", "a_1", "a_3"}
+    assert fresh_name("a", taken) == "a_2"
+    assert fresh_name("a", taken) == "a_4"  # a_3 is taken too
+    assert fresh_name("b", taken) == "b"
+    assert {"a_2", "a_4", "b"} <= taken
+
+
+def test_graph_value_names_covers_every_tensor_and_ignores_empty_names():
+    model = _add_model()
+    model.graph.node.append(helper.make_node("Dropout", ["y"], ["z", ""]))
+    assert graph_value_names(model.graph) == {"x", "y", "b", "orttrainer/t/Mul", "z"}
+
+
+def test_copy_model_is_deep():
+    model = _add_model()
+    copy = copy_model(model)
+    copy.graph.node[0].name = "changed"
+    assert model.graph.node[0].name == "orttrainer/t/Mul_node"
+
+
+def test_fresh_never_collides_with_tensor_or_node_names():
+    model = _add_model()
+    ed = GraphEditor(model.graph, "orttrainer/t")
+    before = graph_value_names(model.graph) | {n.name for n in model.graph.node}
+    names = [ed.fresh("Mul") for _ in range(3)] + [ed.fresh("Mul_node")]
+    assert names == ["orttrainer/t/Mul_1", "orttrainer/t/Mul_2", "orttrainer/t/Mul_3", "orttrainer/t/Mul_node_1"]
+    assert not set(names) & before
+    assert ed.fresh("orttrainer/other/x") == "orttrainer/other/x"  # an explicit namespace is not prefixed again
+
+
+def test_claim_reserves_exact_names_and_rejects_used_ones():
+    model = _add_model()
+    ed = GraphEditor(model.graph, "p")
+    assert ed.claim("lr") == "lr"
+    with pytest.raises(ValueError, match="'lr' is already used"):
+        ed.claim("lr")
+    with pytest.raises(ValueError, match="'x' is already used"):
+        ed.claim("x")
+    with pytest.raises(ValueError, match="'id' is already used"):  # node names count too
+        ed.claim("id")
+    assert ed.claim("p/lr") == "p/lr"
+    assert ed.fresh("lr") == "p/lr_1"  # fresh names avoid claimed ones ...
+    with pytest.raises(ValueError, match="'p/lr_1' is already used"):
+        ed.claim("p/lr_1")  # ... and claimed names avoid fresh ones
+
+
+def test_op_appends_uniquely_named_nodes():
+    model = _add_model()
+    ed = GraphEditor(model.graph, "orttrainer/t")
+    out = ed.op("Mul", ["y", "y"])
+    again = ed.op("Mul", ["y", "y"])
+    assert (out, again) == ("orttrainer/t/Mul_1", "orttrainer/t/Mul_2")
+    parts = ed.op("Split", [again], "split", outputs=2, axis=0)
+    assert parts == ["orttrainer/t/split_out0", "orttrainer/t/split_out1"]
+    named = ed.op("Identity", [out], outputs=["exact"])
+    assert named == ["exact"]
+    node_names = [n.name for n in model.graph.node]
+    assert len(node_names) == len(set(node_names)) == 6
+    assert node_names[2:4] == ["orttrainer/t/Mul_node_1", "orttrainer/t/Mul_node_2"]
+    split = model.graph.node[4]
+    assert helper.get_attribute_value(split.attribute[0]) == 0
+    com = ed.op("Gelu", [out], domain="com.microsoft")
+    assert model.graph.node[-1].domain == "com.microsoft" and com == "orttrainer/t/Gelu"
+
+
+def test_explicit_output_names_are_reserved():
+    model = _add_model()
+    ed = GraphEditor(model.graph, "p")
+    assert ed.op("Identity", ["x"], outputs=["p/Identity"]) == ["p/Identity"]
+    assert ed.op("Identity", ["x"]) == "p/Identity_1"
+    with pytest.raises(ValueError, match="already used"):
+        ed.claim("p/Identity")
+    outputs = [o for n in model.graph.node for o in n.output]
+    assert len(outputs) == len(set(outputs))
+
+
+def test_constant_deduplicates_by_value_dtype_and_shape():
+    model = _add_model()
+    ed = GraphEditor(model.graph, "c")
+    first = ed.constant(0.5)
+    assert ed.constant(0.5, hint="other") == first
+    assert ed.constant(np.float32(0.5)) == first
+    double = ed.constant(0.5, dtype="float64")
+    vector = ed.constant([0.5])
+    integer = ed.constant(2, dtype=np.int64)
+    assert len({first, double, vector, integer}) == 4
+    assert ed.constant(2.0) != "b"  # an equal user initializer is not reused: it may be trained or fed
+    values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert len(values) == 6
+    assert values[first].dtype == np.float32 and values[first].shape == ()
+    assert values[double].dtype == np.float64
+    assert values[vector].shape == (1,)
+    assert values[integer].dtype == np.int64 and values[integer] == 2
+
+
+def test_scalar_product_folds_floats_on_the_host():
+    model = _add_model()
+    ed = GraphEditor(model.graph, "s")
+    assert ed.scalar_product([0.5, 4.0, 3], "f") == 6.0
+    assert ed.scalar_product([], "f") == 1.0
+    assert len(model.graph.node) == 2 and len(model.graph.initializer) == 1  # nothing was added
+
+
+def test_scalar_product_of_one_tensor_and_unit_floats_adds_nothing():
+    model = _add_model()
+    ed = GraphEditor(model.graph, "s")
+    assert ed.scalar_product(["y", 2.0, 0.5], "f") == "y"
+    assert len(model.graph.node) == 2
+
+
+def test_scalar_product_multiplies_tensors_and_the_folded_constant():
+    model = _add_model()
+    model.graph.input.append(_vi("z", []))
+    ed = GraphEditor(model.graph, "s")
+    product = ed.scalar_product([3.0, "y", 0.5, "z", 4.0], "f")
+    assert isinstance(product, str)
+    assert [n.op_type for n in model.graph.node[2:]] == ["Mul", "Mul"]
+    ed.add_output(product, TensorProto.FLOAT, [])
+    folded = numpy_helper.to_array(model.graph.initializer[-1])
+    assert folded == np.float32(6.0)
+    (value,) = _run(model, {"x": np.array(1.5, np.float32), "z": np.array(-2.0, np.float32)}, [product])
+    np.testing.assert_allclose(value, 6.0 * (1.5 + 2.0) * -2.0, rtol=0, atol=0)
+
+
+def test_as_tensor_and_inputs_outputs():
+    model = _add_model()
+    ed = GraphEditor(model.graph, "s")
+    assert ed.as_tensor("y") == "y"
+    c = ed.as_tensor(0.25, hint="quarter")
+    assert c == "s/quarter"
+    ed.add_input("scale", TensorProto.FLOAT, [])
+    with pytest.raises(ValueError, match="already used"):
+        ed.add_input("scale", TensorProto.FLOAT, [])
+    out = ed.op("Mul", [ed.op("Mul", ["y", c]), "scale"], outputs=["scaled"])[0]
+    ed.add_output(out, TensorProto.FLOAT, [])
+    onnx.checker.check_model(model, full_check=True)
+    (value,) = _run(model, {"x": np.array(2.0, np.float32), "scale": np.array(3.0, np.float32)}, ["scaled"])
+    np.testing.assert_allclose(value, (2.0 + 2.0) * 0.25 * 3.0, rtol=0, atol=0)
+
+
+def test_tensor_elem_type_reads_initializers_inputs_outputs_and_value_info():
+    model = _add_model()
+    model.graph.value_info.append(_vi("orttrainer/t/Mul", [], TensorProto.DOUBLE))
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(2, np.int64), "idx"))
+    assert tensor_elem_type(model, "b") == TensorProto.FLOAT
+    assert tensor_elem_type(model, "idx") == TensorProto.INT64
+    assert tensor_elem_type(model, "x") == TensorProto.FLOAT
+    assert tensor_elem_type(model, "y") == TensorProto.FLOAT
+    assert tensor_elem_type(model, "orttrainer/t/Mul") == TensorProto.DOUBLE
+    with pytest.raises(KeyError, match="'nope'"):
+        tensor_elem_type(model, "nope")

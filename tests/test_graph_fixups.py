@@ -1,0 +1,161 @@
+"""Fix-up passes (fixups.py) on hand-built graphs: optional outputs, dropout off, BatchNorm to inference."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from orttrainer.trainer.graph.fixups import batchnorm_to_inference, dropout_to_identity, name_optional_outputs
+
+
+def _vi(name: str, shape=None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem_type, shape)
+
+
+def _model(nodes, inputs, outputs, initializers=(), opset: int = 14) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _run(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(outputs, feeds)
+
+
+def _const(name: str, value, dtype=np.float32) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+
+
+# ------------------------------------------------------------------------------------------ name_optional_outputs
+def _sce_model(outputs: list[str]) -> onnx.ModelProto:
+    node = helper.make_node("SoftmaxCrossEntropyLoss", ["x", "y"], outputs, name="sce", reduction="sum")
+    return _model([node], [_vi("x", [4, 3]), _vi("y", [4], TensorProto.INT64)], [_vi("loss", [])])
+
+
+def test_softmax_cross_entropy_gets_its_log_prob_output():
+    model = _sce_model(["loss"])
+    fixed = name_optional_outputs(model)
+    assert list(fixed.graph.node[0].output) == ["loss", "loss__extra1"]
+    assert list(model.graph.node[0].output) == ["loss"]  # the argument is untouched
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 3)).astype(np.float32), "y": np.array([0, 2, 1, 2], np.int64)}
+    np.testing.assert_array_equal(_run(fixed, feeds)[0], _run(model, feeds)[0])
+
+
+def test_empty_output_names_are_replaced_and_names_never_collide():
+    # `loss__extra1` is already a graph tensor, so the fresh name takes a suffix.
+    node = helper.make_node("SoftmaxCrossEntropyLoss", ["x", "y"], ["loss", ""], name="sce")
+    taken = helper.make_node("Identity", ["x"], ["loss__extra1"], name="id")
+    model = _model([taken, node], [_vi("x", [4, 3]), _vi("y", [4], TensorProto.INT64)],
+                   [_vi("loss", []), _vi("loss__extra1", [4, 3])])
+    fixed = name_optional_outputs(model)
+    assert list(fixed.graph.node[1].output) == ["loss", "loss__extra1_1"]
+    onnx.checker.check_model(fixed, full_check=True)
+
+
+def test_layer_normalization_gets_mean_and_inv_std_dev_outputs():
+    # LayerNormalization is a standard op from opset 17.
+    node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y", "", ""], name="ln", axis=-1)
+    model = _model([node], [_vi("x", [2, 3])], [_vi("y", [2, 3])],
+                   [_const("scale", [1.0, 2.0, 3.0]), _const("bias", [0.0, 0.5, -1.0])], opset=17)
+    fixed = name_optional_outputs(model)
+    assert list(fixed.graph.node[0].output) == ["y", "y__extra1", "y__extra2"]
+    x = np.array([[1.0, 2.0, 4.0], [-1.0, 0.0, 3.0]], np.float32)
+    normalised = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(_run(fixed, {"x": x})[0], normalised * [1.0, 2.0, 3.0] + [0.0, 0.5, -1.0],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_layer_normalization_with_one_missing_output_keeps_the_named_one():
+    node = helper.make_node("LayerNormalization", ["x", "scale"], ["y", "mean"], name="ln")
+    model = _model([node], [_vi("x", [2, 3])], [_vi("y", [2, 3])], [_const("scale", [1.0, 1.0, 1.0])], opset=17)
+    assert list(name_optional_outputs(model).graph.node[0].output) == ["y", "mean", "y__extra2"]
+
+
+def test_dropout_gets_its_mask_output_and_other_ops_are_untouched():
+    nodes = [helper.make_node("Dropout", ["x"], ["d"], name="drop"),
+             helper.make_node("Softmax", ["d"], ["y"], name="softmax"),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["x", "lbl"], ["custom"], domain="my.domain")]
+    model = _model(nodes, [_vi("x", [2, 3])], [_vi("y", [2, 3])])
+    fixed = name_optional_outputs(model)
+    assert [list(n.output) for n in fixed.graph.node] == [["d", "d__extra1"], ["y"], ["custom"]]
+
+
+def test_complete_nodes_are_unchanged():
+    model = _sce_model(["loss", "log_prob"])
+    assert name_optional_outputs(model) == model
+
+
+# -------------------------------------------------------------------------------------------- dropout_to_identity
+def _dropout_model(outputs: list[str], extra_nodes=(), graph_outputs=("y",)) -> onnx.ModelProto:
+    nodes = [helper.make_node("Dropout", ["x", "ratio", "training"], outputs, name="drop", seed=3),
+             helper.make_node("Mul", [outputs[0], "two"], ["y"], name="mul"), *extra_nodes]
+    inits = [_const("ratio", 0.5), _const("training", True, dtype=np.bool_), _const("two", 2.0)]
+    return _model(nodes, [_vi("x", [64])], [_vi(n, None) for n in graph_outputs], inits)
+
+
+@pytest.mark.parametrize("outputs", [["d"], ["d", ""], ["d", "mask"]])
+def test_dropout_becomes_identity(outputs):
+    model = _dropout_model(outputs)
+    fixed = dropout_to_identity(model)
+    node = fixed.graph.node[0]
+    assert (node.op_type, list(node.input), list(node.output), node.name) == ("Identity", ["x"], ["d"], "drop")
+    assert not node.attribute
+    assert model.graph.node[0].op_type == "Dropout"  # the argument is untouched
+    x = np.linspace(1.0, 2.0, 64, dtype=np.float32)
+    (y,) = _run(fixed, {"x": x})
+    np.testing.assert_array_equal(y, 2.0 * x)
+    (train_y,) = _run(model, {"x": x})  # the original really drops: half of the values are zero
+    assert 0 < np.count_nonzero(train_y == 0) < 64
+
+
+def test_dropout_whose_mask_is_consumed_is_rejected():
+    mask_user = helper.make_node("Cast", ["mask"], ["mask_f"], name="use_mask", to=TensorProto.FLOAT)
+    model = _dropout_model(["d", "mask"], [mask_user])
+    with pytest.raises(ValueError, match="Dropout node 'drop': its mask output 'mask' is used"):
+        dropout_to_identity(model)
+
+
+def test_dropout_whose_mask_is_a_graph_output_is_rejected():
+    model = _dropout_model(["d", "mask"], graph_outputs=("y", "mask"))
+    with pytest.raises(ValueError, match="'mask' is used"):
+        dropout_to_identity(model)
+
+
+# ----------------------------------------------------------------------------------------- batchnorm_to_inference
+def _batchnorm_model() -> onnx.ModelProto:
+    node = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"],
+                            ["y", "running_mean", "running_var"], name="bn", training_mode=1, epsilon=1e-3,
+                            momentum=0.8)
+    inits = [_const("scale", [1.0, 2.0]), _const("bias", [0.5, -0.5]), _const("mean", [1.0, -1.0]),
+             _const("var", [4.0, 0.25])]
+    return _model([node], [_vi("x", [3, 2, 2])], [_vi("y", [3, 2, 2])], inits)
+
+
+def test_batchnorm_uses_running_statistics():
+    model = _batchnorm_model()
+    fixed = batchnorm_to_inference(model)
+    node = fixed.graph.node[0]
+    assert list(node.output) == ["y"]
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute} == {"epsilon": pytest.approx(1e-3),
+                                                                               "momentum": pytest.approx(0.8)}
+    assert len(model.graph.node[0].output) == 3  # the argument is untouched
+    onnx.checker.check_model(fixed, full_check=True)
+    x = np.arange(12, dtype=np.float32).reshape(3, 2, 2) / 4.0
+    shape = (1, 2, 1)
+    expected = ((x - np.reshape([1.0, -1.0], shape)) / np.sqrt(np.reshape([4.0, 0.25], shape) + 1e-3)
+                * np.reshape([1.0, 2.0], shape) + np.reshape([0.5, -0.5], shape))
+    np.testing.assert_allclose(_run(fixed, {"x": x})[0], expected, rtol=1e-6, atol=1e-6)
+    batch_stats = _run(model, {"x": x}, ["y"])[0]  # training mode normalises with the batch statistics instead
+    assert np.abs(batch_stats - expected).max() > 0.1
+
+
+def test_inference_batchnorm_is_unchanged():
+    model = _batchnorm_model()
+    node = model.graph.node[0]
+    del node.output[1:]
+    del node.attribute[:]
+    assert batchnorm_to_inference(model) == model
