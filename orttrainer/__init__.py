@@ -31,4 +31,8 @@ def __getattr__(name: str):
         from .trainer import ORTTrainer
 
         return ORTTrainer
+    if name in ("checkpoint", "debug"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'orttrainer' has no attribute {name!r}")

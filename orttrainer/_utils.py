@@ -1,0 +1,231 @@
+"""Legacy ``onnxruntime.training._utils``: state-dict key names, device and dtype helpers.
+
+The key functions name the levels of a trainer state dict and of a checkpoint file (research/legacy_api.md §9.1);
+the checkpoint code and the trainer both spell keys through them so that the layout lives in one place.
+``dtype_onnx_to_torch`` is fixed: legacy mapped UINT8 to ``torch.int8`` and BFLOAT16 to the nonexistent
+``torch.bfloat`` (an ``AttributeError``); here they map to ``torch.uint8`` and ``torch.bfloat16``.
+This module never imports onnxruntime (nor onnx: the ONNX ``DataType`` numbering is spelled out below).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+# --- state-dict key names (§9.1) ---------------------------------------------------------------------------------
+
+
+def state_dict_model_key() -> str:
+    """Key of the model states: ``state_dict['model'][precision][weight]``."""
+    return "model"
+
+
+def state_dict_optimizer_key() -> str:
+    """Key of the optimizer states: ``state_dict['optimizer'][weight][state]``."""
+    return "optimizer"
+
+
+def state_dict_partition_info_key() -> str:
+    """Key of the ZeRO/Megatron partition map: ``state_dict['partition_info'][weight]``."""
+    return "partition_info"
+
+
+def state_dict_trainer_options_key() -> str:
+    """Key of the trainer options saved with the states."""
+    return "trainer_options"
+
+
+def state_dict_full_precision_key() -> str:
+    """Precision key of the fp32 master weights (``'fp32'`` before ≈1.7)."""
+    return "full_precision"
+
+
+def state_dict_original_dimension_key() -> str:
+    """Key of a partitioned weight's original shape inside ``partition_info[weight]``."""
+    return "original_dim"
+
+
+def state_dict_sharded_optimizer_keys() -> set[str]:
+    """Optimizer states that ZeRO partitions (concatenated again on aggregation)."""
+    return {"Moment_1", "Moment_2"}
+
+
+def state_dict_user_dict_key() -> str:
+    """Key of the pickled (hex string) user dict inside a checkpoint file."""
+    return "user_dict"
+
+
+def state_dict_trainer_options_mixed_precision_key() -> str:
+    return "mixed_precision"
+
+
+def state_dict_trainer_options_zero_stage_key() -> str:
+    return "zero_stage"
+
+
+def state_dict_trainer_options_world_rank_key() -> str:
+    return "world_rank"
+
+
+def state_dict_trainer_options_world_size_key() -> str:
+    return "world_size"
+
+
+def state_dict_trainer_options_data_parallel_size_key() -> str:
+    return "data_parallel_size"
+
+
+def state_dict_trainer_options_horizontal_parallel_size_key() -> str:
+    return "horizontal_parallel_size"
+
+
+def state_dict_trainer_options_optimizer_name_key() -> str:
+    return "optimizer_name"
+
+
+def state_dict_train_step_info_key() -> str:
+    """Key of the saved ``TrainStepInfo`` counters."""
+    return "train_step_info"
+
+
+def state_dict_train_step_info_optimization_step_key() -> str:
+    return "optimization_step"
+
+
+def state_dict_train_step_info_step_key() -> str:
+    return "step"
+
+
+# --- devices ------------------------------------------------------------------------------------------------------
+
+
+def get_device_index(device: str | int | torch.device) -> int:
+    """Index of a device: an ``int`` as is, a string through ``torch.device``; no index (``'cpu'``) gives 0."""
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    return 0 if device.index is None else device.index
+
+
+def get_device_index_from_input(input: Any) -> int:
+    """Device index of a tensor, or of the first tensor of a list or tuple."""
+    if isinstance(input, (list, tuple)):
+        return get_device_index(input[0].device)
+    return get_device_index(input.device)
+
+
+# --- dtypes -------------------------------------------------------------------------------------------------------
+
+# numpy has no bfloat16 and no complex32: legacy mapped them to the nearest type numpy and ORT's
+# NumpyTypeToOnnxRuntimeType both accept.
+_TORCH_TO_NUMPY: dict[torch.dtype, type] = {
+    torch.float64: np.float64,
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.bfloat16: np.float16,
+    torch.int64: np.longlong,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.complex32: np.complex64,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+    torch.bool: np.bool_,
+}
+
+
+def dtype_torch_to_numpy(torch_dtype: torch.dtype) -> type:
+    """numpy scalar type for a torch dtype (legacy table, research/legacy_api.md §10); others raise ValueError."""
+    try:
+        return _TORCH_TO_NUMPY[torch_dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"torch_dtype ({torch_dtype}) type is not supported by Numpy") from None
+
+
+# The ONNX TensorProto.DataType enum, in number order, as legacy listed it (it stops at BFLOAT16 = 16).
+_ONNX_TYPES = (
+    "UNDEFINED", "FLOAT", "UINT8", "INT8", "UINT16", "INT16", "INT32", "INT64", "STRING",
+    "BOOL", "FLOAT16", "DOUBLE", "UINT32", "UINT64", "COMPLEX64", "COMPLEX128", "BFLOAT16",
+)  # fmt: skip
+
+# torch lacked uint16/32/64 when this table was written; those keep legacy's signed mapping.
+_ONNX_TO_TORCH: dict[str, Any] = {
+    "UNDEFINED": None,
+    "FLOAT": torch.float32,
+    "UINT8": torch.uint8,
+    "INT8": torch.int8,
+    "UINT16": torch.int16,
+    "INT16": torch.int16,
+    "INT32": torch.int32,
+    "UINT32": torch.int32,
+    "INT64": torch.int64,
+    "UINT64": torch.int64,
+    "STRING": str,
+    "BOOL": torch.bool,
+    "FLOAT16": torch.float16,
+    "DOUBLE": torch.float64,
+    "COMPLEX64": torch.complex64,
+    "COMPLEX128": torch.complex128,
+    "BFLOAT16": torch.bfloat16,
+}
+
+
+def dtype_onnx_to_torch(onnx_type: int | str) -> Any:
+    """torch dtype for an ONNX ``DataType`` given as its number or (case-insensitive) name.
+
+    Rules: out-of-range numbers raise ``AssertionError("Invalid onnx_type integer")``, unknown names
+    ``AssertionError("Invalid onnx_type string")``, other argument types ``ValueError``. ``UNDEFINED`` gives None,
+    ``STRING`` gives ``str``.
+    """
+    if isinstance(onnx_type, bool) or not isinstance(onnx_type, (int, str)):
+        raise ValueError("'onnx_type' must be an ONNX type represented by either a string or integer")
+    if isinstance(onnx_type, int):
+        if not 0 <= onnx_type < len(_ONNX_TYPES):
+            raise AssertionError("Invalid onnx_type integer")
+        name = _ONNX_TYPES[onnx_type]
+    else:
+        name = onnx_type.upper()
+        if name not in _ONNX_TO_TORCH:
+            raise AssertionError("Invalid onnx_type string")
+    return _ONNX_TO_TORCH[name]
+
+
+# --- misc ---------------------------------------------------------------------------------------------------------
+
+
+def static_vars(**kwargs: Any) -> Callable[[Callable], Callable]:
+    """Decorator setting ``kwargs`` as attributes of the decorated function (function-level "static" state)."""
+
+    def decorate(func: Callable) -> Callable:
+        for key, value in kwargs.items():
+            setattr(func, key, value)
+        return func
+
+    return decorate
+
+
+def import_module_from_file(file_path: str, module_name: str | None = None) -> ModuleType:
+    """Import a Python file as a module, register it in ``sys.modules`` and return it.
+
+    The module name defaults to the file's base name up to its first dot. Bad arguments raise AssertionError
+    (legacy messages).
+    """
+    if not (isinstance(file_path, str) and os.path.exists(file_path)):
+        raise AssertionError("'file_path' must be a full path string with the python file to load")
+    if not (module_name is None or (isinstance(module_name, str) and module_name)):
+        raise AssertionError("'module_name' must be a string with the python module name to load")
+    module_name = module_name or os.path.basename(file_path).split(".")[0]
+    spec = importlib.util.spec_from_file_location(module_name, file_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module

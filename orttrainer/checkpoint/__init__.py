@@ -1,0 +1,57 @@
+"""Checkpoints: the legacy ``onnxruntime.training.checkpoint`` module, plus its HDF5 storage and a command line.
+
+- ``aggregate_checkpoints(paths, pytorch_format=True)``: merge the per-rank HDF5 files of a ZeRO/Megatron run.
+- ``experimental_state_dict / experimental_load_state_dict / experimental_save_checkpoint /
+  experimental_load_checkpoint``: the deprecated torch.save-based API (each warns DeprecationWarning).
+- ``storage``: ``save``/``load`` of nested dicts as HDF5 (atomic, never overwrites), ``to_serialized_hex``,
+  ``from_serialized_hex``; also importable as ``orttrainer._checkpoint_storage``.
+- ``python -m orttrainer.checkpoint info PATH`` / ``to-pytorch PATH... OUT.pt``: inspect and convert checkpoints.
+"""
+
+# ruff: noqa: F401 - the private helpers are re-exported on purpose: legacy code and tests reach them here
+
+from __future__ import annotations
+
+from . import storage
+from .aggregate import (
+    _AGGREGATION_MODE,
+    CheckpointAggregationError,
+    _add_or_update_sharded_key,
+    _add_or_validate_unsharded_key,
+    _aggregate_megatron_partition_info,
+    _aggregate_model_states,
+    _aggregate_optimizer_states,
+    _aggregate_over_D_H,
+    _aggregate_over_ranks,
+    _aggregate_trainer_options,
+    _get_parallellism_groups,
+    _order_paths,
+    _reshape_states,
+    _to_pytorch_format,
+    aggregate_checkpoints,
+)
+from .experimental import (
+    _apply_pending_state_dict,
+    _CombineZeroCheckpoint,
+    _get_checkpoint_name,
+    _list_checkpoint_files,
+    _load_multi_checkpoint,
+    _load_single_checkpoint,
+    _split_state_dict,
+    experimental_load_checkpoint,
+    experimental_load_state_dict,
+    experimental_save_checkpoint,
+    experimental_state_dict,
+)
+from .storage import CheckpointNotFoundError
+
+__all__ = [
+    "CheckpointAggregationError",
+    "CheckpointNotFoundError",
+    "aggregate_checkpoints",
+    "experimental_load_checkpoint",
+    "experimental_load_state_dict",
+    "experimental_save_checkpoint",
+    "experimental_state_dict",
+    "storage",
+]

@@ -1,0 +1,250 @@
+"""``python -m orttrainer.checkpoint``: look inside ORTTrainer checkpoints and convert them to PyTorch.
+
+    info PATH                     what the checkpoint holds: model tensors, optimizer state per weight,
+                                  trainer_options, train_step_info, partition_info and user_dict presence
+    to-pytorch PATH [PATH...] OUT a plain torch.save'd {name: Tensor} of model/full_precision; several files of a
+                                  partitioned (ZeRO/Megatron) run are aggregated first
+
+Errors print one line to stderr and exit with status 2; the output file is never overwritten and appears only
+when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from .. import _utils
+from ._atomic import atomic_write, target_exists_error
+from .aggregate import aggregate_checkpoints
+from .storage import load, open_checkpoint
+
+_MODEL = _utils.state_dict_model_key()
+_OPTIMIZER = _utils.state_dict_optimizer_key()
+_OPTIONS = _utils.state_dict_trainer_options_key()
+_STEP_INFO = _utils.state_dict_train_step_info_key()
+_PARTITION_INFO = _utils.state_dict_partition_info_key()
+_USER_DICT = _utils.state_dict_user_dict_key()
+_KNOWN_KEYS = {_MODEL, _OPTIMIZER, _OPTIONS, _STEP_INFO, _PARTITION_INFO, _USER_DICT}
+# Model precision keys, current first; 'fp32' is what checkpoints from before ≈1.7 used.
+_PRECISION_KEYS = (_utils.state_dict_full_precision_key(), "fp32")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, like every other error of this command
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m orttrainer.checkpoint",
+        description="Inspect ORTTrainer HDF5 checkpoints (.ortcp) and convert them to PyTorch state_dicts.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    info = commands.add_parser("info", help="print what a checkpoint holds")
+    info.add_argument("path", metavar="PATH", help="checkpoint file written by ORTTrainer.save_checkpoint")
+    convert = commands.add_parser(
+        "to-pytorch",
+        help="write model/full_precision as a torch.save'd {name: Tensor}",
+        description="Write the model weights as a plain PyTorch state_dict (torch.save of {name: Tensor}). "
+        "Give every rank's file of a ZeRO/Megatron run to aggregate them. OUT must not exist.",
+    )
+    convert.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint file(s)")
+    convert.add_argument("output", metavar="OUT", help="PyTorch file to create (e.g. model.pt)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0, or 2 after printing one error line to stderr)."""
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "info":
+            print(describe(args.path))
+        else:
+            print(to_pytorch(args.paths, args.output))
+    except Exception as error:  # noqa: BLE001 - the user gets one readable line, not a traceback
+        print(f"error: {_message(error)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _message(error: Exception) -> str:
+    if isinstance(error, KeyError) and error.args:
+        return str(error.args[0])  # str(KeyError) would add quotes
+    if isinstance(error, OSError) and error.filename:
+        return f"{error.strerror}: {error.filename}"
+    return str(error)
+
+
+# --- to-pytorch ---------------------------------------------------------------------------------------------------
+
+
+def to_pytorch(paths: Sequence[str], output: str) -> str:
+    """Write the model states of ``paths`` to ``output`` with ``torch.save``; returns a one-line summary.
+
+    Rules: ``output`` must not exist. One file must be unpartitioned; several files are aggregated
+    (``aggregate_checkpoints``), which requires one file per rank of a partitioned run.
+    """
+    if os.path.lexists(output):
+        raise target_exists_error(output)
+    weights = _read_weights(paths[0]) if len(paths) == 1 else aggregate_checkpoints(paths, pytorch_format=True)
+    tensors = {name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()}
+    atomic_write(output, lambda tmp: torch.save(tensors, tmp))
+    count = sum(t.numel() for t in tensors.values())
+    return f"wrote {len(tensors)} tensors ({count:,} values) to {output}"
+
+
+def _read_weights(path: str) -> dict[str, Any]:
+    options = load(path, key=_OPTIONS) if _has_key(path, _OPTIONS) else {}
+    if _is_partitioned(options):
+        world_size = int(options.get(_utils.state_dict_trainer_options_world_size_key(), 0))
+        rank = int(options.get(_utils.state_dict_trainer_options_world_rank_key(), 0))
+        raise ValueError(
+            f"{path} is rank {rank} of a partitioned run (ZeRO or Megatron) of {world_size} ranks: "
+            f"pass all {world_size} rank files to aggregate them"
+        )
+    for precision in _PRECISION_KEYS:
+        if _has_key(path, f"{_MODEL}/{precision}"):
+            return load(path, key=f"{_MODEL}/{precision}")
+    raise ValueError(f"{path} holds no model states ({_MODEL}/{_PRECISION_KEYS[0]})")
+
+
+def _has_key(path: str, key: str) -> bool:
+    with open_checkpoint(path) as (handle, _):
+        return key in handle
+
+
+def _is_partitioned(options: dict[str, Any]) -> bool:
+    zero_stage = int(options.get(_utils.state_dict_trainer_options_zero_stage_key(), 0))
+    horizontal = int(options.get(_utils.state_dict_trainer_options_horizontal_parallel_size_key(), 1))
+    return zero_stage > 0 or horizontal > 1
+
+
+# --- info ---------------------------------------------------------------------------------------------------------
+
+
+def describe(path: str) -> str:
+    """A readable report of a checkpoint's contents (shapes and dtypes; tensor data is not read)."""
+    with open_checkpoint(path) as (handle, shown_as):
+        size = os.path.getsize(shown_as) if os.path.isfile(shown_as) else None
+        sections = [
+            f"checkpoint: {shown_as}" + (f" (HDF5, {size:,} bytes)" if size is not None else ""),
+            _model_section(handle),
+            _optimizer_section(handle),
+            _scalars_section(handle, _OPTIONS),
+            _scalars_section(handle, _STEP_INFO),
+            _partition_section(handle),
+            _user_dict_section(handle),
+        ]
+        others = sorted(set(handle) - _KNOWN_KEYS)
+        if others:
+            sections.append("other keys: " + ", ".join(others))
+    return "\n\n".join(sections)
+
+
+def _model_section(handle: h5py.File) -> str:
+    for precision in _PRECISION_KEYS:
+        key = f"{_MODEL}/{precision}"
+        if key in handle:
+            group = handle[key]
+            rows = [(name, _shape(ds), _dtype(ds)) for name, ds in _datasets(group)]
+            count = sum(int(np.prod(ds.shape)) for _, ds in _datasets(group))
+            title = f"{key}: {_plural(len(rows), 'tensor')}, {count:,} values"
+            return "\n".join([title, *_table(("name", "shape", "dtype"), rows)])
+    return f"{_MODEL}: absent"
+
+
+def _optimizer_section(handle: h5py.File) -> str:
+    if _OPTIMIZER not in handle:
+        return f"{_OPTIMIZER}: absent"
+    name_key = f"{_OPTIONS}/{_utils.state_dict_trainer_options_optimizer_name_key()}"
+    optimizer_name = _text(handle[name_key][()]) if name_key in handle else "unknown optimizer"
+    rows = []
+    for weight, group in handle[_OPTIMIZER].items():
+        if not isinstance(group, h5py.Group):
+            rows.append((weight, "", _shape(group), _dtype(group), _small_value(group)))
+            continue
+        for state, ds in _datasets(group):
+            rows.append((weight, state, _shape(ds), _dtype(ds), _small_value(ds)))
+    weights = [name for name in handle[_OPTIMIZER] if name != "shared_optimizer_state"]
+    shared = " and shared state" if "shared_optimizer_state" in handle[_OPTIMIZER] else ""
+    title = f"{_OPTIMIZER}: {optimizer_name}, state for {_plural(len(weights), 'weight')}{shared}"
+    if not rows:
+        return f"{title} (no optimizer state)"
+    return "\n".join([title, *_table(("weight", "state", "shape", "dtype", "value"), rows)])
+
+
+def _scalars_section(handle: h5py.File, key: str) -> str:
+    if key not in handle:
+        return f"{key}: absent"
+    rows = [(name, _text(ds[()])) for name, ds in _datasets(handle[key])]
+    return "\n".join([f"{key}:", *_table(("option", "value"), rows)])
+
+
+def _partition_section(handle: h5py.File) -> str:
+    if _PARTITION_INFO not in handle:
+        return f"{_PARTITION_INFO}: absent (not a partitioned checkpoint)"
+    rows = []
+    for weight, group in handle[_PARTITION_INFO].items():
+        values = {name: _text(ds[()]) for name, ds in _datasets(group)} if isinstance(group, h5py.Group) else {}
+        rows.append((weight, values.get("original_dim", ""), values.get("megatron_row_partition", "")))
+    title = f"{_PARTITION_INFO}: present for {_plural(len(rows), 'weight')}"
+    return "\n".join([title, *_table(("weight", "original_dim", "megatron_row_partition"), rows)])
+
+
+def _user_dict_section(handle: h5py.File) -> str:
+    if _USER_DICT not in handle:
+        return f"{_USER_DICT}: absent"
+    value = handle[_USER_DICT][()]
+    size = len(value) // 2 if isinstance(value, (bytes, str)) else 0
+    return f"{_USER_DICT}: present ({size:,} bytes pickled; not unpickled here)"
+
+
+# --- formatting ---------------------------------------------------------------------------------------------------
+
+
+def _datasets(group: h5py.Group) -> list[tuple[str, h5py.Dataset]]:
+    return [(name, item) for name, item in group.items() if isinstance(item, h5py.Dataset)]
+
+
+def _shape(ds: h5py.Dataset) -> str:
+    return "scalar" if ds.shape == () else str(tuple(ds.shape))
+
+
+def _dtype(ds: h5py.Dataset) -> str:
+    return "str" if h5py.check_string_dtype(ds.dtype) else str(ds.dtype)
+
+
+def _small_value(ds: h5py.Dataset) -> str:
+    # Step and Update_Count are one-element counters worth showing; moments are not.
+    return _text(ds[()]) if int(np.prod(ds.shape)) <= 1 else ""
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    if isinstance(value, np.ndarray):
+        return str(value.tolist())
+    if isinstance(value, np.generic):
+        return str(value.item())
+    return str(value)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  " + "  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip()
+
+    return [line(headers), *(line(row) for row in rows)]
