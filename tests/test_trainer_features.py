@@ -389,3 +389,19 @@ def test_provider_options_are_merged_into_the_provider_list_given_to_onnxruntime
     with pytest.raises(ValueError, match="provider_options names 'NoSuchExecutionProvider', which this onnxruntime "
                                          "build does not provide"):  # ONNX Runtime itself would drop it silently
         trainer.train_step(*_batches(1)[0])
+
+
+def test_parameters_without_a_path_to_the_loss_are_left_alone_like_pytorch():
+    """Parameters the loss does not depend on get no gradient in PyTorch (grad None) and optimizers skip them."""
+    model = _log_softmax_nll_model()
+    extra = onnx.numpy_helper.from_array(np.ones((3,), np.float32), "unused_scale")
+    model.graph.initializer.append(extra)
+    model.graph.node.append(onnx.helper.make_node("Mul", ["unused_scale", "unused_scale"], ["side"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("side", onnx.TensorProto.FLOAT, [3]))
+    desc = {"inputs": [("x", ["batch", 32]), ("target", ["batch"])],
+            "outputs": [("loss", [], True), ("side", [3])]}
+    with pytest.warns(UserWarning, match=r"parameters \['unused_scale'\] do not influence the loss"):
+        trainer = make_trainer(model, desc, optim.AdamConfig(lambda_coef=0.1))
+    trainer.train_step(*_batches(1)[0])
+    assert trainer._training_session.get_state(["unused_scale"])["unused_scale"].tolist() == [1.0, 1.0, 1.0]
+    assert "unused_scale" in trainer.state_dict()["model"]["full_precision"]

@@ -6,6 +6,7 @@ optimizer update. The debug option `graph_save_paths` writes the intermediate st
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,7 @@ from onnx import numpy_helper
 
 from .graph import fixups
 from .graph.editor import FLOAT_TYPES
-from .graph.gradient import build_ort_gradient_graph, move_initializers_to_inputs
+from .graph.gradient import GradientBuildError, build_ort_gradient_graph, move_initializers_to_inputs
 from .graph.scatter_grad import gather_grad_to_scatter_add
 from .graph.training import ParamGroup, TrainingGraph, build_training_graph, zero_state
 
@@ -48,10 +49,9 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     if request.dropout_off:
         forward = fixups.dropout_to_identity(forward)
     _save(forward, request.graph_save_paths.get("model_after_graph_transforms_path"))
-    state = request.trainable + request.frozen
-    gradient_model = gather_grad_to_scatter_add(
-        build_ort_gradient_graph(forward, request.loss_name, request.trainable, state))
+    gradient_model = gather_grad_to_scatter_add(_gradient_graph(forward, request))
     _save(gradient_model, request.graph_save_paths.get("model_with_gradient_graph_path"))
+    state = request.trainable + request.frozen
     training = build_training_graph(
         gradient_model, data_inputs=request.data_inputs, outputs=request.outputs, trainable=request.trainable,
         optimizer_name=request.optim_config.name, groups=param_groups(request.optim_config, request.trainable),
@@ -59,6 +59,22 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     _save(training.model, request.graph_save_paths.get("model_with_training_graph_path"))
     initial = {**initializer_values(request.forward, state), **zero_state(training.state_shapes)}
     return CompiledModel(training, build_eval_model(request.forward, state, request.outputs), initial)
+
+
+def _gradient_graph(forward: onnx.ModelProto, request: CompileRequest) -> onnx.ModelProto:
+    """The ORT gradient graph. Parameters without a differentiable path to the loss are frozen, with a warning —
+    PyTorch leaves their `.grad` None and its optimizers skip them; the request's lists are updated to match."""
+    while True:
+        try:
+            return build_ort_gradient_graph(forward, request.loss_name, request.trainable,
+                                            request.trainable + request.frozen)
+        except GradientBuildError as err:
+            if not err.unreachable or not set(err.unreachable) <= set(request.trainable):
+                raise
+            warnings.warn(f"parameters {err.unreachable} do not influence the loss; they are not trained "
+                          "(as PyTorch leaves their gradient None)")
+            request.trainable = [p for p in request.trainable if p not in err.unreachable]
+            request.frozen = request.frozen + err.unreachable
 
 
 def build_eval_model(forward: onnx.ModelProto, state: list[str], outputs: list[str]) -> onnx.ModelProto:

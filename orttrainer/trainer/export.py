@@ -54,6 +54,8 @@ class ExportedModel:
     buffers: list[str]  # buffers and requires_grad=False parameters: frozen state
     was_training: bool  # the model's train/eval mode when it was handed over (eval: dropout off in training)
     custom_functions: list[str]  # custom torch.autograd.Functions met in the dry run
+    aliases: dict[str, str]  # state_dict key -> initializer holding the same (tied) tensor
+    unused_state: dict[str, torch.Tensor]  # state_dict entries the graph does not use (copies; they never change)
 
 
 def check_forward_accepts(model: torch.nn.Module, input_names: list[str], has_loss_fn: bool) -> None:
@@ -117,8 +119,27 @@ def export_model(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: lis
     initializers = {i.name for i in onnx_model.graph.initializer}
     params = [n for n, p in model.named_parameters() if p.requires_grad and n in initializers]
     state = [n for n in model.state_dict() if n in initializers and n not in params]
+    aliases, unused = _state_outside_graph(model, initializers)
     return ExportedModel(onnx_model, sample_outputs, [t.dtype for t in sample_inputs],
-                         [t.dtype for t in sample_outputs[: len(output_names)]], params, state, was_training, functions)
+                         [t.dtype for t in sample_outputs[: len(output_names)]], params, state, was_training, functions,
+                         aliases, unused)
+
+
+def _state_outside_graph(model: torch.nn.Module, initializers: set[str]):
+    """state_dict keys that are not graph initializers: tied names of an exported tensor, or tensors the graph does
+    not use. Both are needed to give `torch.nn.Module.load_state_dict` a complete state_dict later."""
+    state = model.state_dict(keep_vars=True)
+    by_storage = {(t.data_ptr(), tuple(t.shape)): name for name, t in state.items() if name in initializers}
+    aliases, unused = {}, {}
+    for name, tensor in state.items():
+        if name in initializers:
+            continue
+        canonical = by_storage.get((tensor.data_ptr(), tuple(tensor.shape)))
+        if canonical is not None:
+            aliases[name] = canonical
+        else:
+            unused[name] = tensor.detach().clone()
+    return aliases, unused
 
 
 def strip_prefix(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:

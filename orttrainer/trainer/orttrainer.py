@@ -13,7 +13,9 @@ from .. import amp, optim
 from ..schema.model_desc import _ORTTrainerModelDesc
 from ..schema.options import ORTTrainerOptions
 from ..train_step_info import TrainStepInfo
+from ..checkpoint import storage
 from . import export as export_mod
+from . import state as state_mod
 from .compile import CompiledModel, CompileRequest, compile_model, split_parameters
 from .graph.editor import copy_model, tensor_elem_type
 from .graph.postprocess import run_postprocess
@@ -65,6 +67,7 @@ class ORTTrainer:
         self._optimizer_updates = 0  # updates applied so far; the next one is number `_optimizer_updates + 1`
         self._dropout_off = False
         self._frozen: list[str] = []
+        self._pending_state: tuple[dict, bool] | None = None
         self.torch_sample_outputs = None
         if isinstance(model, onnx.ModelProto):
             self._onnx_model = self._postprocess(model, check_result=True)
@@ -130,6 +133,64 @@ class ORTTrainer:
             if os.path.exists(temporary):
                 os.remove(temporary)
 
+    def state_dict(self, pytorch_format: bool = False) -> dict:
+        """Model, optimizer, trainer options and step counters in the legacy layout (see `trainer/state.py`), or
+        with `pytorch_format=True` a flat `{name: torch.Tensor}` that the original module's `load_state_dict`
+        accepts."""
+        if self._training_session is None:
+            warnings.warn("ONNX Runtime training session is not initialized yet. Please run train_step or eval_step at "
+                          "least once before calling ORTTrainer.state_dict().")
+            return self._pending_state[0] if self._pending_state is not None else {}
+        if pytorch_format:
+            if self.options.distributed.deepspeed_zero_optimization.stage > 0:
+                warnings.warn("Incomplete state_dict: ZeRO enabled")
+            if self.options.distributed.horizontal_parallel_size > 1:
+                warnings.warn("Incomplete state_dict: Megatron enabled")
+        return state_mod.build_state_dict(self, pytorch_format)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        """Load a state_dict in the legacy layout, or a plain PyTorch `state_dict` of the model.
+
+        Before the first step (PyTorch model) it is kept and applied, with the same checks, once the session exists.
+        """
+        if self._training_session is None:
+            self._pending_state = (state_dict, strict)
+            return
+        state_mod.apply_state_dict(self, state_dict, strict)
+
+    def save_checkpoint(self, path, user_dict: dict | None = None, include_optimizer_states: bool = True) -> None:
+        """Write `state_dict()` (plus `user_dict`, pickled as hex like the original) to an HDF5 file or file-like
+        object. The file appears only when fully written; an existing path raises FileExistsError."""
+        state = self.state_dict()
+        if user_dict:
+            state["user_dict"] = storage.to_serialized_hex(user_dict)
+        if not include_optimizer_states:
+            state.pop("optimizer", None)
+        storage.save(state, path)
+
+    def load_checkpoint(self, *paths, strict: bool = True) -> dict:
+        """Load checkpoint file(s) written by `save_checkpoint` (or the original ORTTrainer); per-rank ZeRO files are
+        aggregated. Returns the `user_dict` saved with it."""
+        from ..checkpoint import aggregate_checkpoints
+
+        options = storage.load(paths[0], key="trainer_options")
+        if options["zero_stage"] > 0 or options["horizontal_parallel_size"] > 1:
+            state = aggregate_checkpoints(list(paths), pytorch_format=False)
+        else:
+            _require(len(paths) == 1, f"Expected number of files to load: 1, got {len(paths)}")
+            state = storage.load(paths[0])
+        user_dict = {}
+        if "user_dict" in state:
+            user_dict = storage.from_serialized_hex(state.pop("user_dict"))
+        self.load_state_dict(state, strict=strict)
+        return user_dict
+
+    def _flat_state(self) -> dict:
+        return state_mod.flat_state(self)
+
+    def _load_flat_state(self, flat: dict, strict: bool) -> None:
+        state_mod.load_flat_state(self, flat, strict)
+
     # ------------------------------------------------------------------------------------------ graph and session
     def _init_onnx_model(self, sample_inputs: list) -> None:
         """Export the PyTorch model (first step), post-process it and create the session."""
@@ -150,6 +211,7 @@ class ORTTrainer:
         self.torch_sample_outputs = exported.sample_outputs
         self._check_loss_is_scalar(exported)
         self._torch_split = (exported.parameters, exported.buffers)
+        self._torch_aliases, self._torch_unused_state = exported.aliases, exported.unused_state
         self._dropout_off = not exported.was_training
         self._onnx_model = self._postprocess(exported.model, check_result=False)
         self._init_session()
@@ -168,21 +230,22 @@ class ORTTrainer:
             model = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
         return model
 
-    def _init_session(self, state_overrides: dict | None = None) -> None:
+    def _init_session(self) -> None:
         losses = [o.name for o in self.model_desc.outputs if o.is_loss]
         _require(len(losses) == 1, f"Only one loss output is supported ({len(losses)} were specified)")
         torch_params, torch_state = getattr(self, "_torch_split", (None, None))
         trainable, frozen = split_parameters(self._onnx_model, list(self.options.utils.frozen_weights), torch_params,
                                              torch_state)
-        self._frozen = frozen
         opts = self.options
-        self._compiled = compile_model(CompileRequest(
+        request = CompileRequest(
             forward=self._onnx_model, loss_name=losses[0], data_inputs=[d.name for d in self.model_desc.inputs],
             outputs=[d.name for d in self.model_desc.outputs], trainable=trainable, frozen=frozen,
             optim_config=self.optim_config, accumulation_steps=opts.batch.gradient_accumulation_steps,
             clip_grad_norm=opts.utils.grad_norm_clip, dropout_off=self._dropout_off,
-            graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts)))
-        state = {**self._compiled.initial_state, **(state_overrides or {})}
+            graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts))
+        self._compiled = compile_model(request)
+        self._frozen = request.frozen  # compile freezes parameters that cannot reach the loss
+        state = self._compiled.initial_state
         config = SessionConfig(
             device=self._device, mem_limit=opts.device.mem_limit,
             provider_options=dict(opts._validated_opts["provider_options"]), session_options=opts.session_options,
@@ -190,6 +253,12 @@ class ORTTrainer:
             optimized_model_path=opts.debug.graph_save_paths.model_with_training_graph_after_optimization_path)
         _seed_onnxruntime()
         self._training_session = TrainingSession(self._compiled.training, self._compiled.eval_model, state, config)
+        if self._pending_state is not None:  # load_state_dict before the first step: apply it fully now
+            pending, self._pending_state = self._pending_state, None
+            state_mod.apply_state_dict(self, *pending)
+        from ..checkpoint import _apply_pending_state_dict
+
+        _apply_pending_state_dict(self)  # the same for the experimental_load_state_dict API
 
     def _onnx_model_with_current_weights(self) -> onnx.ModelProto:
         from onnx import numpy_helper

@@ -108,15 +108,17 @@ class TrainingSession:
         return {n: np.array(self._state[n].numpy(), copy=True) for n in (names or self._state)}
 
     def set_state(self, values: dict[str, np.ndarray]) -> None:
-        """Replace state tensors; each value must match the current shape and dtype."""
+        """Replace state tensors; each value must match the current shape. All are checked before any is replaced,
+        so a bad value leaves the state as it was."""
+        arrays = {}
         for name, value in values.items():
             if name not in self._state:
                 raise KeyError(f"{name!r} is not a state tensor of this training session")
-            current = self._state[name]
-            array = np.asarray(value)
+            current, array = self._state[name], np.asarray(value)
             if tuple(array.shape) != tuple(current.shape()):
                 raise ValueError(f"state {name!r}: shape {tuple(array.shape)} does not match {tuple(current.shape())}")
-            self._state[name] = self._to_device(array.astype(current.numpy().dtype, copy=False))
+            arrays[name] = array.astype(_NUMPY_DTYPES[current.data_type()], copy=False)
+        self._state.update({name: self._to_device(array) for name, array in arrays.items()})
 
     # --------------------------------------------------------------------------------------------------- plumbing
     def _feeds(self, data: dict[str, torch.Tensor], wanted: set[str]) -> dict[str, object]:
@@ -139,6 +141,11 @@ class TrainingSession:
     def _to_torch(self, value) -> torch.Tensor:
         tensor = torch.utils.dlpack.from_dlpack(value.to_dlpack())
         return tensor.to(self.config.device.torch_device)
+
+
+_NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+                 "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8,
+                 "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_, "tensor(int16)": np.int16}
 
 
 def _owned_ortvalue(array: np.ndarray, device_type: str, device_index: int):

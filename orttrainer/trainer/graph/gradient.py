@@ -20,18 +20,28 @@ from .editor import copy_model
 
 
 class GradientBuildError(RuntimeError):
-    """ONNX Runtime could not differentiate the model; the message names the op and node."""
+    """ONNX Runtime could not differentiate the model; the message names the op and node.
+
+    `unreachable` lists the parameters ORT found no differentiable path from (the caller may freeze them).
+    """
+
+    def __init__(self, message: str, unreachable: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable or []
 
 
 def move_initializers_to_inputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
     """Rule: each initializer in `names` becomes a graph input of the same name, type and shape (appended after
-    the existing inputs, in initializer order); all other initializers stay constants."""
+    the existing inputs, in initializer order); all other initializers stay constants. An initializer that is
+    already listed as a graph input (IR < 4 models, `keep_initializers_as_inputs=True`) keeps that input."""
     wanted = set(names)
     result = copy_model(model)
+    inputs = {i.name for i in result.graph.input}
     kept = []
     for init in result.graph.initializer:
         if init.name in wanted:
-            result.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+            if init.name not in inputs:
+                result.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
         else:
             kept.append(init)
     del result.graph.initializer[:]
@@ -77,11 +87,16 @@ def _order_outputs(model: onnx.ModelProto, forward_outputs: list[str], trainable
 
 
 _NO_GRADIENT = re.compile(r"gradient builder has not been registered[:\s]*([A-Za-z0-9_]+)")
+_UNREACHABLE = re.compile(r"Cannot compute the partial derivative for '([^']+)' as it's unreachable")
 
 
 def _explain(err: Exception, forward: onnx.ModelProto) -> Exception:
     """Turn ORT's C++ error into one that names the op, the nodes and what to do."""
     text = str(err)
+    unreachable = _UNREACHABLE.findall(text)
+    if unreachable:
+        return GradientBuildError(f"parameters {unreachable} have no differentiable path to the loss; freeze them "
+                                  "with options utils.frozen_weights", unreachable)
     match = _NO_GRADIENT.search(text)
     if not match:
         return GradientBuildError(f"ONNX Runtime could not build the gradient graph: {text}")
