@@ -37,7 +37,7 @@ def _names(values) -> list[str]:
 
 
 def _clip_norm_nodes(graph) -> int:
-    return sum(n.op_type == "ReduceSumSquare" and n.name.startswith("orttrainer/train/clip/")
+    return sum(n.op_type == "ReduceSumSquare" and n.name.startswith("orttrainer/train/grad_sq")
                for n in graph.model.graph.node)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .graph import fixups
+from .graph import fixups, mixed_precision
 from .graph.editor import FLOAT_TYPES
 from .graph.gradient import GradientBuildError, build_ort_gradient_graph, move_initializers_to_inputs
 from .graph.scatter_grad import gather_grad_to_scatter_add
@@ -35,6 +35,8 @@ class CompileRequest:
     clip_grad_norm: bool
     dropout_off: bool  # the torch model was in eval mode: train without dropout
     graph_save_paths: dict[str, str]
+    mixed_precision: bool = False
+    cpu: bool = True  # CPU kernels need float32 fall-backs under mixed precision
 
 
 @dataclass
@@ -48,26 +50,39 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     forward = fixups.name_optional_outputs(request.forward)
     if request.dropout_off:
         forward = fixups.dropout_to_identity(forward)
-    _save(forward, request.graph_save_paths.get("model_after_graph_transforms_path"))
-    gradient_model = gather_grad_to_scatter_add(_gradient_graph(forward, request))
-    _save(gradient_model, request.graph_save_paths.get("model_with_gradient_graph_path"))
     state = request.trainable + request.frozen
+    loss, loss_scale = request.loss_name, None
+    eval_forward = request.forward
+    if request.mixed_precision:
+        forward = mixed_precision.to_float16(move_initializers_to_inputs(forward, state),
+                                             keep_float32=[*request.data_inputs, *state, request.loss_name])
+        eval_forward = mixed_precision.to_float16(move_initializers_to_inputs(request.forward, state),
+                                                  keep_float32=[*request.data_inputs, *state, request.loss_name])
+        forward, loss, loss_scale = mixed_precision.append_loss_scale(forward, request.loss_name)
+    _save(forward, request.graph_save_paths.get("model_after_graph_transforms_path"))
+    gradient_model = _gradient_graph(forward, request, loss)
+    if request.mixed_precision:
+        gradient_model = _without_outputs(gradient_model, {loss})
+        if request.cpu:
+            gradient_model = mixed_precision.cast_fp32_only_kernels(gradient_model)
+    gradient_model = gather_grad_to_scatter_add(gradient_model)
+    _save(gradient_model, request.graph_save_paths.get("model_with_gradient_graph_path"))
     training = build_training_graph(
         gradient_model, data_inputs=request.data_inputs, outputs=request.outputs, trainable=request.trainable,
         optimizer_name=request.optim_config.name, groups=param_groups(request.optim_config, request.trainable),
-        accumulation_steps=request.accumulation_steps, clip_grad_norm=request.clip_grad_norm)
+        accumulation_steps=request.accumulation_steps, clip_grad_norm=request.clip_grad_norm,
+        loss_scale_input=loss_scale)
     _save(training.model, request.graph_save_paths.get("model_with_training_graph_path"))
     initial = {**initializer_values(request.forward, state), **zero_state(training.state_shapes)}
-    return CompiledModel(training, build_eval_model(request.forward, state, request.outputs), initial)
+    return CompiledModel(training, build_eval_model(eval_forward, state, request.outputs), initial)
 
 
-def _gradient_graph(forward: onnx.ModelProto, request: CompileRequest) -> onnx.ModelProto:
+def _gradient_graph(forward: onnx.ModelProto, request: CompileRequest, loss: str) -> onnx.ModelProto:
     """The ORT gradient graph. Parameters without a differentiable path to the loss are frozen, with a warning —
     PyTorch leaves their `.grad` None and its optimizers skip them; the request's lists are updated to match."""
     while True:
         try:
-            return build_ort_gradient_graph(forward, request.loss_name, request.trainable,
-                                            request.trainable + request.frozen)
+            return build_ort_gradient_graph(forward, loss, request.trainable, request.trainable + request.frozen)
         except GradientBuildError as err:
             if not err.unreachable or not set(err.unreachable) <= set(request.trainable):
                 raise
@@ -75,6 +90,18 @@ def _gradient_graph(forward: onnx.ModelProto, request: CompileRequest) -> onnx.M
                           "(as PyTorch leaves their gradient None)")
             request.trainable = [p for p in request.trainable if p not in err.unreachable]
             request.frozen = request.frozen + err.unreachable
+
+
+def _without_outputs(model: onnx.ModelProto, names: set[str]) -> onnx.ModelProto:
+    kept = [o for o in model.graph.output if o.name not in names]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+    return model
+
+
+def output_elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """ONNX element type of each graph output (mixed precision: which outputs are float16)."""
+    return {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
 
 
 def build_eval_model(forward: onnx.ModelProto, state: list[str], outputs: list[str]) -> onnx.ModelProto:

@@ -16,7 +16,7 @@ from ..train_step_info import TrainStepInfo
 from ..checkpoint import storage
 from . import export as export_mod
 from . import state as state_mod
-from .compile import CompiledModel, CompileRequest, compile_model, split_parameters
+from .compile import CompiledModel, CompileRequest, compile_model, output_elem_types, split_parameters
 from .graph.editor import copy_model, tensor_elem_type
 from .graph.postprocess import run_postprocess
 from .inputs import check_inputs, check_outputs, order_inputs
@@ -88,14 +88,26 @@ class ORTTrainer:
         info.step += 1
         optimizer_step = info.step % self.options.batch.gradient_accumulation_steps == 0
         lr = self._learning_rate()
+        scaler = self.options.mixed_precision.loss_scaler if self.options.mixed_precision.enabled else None
         data = {d.name: t for d, t in zip(self.model_desc.inputs, inputs, strict=True)}
-        results = self._training_session.train(data, lr, self._optimizer_updates + 1, names, optimizer_step)
+        results, finite = self._training_session.train(data, lr, self._optimizer_updates + 1, names, optimizer_step,
+                                                       scaler.loss_scale if scaler else None)
         if optimizer_step:
-            self._optimizer_updates += 1
-            info.optimization_step += 1
+            self._after_optimizer_step(finite, scaler)
         check_outputs(results, self.model_desc.outputs, sizes)
         ordered = [results[n] for n in (info.fetches or names)]
         return ordered[0] if len(ordered) == 1 else ordered
+
+    def _after_optimizer_step(self, finite: bool, scaler) -> None:
+        """Count the update (only a finite one under mixed precision) and let the loss scaler see every optimizer
+        step — with or without fetches, unlike the original, whose scaler silently stopped updating with fetches."""
+        info = self._train_step_info
+        if scaler is not None:
+            info.all_finite = torch.tensor([finite])
+            scaler.update(info)
+        if finite:
+            self._optimizer_updates += 1
+            info.optimization_step += 1
 
     def eval_step(self, *args, **kwargs):
         """Forward pass with dropout off; changes no state. Returns outputs in model_desc order."""
@@ -242,9 +254,11 @@ class ORTTrainer:
             outputs=[d.name for d in self.model_desc.outputs], trainable=trainable, frozen=frozen,
             optim_config=self.optim_config, accumulation_steps=opts.batch.gradient_accumulation_steps,
             clip_grad_norm=opts.utils.grad_norm_clip, dropout_off=self._dropout_off,
-            graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts))
+            graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts),
+            mixed_precision=opts.mixed_precision.enabled, cpu=self._device.type == "cpu")
         self._compiled = compile_model(request)
         self._frozen = request.frozen  # compile freezes parameters that cannot reach the loss
+        self._describe_mixed_precision()
         state = self._compiled.initial_state
         config = SessionConfig(
             device=self._device, mem_limit=opts.device.mem_limit,
@@ -259,6 +273,22 @@ class ORTTrainer:
         from ..checkpoint import _apply_pending_state_dict
 
         _apply_pending_state_dict(self)  # the same for the experimental_load_state_dict API
+
+    def _describe_mixed_precision(self) -> None:
+        """Record the loss-scale input, the all-finite output and the float16 outputs in model_desc (legacy §3.4)."""
+        opts = self.options.mixed_precision
+        if not opts.enabled:
+            if opts.loss_scaler is not None:
+                raise ValueError("Loss Scaler cannot be specified when Mixed Precision is not enabled")
+            return
+        graph = self._compiled.training
+        self.model_desc.loss_scale_input = graph.loss_scale_input
+        self.model_desc.all_finite = graph.all_finite_output
+        opts.loss_scaler.input_name = graph.loss_scale_input
+        types = output_elem_types(self._compiled.eval_model)
+        for i, desc in enumerate(self.model_desc.outputs):
+            if getattr(desc, "dtype", None) == torch.float32 and types.get(desc.name) == onnx.TensorProto.FLOAT16:
+                self.model_desc.add_type_to_output_description(i, desc.dtype, torch.float16)
 
     def _onnx_model_with_current_weights(self) -> onnx.ModelProto:
         from onnx import numpy_helper

@@ -76,23 +76,30 @@ class TrainingSession:
 
     # ---------------------------------------------------------------------------------------------------- running
     def train(self, data: dict[str, torch.Tensor], lr: float, update_count: int, outputs: list[str],
-              optimizer_step: bool) -> dict[str, torch.Tensor]:
+              optimizer_step: bool, loss_scale: float | None = None) -> tuple[dict[str, torch.Tensor], bool]:
         """Run one micro-step (`optimizer_step=False`: accumulate gradients) or an optimizer step.
 
-        Returns the requested forward outputs as torch tensors on the trainer's device.
+        Returns the requested forward outputs as torch tensors on the trainer's device, and whether the step's
+        gradients were all finite (mixed precision; always True otherwise). A non-finite optimizer step keeps the
+        previous weights and moments: the updated values are simply not adopted.
         """
         g = self.graph
         feeds = self._feeds(data, self._train_inputs)
         feeds[g.lr_input] = self._host_scalar(np.float32(lr))
         feeds[g.update_count_input] = self._host_scalar(np.int64(update_count))
+        if g.loss_scale_input:
+            feeds[g.loss_scale_input] = self._host_scalar(np.float32(loss_scale))
         state_outputs = ({**g.weight_updates, **g.optimizer_state} if optimizer_step else g.accumulation)
-        fetched = self._run(self._train, feeds, outputs + list(state_outputs.values()))
+        checks = [g.all_finite_output] if optimizer_step and g.all_finite_output else []
+        fetched = self._run(self._train, feeds, outputs + list(state_outputs.values()) + checks)
         results = dict(zip(outputs, fetched[: len(outputs)], strict=True))
-        for state_name, value in zip(state_outputs, fetched[len(outputs):], strict=True):
-            self._state[state_name] = value
+        finite = bool(fetched[-1].numpy().all()) if checks else True
+        if finite:
+            new_state = fetched[len(outputs): len(outputs) + len(state_outputs)]
+            self._state.update(zip(state_outputs, new_state, strict=True))
         if optimizer_step:
-            self._state.update(self._zeros)  # accumulation restarts from zero after every update
-        return {name: self._to_torch(value) for name, value in results.items()}
+            self._state.update(self._zeros)  # accumulation restarts from zero after every update (or skipped one)
+        return {name: self._to_torch(value) for name, value in results.items()}, finite
 
     def evaluate(self, data: dict[str, torch.Tensor], outputs: list[str]) -> dict[str, torch.Tensor]:
         feeds = self._feeds(data, self._eval_inputs)

@@ -10,6 +10,8 @@ Layout (pytorch_format=False):
   train_step_info/optimization_step, step
   gradient_accumulation/<weight>              only mid accumulation window: the running gradient sums, so a resumed
                                               run continues the window exactly (the original lost them)
+  loss_scaler/loss_scale, stable_steps        mixed precision only: the loss scaler's state, so a resumed run
+                                              continues with the same scale (the original restarted from 2^16)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ FULL_PRECISION = "full_precision"
 LEGACY_FULL_PRECISION = "fp32"  # checkpoints written before ≈1.7
 SHARED = "shared_optimizer_state"
 ACCUMULATION = "gradient_accumulation"
+LOSS_SCALER = "loss_scaler"
 
 
 def build_state_dict(trainer, pytorch_format: bool = False) -> dict:
@@ -41,7 +44,16 @@ def build_state_dict(trainer, pytorch_format: bool = False) -> dict:
     if trainer._train_step_info.step % trainer.options.batch.gradient_accumulation_steps:
         buffers = session.get_state(list(graph.accumulation))
         state[ACCUMULATION] = {name[: -len("_grad_accumulation_buffer")]: value for name, value in buffers.items()}
+    scaler = _loss_scaler(trainer)
+    if scaler is not None:
+        state[LOSS_SCALER] = {"loss_scale": float(scaler.loss_scale),
+                              "stable_steps": int(getattr(scaler, "_stable_steps_count", 0))}
     return state
+
+
+def _loss_scaler(trainer):
+    mixed_precision = trainer.options.mixed_precision
+    return mixed_precision.loss_scaler if mixed_precision.enabled else None
 
 
 def _pytorch_state_dict(trainer, model: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -115,7 +127,18 @@ def apply_state_dict(trainer, state_dict: dict, strict: bool) -> None:
     trainer._training_session.set_state(values)  # validates every shape before anything changes
     if updates is not None:
         trainer._optimizer_updates = updates
+    _load_loss_scaler(trainer, state_dict.get(LOSS_SCALER))
     _load_train_step_info(trainer, state_dict)
+
+
+def _load_loss_scaler(trainer, saved: dict | None) -> None:
+    """A checkpoint from a mixed-precision run carries its loss scale; an fp32 trainer has no use for it."""
+    scaler = _loss_scaler(trainer)
+    if saved is None or scaler is None:
+        return
+    scaler.loss_scale = float(saved["loss_scale"])
+    if hasattr(scaler, "_stable_steps_count"):
+        scaler._stable_steps_count = int(saved["stable_steps"])
 
 
 def _model_values(trainer, model: dict, strict: bool) -> dict[str, np.ndarray]:

@@ -11,7 +11,6 @@ from onnx import TensorProto
 
 # option path -> (predicate on the value that means "cannot be honoured", what to do instead)
 _UNSUPPORTED = {
-    "mixed_precision.enabled": (lambda v: v, "train in float32 (mixed_precision.enabled=False)"),
     "distributed.world_size": (lambda v: v > 1, "run a single process"),
     "distributed.world_rank": (lambda v: v > 0, "run a single process"),
     "distributed.local_rank": (lambda v: v > 0, "run a single process"),

@@ -6,6 +6,7 @@ added node carries a readable name (`orttrainer/<pass>/<hint>`) that shows up in
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -52,6 +53,10 @@ class GraphEditor:
         """A name based on `hint` that no tensor or node of the graph uses yet."""
         base = hint if hint.startswith("orttrainer/") else f"{self.prefix}/{hint}"
         return fresh_name(base, self._taken)
+
+    def unused(self, name: str) -> str:
+        """`name` itself if no tensor or node uses it yet, else `name_<k>`; reserved either way."""
+        return fresh_name(name, self._taken)
 
     def claim(self, name: str) -> str:
         """Reserve an exact name (for graph inputs/outputs whose names are part of a contract)."""
@@ -130,6 +135,60 @@ def tensor_elem_type(model: onnx.ModelProto, name: str) -> int:
         if vi.name == name and vi.type.tensor_type.elem_type:
             return vi.type.tensor_type.elem_type
     raise KeyError(f"no type information for tensor {name!r}")
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def can_raise_opset(model: onnx.ModelProto) -> bool:
+    """From opset 14 on, raising the default-domain opset to 16 changes the meaning of no op but RoiAlign (its
+    default coordinate mode); the ops whose versions change in between only gain types or attributes."""
+    return default_opset(model) >= 14 and not any(n.op_type == "RoiAlign" for n in model.graph.node)
+
+
+def raise_opset(model: onnx.ModelProto, version: int) -> None:
+    """Set the default-domain opset to at least `version` (<= 16), in place; see `can_raise_opset`."""
+    if version > 16 or (default_opset(model) < version and not can_raise_opset(model)):
+        raise ValueError(f"cannot raise this graph's opset {default_opset(model)} to {version} safely")
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = max(opset.version, version)
+
+
+def topologically_sorted(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose nodes are in topological order (Kahn's algorithm, stable: ready nodes keep their relative
+    order). Raises ValueError if a node input is produced by nothing or the graph has a cycle."""
+    result = copy_model(model)
+    graph = result.graph
+    available = {v.name for v in graph.input} | {i.name for i in graph.initializer} | {""}
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output}
+    waiting_on = [0] * len(graph.node)
+    consumers: dict[int, list[int]] = {}
+    for i, node in enumerate(graph.node):
+        for name in set(node.input):
+            if name in available:
+                continue
+            if name not in producer:
+                raise ValueError(f"node {node.name or node.op_type!r} reads {name!r}, which nothing produces")
+            waiting_on[i] += 1
+            consumers.setdefault(producer[name], []).append(i)
+    ready = [i for i, count in enumerate(waiting_on) if count == 0]
+    heapq.heapify(ready)  # the smallest index first: nodes keep their original order where they can
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in consumers.get(i, []):
+            waiting_on[j] -= 1
+            if waiting_on[j] == 0:
+                heapq.heappush(ready, j)
+    if len(order) != len(graph.node):
+        raise ValueError("the graph has a cycle")
+    nodes = [graph.node[i] for i in order]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return result
 
 
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}

@@ -8,9 +8,12 @@ Rule: `dW = GatherGrad(shape, indices, dY)` with `axis=0` becomes
 `ScatterND(ConstantOfShape(shape, 0), Reshape(indices, [-1, 1]), Reshape(dY, [-1] ++ shape[1:]), reduction='add')`,
 which adds `dY[i]` into row `indices[i]` for every flattened index — duplicates accumulate, as GatherGrad's do.
 
-ScatterND's `reduction` attribute exists from opset 16. The pass raises the model's default-domain opset from 14 or
-15 to 16: the only op whose meaning changes between them is RoiAlign (its default coordinate mode), so a graph
-containing RoiAlign, a graph below opset 14, or a GatherGrad with axis != 0 is left unchanged.
+The rows are added in float32 and the result cast back to the gradient's element type (`CastLike`): float16
+gradients (mixed precision) then sum without precision loss, and CPU's ScatterND has no float16 'add' kernel.
+For float32 gradients both casts are no-ops that ONNX Runtime removes.
+ScatterND's `reduction` attribute exists from opset 16: the pass raises the model's default-domain opset from 14 or
+15 to 16 (see `editor.can_raise_opset`), so a graph containing RoiAlign, a graph below opset 14, or a GatherGrad with
+axis != 0 is left unchanged.
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from .editor import GraphEditor, copy_model
+from .editor import GraphEditor, can_raise_opset, copy_model, raise_opset
 
 _SCATTER_OPSET = 16
 
 
 def gather_grad_to_scatter_add(model: onnx.ModelProto) -> onnx.ModelProto:
     """Apply the rule above; returns a new model (the argument is not modified)."""
-    opset = _default_opset(model)
     candidates = [n for n in model.graph.node if n.op_type == "GatherGrad" and _axis(n) == 0]
-    if not candidates or opset < 14 or any(n.op_type == "RoiAlign" for n in model.graph.node):
+    if not candidates or not can_raise_opset(model):
         return model
     result = copy_model(model)
     ed = GraphEditor(result.graph, "orttrainer/scatter_grad")
@@ -37,7 +39,7 @@ def gather_grad_to_scatter_add(model: onnx.ModelProto) -> onnx.ModelProto:
         nodes.extend(_scatter_add_nodes(ed, node) if node.op_type == "GatherGrad" and _axis(node) == 0 else [node])
     del result.graph.node[:]
     result.graph.node.extend(nodes)
-    _set_default_opset(result, max(opset, _SCATTER_OPSET))
+    raise_opset(result, _SCATTER_OPSET)
     return result
 
 
@@ -52,8 +54,9 @@ def _scatter_add_nodes(ed: GraphEditor, node: onnx.NodeProto) -> list[onnx.NodeP
                                 ed.constant([2**62], dtype="int64", hint="end")], "row_shape")
     update_shape = ed.op("Concat", [ed.constant([-1], dtype="int64", hint="minus_one"), row_shape], "update_shape",
                          axis=0)
-    updates = ed.op("Reshape", [grad, update_shape], "updates")
-    ed.op("ScatterND", [zeros, flat_indices, updates], "scatter_add", outputs=[node.output[0]], reduction="add")
+    updates = ed.op("Reshape", [ed.op("Cast", [grad], "grad_f32", to=TensorProto.FLOAT), update_shape], "updates")
+    summed = ed.op("ScatterND", [zeros, flat_indices, updates], "scatter_add", reduction="add")
+    ed.op("CastLike", [summed, grad], "scatter_add_typed", outputs=[node.output[0]])
     added = list(ed.graph.node[start:])
     del ed.graph.node[start:]
     return added
@@ -61,13 +64,3 @@ def _scatter_add_nodes(ed: GraphEditor, node: onnx.NodeProto) -> list[onnx.NodeP
 
 def _axis(node: onnx.NodeProto) -> int:
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
-
-
-def _default_opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-
-
-def _set_default_opset(model: onnx.ModelProto, version: int) -> None:
-    for opset in model.opset_import:
-        if opset.domain in ("", "ai.onnx"):
-            opset.version = version

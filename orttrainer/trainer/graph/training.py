@@ -9,6 +9,10 @@ weights and optimizer moments (optimizer steps). The session fetches one set or 
 Gradient semantics (DESIGN.md): with k accumulation steps the update uses the mean of the k micro-batch gradients.
 The mean, the loss-scale unscaling and the clipping coefficient are one scalar `coef` per parameter group, folded
 into the optimizer's moment updates, so no pass over the gradients materialises them.
+
+Mixed precision: with a `loss_scale_input` the gradients are of the scaled loss; `coef` divides by the scale, and
+the graph also outputs `all_gradients_finite` (bool [1]): false when the sum of squares of all gradients is inf or
+NaN. The session then discards that step's updated state, so a skipped step leaves everything exactly unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from .optimizer import OPTIMIZERS, StepScalars, TensorUpdate
 LEARNING_RATE_INPUT = "__learning_rate"
 UPDATE_COUNT_INPUT = "__update_count"
 CLIP_EPSILON = 1e-6  # as torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
+ALL_FINITE_OUTPUT = "all_gradients_finite"
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,8 @@ def accumulation_buffer_name(weight: str) -> str:
 
 def build_training_graph(gradient_model: onnx.ModelProto, *, data_inputs: list[str], outputs: list[str],
                          trainable: list[str], optimizer_name: str, groups: list[ParamGroup],
-                         accumulation_steps: int, clip_grad_norm: bool) -> TrainingGraph:
+                         accumulation_steps: int, clip_grad_norm: bool,
+                         loss_scale_input: str | None = None) -> TrainingGraph:
     """Append accumulation, clipping and the optimizer update to `gradient_model` (which is not modified)."""
     if optimizer_name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer_name!r}; expected one of {sorted(OPTIMIZERS)}")
@@ -73,9 +79,13 @@ def build_training_graph(gradient_model: onnx.ModelProto, *, data_inputs: list[s
     if accumulation_steps > 1:
         grads, accumulation = _append_accumulation(ed, grads, shapes)
         state_shapes.update({accumulation_buffer_name(p): shapes[p] for p in trainable})
-    coef = 1.0 / accumulation_steps
+    coef: str | float = 1.0 / accumulation_steps
+    if loss_scale_input:
+        coef = ed.scalar_product([coef, ed.op("Reciprocal", [loss_scale_input], "inv_loss_scale")], "grad_coef")
     step = _append_step_inputs(ed)
-    group_coefs = _clip_coefficients(ed, grads, groups, coef, clip_grad_norm and optimizer_name != "SGDOptimizer")
+    clip = clip_grad_norm and optimizer_name != "SGDOptimizer"
+    total = _total_square(ed, grads) if clip or loss_scale_input else None
+    group_coefs = _clip_coefficients(ed, total, groups, coef) if clip else [coef for _ in groups]
 
     updates: list[TensorUpdate] = []
     for group, group_coef in zip(groups, group_coefs, strict=True):
@@ -87,6 +97,9 @@ def build_training_graph(gradient_model: onnx.ModelProto, *, data_inputs: list[s
     state_shapes.update({m_in: shapes[u.weight] for u in updates for m_in, _ in u.moments})
     result.state_shapes = state_shapes
     _declare_state(ed, result, {**shapes, **state_shapes})
+    if loss_scale_input:
+        result.loss_scale_input = loss_scale_input
+        result.all_finite_output = _append_all_finite(ed, total)
     return result
 
 
@@ -106,14 +119,15 @@ def _append_step_inputs(ed: GraphEditor) -> StepScalars:
     return StepScalars(lr=lr, update_count=ed.op("Cast", [count], "update_count_d", to=TensorProto.DOUBLE))
 
 
-def _clip_coefficients(ed: GraphEditor, grads: dict[str, str], groups: list[ParamGroup], coef: float,
-                       enabled: bool) -> list[str | float]:
+def _total_square(ed: GraphEditor, grads: dict[str, str]) -> str:
+    """Sum of squares of every gradient (one scalar), shared by clipping and the finite check."""
+    squares = [ed.op("ReduceSumSquare", [g], "grad_sq", keepdims=0) for g in grads.values()]
+    return squares[0] if len(squares) == 1 else ed.op("Sum", squares, "total_grad_sq")
+
+
+def _clip_coefficients(ed: GraphEditor, total: str, groups: list[ParamGroup], coef: str | float) -> list[str | float]:
     """Per group: `coef · min(1, max_norm_clip / (‖coef·G‖ + 1e-6))`, the norm taken over all trainable gradients
-    (torch.nn.utils.clip_grad_norm_ semantics); just `coef` when clipping is off."""
-    if not enabled:
-        return [coef for _ in groups]
-    squares = [ed.op("ReduceSumSquare", [g], "clip/grad_sq", keepdims=0) for g in grads.values()]
-    total = squares[0] if len(squares) == 1 else ed.op("Sum", squares, "clip/total_sq")
+    (torch.nn.utils.clip_grad_norm_ semantics)."""
     norm = ed.scalar_product([ed.op("Sqrt", [total], "clip/raw_norm"), coef], "clip/norm")
     shifted = ed.op("Add", [ed.as_tensor(norm), ed.constant(CLIP_EPSILON, hint="clip/eps")], "clip/norm_eps")
     one = ed.constant(1.0, hint="clip/one")
@@ -123,6 +137,16 @@ def _clip_coefficients(ed: GraphEditor, grads: dict[str, str], groups: list[Para
                       "clip/ratio")
         coefs.append(ed.scalar_product([ed.op("Min", [ratio, one], "clip/factor"), coef], "clip/coef"))
     return coefs
+
+
+def _append_all_finite(ed: GraphEditor, total: str) -> str:
+    """`all_gradients_finite = not (isinf(total) or isnan(total))`, shaped [1] like the legacy output."""
+    bad = ed.op("Or", [ed.op("IsInf", [total], "amp/is_inf"), ed.op("IsNaN", [total], "amp/is_nan")], "amp/bad")
+    finite = ed.op("Not", [bad], "amp/finite")
+    name = ed.unused(ALL_FINITE_OUTPUT)
+    ed.op("Reshape", [finite, ed.constant([1], dtype="int64", hint="amp/shape1")], "amp/finite_1", outputs=[name])
+    ed.add_output(name, TensorProto.BOOL, [1])
+    return name
 
 
 def _declare_state(ed: GraphEditor, graph: TrainingGraph, shapes: dict[str, tuple[int, ...]]) -> None:
