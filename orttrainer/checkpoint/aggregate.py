@@ -35,6 +35,8 @@ _USER_DICT = _utils.state_dict_user_dict_key()
 _SHARDED_OPTIMIZER_KEYS = _utils.state_dict_sharded_optimizer_keys()
 _RANK = _utils.state_dict_trainer_options_world_rank_key()
 _MEGATRON_ROW = "megatron_row_partition"
+# Replicated groups orttrainer adds to the legacy layout: identical on every rank, carried over once.
+_REPLICATED_GROUPS = (_utils.state_dict_train_step_info_key(), "loss_scaler")
 
 # (trainer option, name used in the mismatch message) checked to agree across the files of one aggregation.
 _MUST_AGREE = (
@@ -214,9 +216,20 @@ def _aggregate_states(
                 _aggregate_trainer_options(rank_state, state, partial_aggregation)
             if _USER_DICT not in state and _USER_DICT in rank_state:
                 state[_USER_DICT] = rank_state[_USER_DICT]
+            _carry_replicated_groups(rank_state, state, name)
     if not partial_aggregation:
         _reshape_states(original_dims, state, mixed_precision)
     return _to_pytorch_format(state) if pytorch_format else state
+
+
+def _carry_replicated_groups(rank_state: Mapping[str, Any], state: dict[str, Any], name: Any) -> None:
+    """train_step_info and the loss scaler's state are the same on every rank: keep one copy, check the others."""
+    for group in _REPLICATED_GROUPS:
+        if group not in rank_state:
+            continue
+        target = state.setdefault(group, {})
+        for key, value in rank_state[group].items():
+            _add_or_validate_unsharded_key(key, value, target, f"Value mismatch for {group}/{key} (file: {name})")
 
 
 def _enumerate_ranks(

@@ -17,7 +17,8 @@ from .graph import fixups, mixed_precision
 from .graph.editor import FLOAT_TYPES
 from .graph.gradient import GradientBuildError, build_ort_gradient_graph, move_initializers_to_inputs
 from .graph.scatter_grad import gather_grad_to_scatter_add
-from .graph.training import ParamGroup, TrainingGraph, build_training_graph, zero_state
+from .graph.data_parallel import GradientStepGraph, build_gradient_step_graph, build_optimizer_graph
+from .graph.training import ParamGroup, TrainingGraph, accumulation_buffer_name, build_training_graph, zero_state
 
 
 @dataclass
@@ -37,13 +38,33 @@ class CompileRequest:
     graph_save_paths: dict[str, str]
     mixed_precision: bool = False
     cpu: bool = True  # CPU kernels need float32 fall-backs under mixed precision
+    data_parallel: DataParallelPlan | None = None
+
+
+@dataclass(frozen=True)
+class DataParallelPlan:
+    """How this rank's gradients are combined: `world_size` ranks, reduced after accumulation or per micro-step,
+    summed or combined with Adasum, and (ZeRO stage 1) which tensors this rank updates."""
+
+    world_size: int
+    post_accumulation: bool
+    adasum: bool
+    owned: list[str] | None  # None: every rank updates every tensor
 
 
 @dataclass
 class CompiledModel:
+    """`training` is the whole step in one process; with data parallelism it is the optimizer graph and `step` the
+    gradient graph. `trainable` lists every trained tensor, `accumulation_buffers` the gradient sums kept as state."""
+
     training: TrainingGraph
     eval_model: onnx.ModelProto
     initial_state: dict[str, np.ndarray]
+    trainable: list[str]
+    accumulation_buffers: list[str]
+    shapes: dict[str, tuple[int, ...]]  # of the trainable tensors
+    step: GradientStepGraph | None = None
+    reduced_inputs: dict[str, str] | None = None
 
 
 def compile_model(request: CompileRequest) -> CompiledModel:
@@ -67,14 +88,37 @@ def compile_model(request: CompileRequest) -> CompiledModel:
             gradient_model = mixed_precision.cast_fp32_only_kernels(gradient_model)
     gradient_model = gather_grad_to_scatter_add(gradient_model)
     _save(gradient_model, request.graph_save_paths.get("model_with_gradient_graph_path"))
+    weights = initializer_values(request.forward, state)
+    eval_model = build_eval_model(eval_forward, state, request.outputs)
+    if request.data_parallel is not None:
+        return _compile_data_parallel(request, gradient_model, loss_scale, weights, eval_model)
     training = build_training_graph(
         gradient_model, data_inputs=request.data_inputs, outputs=request.outputs, trainable=request.trainable,
         optimizer_name=request.optim_config.name, groups=param_groups(request.optim_config, request.trainable),
         accumulation_steps=request.accumulation_steps, clip_grad_norm=request.clip_grad_norm,
         loss_scale_input=loss_scale)
     _save(training.model, request.graph_save_paths.get("model_with_training_graph_path"))
-    initial = {**initializer_values(request.forward, state), **zero_state(training.state_shapes)}
-    return CompiledModel(training, build_eval_model(eval_forward, state, request.outputs), initial)
+    return CompiledModel(training, eval_model, {**weights, **zero_state(training.state_shapes)},
+                         list(request.trainable), list(training.accumulation),
+                         {p: tuple(weights[p].shape) for p in request.trainable})
+
+
+def _compile_data_parallel(request: CompileRequest, gradient_model: onnx.ModelProto, loss_scale: str | None,
+                           weights: dict[str, np.ndarray], eval_model: onnx.ModelProto) -> CompiledModel:
+    plan, k = request.data_parallel, request.accumulation_steps
+    step = build_gradient_step_graph(gradient_model, data_inputs=request.data_inputs, outputs=request.outputs,
+                                     trainable=request.trainable, accumulate=k > 1 and plan.post_accumulation,
+                                     loss_scale_input=loss_scale)
+    shapes = {p: tuple(weights[p].shape) for p in request.trainable}
+    optimizer, reduced = build_optimizer_graph(
+        shapes, trainable=request.trainable, optimizer_name=request.optim_config.name,
+        groups=param_groups(request.optim_config, request.trainable),
+        gradient_divisor=k if plan.adasum else k * plan.world_size, clip_grad_norm=request.clip_grad_norm,
+        loss_scale=loss_scale is not None, update_only=plan.owned)
+    _save(optimizer.model, request.graph_save_paths.get("model_with_training_graph_path"))
+    buffers = {accumulation_buffer_name(p): shapes[p] for p in request.trainable} if k > 1 else {}
+    initial = {**weights, **zero_state(optimizer.state_shapes), **zero_state(buffers)}
+    return CompiledModel(optimizer, eval_model, initial, list(request.trainable), list(buffers), shapes, step, reduced)
 
 
 def _gradient_graph(forward: onnx.ModelProto, request: CompileRequest, loss: str) -> onnx.ModelProto:

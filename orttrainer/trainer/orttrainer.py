@@ -16,12 +16,22 @@ from ..train_step_info import TrainStepInfo
 from ..checkpoint import storage
 from . import export as export_mod
 from . import state as state_mod
-from .compile import CompiledModel, CompileRequest, compile_model, output_elem_types, split_parameters
+from .compile import (
+    CompiledModel,
+    CompileRequest,
+    DataParallelPlan,
+    compile_model,
+    output_elem_types,
+    split_parameters,
+)
+from .distributed import Communicator, partition_parameters, resolve_context
+from .graph.data_parallel import DataParallelGraphs
 from .graph.editor import copy_model, tensor_elem_type
 from .graph.postprocess import run_postprocess
 from .inputs import check_inputs, check_outputs, order_inputs
 from .session import Device, SessionConfig, TrainingSession
-from .support import check_supported_options, onnx_to_torch_dtype
+from .session_dp import DataParallelSession
+from .support import check_data_parallel_options, check_supported_options, onnx_to_torch_dtype
 
 
 class ORTTrainer:
@@ -61,6 +71,13 @@ class ORTTrainer:
             self.options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
         check_supported_options(self.options)
         self._device = Device.parse(self.options.device.id)
+        self._distributed = resolve_context(self.options, self._device.type)
+        self._rank = self._distributed.rank if self._distributed else 0
+        self._world_size = self._distributed.world_size if self._distributed else 1
+        self._zero_owners: dict[str, int] | None = None
+        if self._distributed and self._device.type == "cuda" and self.options.device.id.strip().lower() == "cuda":
+            self._device = Device("cuda", self._distributed.local_rank)  # one GPU per local rank
+        check_data_parallel_options(self.options, self._world_size)
         self._train_step_info = TrainStepInfo(optim_config)
         self._training_session: TrainingSession | None = None
         self._compiled: CompiledModel | None = None
@@ -255,7 +272,8 @@ class ORTTrainer:
             optim_config=self.optim_config, accumulation_steps=opts.batch.gradient_accumulation_steps,
             clip_grad_norm=opts.utils.grad_norm_clip, dropout_off=self._dropout_off,
             graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts),
-            mixed_precision=opts.mixed_precision.enabled, cpu=self._device.type == "cpu")
+            mixed_precision=opts.mixed_precision.enabled, cpu=self._device.type == "cpu",
+            data_parallel=self._data_parallel_plan(trainable))
         self._compiled = compile_model(request)
         self._frozen = request.frozen  # compile freezes parameters that cannot reach the loss
         self._describe_mixed_precision()
@@ -266,13 +284,32 @@ class ORTTrainer:
             deterministic=opts.debug.deterministic_compute,
             optimized_model_path=opts.debug.graph_save_paths.model_with_training_graph_after_optimization_path)
         _seed_onnxruntime()
-        self._training_session = TrainingSession(self._compiled.training, self._compiled.eval_model, state, config)
+        self._training_session = self._create_session(state, config)
         if self._pending_state is not None:  # load_state_dict before the first step: apply it fully now
             pending, self._pending_state = self._pending_state, None
             state_mod.apply_state_dict(self, *pending)
         from ..checkpoint import _apply_pending_state_dict
 
         _apply_pending_state_dict(self)  # the same for the experimental_load_state_dict API
+
+    def _data_parallel_plan(self, trainable: list[str]) -> DataParallelPlan | None:
+        if self._distributed is None:
+            return None
+        dist_opts = self.options.distributed
+        shapes = {p: tuple(i.dims) for i in self._onnx_model.graph.initializer for p in [i.name] if p in trainable}
+        self._zero_owners = (partition_parameters(shapes, self._world_size)
+                             if dist_opts.deepspeed_zero_optimization.stage > 0 else None)
+        owned = None if self._zero_owners is None else [p for p in trainable if self._zero_owners[p] == self._rank]
+        return DataParallelPlan(self._world_size, dist_opts.allreduce_post_accumulation, dist_opts.enable_adasum, owned)
+
+    def _create_session(self, state: dict, config: SessionConfig) -> TrainingSession:
+        compiled = self._compiled
+        if compiled.step is None:
+            return TrainingSession(compiled.training, compiled.eval_model, state, config)
+        return DataParallelSession(
+            DataParallelGraphs(compiled.step, compiled.training, compiled.reduced_inputs), compiled.eval_model, state,
+            config, Communicator(self._world_size), accumulation_steps=self.options.batch.gradient_accumulation_steps,
+            adasum=self.options.distributed.enable_adasum, owners=self._zero_owners, rank=self._rank)
 
     def _describe_mixed_precision(self) -> None:
         """Record the loss-scale input, the all-finite output and the float16 outputs in model_desc (legacy §3.4)."""
@@ -301,8 +338,7 @@ class ORTTrainer:
         return model
 
     def _state_tensor_names(self) -> list[str]:
-        graph = self._compiled.training
-        return list(graph.weight_updates) + list(self._frozen)
+        return list(self._compiled.trainable) + list(self._frozen)
 
     # -------------------------------------------------------------------------------------------------- helpers
     def _requested_outputs(self, fetches: list[str]) -> list[str]:

@@ -58,21 +58,28 @@ class TrainingSession:
 
     def __init__(self, graph: TrainingGraph, eval_model: onnx.ModelProto, state: dict[str, np.ndarray],
                  config: SessionConfig) -> None:
+        self._setup(eval_model, state, config)
+        self.graph = graph
+        self._train = self._session(graph.model, config.optimized_model_path)
+        self._train_inputs = {i.name for i in self._train.get_inputs()}
+        self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
+
+    def _setup(self, eval_model: onnx.ModelProto, state: dict[str, np.ndarray], config: SessionConfig) -> None:
+        """What every session kind shares: options, providers, the eval session and the state."""
         import onnxruntime as ort
 
-        self.graph = graph
         self.config = config
         self._ort = ort
-        options = _session_options(config)
-        providers = _providers(config)
-        self._train = _create_session(graph.model, options, providers, config, config.optimized_model_path)
-        self._eval = _create_session(eval_model, options, providers, config, "")
-        self._train_inputs = {i.name for i in self._train.get_inputs()}
+        self._options = _session_options(config)
+        self._providers = _providers(config)
+        self._eval = self._session(eval_model, "")
         self._eval_inputs = {i.name for i in self._eval.get_inputs()}
         self._state: dict[str, object] = {name: self._to_device(value) for name, value in state.items()}
-        self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
         self._partial_run = ort.RunOptions()
         self._partial_run.only_execute_path_to_fetches = True
+
+    def _session(self, model: onnx.ModelProto, optimized_model_path: str):
+        return _create_session(model, self._options, self._providers, self.config, optimized_model_path)
 
     # ---------------------------------------------------------------------------------------------------- running
     def train(self, data: dict[str, torch.Tensor], lr: float, update_count: int, outputs: list[str],
@@ -136,7 +143,7 @@ class TrainingSession:
         return feeds
 
     def _run(self, session, feeds: dict[str, object], fetch: list[str]) -> list:
-        options = self._partial_run if session is self._train else None
+        options = self._partial_run if session is not self._eval else None
         return list(session._sess.run_with_ort_values(feeds, fetch, options))
 
     def _to_device(self, array: np.ndarray):
@@ -167,6 +174,16 @@ def _owned_ortvalue(array: np.ndarray, device_type: str, device_index: int):
     value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype, device_type, device_index)
     value.update_inplace(array)
     return value._get_c_value()
+
+
+def to_torch_view(value) -> torch.Tensor:
+    """A torch tensor sharing the OrtValue's memory (DLPack), on the value's own device."""
+    return torch.utils.dlpack.from_dlpack(value.to_dlpack())
+
+
+def from_torch(tensor: torch.Tensor):
+    """An OrtValue sharing the tensor's memory (DLPack); it keeps the tensor alive."""
+    return _from_torch(tensor)
 
 
 def _from_torch(tensor: torch.Tensor):

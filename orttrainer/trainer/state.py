@@ -28,10 +28,8 @@ LOSS_SCALER = "loss_scaler"
 
 def build_state_dict(trainer, pytorch_format: bool = False) -> dict:
     """The trainer's current state; the session must exist."""
-    session = trainer._training_session
-    graph = trainer._compiled.training
-    names = list(graph.weight_updates) + list(trainer._frozen)
-    model = session.get_state(names)
+    session, compiled = trainer._training_session, trainer._compiled
+    model = session.get_state(_model_state_names(trainer))
     if pytorch_format:
         return _pytorch_state_dict(trainer, model)
     state = {
@@ -41,14 +39,41 @@ def build_state_dict(trainer, pytorch_format: bool = False) -> dict:
         "train_step_info": {"optimization_step": trainer._train_step_info.optimization_step,
                             "step": trainer._train_step_info.step},
     }
-    if trainer._train_step_info.step % trainer.options.batch.gradient_accumulation_steps:
-        buffers = session.get_state(list(graph.accumulation))
+    if compiled.accumulation_buffers and trainer._train_step_info.step % trainer.options.batch.gradient_accumulation_steps:
+        if trainer._world_size > 1:
+            raise RuntimeError(
+                "a state_dict in the middle of a gradient-accumulation window cannot be taken with data parallelism: "
+                "each rank holds its own partial gradient sum. Save at an optimizer step (when "
+                "_train_step_info.step % batch.gradient_accumulation_steps == 0)")
+        buffers = session.get_state(compiled.accumulation_buffers)
         state[ACCUMULATION] = {name[: -len("_grad_accumulation_buffer")]: value for name, value in buffers.items()}
+    partition_info = _partition_info(trainer)
+    if partition_info is not None:
+        state["partition_info"] = partition_info
     scaler = _loss_scaler(trainer)
     if scaler is not None:
         state[LOSS_SCALER] = {"loss_scale": float(scaler.loss_scale),
                               "stable_steps": int(getattr(scaler, "_stable_steps_count", 0))}
     return state
+
+
+def _model_state_names(trainer) -> list[str]:
+    """Every trained and frozen tensor — except that a ZeRO rank under mixed precision saves only the master
+    weights it owns (the legacy layout shards them; aggregation concatenates the ranks' files)."""
+    trainable = trainer._compiled.trainable
+    owners = getattr(trainer, "_zero_owners", None)
+    if owners is not None and trainer.options.mixed_precision.enabled:
+        trainable = [p for p in trainable if owners[p] == trainer._rank]
+    return list(trainable) + list(trainer._frozen)
+
+
+def _partition_info(trainer) -> dict | None:
+    owners = getattr(trainer, "_zero_owners", None)
+    if trainer.options.distributed.deepspeed_zero_optimization.stage == 0 or owners is None:
+        return None
+    shapes = trainer._compiled.shapes
+    return {p: {"original_dim": np.array(shapes[p], dtype=np.int64), "megatron_row_partition": np.int64(-1)}
+            for p, owner in owners.items() if owner == trainer._rank}
 
 
 def _loss_scaler(trainer):
@@ -79,7 +104,7 @@ def _optimizer_state(trainer) -> dict:
     moments = session.get_state(list(graph.optimizer_state))
     count = np.array([trainer._optimizer_updates + 1], dtype=np.int64)
     state: dict = {}
-    for weight in graph.weight_updates:
+    for weight in graph.weight_updates:  # with ZeRO: only the tensors this rank updates
         entry = {"Moment_1": moments[f"Moment_1_{weight}"], "Moment_2": moments[f"Moment_2_{weight}"]}
         if name == "AdamOptimizer":
             entry["Update_Count"] = count.copy()
@@ -91,11 +116,12 @@ def _optimizer_state(trainer) -> dict:
 
 def _trainer_options(trainer) -> dict:
     distributed = trainer.options.distributed
+    world_size = trainer._world_size
     return {"mixed_precision": bool(trainer.options.mixed_precision.enabled),
             "zero_stage": int(distributed.deepspeed_zero_optimization.stage),
-            "world_rank": int(distributed.world_rank), "world_size": int(distributed.world_size),
+            "world_rank": int(trainer._rank), "world_size": int(world_size),
             "optimizer_name": trainer.optim_config.name,
-            "data_parallel_size": int(distributed.data_parallel_size),
+            "data_parallel_size": int(world_size // distributed.horizontal_parallel_size),
             "horizontal_parallel_size": int(distributed.horizontal_parallel_size)}
 
 
@@ -142,7 +168,7 @@ def _load_loss_scaler(trainer, saved: dict | None) -> None:
 
 
 def _model_values(trainer, model: dict, strict: bool) -> dict[str, np.ndarray]:
-    known = set(trainer._compiled.training.weight_updates) | set(trainer._frozen)
+    known = set(trainer._compiled.trainable) | set(trainer._frozen)
     values = {}
     for precision, weights in model.items():
         for name, value in weights.items():
@@ -182,19 +208,17 @@ def _check_optimizer_name(trainer, state_dict: dict) -> None:
 
 
 def _accumulation_values(trainer, buffers: dict) -> dict[str, np.ndarray]:
-    graph = trainer._compiled.training
+    """The saved partial sums, or zeros for every buffer (a checkpoint saved at a window boundary has none)."""
     values = {}
-    for weight in graph.weight_updates:
-        name = f"{weight}_grad_accumulation_buffer"
-        if name in graph.accumulation:
-            values[name] = _as_array(buffers[weight]) if weight in buffers else np.zeros(
-                graph.state_shapes[name], dtype=np.float32)
+    for name in trainer._compiled.accumulation_buffers:
+        weight = name[: -len("_grad_accumulation_buffer")]
+        values[name] = _as_array(buffers[weight]) if weight in buffers else np.zeros(
+            trainer._compiled.shapes[weight], dtype=np.float32)
     return values
 
 
 def _load_pytorch_weights(trainer, state_dict: dict, strict: bool) -> None:
-    graph = trainer._compiled.training
-    known = set(graph.weight_updates) | set(trainer._frozen)
+    known = set(trainer._compiled.trainable) | set(trainer._frozen)
     ignorable = set(getattr(trainer, "_torch_aliases", {})) | set(getattr(trainer, "_torch_unused_state", {}))
     if strict:
         missing = sorted(known - set(state_dict))
@@ -265,11 +289,11 @@ def flat_state(trainer) -> dict[str, torch.Tensor]:
     """The experimental API's flat view: weights and optimizer tensors by their graph names
     (`Moment_1_<w>`, `Moment_2_<w>`, `Update_Count_<w>` for Adam, `Step` for LAMB)."""
     session, graph = trainer._training_session, trainer._compiled.training
-    flat = {k: torch.from_numpy(v) for k, v in session.get_state(list(graph.weight_updates) + trainer._frozen).items()}
+    flat = {k: torch.from_numpy(v) for k, v in session.get_state(trainer._compiled.trainable + trainer._frozen).items()}
     flat.update({k: torch.from_numpy(v) for k, v in session.get_state(list(graph.optimizer_state)).items()})
     count = torch.tensor([trainer._optimizer_updates + 1], dtype=torch.int64)
     if trainer.optim_config.name == "AdamOptimizer":
-        flat.update({f"Update_Count_{w}": count.clone() for w in graph.weight_updates})
+        flat.update({f"Update_Count_{w}": count.clone() for w in graph.weight_updates})  # tensors with moments
     elif trainer.optim_config.name == "LambOptimizer":
         flat["Step"] = count
     return flat
@@ -278,7 +302,7 @@ def flat_state(trainer) -> dict[str, torch.Tensor]:
 def load_flat_state(trainer, flat: dict, strict: bool) -> None:
     """Inverse of `flat_state`; unknown names are an error under `strict`."""
     graph = trainer._compiled.training
-    known = set(graph.weight_updates) | set(trainer._frozen) | set(graph.optimizer_state)
+    known = set(trainer._compiled.trainable) | set(trainer._frozen) | set(graph.optimizer_state)
     counters = {k: v for k, v in flat.items() if k.startswith("Update_Count_") or k == "Step"}
     unknown = sorted(set(flat) - known - set(counters))
     if strict and unknown:

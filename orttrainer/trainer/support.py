@@ -11,10 +11,6 @@ from onnx import TensorProto
 
 # option path -> (predicate on the value that means "cannot be honoured", what to do instead)
 _UNSUPPORTED = {
-    "distributed.world_size": (lambda v: v > 1, "run a single process"),
-    "distributed.world_rank": (lambda v: v > 0, "run a single process"),
-    "distributed.local_rank": (lambda v: v > 0, "run a single process"),
-    "distributed.data_parallel_size": (lambda v: v > 1, "run a single process"),
     "distributed.horizontal_parallel_size": (lambda v: v > 1, "use data parallelism or a single process"),
     "distributed.pipeline_parallel.pipeline_parallel_size": (lambda v: v > 1, "use a single pipeline stage"),
     "distributed.pipeline_parallel.num_pipeline_micro_batches": (lambda v: v > 1, "use gradient accumulation"),
@@ -22,9 +18,6 @@ _UNSUPPORTED = {
     "distributed.pipeline_parallel.sliced_schema": (bool, "leave it empty (no pipeline parallelism)"),
     "distributed.pipeline_parallel.sliced_axes": (bool, "leave it empty (no pipeline parallelism)"),
     "distributed.pipeline_parallel.sliced_tensor_names": (bool, "leave it empty (no pipeline parallelism)"),
-    "distributed.allreduce_post_accumulation": (lambda v: v, "run a single process"),
-    "distributed.deepspeed_zero_optimization.stage": (lambda v: v > 0, "leave ZeRO off (stage 0)"),
-    "distributed.enable_adasum": (lambda v: v, "run a single process"),
     "graph_transformer.attn_dropout_recompute": (lambda v: v, "leave recompute off"),
     "graph_transformer.gelu_recompute": (lambda v: v, "leave recompute off"),
     "graph_transformer.transformer_layer_recompute": (lambda v: v, "leave recompute off"),
@@ -44,6 +37,23 @@ def check_supported_options(options) -> None:
     if device == "cpu" and options.device.mem_limit > 0:
         raise NotImplementedError("options device.mem_limit limits the CUDA memory arena; on device.id 'cpu' it has no "
                                   "equivalent. Leave it 0 on the CPU.")
+
+
+def check_data_parallel_options(options, world_size: int) -> None:
+    """Distributed options that only make sense together (checked once the world size is known)."""
+    dist = options.distributed
+    if dist.data_parallel_size not in (1, world_size):
+        raise ValueError(f"options distributed.data_parallel_size={dist.data_parallel_size} must equal the world size "
+                         f"({world_size}): every rank is a data-parallel rank")
+    if dist.enable_adasum:
+        from .distributed import check_adasum_world_size
+
+        check_adasum_world_size(world_size)
+        if not dist.allreduce_post_accumulation and options.batch.gradient_accumulation_steps > 1:
+            raise NotImplementedError(
+                "options distributed.enable_adasum with allreduce_post_accumulation=False and gradient accumulation: "
+                "Adasum combines each rank's accumulated gradient once per optimizer step; set "
+                "distributed.allreduce_post_accumulation=True")
 
 
 def _lookup(tree: dict, path: str):

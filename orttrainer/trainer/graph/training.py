@@ -64,8 +64,14 @@ def accumulation_buffer_name(weight: str) -> str:
 def build_training_graph(gradient_model: onnx.ModelProto, *, data_inputs: list[str], outputs: list[str],
                          trainable: list[str], optimizer_name: str, groups: list[ParamGroup],
                          accumulation_steps: int, clip_grad_norm: bool,
-                         loss_scale_input: str | None = None) -> TrainingGraph:
-    """Append accumulation, clipping and the optimizer update to `gradient_model` (which is not modified)."""
+                         loss_scale_input: str | None = None, gradient_divisor: int | None = None,
+                         update_only: list[str] | None = None) -> TrainingGraph:
+    """Append accumulation, clipping and the optimizer update to `gradient_model` (which is not modified).
+
+    `gradient_divisor` (default: `accumulation_steps`) is the number of micro-batch gradients summed into `G` — data
+    parallelism sums over ranks too. `update_only` (ZeRO) restricts the update to those tensors; clipping still
+    uses the norm over every trainable gradient.
+    """
     if optimizer_name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer_name!r}; expected one of {sorted(OPTIMIZERS)}")
     model = copy_model(gradient_model)
@@ -79,7 +85,7 @@ def build_training_graph(gradient_model: onnx.ModelProto, *, data_inputs: list[s
     if accumulation_steps > 1:
         grads, accumulation = _append_accumulation(ed, grads, shapes)
         state_shapes.update({accumulation_buffer_name(p): shapes[p] for p in trainable})
-    coef: str | float = 1.0 / accumulation_steps
+    coef: str | float = 1.0 / (gradient_divisor or accumulation_steps)
     if loss_scale_input:
         coef = ed.scalar_product([coef, ed.op("Reciprocal", [loss_scale_input], "inv_loss_scale")], "grad_coef")
     step = _append_step_inputs(ed)
@@ -88,9 +94,11 @@ def build_training_graph(gradient_model: onnx.ModelProto, *, data_inputs: list[s
     group_coefs = _clip_coefficients(ed, total, groups, coef) if clip else [coef for _ in groups]
 
     updates: list[TensorUpdate] = []
+    updated = set(trainable if update_only is None else update_only)
     for group, group_coef in zip(groups, group_coefs, strict=True):
-        updates += OPTIMIZERS[optimizer_name](ed, group.params, [grads[p] for p in group.params], group_coef, step,
-                                              group.hyper)
+        params = [p for p in group.params if p in updated]
+        if params:
+            updates += OPTIMIZERS[optimizer_name](ed, params, [grads[p] for p in params], group_coef, step, group.hyper)
     result = TrainingGraph(model, list(data_inputs), list(outputs), LEARNING_RATE_INPUT, UPDATE_COUNT_INPUT,
                            {u.weight: u.new_weight for u in updates},
                            {m_in: m_out for u in updates for m_in, m_out in u.moments}, accumulation)
