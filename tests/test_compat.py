@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -54,7 +53,8 @@ def test_legacy_names_resolve_to_orttrainer(installed):
     assert orttrainer_options.ORTTrainerOptions is ORTTrainerOptions and LossScaler is orttrainer.amp.LossScaler
     assert model_desc_validation._ORTTrainerModelDesc is orttrainer.model_desc_validation._ORTTrainerModelDesc
     assert LinearWarmupLRScheduler is orttrainer.optim.LinearWarmupLRScheduler
-    assert _utils.state_dict_model_key() == "model" and _utils.dtype_onnx_to_torch is orttrainer._utils.dtype_onnx_to_torch
+    assert _utils.state_dict_model_key() == "model"
+    assert _utils.dtype_onnx_to_torch is orttrainer._utils.dtype_onnx_to_torch
     assert {"ORTTrainer", "checkpoint", "TrainingParameters", "artifacts"} <= set(onnxruntime.training.__all__)
 
 

@@ -308,3 +308,21 @@ def test_transformer_with_older_conventions_matches_the_new_api(lr_as_input):
     initial = {n: p.detach().numpy() for n, p in model.named_parameters()}
     assert max_difference(actual, {k: expected[k] for k in actual}) < 1e-6
     assert max(float(np.abs(actual[k] - initial[k]).max()) for k in initial) > 1e-3  # it did train
+
+
+def test_mixed_precision_inputs_are_parsed_ahead_of_engine_support():
+    """The loss scale follows the learning rate as an input (or `default_loss_scale_input_name=`); the engine's
+    mixed precision is not there yet (use_mixed_precision raises above), so only the parsing is checked."""
+    from orttrainer.legacy.trainer import _all_finite_tensor
+
+    _, trainer = legacy_mlp()
+    trainer.use_mixed_precision = True
+    x, y = batches(1)[0]
+    inputs, lr, scale = trainer._split_inputs((x, y, torch.tensor([0.1]), torch.tensor([1024.0])), {}, True)
+    assert len(inputs) == 2 and (lr, scale) == (pytest.approx(0.1), 1024.0)
+    _, lr, scale = trainer._split_inputs((x, y, torch.tensor([0.1])), {"default_loss_scale_input_name": 8.0}, True)
+    assert scale == 8.0
+    inputs, lr, scale = trainer._split_inputs((x, y, torch.tensor([0.1]), torch.tensor([8.0])), {}, False)
+    assert len(inputs) == 2 and lr is None and scale is None  # eval ignores both
+    assert torch.equal(_all_finite_tensor(torch.tensor(False)), torch.tensor([False]))
+    assert torch.equal(_all_finite_tensor(True), torch.tensor([True]))

@@ -131,7 +131,9 @@ def experimental_save_checkpoint(
     atomically: a failed save leaves the old file intact. The caller's dict is not modified (legacy updated it).
     """
     _deprecated("save_checkpoint")
-    _save_flat_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, checkpoint_state_dict, include_optimizer_state)
+    _save_flat_checkpoint(
+        ort_trainer, checkpoint_dir, checkpoint_prefix, checkpoint_state_dict, include_optimizer_state
+    )
 
 
 def _save_flat_checkpoint(
