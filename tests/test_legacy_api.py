@@ -16,7 +16,7 @@ from helpers import max_difference, torch_weights
 from models import MLP, TinyTransformer, transformer_loss
 
 from orttrainer import ORTTrainer as NewORTTrainer
-from orttrainer import ORTTrainerOptions, optim
+from orttrainer import ORTTrainerOptions, amp, optim
 from orttrainer.legacy import (
     IODescription,
     LossScaler,
@@ -70,7 +70,7 @@ def test_arguments_reach_the_new_trainer(tmp_path):
 
 
 @pytest.mark.parametrize("argument, value", [
-    ("use_mixed_precision", True), ("world_size", 2), ("deepspeed_zero_stage", 1),
+    ("world_size", 2), ("deepspeed_zero_stage", 1),
     ("allreduce_post_accumulation", True), ("enable_adasum", True), ("use_memory_efficient_gradient", True)])
 def test_arguments_this_build_cannot_honour_name_themselves(argument, value):
     with pytest.raises(NotImplementedError, match=f"^ORTTrainer argument {argument}={value!r} is not supported"):
@@ -310,19 +310,48 @@ def test_transformer_with_older_conventions_matches_the_new_api(lr_as_input):
     assert max(float(np.abs(actual[k] - initial[k]).max()) for k in initial) > 1e-3  # it did train
 
 
-def test_mixed_precision_inputs_are_parsed_ahead_of_engine_support():
-    """The loss scale follows the learning rate as an input (or `default_loss_scale_input_name=`); the engine's
-    mixed precision is not there yet (use_mixed_precision raises above), so only the parsing is checked."""
-    from orttrainer.legacy.trainer import _all_finite_tensor
+# --- mixed precision ----------------------------------------------------------------------------------------------
+def _overflowing_batch():
+    g = torch.Generator().manual_seed(2)
+    return 1e20 * torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)  # fp16 gradients: inf
 
-    _, trainer = legacy_mlp()
-    trainer.use_mixed_precision = True
+
+def test_mixed_precision_with_a_legacy_loss_scaler_matches_the_new_api():
+    scaler = LossScaler("loss_scale_input_name", True, loss_scale=8.0, up_scale_window=2)
+    _, trainer = legacy_mlp("AdamOptimizer", use_mixed_precision=True, loss_scaler=scaler)
+    torch.manual_seed(0)
+    new_scaler = amp.DynamicLossScaler(loss_scale=8.0, up_scale_window=2)
+    reference = NewORTTrainer(MLP(), {"inputs": [("x", ["batch", 32]), ("target", ["batch"])],
+                                      "outputs": [("loss", [], True), ("probs", ["batch", 10])]},
+                              optim.AdamConfig(lr=1e-2), loss_fn=ce, options=ORTTrainerOptions(
+                                  {"device": {"id": "cpu"}, "mixed_precision": {"enabled": True,
+                                                                                "loss_scaler": new_scaler}}))
+    data = batches(5)
+    data.insert(2, _overflowing_batch())
+    for x, y in data:
+        outputs = trainer.train_step(x, y, torch.tensor([1e-2]))
+        reference.train_step(x, y)
+        assert len(outputs) == 2  # the trainer keeps the scale: no all-finite flag returned
+        assert scaler.loss_scale_ == new_scaler.loss_scale
+    assert scaler.loss_scale_ == 16.0 and trainer.global_step_ == 5  # 8 -> 16 -> 8 (overflow) -> 16; 1 skipped
+    assert max_difference(weights(trainer), {k: v.numpy() for k, v in reference.state_dict(True).items()}) == 0
+
+
+def test_mixed_precision_caller_feeds_the_loss_scale_and_gets_all_finite():
+    _, trainer = legacy_mlp("SGDOptimizer", use_mixed_precision=True, gradient_accumulation_steps=2)
     x, y = batches(1)[0]
-    inputs, lr, scale = trainer._split_inputs((x, y, torch.tensor([0.1]), torch.tensor([1024.0])), {}, True)
-    assert len(inputs) == 2 and (lr, scale) == (pytest.approx(0.1), 1024.0)
-    _, lr, scale = trainer._split_inputs((x, y, torch.tensor([0.1])), {"default_loss_scale_input_name": 8.0}, True)
-    assert scale == 8.0
-    inputs, lr, scale = trainer._split_inputs((x, y, torch.tensor([0.1]), torch.tensor([8.0])), {}, False)
-    assert len(inputs) == 2 and lr is None and scale is None  # eval ignores both
-    assert torch.equal(_all_finite_tensor(torch.tensor(False)), torch.tensor([False]))
-    assert torch.equal(_all_finite_tensor(True), torch.tensor([True]))
+    lr, scale = torch.tensor([0.1]), torch.tensor([128.0])
+    assert len(trainer.train_step(x, y, lr, scale)) == 2  # accumulation step
+    loss, probs, all_finite = trainer.train_step(x, y, lr, default_loss_scale_input_name=scale)
+    assert all_finite.tolist() == [True] and probs.dtype == torch.float16 and trainer.global_step_ == 1
+    before = weights(trainer)
+    big_x, big_y = _overflowing_batch()
+    trainer.train_step(big_x, big_y, lr, scale)
+    *_, all_finite = trainer.train_step(big_x, big_y, lr, scale)
+    assert all_finite.tolist() == [False] and trainer.global_step_ == 1
+    assert max_difference(weights(trainer), before) == 0  # the overflowing update was not applied
+    assert len(trainer.train_step(x, y, lr, scale, fetches=["loss"]).shape) == 0  # fetches: just those outputs
+    trainer.eval()
+    assert len(trainer(x, y, lr, scale)) == 2  # eval ignores the learning rate and the loss scale
+    with pytest.raises(ValueError, match=r"expected 4 inputs .*'default_loss_scale_input_name'\], got 3"):
+        trainer.train_step(x, y, lr)

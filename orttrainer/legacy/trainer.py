@@ -6,8 +6,8 @@ What stays here are the older API's conventions:
 
 - `train_step(*inputs[, lr][, loss_scale], fetches=None)`: the learning rate is an input (named by
   `learning_rate_description`) unless `get_lr_this_step(global_step_)` supplies it; under mixed precision without a
-  `loss_scaler`, the loss scale is an input too (keyword `default_loss_scale_input_name` also works). Inputs may be
-  positional, keyword (by description name), or one list.
+  `loss_scaler`, the loss scale is an input too (keyword: `default_loss_scale_input_name` or the
+  graph's loss-scale input name). Inputs may be positional, keyword (by description name), or one list.
 - Returns the model outputs (the loss first), or the `fetches` in fetches order; a mixed-precision optimizer step
   without a `loss_scaler` (and without fetches) also returns the all-finite flag last. One result is unwrapped.
 - `global_step_` counts applied optimizer updates (skipped overflow steps do not count), starting at `global_step`.
@@ -182,13 +182,23 @@ class ORTTrainer:
             names.append(self.loss_scale_input_name)
         return names
 
+    def _loss_scale_aliases(self) -> set[str]:
+        """Other keyword names of the loss-scale input: the original also took the default name and, once the
+        session existed, the graph's input name."""
+        names = {DEFAULT_LOSS_SCALE_INPUT_NAME}
+        graph_name = getattr(self._fed_loss_scale, "input_name", None)
+        if graph_name:
+            names.add(graph_name)
+        return names - {self.loss_scale_input_name}
+
     def _split_inputs(self, args: tuple, kwargs: dict, training: bool) -> tuple[list, float | None, float | None]:
         """(model inputs, caller's learning rate, caller's loss scale) from the older API's calling convention."""
         if len(args) == 1 and isinstance(args[0], list):
             args = tuple(args[0])
         kwargs = dict(kwargs)
-        if DEFAULT_LOSS_SCALE_INPUT_NAME in kwargs and self.loss_scale_input_name != DEFAULT_LOSS_SCALE_INPUT_NAME:
-            kwargs[self.loss_scale_input_name] = kwargs.pop(DEFAULT_LOSS_SCALE_INPUT_NAME)
+        for alias in self._loss_scale_aliases():
+            if alias in kwargs:
+                kwargs[self.loss_scale_input_name] = kwargs.pop(alias)
         model_names = [d.name_ for d in self.model_desc_.inputs_]
         extras = self._extra_input_names(training)
         lr_name = self.learning_rate_description_.name_
