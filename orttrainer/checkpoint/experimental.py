@@ -10,6 +10,10 @@ Trainer contract (what these functions use):
   Before the session exists a loaded state is parked in ``trainer._state_dict`` / ``trainer._load_state_dict_strict``
   (the legacy attributes); the trainer applies it with ``_apply_pending_state_dict(trainer)`` once it has a session.
 
+Each public function is a deprecation warning around a quiet implementation (``_flat_state_dict``,
+``_load_flat_state_dict``, ``_save_flat_checkpoint``, ``_load_flat_checkpoint``); the older API
+(``orttrainer.legacy``, whose checkpoints are the same files) uses those directly.
+
 Files are pickles (``torch.load(weights_only=False)``, as legacy): load only checkpoints you trust.
 """
 
@@ -52,6 +56,11 @@ def experimental_state_dict(ort_trainer: Any, include_optimizer_state: bool = Tr
     otherwise every name that is not an optimizer tensor (legacy kept the optimizer tensors then).
     """
     _deprecated("state_dict")
+    return _flat_state_dict(ort_trainer, include_optimizer_state)
+
+
+def _flat_state_dict(ort_trainer: Any, include_optimizer_state: bool = True) -> dict[str, Any]:
+    """``experimental_state_dict`` without the deprecation warning."""
     if not ort_trainer._training_session:
         warnings.warn(
             "ONNX Runtime training session is not initialized yet. "
@@ -76,6 +85,11 @@ def experimental_load_state_dict(ort_trainer: Any, state_dict: dict[str, Any], s
     name the trainer does not have raises ``RuntimeError("Checkpoint tensor: {name} is not present in the model.")``.
     """
     _deprecated("load_state_dict")
+    _load_flat_state_dict(ort_trainer, state_dict, strict)
+
+
+def _load_flat_state_dict(ort_trainer: Any, state_dict: dict[str, Any], strict: bool = False) -> None:
+    """``experimental_load_state_dict`` without the deprecation warning."""
     if not ort_trainer._training_session:
         ort_trainer._state_dict = state_dict
         ort_trainer._load_state_dict_strict = strict
@@ -117,8 +131,21 @@ def experimental_save_checkpoint(
     atomically: a failed save leaves the old file intact. The caller's dict is not modified (legacy updated it).
     """
     _deprecated("save_checkpoint")
+    _save_flat_checkpoint(
+        ort_trainer, checkpoint_dir, checkpoint_prefix, checkpoint_state_dict, include_optimizer_state
+    )
+
+
+def _save_flat_checkpoint(
+    ort_trainer: Any,
+    checkpoint_dir: str,
+    checkpoint_prefix: str = "ORT_checkpoint",
+    checkpoint_state_dict: dict[str, Any] | None = None,
+    include_optimizer_state: bool = True,
+) -> None:
+    """``experimental_save_checkpoint`` without the deprecation warning."""
     to_save = dict(checkpoint_state_dict or {})
-    to_save["model"] = experimental_state_dict(ort_trainer, include_optimizer_state)
+    to_save["model"] = _flat_state_dict(ort_trainer, include_optimizer_state)
     if not os.path.exists(checkpoint_dir):
         raise AssertionError(f"checkpoint_dir ({checkpoint_dir}) directory doesn't exist")
     distributed = ort_trainer.options.distributed
@@ -141,6 +168,13 @@ def experimental_load_checkpoint(
     file. No matching file raises ``AssertionError``.
     """
     _deprecated("load_checkpoint")
+    return _load_flat_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, strict)
+
+
+def _load_flat_checkpoint(
+    ort_trainer: Any, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint", strict: bool = False
+) -> dict[str, Any]:
+    """``experimental_load_checkpoint`` without the deprecation warning."""
     checkpoint_files = _list_checkpoint_files(checkpoint_dir, checkpoint_prefix)
     is_partitioned = len(checkpoint_files) > 1
     if is_partitioned:
@@ -174,7 +208,7 @@ def _load_single_checkpoint(
             )
         raise AssertionError(message)
     checkpoint_state = _torch_load(checkpoint_file)
-    experimental_load_state_dict(ort_trainer, checkpoint_state.pop("model"), strict=strict)
+    _load_flat_state_dict(ort_trainer, checkpoint_state.pop("model"), strict=strict)
     return checkpoint_state
 
 
@@ -182,8 +216,8 @@ def _load_multi_checkpoint(
     ort_trainer: Any, checkpoint_dir: str, checkpoint_prefix: str, strict: bool
 ) -> dict[str, Any]:
     checkpoint_files = _list_checkpoint_files(checkpoint_dir, checkpoint_prefix)
-    aggregate_state_dict = _CombineZeroCheckpoint(checkpoint_files).aggregate_checkpoints()
-    experimental_load_state_dict(ort_trainer, aggregate_state_dict, strict=strict)
+    aggregate_state_dict = _CombineZeroCheckpoint(checkpoint_files)._aggregate_files()
+    _load_flat_state_dict(ort_trainer, aggregate_state_dict, strict=strict)
     # The other keys of all files, later ranks winning on equal keys (legacy).
     extra: dict[str, Any] = {}
     for checkpoint_file in checkpoint_files:
@@ -295,6 +329,10 @@ class _CombineZeroCheckpoint:
             DeprecationWarning,
             stacklevel=2,
         )
+        return self._aggregate_files()
+
+    def _aggregate_files(self) -> dict[str, Any]:
+        """``aggregate_checkpoints`` without the deprecation warning."""
         self.aggregate_state_dict = {}
         by_rank = {self._parse_name(path)[0]: path for path in self.checkpoint_files}
         for rank in range(self.world_size):

@@ -214,6 +214,17 @@ class ORTTrainer:
         self.load_state_dict(state, strict=strict)
         return user_dict
 
+    _lr_override: float | None = None  # set only while `_train_step_with_lr` runs
+
+    def _train_step_with_lr(self, inputs: list, lr: float):
+        """`train_step(*inputs)` with `lr` fed as this step's learning rate instead of `optim_config.lr` or the
+        `lr_scheduler` (which is not consulted). The older API (`orttrainer.legacy`) takes the rate as an input."""
+        self._lr_override = float(lr)
+        try:
+            return self.train_step(list(inputs))
+        finally:
+            self._lr_override = None
+
     def _flat_state(self) -> dict:
         return state_mod.flat_state(self)
 
@@ -351,6 +362,8 @@ class ORTTrainer:
         return selected
 
     def _learning_rate(self) -> float:
+        if self._lr_override is not None:
+            return self._lr_override
         scheduler = self.options.lr_scheduler
         if scheduler is None:
             return self.optim_config.lr
