@@ -73,6 +73,8 @@ class TrainingSession:
         self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
         self._partial_run = ort.RunOptions()
         self._partial_run.only_execute_path_to_fetches = True
+        # An eval graph with outputs beyond the model's (activation statistics) computes them only when fetched.
+        self._eval_run = self._partial_run if len(eval_model.graph.output) > len(graph.outputs) else None
 
     # ---------------------------------------------------------------------------------------------------- running
     def train(self, data: dict[str, torch.Tensor], lr: float, update_count: int, outputs: list[str],
@@ -136,7 +138,7 @@ class TrainingSession:
         return feeds
 
     def _run(self, session, feeds: dict[str, object], fetch: list[str]) -> list:
-        options = self._partial_run if session is self._train else None
+        options = self._partial_run if session is self._train else self._eval_run
         return list(session._sess.run_with_ort_values(feeds, fetch, options))
 
     def _to_device(self, array: np.ndarray):
