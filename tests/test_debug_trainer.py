@@ -216,6 +216,18 @@ def test_an_eval_step_is_a_forward_only_step_in_both_paths(tmp_path):
     assert trainer._training_session._eval_run is not None  # eval statistics run only when fetched
 
 
+def test_a_first_eval_step_under_no_grad_still_traces_the_backward_order(tmp_path):
+    model = make_model()
+    subscribe(model, tmp_path / "o")
+    trainer = make_trainer(model)
+    (x, target), = batches(1)
+    with torch.no_grad():
+        trainer.eval_step(x, target)
+    trainer.train_step(x, target)
+    assert order(tmp_path / "o", 0) == [n for n in SAMPLE_ORDER if n.endswith("_forward")]
+    assert order(tmp_path / "o", 1) == SAMPLE_ORDER
+
+
 @pytest.mark.parametrize("schedule", ["tttt", "tete"])
 def test_step_ranges_in_both_paths(tmp_path, schedule):
     model = make_model()

@@ -217,7 +217,8 @@ def trace_order(model: torch.nn.Module, loss_fn, model_desc, inputs: list) -> li
 
         def loss(preds):
             return _flatten(preds)[index]
-    return trace_activations(model, (), wrapper.model_kwargs(inputs), loss_fn=loss)
+    with torch.enable_grad():  # the first step may be an eval_step under torch.no_grad()
+        return trace_activations(model, (), wrapper.model_kwargs(inputs), loss_fn=loss)
 
 
 def _flatten(outputs) -> list:

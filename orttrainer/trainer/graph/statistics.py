@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
 from typing import Any
 
 import numpy as np
@@ -25,14 +24,12 @@ import torch
 from onnx import TensorProto, helper
 
 from ...debug import TensorStatistics, statistics_from_reductions
-
 from .editor import GraphEditor, copy_model, fresh_name, graph_value_names
 
 MARK_DOMAIN = "orttrainer.debug"
 MARK_OP = "ActivationMark"
 MARK_ATTRIBUTE = "activation"
 NUM_SAMPLES = 128
-COUNT_FIELDS = ("nan", "inf", "neg", "pos", "zero")  # then the shape, in the `counts` output
 
 
 @dataclass(frozen=True)
