@@ -266,6 +266,19 @@ def test_gradient_accumulation_micro_steps_are_steps(tmp_path):
         assert b["mean"] == pytest.approx(a["mean"], rel=1e-4, abs=1e-6)
 
 
+def test_mixed_precision_dumps_float16_activations_and_scaled_gradients(tmp_path):
+    model = make_model()
+    pytorch_run(copy.deepcopy(model), tmp_path / "pt", "t")
+    trainer_run(model, tmp_path / "ort", "te", extra={"mixed_precision": {"enabled": True}})
+    assert order(tmp_path / "ort", 0) == SAMPLE_ORDER
+    assert order(tmp_path / "ort", 1) == [n for n in SAMPLE_ORDER if n.endswith("_forward")]
+    pt, ort = (parse_statistics((tmp_path / d / "step_0" / "Linear_4_0th_output_forward").read_text())
+               for d in ("pt", "ort"))
+    assert ort["dtype"] == "torch.float16" and ort["mean"] == pytest.approx(pt["mean"], abs=2e-3)
+    gradient = parse_statistics((tmp_path / "ort" / "step_0" / "Linear_1_0th_output_backward").read_text())
+    assert gradient["dtype"] == "torch.float16"  # of loss * loss_scale, as hooks see them under a GradScaler
+
+
 # ------------------------------------------------------------------------------------------ without subscribers
 def test_without_subscribers_the_graphs_and_steps_are_unchanged():
     trainer = trainer_run(make_model(), None, "te")  # inspect_activation is a no-op while nothing is subscribed

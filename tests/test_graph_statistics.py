@@ -126,6 +126,18 @@ def test_in_graph_statistics_match_the_pytorch_computation(case):
         assert format_statistics("t", "forward", actual) == format_statistics("t", "forward", expected)
 
 
+def test_a_target_of_unknown_type_gets_an_untyped_samples_output():
+    model = _model([helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16)], [_vi("x", [3])],
+                   [_vi("h", [3], TensorProto.FLOAT16)])
+    with_stats, outputs = append_statistics(model, {"t": StatisticsTarget("h", None)})
+    session = _session(with_stats)
+    types = {o.name: o.type for o in session.get_outputs()}
+    assert types[outputs["t"].samples] == "tensor(float16)"  # inferred by ONNX Runtime
+    fetched = session.run(outputs["t"].names, {"x": np.array([1.5, -2.0, 0.0], np.float32)})
+    stats = decode_statistics(*fetched, dtype=torch.float16)
+    assert (stats.min, stats.max, stats.neg, stats.zero, stats.samples.dtype) == (-2.0, 1.5, 1, 1, torch.float16)
+
+
 def test_statistics_need_existing_tensors_and_keep_the_graph():
     model = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", [2])], [_vi("y", [2])])
     with pytest.raises(ValueError, match=r"tensors the graph does not have: \['nope'\]"):

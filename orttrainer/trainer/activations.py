@@ -36,9 +36,10 @@ import onnx
 import torch
 
 from ..debug import StatisticsSubscriber, TensorStatistics, trace_activations
+from ..debug.statistics import to_torch_dtype
 from ..debug.subscriber import SubscriberManager, exclusive, managers_of, no_increase_global_step
 from ..debug.trace import ActivationRecord, RecordingSubscriber
-from .graph.editor import graph_value_names
+from .graph.editor import graph_value_names, tensor_elem_type
 from .graph.statistics import (
     MARK_ATTRIBUTE,
     MARK_DOMAIN,
@@ -50,12 +51,6 @@ from .graph.statistics import (
     gradient_tensor,
     marks_to_identity,
 )
-
-_ONNX_TYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
-               torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE,
-               torch.int64: onnx.TensorProto.INT64, torch.int32: onnx.TensorProto.INT32,
-               torch.int16: onnx.TensorProto.INT16, torch.int8: onnx.TensorProto.INT8,
-               torch.uint8: onnx.TensorProto.UINT8, torch.bool: onnx.TensorProto.BOOL}
 
 
 class _Mark(torch.autograd.Function):
@@ -143,9 +138,9 @@ class ActivationStatistics:
         """Append the statistics outputs to `compiled.training.model` and `compiled.eval_model` (in place)."""
         if self._order is None:
             return
-        training, lost = compiled.training.model, []
+        training, evaluation, lost = compiled.training.model, compiled.eval_model, []
         train_targets, eval_targets, records = {}, {}, {}
-        train_names, eval_names = graph_value_names(training.graph), graph_value_names(compiled.eval_model.graph)
+        train_names, eval_names = graph_value_names(training.graph), graph_value_names(evaluation.graph)
         for record in self._order:
             tensor = self._marks.get(record.name)
             if tensor is not None and record.direction == "backward":
@@ -153,20 +148,20 @@ class ActivationStatistics:
             if tensor is None or tensor not in train_names:
                 lost.append(record.file_name)
                 continue
-            target = StatisticsTarget(tensor, _ONNX_TYPES.get(record.dtype, onnx.TensorProto.FLOAT))
-            train_targets[record.file_name] = target
+            train_targets[record.file_name] = StatisticsTarget(tensor, _elem_type(training, tensor))
             if record.direction == "forward" and tensor in eval_names:
-                eval_targets[record.file_name] = target
+                eval_targets[record.file_name] = StatisticsTarget(tensor, _elem_type(evaluation, tensor))
             records[record.file_name] = record
         if lost:
             warnings.warn(f"ORTTrainer cannot collect statistics for {lost}: the exported graph has no such tensor "
                           "or no gradient for it (e.g. unused outputs, or log-probabilities fused into "
                           "SoftmaxCrossEntropyLoss); those files are missing from its dumps", stacklevel=5)
         compiled.training.model, train_outputs = append_statistics(training, train_targets)
-        compiled.eval_model, eval_outputs = append_statistics(compiled.eval_model, eval_targets)
-        for kind, outputs in (("train", train_outputs), ("eval", eval_outputs)):
-            self._dumps[kind] = [_Dump(r.name, r.direction, r.depth, r.dtype, outputs[f])
-                                 for f, r in records.items() if f in outputs]
+        compiled.eval_model, eval_outputs = append_statistics(evaluation, eval_targets)
+        for kind, targets, outputs in (("train", train_targets, train_outputs), ("eval", eval_targets, eval_outputs)):
+            # The graph's element type (float16 under mixed precision), else PyTorch's from the trace.
+            self._dumps[kind] = [_Dump(r.name, r.direction, r.depth, _torch_dtype(targets[f].elem_type, r.dtype),
+                                       outputs[f]) for f, r in records.items() if f in outputs]
 
     # ---------------------------------------------------------------------------------------------------- steps
     def begin_step(self, kind: str) -> list[str]:
@@ -219,6 +214,20 @@ def trace_order(model: torch.nn.Module, loss_fn, model_desc, inputs: list) -> li
             return _flatten(preds)[index]
     with torch.enable_grad():  # the first step may be an eval_step under torch.no_grad()
         return trace_activations(model, (), wrapper.model_kwargs(inputs), loss_fn=loss)
+
+
+def _elem_type(model: onnx.ModelProto, tensor: str) -> int | None:
+    try:
+        return tensor_elem_type(model, tensor)
+    except KeyError:
+        return None
+
+
+def _torch_dtype(elem_type: int | None, fallback: torch.dtype) -> torch.dtype:
+    try:
+        return to_torch_dtype(elem_type) if elem_type is not None else fallback
+    except ValueError:
+        return fallback
 
 
 def _flatten(outputs) -> list:

@@ -34,10 +34,10 @@ NUM_SAMPLES = 128
 
 @dataclass(frozen=True)
 class StatisticsTarget:
-    """A tensor of the graph to summarise, and its ONNX element type."""
+    """A tensor of the graph to summarise, and its ONNX element type (`None`: unknown, ONNX Runtime infers it)."""
 
     tensor: str
-    elem_type: int
+    elem_type: int | None
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,8 @@ def append_statistics(model: onnx.ModelProto, targets: dict[str, StatisticsTarge
     """Rule: for each `label -> target`, append nodes computing the target's statistics and three graph outputs
     (see `StatisticsOutputs`). Reductions run in float64 on the flattened tensor (every other element type is cast,
     exactly for floats and for integers below 2**53); min/max sit behind an `If` on a non-empty tensor (ONNX
-    Runtime's ReduceMin/ReduceMax fail on empty input); the samples keep the tensor's type (bfloat16 as float32).
+    Runtime's ReduceMin/ReduceMax fail on empty input); the samples keep the tensor's type (bfloat16 as float32),
+    and their output is declared without a type when the target's is unknown.
 
     Precondition: each target tensor is produced by a node or is a graph input or initializer (else `ValueError`).
     Existing nodes and outputs are left as they are.
@@ -132,11 +133,15 @@ def _append_one(ed: GraphEditor, label: str, target: StatisticsTarget) -> Statis
     sample_type = target.elem_type
     if target.elem_type == TensorProto.BFLOAT16:  # numpy has no bfloat16
         samples, sample_type = ed.op("Cast", [samples], hint + "samples_f", to=TensorProto.FLOAT), TensorProto.FLOAT
-    names = []
-    for name, elem_type, shape in ((values, TensorProto.DOUBLE, [4]), (counts, TensorProto.INT64, None),
-                                   (samples, sample_type, None)):
-        names.append(ed.add_output(name, elem_type, shape))
-    return StatisticsOutputs(*names)
+    ed.add_output(values, TensorProto.DOUBLE, [4])
+    ed.add_output(counts, TensorProto.INT64, None)
+    if sample_type is None:
+        untyped = onnx.ValueInfoProto()
+        untyped.name = samples
+        ed.graph.output.append(untyped)
+    else:
+        ed.add_output(samples, sample_type, None)
+    return StatisticsOutputs(values, counts, samples)
 
 
 def _min_max(ed: GraphEditor, hint: str, x: str, size: str) -> str:
