@@ -66,9 +66,10 @@ WORKLOADS = {
 }
 
 
-def run_worker(script: str, args: list[str], timeout: float = 900) -> dict:
-    """Run `script --worker ...` in a fresh process; it prints one JSON line last."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_worker(script: str, args: list[str], timeout: float = 900, env: dict[str, str] | None = None) -> dict:
+    """Run `script --worker ...` in a fresh process (with `env` added to the environment); it prints one JSON line
+    last."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     done = subprocess.run([sys.executable, script, "--worker", *args], capture_output=True, text=True, env=env,
                           timeout=timeout)
     if done.returncode != 0:

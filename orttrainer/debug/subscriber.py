@@ -20,6 +20,9 @@ Decisions that differ from the legacy ORT manager (``research/debug_and_pythonop
   are not dumped again; with ``use_reentrant=True`` checkpointing the checkpointed region gets no backward files
   (its first forward ran without grad).
 * ``no_increase_global_step()`` suspends all managers: no dumps and no step counting (used while exporting).
+
+Collection paths that run the model elsewhere (the ONNX Runtime trainer) find the managers subscribed to a model
+with ``managers_of(model)`` and end each step they run with ``advance_step()``, as a root forward does here.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -35,6 +39,7 @@ import torch
 
 _GATE: dict[str, Any] = {"suspended": 0, "exclusive": None}
 _ACTIVE: list[SubscriberManager] = []  # managers whose root forward is running, innermost last
+_MANAGERS: weakref.WeakSet[SubscriberManager] = weakref.WeakSet()  # every manager constructed (copies are not)
 
 
 @dataclasses.dataclass
@@ -168,6 +173,7 @@ class SubscriberManager:
         self._subscribers: tuple[SubscriberBase, ...] = ()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._module: torch.nn.Module | None = None
+        _MANAGERS.add(self)
 
     @property
     def subscribers(self) -> tuple[SubscriberBase, ...]:
@@ -222,13 +228,20 @@ class SubscriberManager:
         allowed = self is exclusive if exclusive is not None else not _GATE["suspended"]
         return allowed and _current_graph_task_id() == -1
 
+    def advance_step(self) -> None:
+        """End the current step: the counter moves on and per-step bookkeeping (call counts, names) restarts."""
+        states = self._run_ctx.global_states
+        states.execution_step += 1
+        states.module_call_count.clear()
+        states.inspected_names.clear()
+
     def inspect(self, name: str, tensor: torch.Tensor, call_site: str) -> torch.Tensor:
         """Route one ``inspect_activation`` call to the subscribers that handle it (see ``inspect.py``)."""
+        if not self.is_live():  # suspended (export, another manager's trace): pass through, nothing checked
+            return tensor
         handlers = [s for s in self._subscribers if _overrides(s, "inspect_activation_apply_impl")]
         if not handlers:
             raise RuntimeError("StatisticsSubscriber is not registered, cannot inspect activation.")
-        if not self.is_live():
-            return tensor
         self._check_unique(name, call_site)
         for subscriber in handlers:
             tensor = subscriber.inspect_activation_apply(self._run_ctx, name, tensor)
@@ -318,9 +331,7 @@ class SubscriberManager:
             return None
         for subscriber in self._subscribers:
             args, outputs = subscriber.post_forward_outmost_module_apply(self._run_ctx, module, args, outputs)
-        states.execution_step += 1
-        states.module_call_count.clear()
-        states.inspected_names.clear()
+        self.advance_step()
         return outputs
 
     def _root_exit_hook(self, module: torch.nn.Module, args: Any, outputs: Any) -> None:
@@ -358,6 +369,11 @@ def map_tensors(value: Any, fn: Callable[[int, torch.Tensor], torch.Tensor], cou
             value[key] = item
         return value
     return value
+
+
+def managers_of(module: torch.nn.Module) -> list[SubscriberManager]:
+    """The managers whose subscribed root is ``module`` (usually none or ``GlobalSubscriberManager``)."""
+    return [manager for manager in list(_MANAGERS) if manager._module is module]
 
 
 def current_manager() -> SubscriberManager:

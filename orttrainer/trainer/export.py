@@ -33,13 +33,15 @@ class _ModelWithLoss(torch.nn.Module):
         self.forward_params = list(inspect.signature(model.forward).parameters)
 
     def forward(self, *inputs):
-        kwargs = {name: inputs[self.input_names.index(name)] for name in self.forward_params
-                  if name in self.input_names}
-        preds = self.model(**kwargs)
+        preds = self.model(**self.model_kwargs(inputs))
         if self.loss_fn is None:
             return preds
         loss = self.loss_fn(preds, inputs[-1])
         return (loss, *preds) if isinstance(preds, (tuple, list)) else (loss, preds)
+
+    def model_kwargs(self, inputs) -> dict:
+        """The keyword arguments `model.forward` gets for the model_desc inputs `inputs`."""
+        return {name: inputs[self.input_names.index(name)] for name in self.forward_params if name in self.input_names}
 
 
 @dataclass

@@ -16,6 +16,7 @@ from ..train_step_info import TrainStepInfo
 from ..checkpoint import storage
 from . import export as export_mod
 from . import state as state_mod
+from .activations import ActivationStatistics
 from .compile import (
     CompiledModel,
     CompileRequest,
@@ -86,6 +87,7 @@ class ORTTrainer:
         self._frozen: list[str] = []
         self._pending_state: tuple[dict, bool] | None = None
         self.torch_sample_outputs = None
+        self._activations = ActivationStatistics(self._torch_model)  # orttrainer.debug subscribers, in the graph
         if isinstance(model, onnx.ModelProto):
             self._onnx_model = self._postprocess(model, check_result=True)
             self._type_descriptions_from_graph()
@@ -107,8 +109,10 @@ class ORTTrainer:
         lr = self._learning_rate()
         scaler = self.options.mixed_precision.loss_scaler if self.options.mixed_precision.enabled else None
         data = {d.name: t for d, t in zip(self.model_desc.inputs, inputs, strict=True)}
-        results, finite = self._training_session.train(data, lr, self._optimizer_updates + 1, names, optimizer_step,
-                                                       scaler.loss_scale if scaler else None)
+        statistics = self._activations.begin_step("train")
+        results, finite = self._training_session.train(data, lr, self._optimizer_updates + 1, names + statistics,
+                                                       optimizer_step, scaler.loss_scale if scaler else None)
+        self._activations.end_step(results)
         if optimizer_step:
             self._after_optimizer_step(finite, scaler)
         check_outputs(results, self.model_desc.outputs, sizes)
@@ -136,7 +140,9 @@ class ORTTrainer:
         sizes = check_inputs(inputs, self.model_desc.inputs)
         names = self._requested_outputs(self._train_step_info.fetches)
         data = {d.name: t for d, t in zip(self.model_desc.inputs, inputs, strict=True)}
-        results = self._training_session.evaluate(data, names)
+        statistics = self._activations.begin_step("eval")
+        results = self._training_session.evaluate(data, names + statistics)
+        self._activations.end_step(results)
         check_outputs(results, self.model_desc.outputs, sizes)
         ordered = [results[n] for n in names]
         return ordered[0] if len(ordered) == 1 else ordered
@@ -236,9 +242,10 @@ class ORTTrainer:
         """Export the PyTorch model (first step), post-process it and create the session."""
         check_inputs(sample_inputs, self.model_desc.inputs)
         internal = self.options._internal_use
-        exported = export_mod.export_model(
-            self._torch_model, self.loss_fn, self.model_desc, sample_inputs,
-            opset_version=internal.onnx_opset_version, enable_contrib_ops=internal.enable_onnx_contrib_ops)
+        with self._activations.marking():  # counts no debug step; marks subscribed activations
+            exported = export_mod.export_model(
+                self._torch_model, self.loss_fn, self.model_desc, sample_inputs,
+                opset_version=internal.onnx_opset_version, enable_contrib_ops=internal.enable_onnx_contrib_ops)
         if exported.custom_functions:
             raise NotImplementedError(
                 f"the model uses custom torch.autograd.Function(s) {exported.custom_functions}: the ONNX exporter "
@@ -253,7 +260,8 @@ class ORTTrainer:
         self._torch_split = (exported.parameters, exported.buffers)
         self._torch_aliases, self._torch_unused_state = exported.aliases, exported.unused_state
         self._dropout_off = not exported.was_training
-        self._onnx_model = self._postprocess(exported.model, check_result=False)
+        forward = self._activations.prepare(exported.model, self.loss_fn, self.model_desc, sample_inputs)
+        self._onnx_model = self._postprocess(forward, check_result=False)
         self._init_session()
 
     def _postprocess(self, model: onnx.ModelProto, check_result: bool) -> onnx.ModelProto:
@@ -286,6 +294,7 @@ class ORTTrainer:
             mixed_precision=opts.mixed_precision.enabled, cpu=self._device.type == "cpu",
             data_parallel=self._data_parallel_plan(trainable))
         self._compiled = compile_model(request)
+        self._activations.instrument(self._compiled)
         self._frozen = request.frozen  # compile freezes parameters that cannot reach the loss
         self._describe_mixed_precision()
         state = self._compiled.initial_state

@@ -143,8 +143,9 @@ class TrainingSession:
         return feeds
 
     def _run(self, session, feeds: dict[str, object], fetch: list[str]) -> list:
-        options = self._partial_run if session is not self._eval else None
-        return list(session._sess.run_with_ort_values(feeds, fetch, options))
+        # Only what the fetched outputs need runs: accumulation steps skip the optimizer, eval skips unfetched
+        # statistics (the legacy eval_step ran with only_execute_path_to_fetches too).
+        return list(session._sess.run_with_ort_values(feeds, fetch, self._partial_run))
 
     def _to_device(self, array: np.ndarray):
         return _owned_ortvalue(array, self.config.device.type, self.config.device.index)

@@ -48,6 +48,8 @@ def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
     Only fused when the log-probabilities are consumed by that one NLL node or are a graph output (then the fused
     node's second output keeps the name), and when the softmax axis is the class axis (1) as both ops require.
     Before opset 13 LogSoftmax flattens its input to 2-D at `axis`, so it is the class-axis softmax on 2-D x only.
+    A chain of Identity nodes between the two (activation markers, `graph/statistics.py`), each the only consumer
+    of its input, is looked through: it moves after the fused node and reads its log-probability output.
     """
     result = copy_model(model)
     graph = result.graph
@@ -57,31 +59,50 @@ def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
         for name in node.input:
             consumers[name] = consumers.get(name, 0) + 1
     shapes = None
-    replaced: dict[int, onnx.NodeProto] = {}
+    replaced: dict[int, list[onnx.NodeProto]] = {}
     removed: set[int] = set()
     for node in graph.node:
         if node.op_type != "NegativeLogLikelihoodLoss" or node.domain not in ("", "ai.onnx"):
             continue
-        log_softmax = producers.get(node.input[0])
-        if log_softmax is None or log_softmax.op_type != "LogSoftmax" or consumers.get(node.input[0], 0) != 1:
+        chain = _identity_chain(node.input[0], producers, consumers)
+        log_probs = chain[-1].input[0] if chain else node.input[0]
+        log_softmax = producers.get(log_probs)
+        if log_softmax is None or log_softmax.op_type != "LogSoftmax" or consumers.get(log_probs, 0) != 1:
             continue
         shapes = shapes or onnx.shape_inference.infer_shapes(result).graph
         if not _is_class_axis(log_softmax, shapes, _onnx_opset(result)):
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        replaced[id(node)] = helper.make_node(
+        fused = helper.make_node(
             "SoftmaxCrossEntropyLoss", [log_softmax.input[0], *node.input[1:]], [node.output[0], log_softmax.output[0]],
             name=f"{node.name or 'nll'}_fused_softmax_cross_entropy",
             **{k: v for k, v in attrs.items() if k in ("reduction", "ignore_index")})
-        removed.add(id(log_softmax))
+        replaced[id(node)] = [fused, *reversed(chain)]
+        removed.update({id(log_softmax), *(id(n) for n in chain)})
     if not replaced:
         return result
     # The fused node takes the NLL node's place: its inputs (logits, label) exist before the NLL node, and its
     # log-probability output only fed that NLL node (or is a graph output), so the order stays topological.
-    nodes = [replaced.get(id(n), n) for n in graph.node if id(n) not in removed]
+    nodes = []
+    for n in graph.node:
+        if id(n) in replaced:
+            nodes.extend(replaced[id(n)])
+        elif id(n) not in removed:
+            nodes.append(n)
     del graph.node[:]
     graph.node.extend(nodes)
     return result
+
+
+def _identity_chain(name: str, producers: dict, consumers: dict[str, int]) -> list[onnx.NodeProto]:
+    """The Identity nodes that lead to `name`, nearest first, while each output has exactly one consumer."""
+    chain = []
+    node = producers.get(name)
+    while node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx") \
+            and consumers.get(node.output[0], 0) == 1:
+        chain.append(node)
+        node = producers.get(node.input[0])
+    return chain
 
 
 def _is_class_axis(log_softmax: onnx.NodeProto, graph: onnx.GraphProto, opset: int) -> bool:
