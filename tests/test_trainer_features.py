@@ -405,3 +405,27 @@ def test_parameters_without_a_path_to_the_loss_are_left_alone_like_pytorch():
     trainer.train_step(*_batches(1)[0])
     assert trainer._training_session.get_state(["unused_scale"])["unused_scale"].tolist() == [1.0, 1.0, 1.0]
     assert "unused_scale" in trainer.state_dict()["model"]["full_precision"]
+
+
+def test_bool_inputs_and_outputs_cross_between_torch_and_onnxruntime():
+    """DLPack bool is rejected by onnxruntime 1.19 and exported by it as uint8: both directions are bridged."""
+
+    class Masked(MLP):
+        def forward(self, x, mask):
+            logits = super().forward(x)
+            return logits.masked_fill(~mask[:, None], 0.0), mask.logical_not()
+
+    torch.manual_seed(0)
+    desc = {"inputs": [("x", ["batch", 32]), ("mask", ["batch"]), ("target", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", 10]), ("unmasked", ["batch"])]}
+
+    def loss_fn(outputs, target):
+        return CE(outputs[0], target)
+
+    model = Masked()
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn)
+    x, y = _batches(1)[0]
+    mask = torch.arange(8) % 3 != 0
+    loss, logits, unmasked = trainer.train_step(x, mask, y)
+    assert unmasked.dtype == torch.bool and torch.equal(unmasked, ~mask)
+    assert torch.equal(logits[~mask], torch.zeros(3, 10)) and logits[mask].abs().sum() > 0

@@ -154,8 +154,7 @@ class TrainingSession:
         return _owned_ortvalue(np.array(value), "cpu", 0)
 
     def _to_torch(self, value) -> torch.Tensor:
-        tensor = torch.utils.dlpack.from_dlpack(value.to_dlpack())
-        return tensor.to(self.config.device.torch_device)
+        return to_torch_view(value).to(self.config.device.torch_device)
 
 
 _NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -179,7 +178,10 @@ def _owned_ortvalue(array: np.ndarray, device_type: str, device_index: int):
 
 def to_torch_view(value) -> torch.Tensor:
     """A torch tensor sharing the OrtValue's memory (DLPack), on the value's own device."""
-    return torch.utils.dlpack.from_dlpack(value.to_dlpack())
+    tensor = torch.utils.dlpack.from_dlpack(value.to_dlpack())
+    if value.data_type() == "tensor(bool)":  # onnxruntime exports bool as uint8
+        tensor = tensor.view(torch.bool)
+    return tensor
 
 
 def from_torch(tensor: torch.Tensor):
@@ -193,8 +195,10 @@ def _from_torch(tensor: torch.Tensor):
     tensor = tensor.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    if tensor.dtype == torch.bool:  # DLPack has no bool in older protocols; ORT reads it as uint8 otherwise
-        return C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), True)
+    if tensor.dtype == torch.bool:
+        # torch exports bool as DLPack's kDLBool, which onnxruntime 1.19 rejects ("Unsupported code 6"); a uint8 view
+        # of the same memory, flagged as bool, is what it accepts.
+        return C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor.view(torch.uint8)), True)
     return C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False)
 
 
