@@ -16,6 +16,7 @@ from onnx import numpy_helper
 from .graph import fixups, mixed_precision
 from .graph.editor import FLOAT_TYPES
 from .graph.gradient import GradientBuildError, build_ort_gradient_graph, move_initializers_to_inputs
+from .graph.recompute import RecomputePlan, apply_plan
 from .graph.scatter_grad import gather_grad_to_scatter_add
 from .graph.data_parallel import GradientStepGraph, build_gradient_step_graph, build_optimizer_graph
 from .graph.training import ParamGroup, TrainingGraph, accumulation_buffer_name, build_training_graph, zero_state
@@ -39,6 +40,7 @@ class CompileRequest:
     mixed_precision: bool = False
     cpu: bool = True  # CPU kernels need float32 fall-backs under mixed precision
     data_parallel: DataParallelPlan | None = None
+    recompute: RecomputePlan = RecomputePlan()
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,10 @@ def compile_model(request: CompileRequest) -> CompiledModel:
         if request.cpu:
             gradient_model = mixed_precision.cast_fp32_only_kernels(gradient_model)
     gradient_model = gather_grad_to_scatter_add(gradient_model)
+    if request.recompute:
+        gradient_model, notes = apply_plan(gradient_model, request.outputs, request.recompute)
+        for note in notes:
+            warnings.warn(f"options {note}; nothing is recomputed for it")
     _save(gradient_model, request.graph_save_paths.get("model_with_gradient_graph_path"))
     weights = initializer_values(request.forward, state)
     eval_model = build_eval_model(eval_forward, state, request.outputs)
