@@ -131,3 +131,15 @@ def test_a_recompute_option_that_finds_nothing_warns():
     with pytest.warns(UserWarning, match="attn_dropout_recompute: the graph has no Dropout between a Softmax"):
         trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
     assert count_recompute_nodes(trainer._compiled.training.model) == {}
+
+
+def test_the_attention_dropout_of_nn_multihead_attention_is_trained_and_recomputed():
+    from models import TinyTransformer, transformer_desc, transformer_loss
+
+    torch.manual_seed(0)
+    trainer = make_trainer(TinyTransformer(dropout=0.1), transformer_desc(), optim.AdamConfig(), transformer_loss,
+                           {"graph_transformer": {"attn_dropout_recompute": True}})
+    tokens = torch.randint(0, 50, (4, 16))
+    trainer.train_step(tokens, tokens)
+    # PyTorch's exporter drops scaled_dot_product_attention's training flag; the trainer restores it (fixups.py)
+    assert count_recompute_nodes(trainer._compiled.training.model) == {"DropoutGrad": 2}

@@ -71,8 +71,8 @@ class CompiledModel:
 
 def compile_model(request: CompileRequest) -> CompiledModel:
     forward = fixups.name_optional_outputs(request.forward)
-    if request.dropout_off:
-        forward = fixups.dropout_to_identity(forward)
+    # eval-mode model: no dropout; otherwise a Dropout without training_mode is the identity it computes
+    forward = (fixups.dropout_to_identity if request.dropout_off else fixups.inference_dropout_to_identity)(forward)
     state = request.trainable + request.frozen
     loss, loss_scale = request.loss_name, None
     eval_forward = request.forward
