@@ -1,4 +1,5 @@
-"""Peak memory of a training step with each recompute option (graph_transformer.*_recompute) off and on.
+"""Peak memory of a training step with each recompute option (graph_transformer.*_recompute) and
+utils.memory_efficient_gradient off and on.
 
     python benchmarks/memory.py [--steps 3] [--threads 1]
 
@@ -30,9 +31,10 @@ from common import WORKLOADS, markdown_table, run_worker, save_json  # noqa: E40
 
 CONFIGS = {
     "off": {},
-    "gelu_recompute": {"gelu_recompute": True},
-    "attn_dropout_recompute": {"attn_dropout_recompute": True},
-    "transformer_layer_recompute": {"transformer_layer_recompute": True},
+    "gelu_recompute": {"graph_transformer": {"gelu_recompute": True}},
+    "attn_dropout_recompute": {"graph_transformer": {"attn_dropout_recompute": True}},
+    "transformer_layer_recompute": {"graph_transformer": {"transformer_layer_recompute": True}},
+    "memory_efficient_gradient": {"utils": {"memory_efficient_gradient": True}},
 }
 DROPOUTS = (0.0, 0.1)
 
@@ -69,8 +71,7 @@ def worker(config: str, dropout: float, steps: int, threads: int, arena: bool) -
     session_options.intra_op_num_threads = threads
     session_options.log_severity_level = 3
     session_options.enable_cpu_mem_arena = arena
-    options = ORTTrainerOptions({"device": {"id": "cpu"}, "session_options": session_options,
-                                 "graph_transformer": CONFIGS[config]})
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, "session_options": session_options, **CONFIGS[config]})
     trainer = ORTTrainer(model, workload.model_desc, optim.AdamConfig(lr=1e-4), loss_fn=workload.loss_fn,
                          options=options)
     batch = workload.make_batch()

@@ -16,6 +16,7 @@ from onnx import numpy_helper
 from .graph import fixups, mixed_precision
 from .graph.editor import FLOAT_TYPES
 from .graph.gradient import GradientBuildError, build_ort_gradient_graph, move_initializers_to_inputs
+from .graph.gradient_options import GradientOptions
 from .graph.recompute import RecomputePlan, apply_plan
 from .graph.scatter_grad import gather_grad_to_scatter_add
 from .graph.data_parallel import GradientStepGraph, build_gradient_step_graph, build_optimizer_graph
@@ -41,6 +42,7 @@ class CompileRequest:
     cpu: bool = True  # CPU kernels need float32 fall-backs under mixed precision
     data_parallel: DataParallelPlan | None = None
     recompute: RecomputePlan = RecomputePlan()
+    gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,8 @@ def _gradient_graph(forward: onnx.ModelProto, request: CompileRequest, loss: str
     PyTorch leaves their `.grad` None and its optimizers skip them; the request's lists are updated to match."""
     while True:
         try:
-            return build_ort_gradient_graph(forward, loss, request.trainable, request.trainable + request.frozen)
+            return build_ort_gradient_graph(forward, loss, request.trainable, request.trainable + request.frozen,
+                                            request.gradient_options)
         except GradientBuildError as err:
             if not err.unreachable or not set(err.unreachable) <= set(request.trainable):
                 raise

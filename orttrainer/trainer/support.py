@@ -18,7 +18,6 @@ _UNSUPPORTED = {
     "distributed.pipeline_parallel.sliced_schema": (bool, "leave it empty (no pipeline parallelism)"),
     "distributed.pipeline_parallel.sliced_axes": (bool, "leave it empty (no pipeline parallelism)"),
     "distributed.pipeline_parallel.sliced_tensor_names": (bool, "leave it empty (no pipeline parallelism)"),
-    "utils.memory_efficient_gradient": (lambda v: v, "leave it off"),
 }
 
 
@@ -46,6 +45,16 @@ def recompute_plan(options):
                          "effect with graph_transformer.transformer_layer_recompute=True")
     layers = gt.number_recompute_layers if gt.transformer_layer_recompute else None
     return RecomputePlan(gelu=gt.gelu_recompute, attention_dropout=gt.attn_dropout_recompute, layers=layers)
+
+
+def gradient_options(options):
+    """`graph_transformer.propagate_cast_ops_config` and `utils.memory_efficient_gradient` as the `ort` gradient
+    builder's `GradientOptions` (graph/gradient_options.py). A strategy of None is NONE (no cast propagation)."""
+    from .graph.gradient_options import GradientOptions
+
+    cast = options.graph_transformer.propagate_cast_ops_config
+    strategy = "NONE" if cast.strategy is None else type(cast.strategy)(cast.strategy).name
+    return GradientOptions(strategy, cast.level, tuple(cast.allow), options.utils.memory_efficient_gradient)
 
 
 def check_data_parallel_options(options, world_size: int) -> None:
