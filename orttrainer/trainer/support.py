@@ -29,10 +29,6 @@ def check_supported_options(options) -> None:
             raise NotImplementedError(f"options {path}={value!r} is not supported by this orttrainer build; "
                                       f"{instead}.")
     recompute_plan(options)
-    device = str(options.device.id).strip().lower()
-    if device == "cpu" and options.device.mem_limit > 0:
-        raise NotImplementedError("options device.mem_limit limits the CUDA memory arena; on device.id 'cpu' it has no "
-                                  "equivalent. Leave it 0 on the CPU.")
 
 
 def recompute_plan(options):
