@@ -42,13 +42,18 @@ def _batches(n: int):
     return [(torch.randn(4, 8, generator=g), torch.randint(0, 8, (4,), generator=g)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("strategy, casts", [(PropagateCastOpsStrategy.NONE, 3), (None, 3),
-                                             (PropagateCastOpsStrategy.FLOOD_FILL, 3),
-                                             (PropagateCastOpsStrategy.INSERT_AND_REDUCE, 5)])
-def test_cast_propagation_reaches_the_graph_and_training_stays_within_the_float16_tolerance(strategy, casts):
+S = PropagateCastOpsStrategy
+
+
+# Cast counts as test_graph_gradient_options documents for this graph; 4 needs both level 2 and the allowed Sigmoid
+@pytest.mark.parametrize("strategy, level, allow, casts", [
+    (S.NONE, 1, (), 3), (None, 1, (), 3), (S.FLOOD_FILL, 1, (), 3), (S.INSERT_AND_REDUCE, 1, (), 5),
+    (S.FLOOD_FILL, 2, ("Sigmoid",), 4)])
+def test_cast_propagation_reaches_the_graph_and_training_stays_within_the_float16_tolerance(strategy, level, allow,
+                                                                                          casts):
     model = _amp_graph()
     reference = AmpReference(model)
-    trainer = make_trainer(model, AMP_DESC, optim.AdamConfig(lr=1e-3), extra=_cast_options(strategy))
+    trainer = make_trainer(model, AMP_DESC, optim.AdamConfig(lr=1e-3), extra=_cast_options(strategy, level, allow))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
     for x, y in _batches(20):
         trainer.train_step(x, y)
@@ -58,7 +63,7 @@ def test_cast_propagation_reaches_the_graph_and_training_stays_within_the_float1
         ref_opt.step()
     forward_casts = [n for n in trainer._compiled.training.model.graph.node
                      if n.op_type == "Cast" and "_Grad" not in n.name and not n.name.startswith("orttrainer/")]
-    assert len(forward_casts) == casts  # as test_graph_gradient_options documents for this graph
+    assert len(forward_casts) == casts
     assert max_difference(trainer_weights(trainer), torch_weights(reference)) < FP16_TOLERANCE
 
 
@@ -99,5 +104,5 @@ def test_memory_efficient_gradient_uses_the_invertible_layer_norm_gradient_and_t
     assert "InvertibleLayerNormalizationGrad" not in [n.op_type for n in plain._compiled.training.model.graph.node]
     assert max_difference(trainer_weights(efficient), trainer_weights(plain)) < 1e-5
     tokens = torch.randint(0, 50, (4, 16))
-    np.testing.assert_allclose(efficient.eval_step(tokens, tokens)[0].numpy(), plain.eval_step(tokens, tokens)[0].numpy(),
-                               rtol=1e-4)
+    np.testing.assert_allclose(efficient.eval_step(tokens, tokens)[0].numpy(),
+                               plain.eval_step(tokens, tokens)[0].numpy(), rtol=1e-4)

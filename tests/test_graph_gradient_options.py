@@ -37,7 +37,8 @@ def _amp_graph() -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "amp", [helper.make_tensor_value_info("x", FLOAT, [4, 8]),
                                              helper.make_tensor_value_info("y", TensorProto.INT64, [4])],
                               [helper.make_tensor_value_info("loss", FLOAT, [])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 8
     return model
 
@@ -109,7 +110,8 @@ def _layer_norm_graph(extra_output: bool = False) -> onnx.ModelProto:
     """loss = sum(LayerNorm(x + h) @ W0)^2 with h = x @ W1: the residual sum feeds only the layer norm."""
     rng = np.random.default_rng(2)
     inits = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32) * 0.3, w) for w in ("W0", "W1")]
-    inits += [numpy_helper.from_array(np.ones(8, np.float32), "gamma"), numpy_helper.from_array(np.zeros(8, np.float32), "b")]
+    inits += [numpy_helper.from_array(np.ones(8, np.float32), "gamma"),
+              numpy_helper.from_array(np.zeros(8, np.float32), "b")]
     node = helper.make_node
     nodes = [node("MatMul", ["x", "W1"], ["h"]), node("Add", ["x", "h"], ["s"]),
              node("LayerNormalization", ["s", "gamma", "b"], ["n", "mean", "inv_std"], axis=-1),
@@ -119,7 +121,8 @@ def _layer_norm_graph(extra_output: bool = False) -> onnx.ModelProto:
     if extra_output:
         outputs.append(helper.make_tensor_value_info("unrelated", FLOAT, [4, 8]))
     graph = helper.make_graph(nodes, "ln", [helper.make_tensor_value_info("x", FLOAT, [4, 8])], outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 8
     return model
 

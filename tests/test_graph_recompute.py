@@ -26,7 +26,8 @@ FLOAT = TensorProto.FLOAT
 def _model(nodes, inputs, initializers, outputs=("loss",)):
     graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(o, FLOAT, None) for o in outputs],
                               initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 8
     return model
 

@@ -122,7 +122,8 @@ def test_more_layers_than_can_be_recomputed_is_clipped_with_a_warning():
 def test_number_recompute_layers_alone_is_an_error():
     with pytest.raises(ValueError, match="number_recompute_layers=2 only takes effect with "
                                          "graph_transformer.transformer_layer_recompute=True"):
-        make_trainer(Stack(), DESC, optim.AdamConfig(), token_loss, {"graph_transformer": {"number_recompute_layers": 2}})
+        make_trainer(Stack(), DESC, optim.AdamConfig(), token_loss,
+                     {"graph_transformer": {"number_recompute_layers": 2}})
 
 
 def test_a_recompute_option_that_finds_nothing_warns():

@@ -194,7 +194,8 @@ def _gated(group: list[onnx.NodeProto], dep: str | None, made: set[str], taken: 
     outer = list(dict.fromkeys(n for node in group for n in node.input if n and n not in made))
     gated = {n: fresh_name(f"{n}_gated", taken) for n in outer}
     gate = helper.make_node("PassThrough", [dep, *outer], [fresh_name(f"{dep}_gated", taken), *gated.values()],
-                            name=fresh_name(f"{GATE_PREFIX}{group[0].name.removesuffix(RECOMPUTE_SUFFIX)}", taken), domain=_MS_DOMAIN)
+                            name=fresh_name(f"{GATE_PREFIX}{group[0].name.removesuffix(RECOMPUTE_SUFFIX)}", taken),
+                            domain=_MS_DOMAIN)
     for node in group:
         for k, name in enumerate(node.input):
             node.input[k] = gated.get(name, name)
@@ -242,8 +243,8 @@ def _copied_inputs(node: onnx.NodeProto) -> list[str]:
 
 def _recomputed_outputs(node: onnx.NodeProto, constants: dict[str, object]) -> list[str]:
     """The outputs the copy of `node` recomputes; empty when the node cannot be repeated exactly."""
-    if node.op_type in _RANDOM_OPS or node.op_type == "Constant" or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-                                          for a in node.attribute):
+    subgraphs = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+    if node.op_type in _RANDOM_OPS or node.op_type == "Constant" or any(a.type in subgraphs for a in node.attribute):
         return []
     if node.op_type == "Dropout":
         return [node.output[0]] if _dropout_mode(node, constants) is not None else []
