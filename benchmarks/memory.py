@@ -93,27 +93,35 @@ def worker(config: str, dropout: float, steps: int, threads: int, arena: bool) -
             "notes": notes}
 
 
+def _median(runs: list[dict]) -> dict:
+    """The run with the median step peak, with every run's step peak attached."""
+    ordered = sorted(runs, key=lambda r: r["step_peak_mib"])
+    return {**ordered[len(ordered) // 2], "step_peaks_mib": [r["step_peak_mib"] for r in runs]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--arena", action="store_true", help="keep ONNX Runtime's CPU arena on")
+    parser.add_argument("--repeat", type=int, default=1, help="processes per configuration (the median is shown)")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "DROPOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker[0], float(args.worker[1]), args.steps, args.threads, args.arena)))
         return
     flags = ["--steps", str(args.steps), "--threads", str(args.threads)] + (["--arena"] if args.arena else [])
-    results = [run_worker(__file__, [config, str(p), *flags]) for p in DROPOUTS for config in CONFIGS]
+    results = [_median([run_worker(__file__, [config, str(p), *flags]) for _ in range(args.repeat)])
+               for p in DROPOUTS for config in CONFIGS]
     rows = []
     for r in results:
         base = next(b for b in results if b["dropout"] == r["dropout"] and b["config"] == "off")
         change = r["step_peak_mib"] - base["step_peak_mib"]
         rows.append([f"dropout {r['dropout']}", r["config"], r["recompute_nodes"], f"{r['rss_before_mib']:.0f}",
                      f"{r['step_peak_mib']:.0f}", "" if r is base else f"{change:+.0f}", f"{1000 * r['step_s']:.0f}",
-                     "nothing to recompute (warning)" if r["notes"] else ""])
+                     "nothing to recompute (warns)" if r["notes"] else ""])
     print(f"{WORKLOADS['transformer'].name}; threads: {args.threads}; CPU arena {'on' if args.arena else 'off'}; "
-          f"{args.steps} steady-state steps per process\n")
+          f"{args.steps} steady-state steps per process; median of {args.repeat} process(es)\n")
     print(markdown_table(["model", "option", "recompute nodes", "RSS between steps (MiB)", "step peak above it (MiB)",
                           "vs off (MiB)", "ms/step", "note"], rows))
     payload = {"steps": args.steps, "threads": args.threads, "arena": args.arena, "results": results}

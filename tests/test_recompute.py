@@ -134,13 +134,15 @@ def test_a_recompute_option_that_finds_nothing_warns():
     assert count_recompute_nodes(trainer._compiled.training.model) == {}
 
 
-def test_the_attention_dropout_of_nn_multihead_attention_is_trained_and_recomputed():
+def test_nn_multihead_attention_dropout_is_recomputed_and_a_gelu_before_a_dropout_is_not():
     from models import TinyTransformer, transformer_desc, transformer_loss
 
     torch.manual_seed(0)
     trainer = make_trainer(TinyTransformer(dropout=0.1), transformer_desc(), optim.AdamConfig(), transformer_loss,
-                           {"graph_transformer": {"attn_dropout_recompute": True}})
+                           {"graph_transformer": {"attn_dropout_recompute": True, "gelu_recompute": True}})
     tokens = torch.randint(0, 50, (4, 16))
-    trainer.train_step(tokens, tokens)
+    with pytest.warns(UserWarning, match="gelu_recompute: the backward pass reads none of the 2 activations it "
+                                         "selects \\(a dropout follows each GELU"):
+        trainer.train_step(tokens, tokens)
     # PyTorch's exporter drops scaled_dot_product_attention's training flag; the trainer restores it (fixups.py)
     assert count_recompute_nodes(trainer._compiled.training.model) == {"DropoutGrad": 2}

@@ -94,7 +94,7 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     if request.recompute:
         gradient_model, notes = apply_plan(gradient_model, request.outputs, request.recompute)
         for note in notes:
-            warnings.warn(f"options {note}; nothing is recomputed for it")
+            warnings.warn(f"options {note}")
     _save(gradient_model, request.graph_save_paths.get("model_with_gradient_graph_path"))
     weights = initializer_values(request.forward, state)
     eval_model = build_eval_model(eval_forward, state, request.outputs)

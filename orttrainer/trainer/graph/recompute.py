@@ -3,10 +3,12 @@
 Rule (`recompute`): for each selected forward node whose output a backward node reads, the graph gets a copy of
 the node, named `<node>_recompute` with outputs `<output>_recompute`. The copy reads the copies of selected
 producers and the original tensors otherwise (kept activations, weights, constants); every backward node that read
-a selected output reads the copy's instead. Copies are placed in the node list right before the first backward node
-that needs them, so under ONNX Runtime's `PRIORITY_BASED` execution order (a topological order that follows the
-node list) they run late and the forward's tensors die after their last forward reader. Copies no backward node
-needs (directly or through other copies) are not made.
+a selected output reads the copy's instead. Copies no backward node needs (directly or through other copies) are
+not made. The copies are placed in the node list right before the first backward node that needs them, and each such
+group waits behind a gate: `com.microsoft.PassThrough(dep, x1, x2, ...)`, whose outputs alias its inputs (no copy)
+and which cannot run before `dep`, the latest backward input of that first reader. The copies read `x1, x2, ...`
+through the gate, so in any execution order ONNX Runtime picks they run late, the forward's tensors die after their
+last forward reader, and no graph optimisation (CSE) can merge a copy back into its original.
 
 - A node is *forward* if a forward output (the loss, the model's outputs) depends on it; every other node is
   *backward* (gradients, the gradient builder's shape helpers, the optimizer).
@@ -26,12 +28,12 @@ Selections (the legacy `graph_transformer` options):
   from the softmax output, which SoftmaxGrad keeps anyway, and the mask.
 - `transformer_layers`: the layers of the model's largest `ModuleList` of layers, found by the exporter's node-name
   scopes (`/model/encoder/layers.3/...`); a layer's interior is its forward nodes minus those whose outputs are read
-  outside the layer (its output, kept as the next layer's input). Recomputing a layer keeps only its input.
+  outside the layer (its output, kept as the next layer's input). A recomputed layer keeps its input, its output and
+  its dropout masks.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -91,9 +93,6 @@ def attention_dropout_nodes(graph: onnx.GraphProto, forward: set[int]) -> list[i
                 r.op_type in ("MatMul", "FusedMatMul") for r in readers.get(node.output[0], [])):
             found.append(i)
     return found
-
-
-_LAYER_SCOPE = re.compile(r"^(.*?/[^/]*?\.)(\d+)/")
 
 
 def transformer_layers(graph: onnx.GraphProto, forward: set[int]) -> list[Layer]:
@@ -337,35 +336,41 @@ class RecomputePlan:
 
 def apply_plan(model: onnx.ModelProto, forward_outputs: list[str], plan: RecomputePlan
                ) -> tuple[onnx.ModelProto, list[str]]:
-    """Select nodes per `plan` and recompute them. Returns the model and a message for each option that found
-    nothing to recompute in this graph (the caller warns)."""
+    """Select nodes per `plan` and recompute them. Returns the model and a message for each option that recomputes
+    nothing in this graph, or whose layer count was clipped (the caller warns)."""
     graph = model.graph
     forward = forward_nodes(graph, forward_outputs)
-    selected: set[int] = set()
+    chosen: dict[str, list[int]] = {}
     notes = []
+    nothing = "nothing is recomputed for it"
     if plan.gelu:
-        found = gelu_nodes(graph, forward)
-        selected.update(found)
-        if not found:
-            notes.append("graph_transformer.gelu_recompute: the graph has no Gelu/BiasGelu/FastGelu node")
+        chosen["gelu_recompute"] = gelu_nodes(graph, forward)
+        if not chosen["gelu_recompute"]:
+            notes.append(f"graph_transformer.gelu_recompute: the graph has no Gelu/BiasGelu/FastGelu node; {nothing}")
     if plan.attention_dropout:
-        found = attention_dropout_nodes(graph, forward)
-        selected.update(found)
-        if not found:
+        chosen["attn_dropout_recompute"] = attention_dropout_nodes(graph, forward)
+        if not chosen["attn_dropout_recompute"]:
             notes.append("graph_transformer.attn_dropout_recompute: the graph has no Dropout between a Softmax and a "
-                         "MatMul (attention dropout with p > 0 in training mode)")
+                         f"MatMul (attention dropout with p > 0 in training mode); {nothing}")
     if plan.layers is not None:
         layers = transformer_layers(graph, forward)
         count = len(layers) - 1 if plan.layers == 0 else min(plan.layers, len(layers) - 1)
         if count < 1:
             notes.append(f"graph_transformer.transformer_layer_recompute: found {len(layers)} transformer layer(s) "
-                         "(node-name scopes like '/model/encoder/layers.0/'); the last layer is never recomputed")
+                         f"(node-name scopes like '/model/encoder/layers.0/'), and the last is never recomputed; "
+                         f"{nothing}")
         elif plan.layers > count:
             notes.append(f"graph_transformer.number_recompute_layers={plan.layers} is more than the "
                          f"{len(layers) - 1} layers that can be recomputed (all but the last); using {count}")
-        for layer in layers[:max(count, 0)]:
-            selected.update(layer.interior)
+        chosen["transformer_layer_recompute"] = [i for layer in layers[:max(count, 0)] for i in layer.interior]
+    selected = {i for found in chosen.values() for i in found}
     result = recompute(model, forward_outputs, selected) if selected else model
-    if selected and result is model:
-        notes.append("graph_transformer recompute: the backward pass reads none of the selected activations")
+    copied = {n.name.removesuffix(RECOMPUTE_SUFFIX) for n in result.graph.node if n.name.endswith(RECOMPUTE_SUFFIX)}
+    for option, found in chosen.items():
+        if found and not copied.intersection(graph.node[i].name or graph.node[i].op_type for i in found):
+            why = ""
+            if option == "gelu_recompute":
+                why = " (a dropout follows each GELU: its output is what the backward pass keeps)"
+            notes.append(f"graph_transformer.{option}: the backward pass reads none of the {len(found)} activations "
+                         f"it selects{why}; {nothing}")
     return result, notes
