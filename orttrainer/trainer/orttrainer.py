@@ -434,7 +434,11 @@ def _takes_two_arguments(fn) -> bool:
 
 
 def _seed_onnxruntime() -> None:
-    """Seed ONNX Runtime's RNG (dropout masks) from torch's seed, so `torch.manual_seed` makes runs repeatable."""
+    """Seed ONNX Runtime's RNG (dropout masks) from torch's seed, so `torch.manual_seed` makes runs repeatable.
+
+    Rule: the ONNX Runtime seed is `1 + torch.initial_seed() mod 2**30`. Why: the k-th Dropout computation seeds
+    its engine (minstd_rand0) with `seed + k - 1`, and that engine treats a seed ≡ 0 mod 2**31 - 1 as 1, so seed 0
+    (`torch.manual_seed(0)`) drew the same mask in the first two steps (verified on 1.19.2)."""
     from onnxruntime.capi import _pybind_state as C
 
-    C.set_seed(torch.initial_seed() & 0x7FFFFFFF)
+    C.set_seed(1 + torch.initial_seed() % (1 << 30))
