@@ -325,7 +325,7 @@ def test_deterministic_compute_and_user_session_options_reach_onnxruntime():
         warnings.simplefilter("error")
         trainer.train_step(*_batches(1)[0])
     assert options.use_deterministic_compute is True
-    session_options = trainer._training_session._train.get_session_options()
+    session_options = trainer._training_session.train_session.get_session_options()
     assert session_options.use_deterministic_compute and session_options.intra_op_num_threads == 1
 
 
