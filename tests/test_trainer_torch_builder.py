@@ -326,10 +326,16 @@ class Normalised(MLP):
         return self.fc2(F.gelu(self.bn(self.fc1(x))))
 
 
-def test_batch_norm_in_training_mode_matches_pytorch():
-    """Its `num_batches_tracked` is module state the exported forward does not use (see bind_foreign_state)."""
+@pytest.mark.parametrize("training", [True, False], ids=["train_mode", "eval_mode"])
+def test_batch_norm_matches_pytorch(training):
+    """Train mode: batch statistics; eval mode: the running statistics, as PyTorch trains an eval-mode module. Its
+    `num_batches_tracked` is module state the exported forward does not use (see bind_foreign_state)."""
     torch.manual_seed(0)
-    trainer, ref = train_with_reference(Normalised(), mlp_desc(), optim.SGDConfig(lr=0.1),
+    model = Normalised().train(training)
+    with torch.no_grad():
+        model.bn.running_mean.add_(0.5)
+        model.bn.running_var.mul_(2)
+    trainer, ref = train_with_reference(model, mlp_desc(), optim.SGDConfig(lr=0.1),
                                         lambda ps: torch.optim.SGD(ps, lr=0.1), CE, batches(4), TORCH)
     assert "bn.num_batches_tracked" not in trainer._training_session.state_names()
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
