@@ -288,6 +288,31 @@ def test_interleaved_batch_sizes_share_one_state_and_match_pytorch():
     assert logits.shape == (5, 10) and trainer._training_session.training_graph_count == 2
 
 
+class SmallBatchesOnly(torch.autograd.Function):
+    """Traceable for batches of up to 8 rows only (shapes are concrete while tracing)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.shape[0] > 8:
+            raise ValueError("batches of up to 8 rows")
+        return grad * 2
+
+
+def test_a_signature_that_fails_to_build_leaves_the_trainer_as_it_was():
+    trainer = make_trainer(WithActivation(SmallBatchesOnly.apply), mlp_desc(), optim.SGDConfig(lr=0.1), CE)
+    trainer.train_step(*batches(1)[0])
+    before = trainer_weights(trainer)
+    with pytest.raises(UntraceableFunctionError, match="SmallBatchesOnly"):
+        trainer.train_step(*batches(1, sizes=(9,))[0])
+    assert trainer._train_step_info.step == 1 and max_difference(trainer_weights(trainer), before) == 0
+    trainer.train_step(*batches(1, sizes=(4,))[0])
+    assert trainer._train_step_info.step == 2 and trainer._training_session.training_graph_count == 2
+
+
 def test_every_signature_must_keep_the_state_contract():
     def graph(trainable, shape):
         model = onnx.helper.make_model(onnx.helper.make_graph(
