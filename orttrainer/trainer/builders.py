@@ -26,6 +26,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from ..debug.subscriber import no_increase_global_step
 from .graph.gradient_torch import build_torch_gradient_graph, shape_signature
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,8 @@ def torch_gradient_model(source: TorchSource, inputs: Sequence[torch.Tensor], ou
     as graph inputs; `outputs` (loss first), then `<p>_grad` for each of `trainable`, as graph outputs."""
     params = {name for name, _ in source.module.named_parameters()}
     frozen = [n for n in state if n in params and n not in set(trainable)]
-    with _mode(source.module, source.training):
+    # orttrainer.debug hooks pass values through while tracing: no step counted, no file written from fake tensors
+    with _mode(source.module, source.training), no_increase_global_step():
         graph = build_torch_gradient_graph(source.module, source.loss_fn, source.input_names, list(inputs), outputs,
                                            trainable, frozen, source.opset_version)
     values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
