@@ -1,11 +1,14 @@
-"""ms per train_step: ORTTrainer vs PyTorch eager, same model, batches, optimizer (Adam) and thread count.
+"""ms per train_step: ORTTrainer (both gradient builders) vs PyTorch eager, same model, batches, optimizer (Adam)
+and thread count.
 
-    python benchmarks/step_time.py [--threads 2] [--steps 30] [--profile]
+    python benchmarks/step_time.py [--threads 2] [--steps 30] [--profile] [--runners pytorch orttrainer-ort ...]
 
-Prints a markdown table and writes benchmarks/results/step_time.json. Each measurement runs in its own process;
-the table reports the median step time after warm-up, the ratio to PyTorch measured in the same run, and the time
-to the first step (export + compile + session creation + first run). `--profile` adds ONNX Runtime's kernel time per
-op type for the transformer's training graph.
+Runners: `pytorch` (eager), `orttrainer-ort` (ONNX Runtime's gradient builder) and `orttrainer-torch` (PyTorch's
+autograd traced into the graph), chosen with options `_internal_use.gradient_builder`. Prints a markdown table and
+writes benchmarks/results/step_time.json. Each measurement runs in its own process; the table reports the median
+step time after warm-up, the ratio to PyTorch measured in the same run, and the time to the first step (export +
+compile + session creation + first run). `--profile` adds ONNX Runtime's kernel time per op type for the
+transformer's training graph, per builder.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import WORKLOADS, markdown_table, run_worker, save_json  # noqa: E402
 
-RUNNERS = ("pytorch", "orttrainer")
+RUNNERS = ("pytorch", "orttrainer-ort", "orttrainer-torch")
 
 
 def _timed_steps(step, batches, steps: int, warmup: int) -> tuple[float, list[float]]:
@@ -53,7 +56,7 @@ def _pytorch_step(workload):
     return step, None
 
 
-def _orttrainer_step(workload, threads: int, profile_prefix: str | None):
+def _orttrainer_step(workload, threads: int, profile_prefix: str | None, builder: str):
     import onnxruntime as ort
 
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
@@ -66,7 +69,7 @@ def _orttrainer_step(workload, threads: int, profile_prefix: str | None):
         session_options.enable_profiling = True
         session_options.profile_file_prefix = profile_prefix
     options = ORTTrainerOptions({"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False},
-                                 "session_options": session_options})
+                                 "session_options": session_options, "_internal_use": {"gradient_builder": builder}})
     trainer = ORTTrainer(workload.make_model(), workload.model_desc, optim.AdamConfig(lr=1e-3),
                          loss_fn=workload.loss_fn, options=options)
     return trainer.train_step, trainer
@@ -80,12 +83,15 @@ def worker(runner: str, workload_name: str, threads: int, steps: int, warmup: in
     workload = WORKLOADS[workload_name]
     batches = [workload.make_batch() for _ in range(4)]
     prefix = os.path.join(tempfile.mkdtemp(), "ort_profile") if profile else None
-    step, trainer = _pytorch_step(workload) if runner == "pytorch" else _orttrainer_step(workload, threads, prefix)
+    if runner == "pytorch":
+        step, trainer = _pytorch_step(workload)
+    else:
+        step, trainer = _orttrainer_step(workload, threads, prefix, runner.removeprefix("orttrainer-"))
     first, times = _timed_steps(step, batches, steps, warmup)
     result = {"runner": runner, "workload": workload_name, "threads": threads, "first_step_s": first,
               "median_ms": 1000 * statistics.median(times), "min_ms": 1000 * min(times), "steps": len(times)}
     if profile and trainer is not None:
-        result["profile"] = op_type_profile(trainer._training_session._train.end_profiling(), warmup + steps + 1)
+        result["profile"] = op_type_profile(trainer._training_session.train_session.end_profiling(), warmup + steps + 1)
     return result
 
 
@@ -107,6 +113,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
     parser.add_argument("--profile", action="store_true", help="ORT kernel time per op type (transformer)")
     parser.add_argument("--worker", nargs=2, metavar=("RUNNER", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -115,9 +122,9 @@ def main() -> None:
         return
     results = []
     for name in args.workloads:
-        for runner in RUNNERS:
+        for runner in args.runners:
             flags = ["--threads", str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            if args.profile and runner == "orttrainer" and name == "transformer":
+            if args.profile and runner != "pytorch" and name == "transformer":
                 flags.append("--profile")
             results.append(run_worker(__file__, [runner, name, *flags]))
     print(report(results, args.threads))
@@ -127,16 +134,17 @@ def main() -> None:
 def report(results: list[dict], threads: int) -> str:
     rows = []
     for name in dict.fromkeys(r["workload"] for r in results):
-        base = next(r for r in results if r["workload"] == name and r["runner"] == "pytorch")
+        base = next((r for r in results if r["workload"] == name and r["runner"] == "pytorch"), None)
         for r in (r for r in results if r["workload"] == name):
-            rows.append([WORKLOADS[name].name, r["runner"], f"{r['median_ms']:.1f}",
-                         f"{r['median_ms'] / base['median_ms']:.2f}x", f"{r['first_step_s']:.2f}"])
+            ratio = f"{r['median_ms'] / base['median_ms']:.2f}x" if base else "-"
+            rows.append([WORKLOADS[name].name, r["runner"], f"{r['median_ms']:.1f}", ratio,
+                         f"{r['first_step_s']:.2f}"])
     text = f"threads: {threads}\n\n" + markdown_table(
         ["workload", "runner", "ms/step (median)", "vs PyTorch eager", "first step (s)"], rows)
     for r in results:
         if "profile" in r:
             top = list(r["profile"].items())[:15]
-            text += "\n\nONNX Runtime kernel time per op type, transformer train step (ms/step):\n\n"
+            text += f"\n\nONNX Runtime kernel time per op type, transformer train step, {r['runner']} (ms/step):\n\n"
             text += markdown_table(["op type", "ms/step"], [[op, f"{ms:.2f}"] for op, ms in top])
     return text
 

@@ -24,10 +24,11 @@ from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim  # noqa: E402
 CE = torch.nn.functional.cross_entropy
 
 
-def global_batches(steps: int, global_batch: int, seed: int = 7):
+def global_batches(steps: int, global_batch: int, seed: int = 7, halve_odd_steps: bool = False):
+    """Fixed batches; with `halve_odd_steps`, every second one has half the rows (a second input shape)."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(global_batch, 32, generator=g), torch.randint(0, 10, (global_batch,), generator=g))
-            for _ in range(steps)]
+    sizes = [global_batch // 2 if halve_odd_steps and i % 2 else global_batch for i in range(steps)]
+    return [(torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)) for n in sizes]
 
 
 def make_trainer(cfg: dict) -> ORTTrainer:
@@ -42,6 +43,7 @@ def make_trainer(cfg: dict) -> ORTTrainer:
                         "allreduce_post_accumulation": cfg.get("post", False),
                         "deepspeed_zero_optimization": {"stage": cfg.get("zero", 0)},
                         "enable_adasum": cfg.get("adasum", False)},
+        "_internal_use": {"gradient_builder": cfg.get("builder", "auto")},
     }
     if cfg.get("mixed_precision"):
         options["mixed_precision"] = {"enabled": True, "loss_scaler": amp.DynamicLossScaler(loss_scale=256.0)}
@@ -59,7 +61,7 @@ def run(cfg: dict) -> dict:
     torch.set_num_threads(1)
     rank, world = cfg["rank"], cfg["world_size"]
     trainer = make_trainer(cfg)
-    batches = global_batches(cfg["steps"], cfg["global_batch"])
+    batches = global_batches(cfg["steps"], cfg["global_batch"], halve_odd_steps=cfg.get("halve_odd_steps", False))
     start, stop = cfg.get("start", 0), cfg.get("stop", cfg["steps"])
     if cfg.get("load"):
         trainer.load_checkpoint(*cfg["load"])
@@ -85,6 +87,8 @@ def run(cfg: dict) -> dict:
         "moment_elements": sum(int(np.prod(session.get_state([m])[m].shape))
                                for m in trainer._compiled.training.optimizer_state),
         "partition_info": sorted(state.get("partition_info", {})),
+        "gradient_builder": trainer._gradient_builder,
+        "graphs": session.training_graph_count,
     }
 
 

@@ -370,3 +370,30 @@ def test_no_warning_for_a_plain_subscribed_run(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the exporter's TracerWarnings are not ours
         trainer_run(make_model(), tmp_path / "o", "te")
+
+
+def test_statistics_need_the_ort_gradient_builder(tmp_path):
+    """The statistics are outputs of the exported graph's marked tensors, which only the 'ort' builder trains."""
+    subscribe(make_model(), tmp_path / "auto")
+    assert trainer_run(GlobalSubscriberManager._module, None, "t")._gradient_builder == "ort"  # 'auto' stays
+    GlobalSubscriberManager.unsubscribe()
+    model = make_model()
+    subscribe(model, tmp_path / "torch")
+    trainer = make_trainer(model, {"_internal_use": {"gradient_builder": "torch"}})
+    with pytest.raises(NotImplementedError, match=r"\['orttrainer.debug statistics'\] transform the exported ONNX "
+                                                  "graph, which only the 'ort' gradient builder trains"):
+        trainer.train_step(*batches(1)[0])
+
+
+def test_a_torch_builder_trace_after_subscribing_writes_nothing(tmp_path):
+    """Subscribed after compilation (steps counted, no statistics): tracing the graph for a new batch size runs the
+    model's hooks on placeholder tensors, which must neither dump nor count."""
+    model = make_model()
+    trainer = make_trainer(model, {"_internal_use": {"gradient_builder": "torch"}})
+    trainer.train_step(*batches(1)[0])
+    subscribe(model, tmp_path / "late")
+    x, target = batches(1)[0]
+    with pytest.warns(UserWarning, match="subscribed after ORTTrainer compiled its graph"):
+        trainer.train_step(x[:3], target[:3])  # a new signature: traced now
+    assert trainer._training_session.training_graph_count == 2 and tree(tmp_path / "late") == []
+    assert GlobalSubscriberManager.get_run_context().global_states.execution_step == 1

@@ -79,6 +79,18 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, optimiz
     assert _max_difference(ranks[0]["optimizer"], ranks[1]["optimizer"]) == 0.0  # replicated without ZeRO
 
 
+def test_two_ranks_with_the_torch_gradient_builder_equal_one_process(tmp_path):
+    """The torch builder's gradient-step graph (accumulating in the graph), one per input-shape signature (two batch
+    sizes here), under data parallelism; the single-process reference uses the 'ort' builder."""
+    cfg = {"accumulation": 2, "halve_odd_steps": True}
+    single = run_ranks(tmp_path, 1, builder="ort", **cfg)[0]
+    ranks = run_ranks(tmp_path, 2, builder="torch", post=True, **cfg)
+    for result in ranks:
+        assert result["gradient_builder"] == "torch" and result["graphs"] == 2
+        assert _max_difference(result["all_weights"], single["all_weights"]) < 1e-5
+        assert result["counters"] == single["counters"]
+
+
 def test_post_accumulation_reduces_once_per_optimizer_step(tmp_path):
     per_micro = run_ranks(tmp_path, 2, accumulation=2, post=False)[0]["calls"]
     per_update = run_ranks(tmp_path, 2, accumulation=2, post=True)[0]["calls"]

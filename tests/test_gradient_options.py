@@ -106,3 +106,21 @@ def test_memory_efficient_gradient_uses_the_invertible_layer_norm_gradient_and_t
     tokens = torch.randint(0, 50, (4, 16))
     np.testing.assert_allclose(efficient.eval_step(tokens, tokens)[0].numpy(),
                                plain.eval_step(tokens, tokens)[0].numpy(), rtol=1e-4)
+
+
+def test_these_options_need_the_ort_gradient_builder():
+    from helpers import cpu_options
+
+    from orttrainer.trainer.builders import ort_only_options
+
+    extra = {"graph_transformer": {"gelu_recompute": True, "propagate_cast_ops_config": {"level": 2}},
+             "utils": {"memory_efficient_gradient": True}}
+    assert ort_only_options(cpu_options(extra)) == ["graph_transformer.gelu_recompute",
+                                                    "graph_transformer.propagate_cast_ops_config",
+                                                    "utils.memory_efficient_gradient"]
+    assert ort_only_options(cpu_options({"graph_transformer": {"propagate_cast_ops_config": {"level": 1}}})) == []
+    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), nn.functional.cross_entropy,
+                           {"utils": {"memory_efficient_gradient": True},
+                            "_internal_use": {"gradient_builder": "torch"}})
+    with pytest.raises(NotImplementedError, match=r"\['utils.memory_efficient_gradient'\] transform"):
+        trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))

@@ -135,8 +135,10 @@ def test_an_op_without_gradient_is_named_with_its_node():
              helper.make_node("ReduceSum", ["c"], ["loss"], name="total", keepdims=0)]
     inits = [numpy_helper.from_array(W0, "W"), numpy_helper.from_array(np.array(1, np.int64), "axis")]
     model = _model(nodes, [_vi("x", [4, 3])], [_vi("loss", [])], inits)
-    with pytest.raises(GradientBuildError, match=r"cannot differentiate op 'CumSum' \(node 'running_total'\)"):
+    with pytest.raises(GradientBuildError, match=r"cannot differentiate op 'CumSum' \(node 'running_total'\)") as info:
         build_ort_gradient_graph(model, "loss", ["W"], ["W"])
+    assert info.value.op_type == "CumSum"  # the trainer's 'auto' builder switches to the torch builder on this
+    assert "'gradient_builder': 'torch'" in str(info.value)
 
 
 def test_negative_log_likelihood_has_no_gradient():
@@ -160,6 +162,7 @@ def test_a_parameter_that_does_not_reach_the_loss_is_reported():
     with pytest.raises(GradientBuildError, match=r"parameters \['unused'\] have no differentiable path") as info:
         build_ort_gradient_graph(model, "loss", ["W", "unused"], ["W", "unused"])
     assert info.value.unreachable == ["unused"]  # the compiler freezes these and retries
+    assert info.value.op_type is None
 
 
 def test_other_builder_failures_keep_ort_message():

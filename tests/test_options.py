@@ -66,6 +66,7 @@ DEFAULTS = {
         "extra_postprocess": None,
         "onnx_opset_version": 14,
         "enable_onnx_contrib_ops": True,
+        "gradient_builder": "auto",  # orttrainer's own key: the legacy keys and defaults above are unchanged
     },
     "provider_options": {},
     "session_options": None,
@@ -123,6 +124,8 @@ def test_partially_filled_dicts_normalise_like_empty(partial):
         ("utils.memory_efficient_gradient", True),
         ("debug.graph_save_paths.model_with_training_graph_path", "train.onnx"),
         ("_internal_use.onnx_opset_version", 12),
+        ("_internal_use.gradient_builder", "torch"),
+        ("_internal_use.gradient_builder", "ort"),
         ("provider_options", {"EP1": {"key1": "val1"}}),
     ],
 )
@@ -251,6 +254,10 @@ MORE_ERRORS = [
         "Invalid options: {'utils': [{'invertible_layer_norm_gradient': ['unknown field']}]}",
     ),
     ({"provider_options": []}, "Invalid options: {'provider_options': ['must be of dict type']}"),
+    (
+        {"_internal_use": {"gradient_builder": "jax"}},
+        "Invalid options: {'_internal_use': [{'gradient_builder': ['unallowed value jax']}]}",
+    ),
 ]
 
 
@@ -382,3 +389,12 @@ def test_schema_imports_without_onnxruntime():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "Invalid options: {'session_options': ['must be of session_options type']}"
+
+
+def test_gradient_builder_is_an_added_key_that_leaves_the_legacy_ones_alone():
+    internal = ORTTrainerOptions({})._validated_opts["_internal_use"]
+    assert internal["gradient_builder"] == "auto"
+    assert set(internal) - {"gradient_builder"} == {"enable_internal_postprocess", "extra_postprocess",
+                                                     "onnx_opset_version", "enable_onnx_contrib_ops"}
+    for value in ("ort", "torch", "auto"):
+        assert ORTTrainerOptions({"_internal_use": {"gradient_builder": value}})._internal_use.gradient_builder == value

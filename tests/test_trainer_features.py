@@ -325,7 +325,7 @@ def test_deterministic_compute_and_user_session_options_reach_onnxruntime():
         warnings.simplefilter("error")
         trainer.train_step(*_batches(1)[0])
     assert options.use_deterministic_compute is True
-    session_options = trainer._training_session._train.get_session_options()
+    session_options = trainer._training_session.train_session.get_session_options()
     assert session_options.use_deterministic_compute and session_options.intra_op_num_threads == 1
 
 
@@ -429,3 +429,24 @@ def test_bool_inputs_and_outputs_cross_between_torch_and_onnxruntime():
     loss, logits, unmasked = trainer.train_step(x, mask, y)
     assert unmasked.dtype == torch.bool and torch.equal(unmasked, ~mask)
     assert torch.equal(logits[~mask], torch.zeros(3, 10)) and logits[mask].abs().sum() > 0
+
+
+def test_the_export_leaves_batch_norm_statistics_alone():
+    """The TorchScript export runs the model once in training mode, which moves BatchNorm's running statistics; the
+    user's module and the trainer's initial state must keep the values the model was handed over with."""
+    class Normalised(MLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(64)
+
+        def forward(self, x):
+            return self.fc2(self.bn(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model = Normalised()
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    trainer = make_trainer(model, mlp_desc(), optim.SGDConfig(), CE)
+    trainer.eval_step(*_batches(1)[0])
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    state = trainer._training_session.get_state(["bn.running_mean", "bn.running_var"])
+    assert all(np.array_equal(v, buffers[n].numpy()) for n, v in state.items())

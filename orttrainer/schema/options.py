@@ -184,6 +184,8 @@ _PROPAGATE_CAST_OPS_SCHEMA = {
     "allow": _string_list(),
 }
 
+GRADIENT_BUILDERS = ("ort", "torch", "auto")
+
 _GRAPH_SAVE_PATHS_SCHEMA = {
     "model_after_graph_transforms_path": _string(""),
     "model_with_gradient_graph_path": _string(""),
@@ -227,6 +229,11 @@ _ORTTRAINER_OPTIONS_SCHEMA: dict = {
             "extra_postprocess": {"check_with": _check_is_callable, "nullable": True, "default": None},
             "onnx_opset_version": _integer(14, lo=12, hi=14),
             "enable_onnx_contrib_ops": _boolean(True),
+            # orttrainer's own key (not in the legacy schema): which gradient builder differentiates a PyTorch
+            # model. 'ort': ONNX Runtime's C++ builder on the exported graph; 'torch': PyTorch autograd traced
+            # into the graph (custom autograd.Functions keep their backward); 'auto': 'torch' when the model uses
+            # a custom autograd.Function or an op ONNX Runtime cannot differentiate, 'ort' otherwise.
+            "gradient_builder": {"type": "string", "allowed": list(GRADIENT_BUILDERS), "default": "auto"},
         }
     ),
     # Execution-provider name -> provider options; any keys are allowed.

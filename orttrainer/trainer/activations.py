@@ -103,6 +103,11 @@ class ActivationStatistics:
         self._warned_late = False
 
     @property
+    def marked(self) -> bool:
+        """Whether the last export marked activations (a manager is subscribed to the model)."""
+        return self._marked
+
+    @property
     def instrumented(self) -> bool:
         """Whether the compiled graphs carry activation statistics."""
         return self._order is not None

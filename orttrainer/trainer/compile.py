@@ -1,18 +1,26 @@
 """The compile pipeline: forward ONNX model -> training graph, eval graph and initial state.
 
-Order (DESIGN.md § Data flow): fix-ups the gradient builder needs -> gradient graph -> accumulation, clipping and
-optimizer update. The debug option `graph_save_paths` writes the intermediate stages.
+Order (DESIGN.md § Data flow): fix-ups the gradient builder needs -> gradient graph (the `ort` builder on the
+forward model, or the `torch` builder on the PyTorch module, see `builders.py`) -> graph passes on the gradient model
+-> accumulation, clipping and optimizer update (with data parallelism: the gradient-step and optimizer graphs).
+Everything after the gradient graph is the same for both builders and, with the torch builder, for every input-shape
+signature (`shape_dependent_graph`). The debug option `graph_save_paths` writes the intermediate stages (with the
+torch builder: of the first signature's graphs).
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
+import torch
 from onnx import numpy_helper
 
+from .builders import BuilderChoice, TorchGraphs, TorchSource, torch_gradient_model
 from .graph import fixups, mixed_precision
 from .graph.editor import FLOAT_TYPES
 from .graph.gradient import GradientBuildError, build_ort_gradient_graph, move_initializers_to_inputs
@@ -41,8 +49,11 @@ class CompileRequest:
     mixed_precision: bool = False
     cpu: bool = True  # CPU kernels need float32 fall-backs under mixed precision
     data_parallel: DataParallelPlan | None = None
-    recompute: RecomputePlan = RecomputePlan()
-    gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients
+    builder: BuilderChoice = BuilderChoice("ort", "")  # see builders.choose_builder
+    torch_source: TorchSource | None = None  # what the torch builder traces (None: an ONNX model)
+    sample_inputs: list[torch.Tensor] | None = None  # the first batch: the torch builder's first signature
+    recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder only (builders.ort_only_options)
+    gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients ('ort' only)
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,9 @@ class CompiledModel:
     shapes: dict[str, tuple[int, ...]]  # of the trainable tensors
     step: GradientStepGraph | None = None
     reduced_inputs: dict[str, str] | None = None
+    builder: BuilderChoice = BuilderChoice("ort", "")  # the builder that made the gradient graph, and why
+    # torch builder: inputs -> the training graph (data parallel: the gradient-step graph) for their shapes
+    graph_for: Callable[[list[torch.Tensor]], TrainingGraph | GradientStepGraph] | None = None
 
 
 def compile_model(request: CompileRequest) -> CompiledModel:
@@ -78,20 +92,16 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     state = request.trainable + request.frozen
     loss, loss_scale = request.loss_name, None
     eval_forward = request.forward
-    if request.mixed_precision:
+    if request.mixed_precision:  # the 'ort' builder only (builders.choose_builder)
         forward = mixed_precision.to_float16(move_initializers_to_inputs(forward, state),
                                              keep_float32=[*request.data_inputs, *state, request.loss_name])
         eval_forward = mixed_precision.to_float16(move_initializers_to_inputs(request.forward, state),
                                                   keep_float32=[*request.data_inputs, *state, request.loss_name])
         forward, loss, loss_scale = mixed_precision.append_loss_scale(forward, request.loss_name)
     _save(forward, request.graph_save_paths.get("model_after_graph_transforms_path"))
-    gradient_model = _gradient_graph(forward, request, loss)
-    if request.mixed_precision:
-        gradient_model = _without_outputs(gradient_model, {loss})
-        if request.cpu:
-            gradient_model = mixed_precision.cast_fp32_only_kernels(gradient_model)
-    gradient_model = gather_grad_to_scatter_add(gradient_model)
-    if request.recompute:
+    raw_gradient_model, builder = _gradient_graph(forward, request, loss)
+    gradient_model = gradient_model_passes(raw_gradient_model, request, loss)
+    if request.recompute:  # the 'ort' builder only: builders.ort_only_options keeps the torch builder away
         gradient_model, notes = apply_plan(gradient_model, request.outputs, request.recompute)
         for note in notes:
             warnings.warn(f"options {note}")
@@ -99,24 +109,63 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     weights = initializer_values(request.forward, state)
     eval_model = build_eval_model(eval_forward, state, request.outputs)
     if request.data_parallel is not None:
-        return _compile_data_parallel(request, gradient_model, loss_scale, weights, eval_model)
-    training = build_training_graph(
+        compiled = _compile_data_parallel(request, gradient_model, loss_scale, weights, eval_model)
+    else:
+        training = _training_graph(gradient_model, request, loss_scale)
+        _save(training.model, request.graph_save_paths.get("model_with_training_graph_path"))
+        compiled = CompiledModel(training, eval_model, {**weights, **zero_state(training.state_shapes)},
+                                 list(request.trainable), list(training.accumulation),
+                                 {p: tuple(weights[p].shape) for p in request.trainable})
+    compiled.builder = builder
+    if builder.builder == "torch":
+        tail = replace(request, forward=onnx.ModelProto(), sample_inputs=None)  # keeps no batch, no forward model
+        compiled.graph_for = TorchGraphs(request.torch_source, compiled.step or compiled.training,
+                                         request.sample_inputs, lambda model: shape_dependent_graph(model, tail),
+                                         request.trainable, state)
+    return compiled
+
+
+def gradient_model_passes(model: onnx.ModelProto, request: CompileRequest, scaled_loss: str) -> onnx.ModelProto:
+    """Graph-level passes on the gradient model (forward outputs + `<p>_grad`), the same for both builders and every
+    input-shape signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only
+    kernels get casts; embedding gradients become scatter-adds."""
+    if request.mixed_precision:
+        model = _without_outputs(model, {scaled_loss})
+        if request.cpu:
+            model = mixed_precision.cast_fp32_only_kernels(model)
+    return gather_grad_to_scatter_add(model)
+
+
+def shape_dependent_graph(raw_gradient_model: onnx.ModelProto,
+                          request: CompileRequest) -> TrainingGraph | GradientStepGraph:
+    """The torch builder's graph for one more input-shape signature, from its gradient model: the training graph,
+    or with data parallelism the gradient-step graph (the optimizer graph does not depend on shapes)."""
+    gradient_model = gradient_model_passes(raw_gradient_model, request, request.loss_name)
+    if request.data_parallel is not None:
+        return _gradient_step_graph(gradient_model, request, None)
+    return _training_graph(gradient_model, request, None)
+
+
+def _training_graph(gradient_model: onnx.ModelProto, request: CompileRequest, loss_scale: str | None) -> TrainingGraph:
+    return build_training_graph(
         gradient_model, data_inputs=request.data_inputs, outputs=request.outputs, trainable=request.trainable,
         optimizer_name=request.optim_config.name, groups=param_groups(request.optim_config, request.trainable),
         accumulation_steps=request.accumulation_steps, clip_grad_norm=request.clip_grad_norm,
         loss_scale_input=loss_scale)
-    _save(training.model, request.graph_save_paths.get("model_with_training_graph_path"))
-    return CompiledModel(training, eval_model, {**weights, **zero_state(training.state_shapes)},
-                         list(request.trainable), list(training.accumulation),
-                         {p: tuple(weights[p].shape) for p in request.trainable})
+
+
+def _gradient_step_graph(gradient_model: onnx.ModelProto, request: CompileRequest,
+                         loss_scale: str | None) -> GradientStepGraph:
+    plan, k = request.data_parallel, request.accumulation_steps
+    return build_gradient_step_graph(gradient_model, data_inputs=request.data_inputs, outputs=request.outputs,
+                                     trainable=request.trainable, accumulate=k > 1 and plan.post_accumulation,
+                                     loss_scale_input=loss_scale)
 
 
 def _compile_data_parallel(request: CompileRequest, gradient_model: onnx.ModelProto, loss_scale: str | None,
                            weights: dict[str, np.ndarray], eval_model: onnx.ModelProto) -> CompiledModel:
     plan, k = request.data_parallel, request.accumulation_steps
-    step = build_gradient_step_graph(gradient_model, data_inputs=request.data_inputs, outputs=request.outputs,
-                                     trainable=request.trainable, accumulate=k > 1 and plan.post_accumulation,
-                                     loss_scale_input=loss_scale)
+    step = _gradient_step_graph(gradient_model, request, loss_scale)
     shapes = {p: tuple(weights[p].shape) for p in request.trainable}
     optimizer, reduced = build_optimizer_graph(
         shapes, trainable=request.trainable, optimizer_name=request.optim_config.name,
@@ -129,13 +178,44 @@ def _compile_data_parallel(request: CompileRequest, gradient_model: onnx.ModelPr
     return CompiledModel(optimizer, eval_model, initial, list(request.trainable), list(buffers), shapes, step, reduced)
 
 
-def _gradient_graph(forward: onnx.ModelProto, request: CompileRequest, loss: str) -> onnx.ModelProto:
-    """The ORT gradient graph. Parameters without a differentiable path to the loss are frozen, with a warning —
-    PyTorch leaves their `.grad` None and its optimizers skip them; the request's lists are updated to match."""
+def _gradient_graph(forward: onnx.ModelProto, request: CompileRequest,
+                    loss: str) -> tuple[onnx.ModelProto, BuilderChoice]:
+    """The gradient model (of `loss`, for the 'ort' builder) from the requested builder. 'auto' tries 'ort' and, when
+    ONNX Runtime has no gradient for an op, falls back to 'torch' (with the parameter lists as they were before the
+    'ort' attempt)."""
+    choice = request.builder
+    if choice.builder == "torch":
+        return _freezing_unreachable(request, lambda: _torch_gradient_graph(request)), choice
+    before = (list(request.trainable), list(request.frozen))
+    try:
+        model = _freezing_unreachable(request, lambda: build_ort_gradient_graph(
+            forward, loss, request.trainable, request.trainable + request.frozen, request.gradient_options))
+    except GradientBuildError as err:
+        if choice.builder != "auto" or err.op_type is None or request.torch_source is None:
+            raise
+        request.trainable, request.frozen = before
+        logging.getLogger(__name__).info("ONNX Runtime has no gradient for op '%s'; building the "
+                                         "gradient graph with the torch builder", err.op_type)
+        model = _freezing_unreachable(request, lambda: _torch_gradient_graph(request))
+        return model, BuilderChoice("torch", f"auto: ONNX Runtime's gradient builder cannot differentiate op "
+                                             f"'{err.op_type}'")
+    if choice.builder == "auto":
+        choice = BuilderChoice("ort", "auto: no custom torch.autograd.Function, and ONNX Runtime differentiates "
+                                      "every op")
+    return model, choice
+
+
+def _torch_gradient_graph(request: CompileRequest) -> onnx.ModelProto:
+    return torch_gradient_model(request.torch_source, request.sample_inputs, request.outputs, request.trainable,
+                                request.trainable + request.frozen)
+
+
+def _freezing_unreachable(request: CompileRequest, build: Callable[[], onnx.ModelProto]) -> onnx.ModelProto:
+    """`build()`; parameters without a differentiable path to the loss are frozen, with a warning, and `build()`
+    retried — PyTorch leaves their `.grad` None and its optimizers skip them. The request's lists are updated."""
     while True:
         try:
-            return build_ort_gradient_graph(forward, loss, request.trainable, request.trainable + request.frozen,
-                                            request.gradient_options)
+            return build()
         except GradientBuildError as err:
             if not err.unreachable or not set(err.unreachable) <= set(request.trainable):
                 raise

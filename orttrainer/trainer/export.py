@@ -104,6 +104,7 @@ def export_model(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: lis
         raise ValueError(f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
                          f"{' with its loss_fn' if loss_fn else ''} returns {len(sample_outputs)}")
     _register_contrib_ops(enable_contrib_ops)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     buffer = io.BytesIO()
     try:
         with warnings.catch_warnings():
@@ -118,7 +119,8 @@ def export_model(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: lis
         raise RuntimeError(f"exporting {type(model).__name__} to ONNX failed: {err}") from err
     finally:
         model.train(was_training)
-    onnx_model = strip_prefix(onnx.load_from_string(buffer.getvalue()), MODEL_PREFIX)
+        _restore_buffers(model, buffers)
+    onnx_model = set_initializers(strip_prefix(onnx.load_from_string(buffer.getvalue()), MODEL_PREFIX), buffers)
     if was_training:
         onnx_model = restore_dropout_training_mode(onnx_model)
     initializers = {i.name for i in onnx_model.graph.initializer}
@@ -128,6 +130,27 @@ def export_model(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: lis
     return ExportedModel(onnx_model, sample_outputs, [t.dtype for t in sample_inputs],
                          [t.dtype for t in sample_outputs[: len(output_names)]], params, state, was_training, functions,
                          aliases, unused)
+
+
+def _restore_buffers(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Undo the export's forward run: in training mode it updates BatchNorm's running statistics in place."""
+    with torch.no_grad():
+        for name, value in model.named_buffers():
+            if name in saved:
+                value.copy_(saved[name])
+
+
+def set_initializers(model: onnx.ModelProto, values: dict[str, torch.Tensor]) -> onnx.ModelProto:
+    """Rule: each initializer named in `values` gets that value (same name; `model` is modified and returned).
+
+    Why: the exporter records buffers after its training-mode forward run, i.e. with BatchNorm statistics already
+    moved by the sample batch; the trainer must start from the module's own values."""
+    from onnx import numpy_helper
+
+    for i, init in enumerate(model.graph.initializer):
+        if init.name in values:
+            model.graph.initializer[i].CopyFrom(numpy_helper.from_array(values[init.name].cpu().numpy(), init.name))
+    return model
 
 
 def _state_outside_graph(model: torch.nn.Module, initializers: set[str]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import warnings
 
@@ -17,6 +18,7 @@ from ..checkpoint import storage
 from . import export as export_mod
 from . import state as state_mod
 from .activations import ActivationStatistics
+from .builders import BuilderChoice, TorchSource, choose_builder, ort_only_options
 from .compile import (
     CompiledModel,
     CompileRequest,
@@ -94,7 +96,12 @@ class ORTTrainer:
         self._pending_state: tuple[dict, bool] | None = None
         self.torch_sample_outputs = None
         self._activations = ActivationStatistics(self._torch_model)  # orttrainer.debug subscribers, in the graph
+        self._builder_choice: BuilderChoice | None = None
+        self._gradient_builder: str | None = None  # 'ort' or 'torch' once compiled
+        self._torch_source: TorchSource | None = None
+        self._sample_inputs: list | None = None
         if isinstance(model, onnx.ModelProto):
+            self._builder_choice = choose_builder(self.options._internal_use.gradient_builder, onnx_model=True)
             self._onnx_model = self._postprocess(model, check_result=True)
             self._type_descriptions_from_graph()
             self._init_session()
@@ -110,11 +117,12 @@ class ORTTrainer:
         sizes = check_inputs(inputs, self.model_desc.inputs)
         info = self._train_step_info
         names = self._requested_outputs(info.fetches)
+        data = {d.name: t for d, t in zip(self.model_desc.inputs, inputs, strict=True)}
+        self._training_session.prepare(data)  # a graph for new input shapes (torch builder) fails before any count
         info.step += 1
         optimizer_step = info.step % self.options.batch.gradient_accumulation_steps == 0
         lr = self._learning_rate()
         scaler = self.options.mixed_precision.loss_scaler if self.options.mixed_precision.enabled else None
-        data = {d.name: t for d, t in zip(self.model_desc.inputs, inputs, strict=True)}
         statistics = self._activations.begin_step("train")
         results, finite = self._training_session.train(data, lr, self._optimizer_updates + 1, names + statistics,
                                                        optimizer_step, scaler.loss_scale if scaler else None)
@@ -252,11 +260,10 @@ class ORTTrainer:
             exported = export_mod.export_model(
                 self._torch_model, self.loss_fn, self.model_desc, sample_inputs,
                 opset_version=internal.onnx_opset_version, enable_contrib_ops=internal.enable_onnx_contrib_ops)
-        if exported.custom_functions:
-            raise NotImplementedError(
-                f"the model uses custom torch.autograd.Function(s) {exported.custom_functions}: the ONNX exporter "
-                "inlines their forward and ONNX Runtime's gradient builder would ignore their backward (a silently "
-                "wrong gradient). orttrainer refuses to train it with the 'ort' gradient builder.")
+        ort_only = ort_only_options(self.options) + (["orttrainer.debug statistics"] if self._activations.marked
+                                                      else [])
+        self._builder_choice = choose_builder(internal.gradient_builder, custom_functions=exported.custom_functions,
+                                              ort_only=ort_only)
         for i, dtype in enumerate(exported.input_dtypes):
             self.model_desc.add_type_to_input_description(i, dtype)
         for i, dtype in enumerate(exported.output_dtypes):
@@ -266,9 +273,15 @@ class ORTTrainer:
         self._torch_split = (exported.parameters, exported.buffers)
         self._torch_aliases, self._torch_unused_state = exported.aliases, exported.unused_state
         self._dropout_off = not exported.was_training
+        self._torch_source = TorchSource(self._torch_model, self.loss_fn, [d.name for d in self.model_desc.inputs],
+                                         internal.onnx_opset_version, exported.was_training)
         forward = self._activations.prepare(exported.model, self.loss_fn, self.model_desc, sample_inputs)
         self._onnx_model = self._postprocess(forward, check_result=False)
-        self._init_session()
+        self._sample_inputs = sample_inputs
+        try:
+            self._init_session()
+        finally:
+            self._sample_inputs = None  # the torch builder traced them; keep no batch alive
 
     def _postprocess(self, model: onnx.ModelProto, check_result: bool) -> onnx.ModelProto:
         internal = self.options._internal_use
@@ -298,11 +311,14 @@ class ORTTrainer:
             clip_grad_norm=opts.utils.grad_norm_clip, dropout_off=self._dropout_off,
             graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts),
             mixed_precision=opts.mixed_precision.enabled, cpu=self._device.type == "cpu",
-            data_parallel=self._data_parallel_plan(trainable), recompute=recompute_plan(opts),
+            data_parallel=self._data_parallel_plan(trainable), builder=self._builder_choice,
+            torch_source=self._torch_source, sample_inputs=self._sample_inputs, recompute=recompute_plan(opts),
             gradient_options=gradient_options(opts))
         self._compiled = compile_model(request)
         self._activations.instrument(self._compiled)
         self._frozen = request.frozen  # compile freezes parameters that cannot reach the loss
+        self._gradient_builder = self._compiled.builder.builder
+        _logger.info("gradient builder '%s' (%s)", self._gradient_builder, self._compiled.builder.reason)
         self._describe_mixed_precision()
         state = self._compiled.initial_state
         config = SessionConfig(
@@ -332,11 +348,12 @@ class ORTTrainer:
     def _create_session(self, state: dict, config: SessionConfig) -> TrainingSession:
         compiled = self._compiled
         if compiled.step is None:
-            return TrainingSession(compiled.training, compiled.eval_model, state, config)
+            return TrainingSession(compiled.training, compiled.eval_model, state, config, compiled.graph_for)
         return DataParallelSession(
             DataParallelGraphs(compiled.step, compiled.training, compiled.reduced_inputs), compiled.eval_model, state,
             config, Communicator(self._world_size), accumulation_steps=self.options.batch.gradient_accumulation_steps,
-            adasum=self.options.distributed.enable_adasum, owners=self._zero_owners, rank=self._rank)
+            adasum=self.options.distributed.enable_adasum, owners=self._zero_owners, rank=self._rank,
+            step_for=compiled.graph_for)
 
     def _describe_mixed_precision(self) -> None:
         """Record the loss-scale input, the all-finite output and the float16 outputs in model_desc (legacy §3.4)."""
@@ -420,6 +437,9 @@ class ORTTrainer:
                 ) from err
 
 
+_logger = logging.getLogger(__name__)
+
+
 def _require(condition: bool, message: str) -> None:
     # The legacy API raised AssertionError with these messages; raise explicitly so `python -O` keeps the checks.
     if not condition:
@@ -441,7 +461,11 @@ def _takes_two_arguments(fn) -> bool:
 
 
 def _seed_onnxruntime() -> None:
-    """Seed ONNX Runtime's RNG (dropout masks) from torch's seed, so `torch.manual_seed` makes runs repeatable."""
+    """Seed ONNX Runtime's RNG (dropout masks) from torch's seed, so `torch.manual_seed` makes runs repeatable.
+
+    Rule: the ONNX Runtime seed is `1 + torch.initial_seed() mod 2**30`. Why: the k-th Dropout computation seeds
+    its engine (minstd_rand0) with `seed + k - 1`, and that engine treats a seed ≡ 0 mod 2**31 - 1 as 1, so seed 0
+    (`torch.manual_seed(0)`) drew the same mask in the first two steps (verified on 1.19.2)."""
     from onnxruntime.capi import _pybind_state as C
 
-    C.set_seed(torch.initial_seed() & 0x7FFFFFFF)
+    C.set_seed(1 + torch.initial_seed() % (1 << 30))

@@ -1,5 +1,10 @@
 """TrainingSession: runs the compiled training and eval graphs with ONNX Runtime, owning the training state.
 
+Training graphs: one with the `ort` gradient builder (its graph has dynamic batch and sequence dims); with the
+`torch` builder, one per input-shape signature, built on first sight by the compiler's `graph_for` and kept in a
+`ShapeKeyedCache` (`GraphRunners`; least recently used evicted beyond `MAX_TRAINING_GRAPHS`). Every training graph
+has the same state contract, so all of them read and replace the same state values.
+
 State (weights, frozen tensors, optimizer moments, gradient-accumulation buffers) lives in `OrtValue`s on the
 device between steps. A step feeds them as inputs and receives the updated values as new, owned `OrtValue`s that
 replace them — outputs are never bound onto input buffers (engine.md §3.2: that corrupts weights still read by the
@@ -8,13 +13,17 @@ backward pass). Data and outputs cross between torch and ONNX Runtime through DL
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import torch
 
+from .graph.gradient_torch import ShapeKeyedCache
 from .graph.training import TrainingGraph
+
+MAX_TRAINING_GRAPHS = 16  # torch builder: input-shape signatures kept compiled at once
 
 
 @dataclass(frozen=True)
@@ -53,16 +62,69 @@ class SessionConfig:
     optimized_model_path: str = ""
 
 
+@dataclass(frozen=True)
+class GraphRunner:
+    graph: object  # a TrainingGraph, or with data parallelism a GradientStepGraph
+    session: object  # its onnxruntime.InferenceSession
+    inputs: frozenset[str]
+
+
+class GraphRunners:
+    """The graph (and ONNX Runtime session) that runs a batch: `graph` for every batch, or — given `graph_for`
+    (torch builder) — `graph_for(inputs)` for the shape signature of `inputs` (the data in `graph.data_inputs`
+    order), created on the first batch with that signature. `optimized_model_path` receives the first graph's
+    optimized model (every later one would overwrite it)."""
+
+    def __init__(self, create: Callable[[onnx.ModelProto, str], object], graph, graph_for: Callable | None,
+                 optimized_model_path: str) -> None:
+        self.graph, self._create, self._graph_for = graph, create, graph_for
+        self._path = optimized_model_path
+        self._cache: ShapeKeyedCache[GraphRunner] = ShapeKeyedCache(MAX_TRAINING_GRAPHS)
+        self.latest: GraphRunner | None = None
+        if graph_for is None:
+            self.for_data({})  # the only graph: create its session now
+
+    def for_data(self, data: dict[str, torch.Tensor]) -> GraphRunner:
+        inputs = [data[n] for n in self.graph.data_inputs] if self._graph_for is not None else []
+        self.latest = self._cache.get_or_build(inputs, lambda: self._new(inputs))
+        return self.latest
+
+    def _new(self, inputs: list[torch.Tensor]) -> GraphRunner:
+        graph = self._graph_for(inputs) if self._graph_for is not None else self.graph
+        path, self._path = self._path, ""
+        session = self._create(graph.model, path)
+        return GraphRunner(graph, session, frozenset(i.name for i in session.get_inputs()))
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
 class TrainingSession:
-    """One ONNX Runtime session for the training graph and one for the eval graph, sharing the state."""
+    """ONNX Runtime sessions for the training graph(s) and the eval graph, sharing the state.
+
+    `graph` is the (first) training graph and defines the state contract; `graph_for` see `GraphRunners`."""
 
     def __init__(self, graph: TrainingGraph, eval_model: onnx.ModelProto, state: dict[str, np.ndarray],
-                 config: SessionConfig) -> None:
+                 config: SessionConfig, graph_for: Callable[[list[torch.Tensor]], TrainingGraph] | None = None
+                 ) -> None:
         self._setup(eval_model, state, config)
         self.graph = graph
-        self._train = self._session(graph.model, config.optimized_model_path)
-        self._train_inputs = {i.name for i in self._train.get_inputs()}
+        self._runners = GraphRunners(self._session, graph, graph_for, config.optimized_model_path)
         self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
+
+    def prepare(self, data: dict[str, torch.Tensor]) -> None:
+        """Build (if needed) the training graph and session for this batch's shapes, without running anything."""
+        self._runners.for_data(data)
+
+    @property
+    def train_session(self):
+        """The onnxruntime.InferenceSession of the training graph run last (None before the first one exists)."""
+        return self._runners.latest.session if self._runners.latest is not None else None
+
+    @property
+    def training_graph_count(self) -> int:
+        """How many training graphs are compiled and kept (torch builder: one per input-shape signature)."""
+        return len(self._runners)
 
     def _setup(self, eval_model: onnx.ModelProto, state: dict[str, np.ndarray], config: SessionConfig) -> None:
         """What every session kind shares: options, providers, the eval session and the state."""
@@ -90,15 +152,16 @@ class TrainingSession:
         gradients were all finite (mixed precision; always True otherwise). A non-finite optimizer step keeps the
         previous weights and moments: the updated values are simply not adopted.
         """
-        g = self.graph
-        feeds = self._feeds(data, self._train_inputs)
+        runner = self._runners.for_data(data)
+        g = runner.graph
+        feeds = self._feeds(data, runner.inputs)
         feeds[g.lr_input] = self._host_scalar(np.float32(lr))
         feeds[g.update_count_input] = self._host_scalar(np.int64(update_count))
         if g.loss_scale_input:
             feeds[g.loss_scale_input] = self._host_scalar(np.float32(loss_scale))
         state_outputs = ({**g.weight_updates, **g.optimizer_state} if optimizer_step else g.accumulation)
         checks = [g.all_finite_output] if optimizer_step and g.all_finite_output else []
-        fetched = self._run(self._train, feeds, outputs + list(state_outputs.values()) + checks)
+        fetched = self._run(runner.session, feeds, outputs + list(state_outputs.values()) + checks)
         results = dict(zip(outputs, fetched[: len(outputs)], strict=True))
         finite = bool(fetched[-1].numpy().all()) if checks else True
         if finite:
@@ -135,7 +198,7 @@ class TrainingSession:
         self._state.update({name: self._to_device(array) for name, array in arrays.items()})
 
     # --------------------------------------------------------------------------------------------------- plumbing
-    def _feeds(self, data: dict[str, torch.Tensor], wanted: set[str]) -> dict[str, object]:
+    def _feeds(self, data: dict[str, torch.Tensor], wanted: set[str] | frozenset[str]) -> dict[str, object]:
         feeds = {name: self._state[name] for name in wanted if name in self._state}
         for name, tensor in data.items():
             if name in wanted:  # inputs the graph does not use were pruned by ORT

@@ -7,9 +7,14 @@ micro-step (False; the reduced gradients are accumulated here). Both give the sa
 
 ZeRO stage 1: each rank's optimizer graph updates only the tensors it owns and holds only their moments; after a
 finite step the owners broadcast their updated weights, so every rank keeps full weights.
+
+Torch gradient builder: the gradient-step graph depends on the input shapes, so `step_for` gives one per shape
+signature (`GraphRunners`); the optimizer graph does not.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -17,19 +22,18 @@ import torch
 
 from .distributed import Communicator
 from .graph.data_parallel import DataParallelGraphs
-from .session import SessionConfig, TrainingSession, from_torch, to_torch_view
+from .session import GraphRunners, SessionConfig, TrainingSession, from_torch, to_torch_view
 
 
 class DataParallelSession(TrainingSession):
     def __init__(self, graphs: DataParallelGraphs, eval_model: onnx.ModelProto, state: dict[str, np.ndarray],
                  config: SessionConfig, comm: Communicator, *, accumulation_steps: int, adasum: bool,
-                 owners: dict[str, int] | None, rank: int) -> None:
+                 owners: dict[str, int] | None, rank: int, step_for: Callable | None = None) -> None:
         self._setup(eval_model, state, config)
         self.graphs, self.graph = graphs, graphs.optimizer
         self.comm = comm
-        self._step = self._session(graphs.step.model, "")
+        self._runners = GraphRunners(self._session, graphs.step, step_for, "")
         self._train = self._session(graphs.optimizer.model, config.optimized_model_path)
-        self._step_inputs = {i.name for i in self._step.get_inputs()}
         self._train_inputs = {i.name for i in self._train.get_inputs()}
         self._accumulating = accumulation_steps > 1
         self._adasum, self._owners, self._rank = adasum, owners, rank
@@ -38,17 +42,18 @@ class DataParallelSession(TrainingSession):
 
     def train(self, data: dict[str, torch.Tensor], lr: float, update_count: int, outputs: list[str],
               optimizer_step: bool, loss_scale: float | None = None) -> tuple[dict[str, torch.Tensor], bool]:
-        step = self.graphs.step
-        feeds = self._feeds(data, self._step_inputs)
+        runner = self._runners.for_data(data)
+        step = runner.graph
+        feeds = self._feeds(data, runner.inputs)
         if step.loss_scale_input:
             feeds[step.loss_scale_input] = self._host_scalar(np.float32(loss_scale))
         in_graph = bool(step.accumulation)
         if in_graph and not optimizer_step:  # accumulate locally; nothing to communicate yet
-            fetched = self._run(self._step, feeds, outputs + list(step.accumulation.values()))
+            fetched = self._run(runner.session, feeds, outputs + list(step.accumulation.values()))
             self._state.update(zip(step.accumulation, fetched[len(outputs):], strict=True))
             return self._results(outputs, fetched), True
         names = list(step.gradients)
-        fetched = self._run(self._step, feeds, outputs + [step.gradients[p] for p in names])
+        fetched = self._run(runner.session, feeds, outputs + [step.gradients[p] for p in names])
         combined = self._combine([to_torch_view(v) for v in fetched[len(outputs):]])
         if self._accumulating and not in_graph:
             buffers = [to_torch_view(self._state[f"{p}_grad_accumulation_buffer"]) for p in names]
@@ -64,6 +69,11 @@ class DataParallelSession(TrainingSession):
             for name in self._buffers:  # accumulated here, in place: clear in place too
                 to_torch_view(self._state[name]).zero_()
         return self._results(outputs, fetched), finite
+
+    @property
+    def train_session(self):
+        """The optimizer graph's onnxruntime.InferenceSession."""
+        return self._train
 
     def _combine(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.comm.adasum(grads) if self._adasum else self.comm.sum(grads)

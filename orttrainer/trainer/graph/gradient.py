@@ -21,14 +21,16 @@ from .gradient_options import GradientOptions, build_configured_gradient_graph
 
 
 class GradientBuildError(RuntimeError):
-    """ONNX Runtime could not differentiate the model; the message names the op and node.
+    """A gradient builder could not differentiate the model; the message names the op and node.
 
-    `unreachable` lists the parameters ORT found no differentiable path from (the caller may freeze them).
+    `unreachable` lists the parameters without a differentiable path to the loss (the caller may freeze them);
+    `op_type` names the op ONNX Runtime has no gradient for (the caller may switch to the torch builder).
     """
 
-    def __init__(self, message: str, unreachable: list[str] | None = None) -> None:
+    def __init__(self, message: str, unreachable: list[str] | None = None, op_type: str | None = None) -> None:
         super().__init__(message)
         self.unreachable = unreachable or []
+        self.op_type = op_type
 
 
 def move_initializers_to_inputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
@@ -111,5 +113,7 @@ def _explain(err: Exception, forward: onnx.ModelProto) -> Exception:
     nodes = [n.name or f"<unnamed {n.op_type}>" for n in forward.graph.node if n.op_type == op]
     return GradientBuildError(
         f"ONNX Runtime's gradient builder cannot differentiate op '{op}' (node{'s' if len(nodes) > 1 else ''} "
-        f"{', '.join(repr(n) for n in nodes) or '?'}). Rewrite that part of the model with differentiable ops, "
-        "or freeze the parameters that lead only into it (options utils.frozen_weights).")
+        f"{', '.join(repr(n) for n in nodes) or '?'}). Let PyTorch differentiate the model instead (options "
+        "{'_internal_use': {'gradient_builder': 'torch'}}; the default 'auto' does so), rewrite that part of the "
+        "model with differentiable ops, or freeze the parameters that lead only into it (options "
+        "utils.frozen_weights).", op_type=op)

@@ -55,9 +55,14 @@ class GradientOptions:
             raise ValueError(f"unknown cast propagation strategy {self.cast_strategy!r}; expected one of {STRATEGIES}")
 
     @property
+    def builtin_cast_propagation(self) -> bool:
+        """The cast propagation `get_optimized_model` runs anyway (ONNX Runtime's default)."""
+        return (self.cast_strategy, self.cast_level, self.cast_allow) == ("FLOOD_FILL", 1, ())
+
+    @property
     def builtin(self) -> bool:
         """What `get_optimized_model` + `GradientGraphBuilder` do anyway (ONNX Runtime's defaults)."""
-        return self == GradientOptions()
+        return self.builtin_cast_propagation and not self.memory_efficient
 
 
 def build_configured_gradient_graph(model: onnx.ModelProto, loss_name: str, trainable: list[str], state: list[str],

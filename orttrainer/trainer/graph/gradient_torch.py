@@ -238,7 +238,7 @@ def _explain_trace_error(err: Exception, wrapper: _JointWrapper, inputs: Sequenc
         unused = _parameters_without_gradient(wrapper, inputs, trainable)
         return GradientBuildError(f"PyTorch produced no gradient for {unused or 'some trainable parameters'} of "
                                   f"{model_name}: these parameters do not influence the loss. Freeze them with "
-                                  "options utils.frozen_weights.")
+                                  "options utils.frozen_weights.", unreachable=unused)
     return GradientBuildError(f"PyTorch could not trace the forward and backward of {model_name} into a graph: "
                               f"{type(err).__name__}: {err}")
 

@@ -157,7 +157,7 @@ def export_graph_to_onnx(graph: torch.fx.GraphModule, args: Sequence[torch.Tenso
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     """The dynamo exporter logs 'torchvision is not installed' and optimizer warnings on every export."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "onnxscript")]
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "onnxscript", "onnx_ir")]
     levels = [lg.level for lg in loggers]
     try:
         for lg in loggers:

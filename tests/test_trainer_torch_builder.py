@@ -1,0 +1,372 @@
+"""The `torch` gradient builder inside ORTTrainer: custom autograd Functions train with their own backward, 'auto'
+picks the builder, one graph per input-shape signature on shared state, checkpoints, dropout and eval."""
+
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from helpers import clone, cpu_options, make_trainer, max_difference, torch_weights, trainer_weights
+from models import MLP, mlp_desc
+from torch import nn
+from torch.nn import functional as F
+
+from orttrainer import optim
+from orttrainer.trainer.builders import ort_only_options
+from orttrainer.trainer.graph.gradient_torch import UntraceableFunctionError
+
+CE = F.cross_entropy
+TORCH = {"_internal_use": {"gradient_builder": "torch"}}
+NO_CLIP = {"utils": {"grad_norm_clip": False}}  # Adam and LAMB clip by default; the torch references do not
+
+
+def train_with_reference(model, desc, config, reference_optimizer, loss_fn, batches, extra=None, accumulation=1):
+    """Train an ORTTrainer and `model`'s copy in plain PyTorch on the same batches; returns (trainer, reference)."""
+    reference = clone(model)
+    trainer = make_trainer(model, desc, config, loss_fn, extra)
+    for x, y in batches:
+        trainer.train_step(x, y)
+    return trainer, train_pytorch(reference, reference_optimizer, loss_fn, batches, accumulation)
+
+
+def train_pytorch(model, make_optimizer, loss_fn, batches, accumulation=1):
+    """Plain PyTorch: the mean of `accumulation` micro-batch gradients per update."""
+    optimizer = make_optimizer(model.parameters())
+    for i, (x, y) in enumerate(batches):
+        (loss_fn(model(x), y) / accumulation).backward()
+        if (i + 1) % accumulation == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    return model
+
+
+def batches(n: int, sizes=(8,), d_in: int = 32, classes: int = 10, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(sizes[i % len(sizes)], d_in, generator=g),
+             torch.randint(0, classes, (sizes[i % len(sizes)],), generator=g)) for i in range(n)]
+
+
+# custom autograd.Functions ------------------------------------------------------------------------------------------
+
+class ScalarAndTupleFunction(torch.autograd.Function):
+    """The seed's example: non-tensor arguments (an int, a tuple with a float and a bool, a float)."""
+
+    @staticmethod
+    def forward(ctx, input, alpha, beta, gamma):
+        ctx.save_for_backward(input)
+        ctx.alpha, ctx.beta, ctx.gamma = alpha, beta, gamma
+        return alpha * beta[0] * beta[1] * gamma * input.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (input,) = ctx.saved_tensors
+        grad_input = grad_output.clone()
+        grad_input[input < 0] = 0
+        return ctx.alpha * ctx.beta[0] * ctx.beta[1] * ctx.gamma * grad_input, None, None, None
+
+
+class StraightThrough(torch.autograd.Function):
+    """round() forward; backward 3·g — not the derivative of round (0 almost everywhere)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 3 * grad
+
+
+class WithActivation(MLP):
+    def __init__(self, activation) -> None:
+        super().__init__()
+        self.activation = activation
+
+    def forward(self, x):
+        return self.fc2(self.activation(self.fc1(x)))
+
+
+@pytest.mark.parametrize("config, reference", [
+    (optim.SGDConfig(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    (optim.AdamConfig(lr=1e-2), lambda ps: torch.optim.Adam(ps, lr=1e-2)),
+], ids=["sgd", "adam"])
+def test_scalar_and_tuple_function_trains_like_pytorch(config, reference, caplog):
+    torch.manual_seed(0)
+    model = WithActivation(lambda h: ScalarAndTupleFunction.apply(h, 2, (1.5, True), 0.5))
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, ref = train_with_reference(model, mlp_desc(), config, reference, CE, batches(10), NO_CLIP)
+    assert trainer._gradient_builder == "torch"  # chosen by 'auto' (the default)
+    assert "gradient builder 'torch' (auto: the model uses custom torch.autograd.Function(s) " \
+           "['ScalarAndTupleFunction']" in caplog.text
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+
+
+def test_straight_through_estimator_trains_with_the_users_backward():
+    torch.manual_seed(0)
+    model = WithActivation(StraightThrough.apply)
+    plain_round = clone(model)
+    plain_round.activation = torch.round  # the derivative of the forward: 0, so fc1 would never move
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    data = [(x * 3, y) for x, y in batches(10)]
+    trainer, with_backward = train_with_reference(model, mlp_desc(), optim.SGDConfig(lr=0.1), sgd, CE, data)
+    derivative_of_forward = torch_weights(train_pytorch(plain_round, sgd, CE, data))
+    got = trainer_weights(trainer)
+    assert trainer._gradient_builder == "torch"
+    assert max_difference(got, torch_weights(with_backward)) < 1e-5
+    assert np.abs(got["fc1.weight"] - derivative_of_forward["fc1.weight"]).max() > 1e-2
+    assert np.abs(got["fc2.weight"] - derivative_of_forward["fc2.weight"]).max() > 1e-3
+
+
+def test_a_function_whose_backward_cannot_be_traced_is_named():
+    class ItemBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * grad.abs().max().item()
+
+    trainer = make_trainer(WithActivation(ItemBackward.apply), mlp_desc(), optim.SGDConfig(), CE)
+    with pytest.raises(UntraceableFunctionError, match="The backward of the custom torch.autograd.Function "
+                                                       "'.*ItemBackward' cannot be traced"):
+        trainer.train_step(*batches(1)[0])
+
+
+class IgnoredBias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, b):
+        return x + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None  # `b` gets no gradient
+
+
+class WithIgnoredBias(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(64))
+
+    def forward(self, x):
+        return self.fc2(F.gelu(IgnoredBias.apply(self.fc1(x), self.b)))
+
+
+def test_a_parameter_the_users_backward_gives_no_gradient_is_frozen_as_in_pytorch():
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"parameters \['b'\] do not influence the loss"):
+        trainer, ref = train_with_reference(WithIgnoredBias(), mlp_desc(), optim.AdamConfig(lr=1e-2),
+                                            lambda ps: torch.optim.Adam(ps, lr=1e-2), CE, batches(3), NO_CLIP)
+    assert "b" in trainer._frozen and "b" not in trainer._compiled.training.weight_updates
+    assert max_difference(trainer_weights(trainer), {k: v for k, v in torch_weights(ref).items() if k != "b"}) < 1e-5
+
+
+# choosing the builder ---------------------------------------------------------------------------------------------
+
+class CumulativeHead(MLP):
+    def forward(self, x):
+        return torch.cumsum(super().forward(x), dim=1)
+
+
+def test_auto_picks_ort_for_a_plain_model(caplog):
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE)
+        trainer.train_step(*batches(1)[0])
+    assert trainer._gradient_builder == "ort"
+    assert "gradient builder 'ort' (auto: no custom torch.autograd.Function, and ONNX Runtime differentiates " \
+           "every op)" in caplog.text
+
+
+def test_auto_falls_back_to_torch_for_an_op_without_an_ort_gradient(caplog):
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, ref = train_with_reference(CumulativeHead(), mlp_desc(), optim.SGDConfig(lr=0.1),
+                                            lambda ps: torch.optim.SGD(ps, lr=0.1), CE, batches(3))
+    assert trainer._gradient_builder == "torch"
+    assert "gradient builder 'torch' (auto: ONNX Runtime's gradient builder cannot differentiate op 'CumSum')" \
+           in caplog.text
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+
+
+def _onnx_mlp_with_loss() -> onnx.ModelProto:
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = MLP()
+
+        def forward(self, x, target):
+            return CE(self.mlp(x), target)
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's, chosen on purpose
+        torch.onnx.export(WithLoss(), batches(1)[0], buffer, input_names=["x", "target"], output_names=["loss"],
+                          dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}}, opset_version=14, dynamo=False,
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def test_onnx_models_use_the_ort_builder_and_refuse_torch():
+    desc = {"inputs": [("x", ["batch", 32]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
+    model = _onnx_mlp_with_loss()
+    with pytest.raises(ValueError, match="gradient_builder='torch' needs a torch.nn.Module .* the model is an ONNX "
+                                         "model; use 'ort' or 'auto'"):
+        make_trainer(model, desc, optim.SGDConfig(), extra=TORCH)
+    assert make_trainer(model, desc, optim.SGDConfig())._gradient_builder == "ort"
+
+
+def test_options_that_transform_the_exported_graph_keep_the_ort_builder():
+    def postprocess(model):
+        return model
+
+    extra = {"_internal_use": {"extra_postprocess": postprocess}}
+    assert ort_only_options(cpu_options(extra)) == ["_internal_use.extra_postprocess"]
+    assert ort_only_options(cpu_options({"mixed_precision": {"enabled": True}})) == ["mixed_precision.enabled"]
+    trainer = make_trainer(CumulativeHead(), mlp_desc(), optim.SGDConfig(), CE, extra)
+    with pytest.raises(RuntimeError, match="cannot differentiate op 'CumSum'"):  # 'auto' does not switch
+        trainer.train_step(*batches(1)[0])
+    trainer = make_trainer(WithActivation(StraightThrough.apply), mlp_desc(), optim.SGDConfig(), CE,
+                           {"_internal_use": {"extra_postprocess": postprocess, "gradient_builder": "auto"}})
+    with pytest.raises(NotImplementedError, match=r"\['_internal_use.extra_postprocess'\] transform .* custom "
+                                                  r"torch.autograd.Function\(s\) \['StraightThrough'\]"):
+        trainer.train_step(*batches(1)[0])
+
+
+# shapes: one graph per signature, one shared state ------------------------------------------------------------------
+
+class GroupMean(nn.Module):
+    """A view sized by the batch and a mean: both bake the batch size into a traced graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 20)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.view(h.shape[0], 2, 10).mean(dim=1)
+
+
+def test_interleaved_batch_sizes_share_one_state_and_match_pytorch():
+    torch.manual_seed(0)
+    data = batches(8, sizes=(4, 4, 7, 7, 4, 7, 7, 4))  # with accumulation 2, windows mix the two sizes
+    trainer, ref = train_with_reference(GroupMean(), mlp_desc(), optim.AdamConfig(lr=1e-2),
+                                        lambda ps: torch.optim.Adam(ps, lr=1e-2), CE, data,
+                                        {**TORCH, **NO_CLIP, "batch": {"gradient_accumulation_steps": 2}},
+                                        accumulation=2)
+    assert trainer._training_session.training_graph_count == 2
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+    loss, logits = trainer.eval_step(*batches(1, sizes=(5,))[0])  # eval has dynamic axes: no new graph
+    assert logits.shape == (5, 10) and trainer._training_session.training_graph_count == 2
+
+
+class SmallBatchesOnly(torch.autograd.Function):
+    """Traceable for batches of up to 8 rows only (shapes are concrete while tracing)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.shape[0] > 8:
+            raise ValueError("batches of up to 8 rows")
+        return grad * 2
+
+
+def test_a_signature_that_fails_to_build_leaves_the_trainer_as_it_was():
+    trainer = make_trainer(WithActivation(SmallBatchesOnly.apply), mlp_desc(), optim.SGDConfig(lr=0.1), CE)
+    trainer.train_step(*batches(1)[0])
+    before = trainer_weights(trainer)
+    with pytest.raises(UntraceableFunctionError, match="SmallBatchesOnly"):
+        trainer.train_step(*batches(1, sizes=(9,))[0])
+    assert trainer._train_step_info.step == 1 and max_difference(trainer_weights(trainer), before) == 0
+    trainer.train_step(*batches(1, sizes=(4,))[0])
+    assert trainer._train_step_info.step == 2 and trainer._training_session.training_graph_count == 2
+
+
+class Normalised(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(64)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.bn(self.fc1(x))))
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train_mode", "eval_mode"])
+def test_batch_norm_matches_pytorch(training):
+    """Train mode: batch statistics; eval mode: the running statistics, as PyTorch trains an eval-mode module. Its
+    `num_batches_tracked` is module state the exported forward does not use (see bind_foreign_state)."""
+    torch.manual_seed(0)
+    model = Normalised().train(training)
+    with torch.no_grad():
+        model.bn.running_mean.add_(0.5)
+        model.bn.running_var.mul_(2)
+    trainer, ref = train_with_reference(model, mlp_desc(), optim.SGDConfig(lr=0.1),
+                                        lambda ps: torch.optim.SGD(ps, lr=0.1), CE, batches(4), TORCH)
+    assert "bn.num_batches_tracked" not in trainer._training_session.state_names()
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+
+
+# checkpoints, dropout, eval -----------------------------------------------------------------------------------------
+
+def test_checkpoint_resume_is_exact(tmp_path):
+    torch.manual_seed(0)
+    model, data = WithActivation(StraightThrough.apply), batches(3) + batches(3, sizes=(5,), seed=2)
+    options = {"batch": {"gradient_accumulation_steps": 2}}
+    straight = make_trainer(clone(model), mlp_desc(), optim.AdamConfig(lr=1e-2), CE, options)
+    for x, y in data:
+        straight.train_step(x, y)
+    first = make_trainer(clone(model), mlp_desc(), optim.AdamConfig(lr=1e-2), CE, options)
+    for x, y in data[:3]:  # step 3 is in the middle of an accumulation window
+        first.train_step(x, y)
+    first.save_checkpoint(str(tmp_path / "half.ortcp"))
+    resumed = make_trainer(WithActivation(StraightThrough.apply), mlp_desc(), optim.AdamConfig(lr=1e-2), CE, options)
+    resumed.load_checkpoint(str(tmp_path / "half.ortcp"))  # before the first step: applied once compiled
+    for x, y in data[3:]:
+        resumed.train_step(x, y)
+    assert resumed._gradient_builder == straight._gradient_builder == "torch"
+    assert max_difference(resumed._training_session.get_state(), straight._training_session.get_state()) < 1e-7
+    assert resumed._train_step_info.step == 6 and resumed._optimizer_updates == straight._optimizer_updates == 3
+
+
+class DropoutProbe(nn.Module):
+    """y = dropout(x·w), loss = Σ c·y: the output shows the forward's mask, dloss/dw = c·x·mask/(1-p) the
+    backward's."""
+
+    def __init__(self, n: int = 512, p: float = 0.5) -> None:
+        super().__init__()
+        self.w, self.drop = nn.Parameter(torch.rand(n) + 0.5), nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(x * self.w)
+
+
+@pytest.mark.parametrize("builder", ["ort", "torch"])
+def test_dropout_backward_uses_the_forward_mask_and_eval_is_deterministic(builder):
+    torch.manual_seed(0)  # seed 0 once drew the same mask in the first two steps (see _seed_onnxruntime)
+    n, p, lr = 512, 0.5, 0.1
+    model, x, c = DropoutProbe(n, p), torch.rand(n) + 0.5, torch.rand(n) + 0.5
+    desc = {"inputs": [("x", [n]), ("c", [n])], "outputs": [("loss", [], True), ("y", [n])]}
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=lr), lambda y, c: (y * c).sum(),
+                           {"_internal_use": {"gradient_builder": builder}})
+    masks, w = [], model.w.detach().numpy().copy()
+    for _ in range(3):
+        _, y = trainer.train_step(x, c)
+        forward_mask = y.numpy() * (1 - p) / (x.numpy() * w)
+        w, previous = trainer_weights(trainer)["w"], w
+        backward_mask = (previous - w) * (1 - p) / (lr * (c * x).numpy())
+        np.testing.assert_allclose(forward_mask, np.round(forward_mask), atol=1e-4)
+        np.testing.assert_allclose(backward_mask, forward_mask, atol=1e-4)
+        masks.append(np.round(forward_mask))
+    assert 0.3 < masks[0].mean() < 0.7 and trainer._gradient_builder == builder
+    assert not np.array_equal(masks[0], masks[1]) and not np.array_equal(masks[1], masks[2])  # fresh every step
+    first, second = trainer.eval_step(x, c)[1], trainer.eval_step(x, c)[1]
+    model.w.data = torch.from_numpy(trainer_weights(trainer)["w"])
+    np.testing.assert_array_equal(first.numpy(), second.numpy())
+    np.testing.assert_allclose(first.numpy(), (x * model.w).detach().numpy(), rtol=1e-6)  # dropout off
