@@ -8,7 +8,13 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from orttrainer.trainer.graph.fixups import batchnorm_to_inference, dropout_to_identity, name_optional_outputs
+from orttrainer.trainer.graph.fixups import (
+    batchnorm_to_inference,
+    dropout_to_identity,
+    inference_dropout_to_identity,
+    name_optional_outputs,
+    restore_dropout_training_mode,
+)
 
 
 def _vi(name: str, shape=None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
@@ -123,6 +129,32 @@ def test_dropout_whose_mask_is_a_graph_output_is_rejected():
     model = _dropout_model(["d", "mask"], graph_outputs=("y", "mask"))
     with pytest.raises(ValueError, match="'mask' is used"):
         dropout_to_identity(model)
+
+
+def _dropout_pair() -> onnx.ModelProto:
+    """`a = Dropout(x, ratio)` (no training mode: the identity) and `b = Dropout(x, ratio, training)`."""
+    nodes = [helper.make_node("Dropout", ["x", "ratio"], ["a", "a_mask"], name="inference"),
+             helper.make_node("Dropout", ["x", "ratio", "training"], ["b", "b_mask"], name="training")]
+    inits = [_const("ratio", 0.5), _const("training", True, dtype=np.bool_)]
+    return _model(nodes, [_vi("x", [64])], [_vi("a"), _vi("b")], inits)
+
+
+def test_a_dropout_without_training_mode_gets_a_true_one_after_a_pytorch_training_export():
+    model = _dropout_pair()
+    fixed = restore_dropout_training_mode(model)
+    flag = fixed.graph.node[0].input[2]
+    assert numpy_helper.to_array(next(i for i in fixed.graph.initializer if i.name == flag)) == np.array(True)
+    assert list(fixed.graph.node[1].input) == ["x", "ratio", "training"] and len(model.graph.node[0].input) == 2
+    a, b = _run(fixed, {"x": np.ones(64, np.float32)})
+    assert 0 < np.count_nonzero(a == 0) < 64  # now really drops, as PyTorch does in training
+    assert restore_dropout_training_mode(fixed) is fixed
+
+
+def test_a_dropout_without_training_mode_becomes_the_identity_it_computes():
+    fixed = inference_dropout_to_identity(_dropout_pair())
+    assert [n.op_type for n in fixed.graph.node] == ["Identity", "Dropout"]
+    fixed = inference_dropout_to_identity(fixed)
+    assert [n.op_type for n in fixed.graph.node] == ["Identity", "Dropout"]
 
 
 # ----------------------------------------------------------------------------------------- batchnorm_to_inference

@@ -69,10 +69,9 @@ def test_arguments_reach_the_new_trainer(tmp_path):
     assert "fc1.bias" not in trainer.ort_trainer._compiled.training.weight_updates
 
 
-@pytest.mark.parametrize("argument, value", [("use_memory_efficient_gradient", True)])
-def test_arguments_this_build_cannot_honour_name_themselves(argument, value):
-    with pytest.raises(NotImplementedError, match=f"^ORTTrainer argument {argument}={value!r} is not supported"):
-        legacy_mlp(**{argument: value})
+def test_use_memory_efficient_gradient_reaches_the_option():
+    _, trainer = legacy_mlp(use_memory_efficient_gradient=True)
+    assert trainer.ort_trainer.options.utils.memory_efficient_gradient is True
 
 
 def test_distributed_arguments_reach_the_distributed_layer(monkeypatch):

@@ -179,11 +179,6 @@ def test_a_malformed_device_id_is_rejected_in_the_constructor(device):
         ORTTrainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, options=ORTTrainerOptions({"device": {"id": device}}))
 
 
-def test_mem_limit_on_the_cpu_is_refused():
-    with pytest.raises(NotImplementedError, match="options device.mem_limit"):
-        make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, {"device": {"mem_limit": 1 << 20}})
-
-
 def test_eval_step_on_a_trainer_without_a_model_is_a_runtime_error():
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE)
     trainer._torch_model = None

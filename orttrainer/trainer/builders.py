@@ -45,10 +45,21 @@ class BuilderChoice:
 
 def ort_only_options(options) -> list[str]:
     """The options set in `options` (an ORTTrainerOptions) that transform the exported ONNX graph, which only the
-    'ort' builder trains from. (The trainer adds 'orttrainer.debug statistics' when a StatisticsSubscriber's manager
-    is subscribed to the model: the statistics are outputs of the exported graph's marked tensors.)"""
+    'ort' builder trains from; recompute, cast propagation other than ONNX Runtime's default and memory-efficient
+    gradients act on ONNX Runtime's gradient graph. (The trainer adds 'orttrainer.debug statistics' when a
+    StatisticsSubscriber's manager is subscribed to the model: the statistics are outputs of the exported graph's
+    marked tensors.)"""
+    from .support import gradient_options
+
+    graph = options.graph_transformer
+    cast_propagation = not gradient_options(options).builtin_cast_propagation
     checks = (("_internal_use.extra_postprocess", options._internal_use.extra_postprocess is not None),
-              ("mixed_precision.enabled", bool(options.mixed_precision.enabled)))
+              ("mixed_precision.enabled", bool(options.mixed_precision.enabled)),
+              ("graph_transformer.gelu_recompute", graph.gelu_recompute),
+              ("graph_transformer.attn_dropout_recompute", graph.attn_dropout_recompute),
+              ("graph_transformer.transformer_layer_recompute", graph.transformer_layer_recompute),
+              ("graph_transformer.propagate_cast_ops_config", cast_propagation),
+              ("utils.memory_efficient_gradient", options.utils.memory_efficient_gradient))
     return [name for name, is_set in checks if is_set]
 
 

@@ -24,6 +24,8 @@ from .builders import BuilderChoice, TorchGraphs, TorchSource, torch_gradient_mo
 from .graph import fixups, mixed_precision
 from .graph.editor import FLOAT_TYPES
 from .graph.gradient import GradientBuildError, build_ort_gradient_graph, move_initializers_to_inputs
+from .graph.gradient_options import GradientOptions
+from .graph.recompute import RecomputePlan, apply_plan
 from .graph.scatter_grad import gather_grad_to_scatter_add
 from .graph.data_parallel import GradientStepGraph, build_gradient_step_graph, build_optimizer_graph
 from .graph.training import ParamGroup, TrainingGraph, accumulation_buffer_name, build_training_graph, zero_state
@@ -50,6 +52,8 @@ class CompileRequest:
     builder: BuilderChoice = BuilderChoice("ort", "")  # see builders.choose_builder
     torch_source: TorchSource | None = None  # what the torch builder traces (None: an ONNX model)
     sample_inputs: list[torch.Tensor] | None = None  # the first batch: the torch builder's first signature
+    recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder only (builders.ort_only_options)
+    gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients ('ort' only)
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,8 @@ class CompiledModel:
 
 def compile_model(request: CompileRequest) -> CompiledModel:
     forward = fixups.name_optional_outputs(request.forward)
-    if request.dropout_off:
-        forward = fixups.dropout_to_identity(forward)
+    # eval-mode model: no dropout; otherwise a Dropout without training_mode is the identity it computes
+    forward = (fixups.dropout_to_identity if request.dropout_off else fixups.inference_dropout_to_identity)(forward)
     state = request.trainable + request.frozen
     loss, loss_scale = request.loss_name, None
     eval_forward = request.forward
@@ -97,6 +101,10 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     _save(forward, request.graph_save_paths.get("model_after_graph_transforms_path"))
     raw_gradient_model, builder = _gradient_graph(forward, request, loss)
     gradient_model = gradient_model_passes(raw_gradient_model, request, loss)
+    if request.recompute:  # the 'ort' builder only: builders.ort_only_options keeps the torch builder away
+        gradient_model, notes = apply_plan(gradient_model, request.outputs, request.recompute)
+        for note in notes:
+            warnings.warn(f"options {note}")
     _save(gradient_model, request.graph_save_paths.get("model_with_gradient_graph_path"))
     weights = initializer_values(request.forward, state)
     eval_model = build_eval_model(eval_forward, state, request.outputs)
@@ -181,7 +189,7 @@ def _gradient_graph(forward: onnx.ModelProto, request: CompileRequest,
     before = (list(request.trainable), list(request.frozen))
     try:
         model = _freezing_unreachable(request, lambda: build_ort_gradient_graph(
-            forward, loss, request.trainable, request.trainable + request.frozen))
+            forward, loss, request.trainable, request.trainable + request.frozen, request.gradient_options))
     except GradientBuildError as err:
         if choice.builder != "auto" or err.op_type is None or request.torch_source is None:
             raise

@@ -18,6 +18,7 @@ import onnx
 import torch
 
 from .graph.editor import copy_model
+from .graph.fixups import restore_dropout_training_mode
 
 MODEL_PREFIX = "model."
 
@@ -120,6 +121,8 @@ def export_model(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: lis
         model.train(was_training)
         _restore_buffers(model, buffers)
     onnx_model = set_initializers(strip_prefix(onnx.load_from_string(buffer.getvalue()), MODEL_PREFIX), buffers)
+    if was_training:
+        onnx_model = restore_dropout_training_mode(onnx_model)
     initializers = {i.name for i in onnx_model.graph.initializer}
     params = [n for n, p in model.named_parameters() if p.requires_grad and n in initializers]
     state = [n for n in model.state_dict() if n in initializers and n not in params]

@@ -34,7 +34,13 @@ from .graph.postprocess import run_postprocess
 from .inputs import check_inputs, check_outputs, order_inputs
 from .session import Device, SessionConfig, TrainingSession
 from .session_dp import DataParallelSession
-from .support import check_data_parallel_options, check_supported_options, onnx_to_torch_dtype
+from .support import (
+    check_data_parallel_options,
+    check_supported_options,
+    gradient_options,
+    onnx_to_torch_dtype,
+    recompute_plan,
+)
 
 
 class ORTTrainer:
@@ -306,7 +312,8 @@ class ORTTrainer:
             graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts),
             mixed_precision=opts.mixed_precision.enabled, cpu=self._device.type == "cpu",
             data_parallel=self._data_parallel_plan(trainable), builder=self._builder_choice,
-            torch_source=self._torch_source, sample_inputs=self._sample_inputs)
+            torch_source=self._torch_source, sample_inputs=self._sample_inputs, recompute=recompute_plan(opts),
+            gradient_options=gradient_options(opts))
         self._compiled = compile_model(request)
         self._activations.instrument(self._compiled)
         self._frozen = request.frozen  # compile freezes parameters that cannot reach the loss

@@ -292,6 +292,10 @@ def _session_options(config: SessionConfig):
         options = ort.SessionOptions()
         options.log_severity_level = 3  # ORT warns about every unused initializer otherwise
     options.use_deterministic_compute = config.deterministic
+    if config.device.type == "cpu" and config.mem_limit > 0:
+        from .cpu_memory import cap_cpu_arena
+
+        cap_cpu_arena(options, config.mem_limit)
     return options
 
 

@@ -18,11 +18,6 @@ _UNSUPPORTED = {
     "distributed.pipeline_parallel.sliced_schema": (bool, "leave it empty (no pipeline parallelism)"),
     "distributed.pipeline_parallel.sliced_axes": (bool, "leave it empty (no pipeline parallelism)"),
     "distributed.pipeline_parallel.sliced_tensor_names": (bool, "leave it empty (no pipeline parallelism)"),
-    "graph_transformer.attn_dropout_recompute": (lambda v: v, "leave recompute off"),
-    "graph_transformer.gelu_recompute": (lambda v: v, "leave recompute off"),
-    "graph_transformer.transformer_layer_recompute": (lambda v: v, "leave recompute off"),
-    "graph_transformer.number_recompute_layers": (lambda v: v > 0, "leave recompute off"),
-    "utils.memory_efficient_gradient": (lambda v: v, "leave it off"),
 }
 
 
@@ -33,10 +28,29 @@ def check_supported_options(options) -> None:
         if unsupported(value):
             raise NotImplementedError(f"options {path}={value!r} is not supported by this orttrainer build; "
                                       f"{instead}.")
-    device = str(options.device.id).strip().lower()
-    if device == "cpu" and options.device.mem_limit > 0:
-        raise NotImplementedError("options device.mem_limit limits the CUDA memory arena; on device.id 'cpu' it has no "
-                                  "equivalent. Leave it 0 on the CPU.")
+    recompute_plan(options)
+
+
+def recompute_plan(options):
+    """`graph_transformer`'s recompute flags as a `RecomputePlan` (graph/recompute.py)."""
+    from .graph.recompute import RecomputePlan
+
+    gt = options.graph_transformer
+    if gt.number_recompute_layers > 0 and not gt.transformer_layer_recompute:
+        raise ValueError(f"options graph_transformer.number_recompute_layers={gt.number_recompute_layers} only takes "
+                         "effect with graph_transformer.transformer_layer_recompute=True")
+    layers = gt.number_recompute_layers if gt.transformer_layer_recompute else None
+    return RecomputePlan(gelu=gt.gelu_recompute, attention_dropout=gt.attn_dropout_recompute, layers=layers)
+
+
+def gradient_options(options):
+    """`graph_transformer.propagate_cast_ops_config` and `utils.memory_efficient_gradient` as the `ort` gradient
+    builder's `GradientOptions` (graph/gradient_options.py). A strategy of None is NONE (no cast propagation)."""
+    from .graph.gradient_options import GradientOptions
+
+    cast = options.graph_transformer.propagate_cast_ops_config
+    strategy = "NONE" if cast.strategy is None else type(cast.strategy)(cast.strategy).name
+    return GradientOptions(strategy, cast.level, tuple(cast.allow), options.utils.memory_efficient_gradient)
 
 
 def check_data_parallel_options(options, world_size: int) -> None:

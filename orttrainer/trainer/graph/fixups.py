@@ -5,7 +5,9 @@ Each function is a pure pass: it takes a ModelProto and returns a new one, leavi
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 from onnx import helper
 
 from .editor import copy_model, fresh_name, graph_value_names
@@ -38,8 +40,8 @@ def name_optional_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
-def dropout_to_identity(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Replace every Dropout node by an Identity of its data input.
+def dropout_to_identity(model: onnx.ModelProto, only: set[int] | None = None) -> onnx.ModelProto:
+    """Replace every Dropout node (or those at the node indices in `only`) by an Identity of its data input.
 
     Rule: `Dropout(x, ratio, training_mode) -> (y, mask)` becomes `Identity(x) -> y`. A Dropout whose mask output is
     consumed by another node cannot be rewritten and raises ValueError.
@@ -50,8 +52,8 @@ def dropout_to_identity(model: onnx.ModelProto) -> onnx.ModelProto:
     result = copy_model(model)
     consumed = {name for node in result.graph.node for name in node.input}
     graph_outputs = {o.name for o in result.graph.output}
-    for node in result.graph.node:
-        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
+    for i, node in enumerate(result.graph.node):
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx") or (only is not None and i not in only):
             continue
         mask = node.output[1] if len(node.output) > 1 else ""
         if mask and (mask in consumed or mask in graph_outputs):
@@ -59,6 +61,41 @@ def dropout_to_identity(model: onnx.ModelProto) -> onnx.ModelProto:
         rewritten = helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name)
         node.CopyFrom(rewritten)
     return result
+
+
+def restore_dropout_training_mode(model: onnx.ModelProto) -> onnx.ModelProto:
+    """For a PyTorch module exported in training mode: give every Dropout without a `training_mode` input a constant
+    true one.
+
+    Why: PyTorch's TorchScript exporter writes the dropout of `scaled_dot_product_attention` (used by
+    `nn.MultiheadAttention`, so by every `nn.TransformerEncoderLayer`) as `Dropout(x, ratio)` without the flag, which
+    ONNX runs as the identity — while PyTorch applies that dropout in training, and ORT's DropoutGrad still scales
+    its gradient by 1/(1-ratio) (engine.md §1.4). With the flag the graph does what PyTorch does. Dropouts the
+    exporter writes for `nn.Dropout` carry the flag already; eval-mode dropout is not exported at all.
+    """
+    missing = _inference_dropouts(model)
+    if not missing:
+        return model
+    result = copy_model(model)
+    flag = fresh_name("orttrainer/dropout_training_mode", graph_value_names(result.graph))
+    result.graph.initializer.append(onnx.numpy_helper.from_array(np.array(True), flag))
+    for i in missing:
+        node = result.graph.node[i]
+        del node.input[2:]
+        node.input.extend([""] * (2 - len(node.input)) + [flag])
+    return result
+
+
+def inference_dropout_to_identity(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Rule: a Dropout without a `training_mode` input (the ONNX default: off) becomes an Identity, which is what it
+    computes; ORT's DropoutGrad would still scale its gradient by 1/(1-ratio) (engine.md §1.4)."""
+    missing = _inference_dropouts(model)
+    return dropout_to_identity(model, only=set(missing)) if missing else model
+
+
+def _inference_dropouts(model: onnx.ModelProto) -> list[int]:
+    return [i for i, n in enumerate(model.graph.node) if n.op_type == "Dropout" and n.domain in ("", "ai.onnx")
+            and (len(n.input) < 3 or not n.input[2])]
 
 
 def batchnorm_to_inference(model: onnx.ModelProto) -> onnx.ModelProto:

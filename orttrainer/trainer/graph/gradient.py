@@ -17,6 +17,7 @@ import onnx
 from onnx import helper
 
 from .editor import copy_model
+from .gradient_options import GradientOptions, build_configured_gradient_graph
 
 
 class GradientBuildError(RuntimeError):
@@ -52,27 +53,33 @@ def move_initializers_to_inputs(model: onnx.ModelProto, names: Iterable[str]) ->
 
 
 def build_ort_gradient_graph(forward: onnx.ModelProto, loss_name: str, trainable: list[str],
-                             state: list[str]) -> onnx.ModelProto:
+                             state: list[str], options: GradientOptions | None = None) -> onnx.ModelProto:
     """Forward model with `loss_name` -> model that also outputs `<p>_grad` for each `p` in `trainable`.
 
     `state` (trainable and frozen tensors) must be initializers of `forward`; they become graph inputs. ORT's
     pre-training transformers (Gelu/LayerNorm fusions, ...) run first, as the legacy TrainingSession did.
-    Outputs are ordered: the forward outputs, then the gradients in `trainable` order.
+    Outputs are ordered: the forward outputs, then the gradients in `trainable` order. `options` other than ORT's
+    defaults (cast propagation, memory-efficient gradients) go through `gradient_options.py`.
     """
     from onnxruntime import SessionOptions
     from onnxruntime.capi import _pybind_state as C
 
     model = move_initializers_to_inputs(forward, state)
-    options = SessionOptions()
-    options.log_severity_level = 3  # the pre-training transformers log every pass at INFO level otherwise
+    session_options = SessionOptions()
+    session_options.log_severity_level = 3  # the pre-training transformers log every pass at INFO level otherwise
     requires_grad = set(trainable)
     try:
-        optimized = C.get_optimized_model(model.SerializeToString(), requires_grad, options)
-        builder = C.GradientGraphBuilder(optimized, {loss_name}, requires_grad, loss_name, options)
-        builder.build()
+        if options is not None and not options.builtin:
+            graded = build_configured_gradient_graph(model, loss_name, trainable, state, options)
+        else:
+            optimized = C.get_optimized_model(model.SerializeToString(), requires_grad, session_options)
+            builder = C.GradientGraphBuilder(optimized, {loss_name}, requires_grad, loss_name, session_options)
+            builder.build()
+            graded = onnx.load_from_string(builder.get_model())
+    except GradientBuildError:
+        raise
     except Exception as err:  # the pybind layer raises plain RuntimeError/Fail with the C++ message
         raise _explain(err, forward) from err
-    graded = onnx.load_from_string(builder.get_model())
     return _order_outputs(graded, [o.name for o in forward.graph.output], trainable)
 
 
