@@ -46,7 +46,7 @@ def make_batch(text: torch.Tensor, batch: int, half: int, g: torch.Generator) ->
     is_random = torch.rand(batch, generator=g) < 0.5
     elsewhere = torch.randint(0, len(text) - half, (batch,), generator=g)
     rows = []
-    for start, random_b, other in zip(starts.tolist(), is_random.tolist(), elsewhere.tolist()):
+    for start, random_b, other in zip(starts.tolist(), is_random.tolist(), elsewhere.tolist(), strict=False):
         a = text[start:start + half]
         b = text[other:other + half] if random_b else text[start + half:start + 2 * half]
         rows.append(torch.cat([torch.tensor([CLS]), a, torch.tensor([SEP]), b, torch.tensor([SEP])]))
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     model.load_state_dict(trainer.state_dict(pytorch_format=True))
     model.eval()
     with torch.no_grad():
-        torch_loss = model(**{name: x for (name, _), x in zip(model_desc["inputs"], held_out)})[0].item()
+        torch_loss = model(**{name: x for (name, _), x in zip(model_desc["inputs"], held_out, strict=False)})[0].item()
     print(f"PyTorch with the trained weights: held-out loss {torch_loss:.3f}")
     return {"losses": losses, "eval_loss": eval_loss, "torch_loss": torch_loss}
 

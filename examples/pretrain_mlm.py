@@ -173,16 +173,17 @@ def plot(history: dict, resume_step: int, baseline: float, path: str) -> None:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    steps, losses = zip(*history["train"])
+    steps, losses = zip(*history["train"], strict=False)
     window = max(1, len(losses) // 50)  # a moving average: single micro-batch losses are noisy
     smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train (micro-batch)")
     ax.plot(steps[window - 1:], smooth, color="tab:blue", label=f"train (mean of {window})")
-    ax.plot(*zip(*history["eval"]), "o-", color="tab:orange", label="held-out modules")
+    ax.plot(*zip(*history["eval"], strict=False), "o-", color="tab:orange", label="held-out modules")
     ax.axvline(resume_step, color="gray", linestyle="--", label="checkpoint / resume")
     ax.axhline(baseline, color="tab:green", linestyle=":", label="held-out, byte frequencies alone")
-    ax.set(xlabel="optimizer step", ylabel="masked-byte cross-entropy", title="orttrainer: byte-level MLM on stdlib source")
+    ax.set(xlabel="optimizer step", ylabel="masked-byte cross-entropy",
+           title="orttrainer: byte-level MLM on stdlib source")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -42,6 +42,6 @@ def test_defaults_in_the_table_are_what_validation_fills_in():
 def test_table_rows_name_type_and_default():
     table = doc.options_table().splitlines()
     row = next(line for line in table if line.startswith("| `batch.gradient_accumulation_steps`"))
-    assert row == ("| `batch.gradient_accumulation_steps` | int ≥ 1 | `1` | micro-steps per optimizer update; the update "
-                   "uses the mean gradient |")
+    assert row == ("| `batch.gradient_accumulation_steps` | int ≥ 1 | `1` | micro-steps per optimizer update; "
+                   "the update uses the mean gradient |")
     assert len(table) == 2 + len(doc.MEANINGS)
