@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from ._require import require as _require
 from .optim.config import _OptimizerConfig
 
 __all__ = ["TrainStepInfo"]
-
-
-def _require(condition: Any, message: str) -> None:
-    # Same exception type and text as the legacy `assert`, without being stripped by `python -O`.
-    if not condition:
-        raise AssertionError(message)
 
 
 class TrainStepInfo:

@@ -11,13 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._require import require as _require
+
 __all__ = ["LossScaler", "DynamicLossScaler"]
-
-
-def _require(condition: Any, message: str) -> None:
-    # Same exception type and text as the legacy `assert`, without being stripped by `python -O`.
-    if not condition:
-        raise AssertionError(message)
 
 
 def _check_loss_scale(loss_scale: Any) -> float:

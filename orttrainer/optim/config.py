@@ -13,6 +13,8 @@ from __future__ import annotations
 from enum import IntEnum, unique
 from typing import Any
 
+from .._require import require as _require
+
 __all__ = ["_OptimizerConfig", "AdamConfig", "LambConfig", "SGDConfig"]
 
 _OPTIMIZER_NAMES = ("AdamOptimizer", "LambOptimizer", "SGDOptimizer")
@@ -21,12 +23,6 @@ _GROUP_MESSAGE = (
     "Each dict inside 'params' must contain a {'params' : [model parameter names]} entry"
     " and additional entries for custom hyper parameter values"
 )
-
-
-def _require(condition: Any, message: str) -> None:
-    # Same exception type and text as the legacy `assert`, without being stripped by `python -O`.
-    if not condition:
-        raise AssertionError(message)
 
 
 def _check_name(name: Any) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .._require import require as _require
+
 __all__ = [
     "_LRScheduler",
     "ConstantWarmupLRScheduler",
@@ -25,12 +27,6 @@ __all__ = [
     "LinearWarmupLRScheduler",
     "PolyWarmupLRScheduler",
 ]
-
-
-def _require(condition: Any, message: str) -> None:
-    # Same exception type and text as the legacy `assert`, without being stripped by `python -O`.
-    if not condition:
-        raise AssertionError(message)
 
 
 def _check_total_steps_and_warmup(total_steps: Any, warmup: Any) -> None:
