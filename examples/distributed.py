@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> float:
     per_rank = args.batch // world
     for step in range(args.steps * args.accumulation):
         x, label = global_batch(step, args.batch)
-        loss = trainer.train_step(x[rank * per_rank:(rank + 1) * per_rank], label[rank * per_rank:(rank + 1) * per_rank])
+        shard = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss = trainer.train_step(x[shard], label[shard])
         if rank == 0 and step % (10 * args.accumulation) == 0:
             print(f"step {step:4d}  rank-0 loss {loss.item():.4f}")
     os.makedirs(args.checkpoint_dir, exist_ok=True)

@@ -91,7 +91,7 @@ def pytorch_run(model, out, schedule: str = "ttt", **kwargs) -> None:
     """'t': a train step (forward, MSE backward, SGD lr 0.1); 'e': an eval-mode no_grad forward."""
     subscribe(model, out, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for kind, (x, target) in zip(schedule, batches(len(schedule))):
+    for kind, (x, target) in zip(schedule, batches(len(schedule)), strict=False):
         if kind == "t":
             opt.zero_grad()
             nn.functional.mse_loss(model(x), target).backward()
@@ -112,7 +112,7 @@ def trainer_run(model, out, schedule: str = "ttt", extra: dict | None = None, **
     if out is not None:
         subscribe(model, out, **kwargs)
     trainer = make_trainer(model, extra)
-    for kind, (x, target) in zip(schedule, batches(len(schedule))):
+    for kind, (x, target) in zip(schedule, batches(len(schedule)), strict=False):
         (trainer.train_step if kind == "t" else trainer.eval_step)(x, target)
     return trainer
 
@@ -154,7 +154,8 @@ def test_pytorch_and_trainer_write_the_same_files_and_statistics(tmp_path):
     assert_same_dumps(tmp_path / "pt", tmp_path / "ort")
     assert GlobalSubscriberManager.get_run_context().global_states.execution_step == 3  # the export counted none
     merge_activation_summaries(tmp_path / "pt", tmp_path / "ort", tmp_path / "merged")
-    merged = [(tmp_path / "merged" / side / "step_1_.txt").read_text().splitlines() for side in ("merge_pt", "merge_ort")]
+    merged = [(tmp_path / "merged" / side / "step_1_.txt").read_text().splitlines()
+              for side in ("merge_pt", "merge_ort")]
     headers = [[line for line in lines if " run shape: " in line] for lines in merged]
     assert len(merged[0]) == len(merged[1]) and headers[0] == headers[1] and len(headers[0]) == len(SAMPLE_ORDER)
 
@@ -209,7 +210,7 @@ def test_gradients_of_an_inspected_tensor_with_two_consumers(tmp_path):
 def test_an_eval_step_is_a_forward_only_step_in_both_paths(tmp_path):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt", "ttet")
-    trainer = trainer_run(model, tmp_path / "ort", "ttet")
+    trainer_run(model, tmp_path / "ort", "ttet")
     assert order(tmp_path / "ort", 2) == [n for n in SAMPLE_ORDER if n.endswith("_forward")]
     assert order(tmp_path / "ort", 3) == SAMPLE_ORDER
     assert_same_dumps(tmp_path / "pt", tmp_path / "ort")

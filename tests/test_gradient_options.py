@@ -8,13 +8,13 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from torch import nn
-
 from helpers import make_trainer, max_difference, torch_weights, trainer_weights
 from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
-from orttrainer import PropagateCastOpsStrategy, amp, optim
 from test_graph_gradient_options import _amp_graph
 from test_mixed_precision import FP16_TOLERANCE
+from torch import nn
+
+from orttrainer import PropagateCastOpsStrategy, amp, optim
 
 AMP_DESC = {"inputs": [("x", ["batch", 8]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
 

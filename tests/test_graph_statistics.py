@@ -56,7 +56,8 @@ def test_marks_become_identities_and_report_their_tensors_in_node_order():
     plain, marks = marks_to_identity(model)
     assert marks == [("Linear_1_0th_output", "m1"), ("inspected", "m2")]
     assert [(n.op_type, n.domain, n.name) for n in plain.graph.node[1:3]] == [
-        ("Identity", "", "orttrainer/activation/Linear_1_0th_output"), ("Identity", "", "orttrainer/activation/inspected")]
+        ("Identity", "", "orttrainer/activation/Linear_1_0th_output"),
+        ("Identity", "", "orttrainer/activation/inspected")]
     assert [o.domain for o in plain.opset_import] == [""]
     assert model.graph.node[1].op_type == "ActivationMark"  # the argument is untouched
     x = np.array([-1.0, 0.5, 2.0], np.float32)
@@ -187,7 +188,8 @@ def test_log_softmax_nll_fuses_through_a_marker_chain():
         ("Identity", ["m1"], ["m2"])]
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
     t = np.array([0, 2, 1, 2], np.int64)
-    for got, want in zip(_session(fused).run(None, {"x": x, "t": t}), _session(model).run(None, {"x": x, "t": t})):
+    feeds = {"x": x, "t": t}
+    for got, want in zip(_session(fused).run(None, feeds), _session(model).run(None, feeds), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     branched = _model([*nodes, helper.make_node("Neg", ["m1"], ["n"])], [_vi("x", [4, 3]),
                       _vi("t", [4], TensorProto.INT64)], [_vi("loss", []), _vi("n", [4, 3])])

@@ -166,7 +166,8 @@ def test_resume_under_mixed_precision_is_exact(tmp_path):
         if i == 0:
             assert resumed.options.mixed_precision.loss_scaler.loss_scale == 512.0
     assert max_difference(_everything(resumed), _everything(straight)) <= 1e-6
-    assert resumed.options.mixed_precision.loss_scaler.loss_scale == straight.options.mixed_precision.loss_scaler.loss_scale
+    scalers = [t.options.mixed_precision.loss_scaler for t in (resumed, straight)]
+    assert scalers[0].loss_scale == scalers[1].loss_scale
 
 
 def test_mixed_precision_checkpoints_load_into_fp32_trainers_and_back(tmp_path):

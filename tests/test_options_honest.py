@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import onnx
 import pytest
 import torch
-
 from helpers import make_trainer
 from models import MLP, mlp_desc
+
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer.schema.options import _ORTTRAINER_OPTIONS_SCHEMA
 from orttrainer.trainer import orttrainer as orttrainer_module

@@ -8,10 +8,10 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-
 from helpers import make_trainer, max_difference, trainer_weights
 from models import MLP, mlp_desc
+from torch import nn
+
 from orttrainer import optim
 from orttrainer.trainer.graph.recompute import RECOMPUTE_SUFFIX, count_recompute_nodes
 

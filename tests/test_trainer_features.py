@@ -14,7 +14,7 @@ import torch
 from helpers import clone, make_trainer, max_difference, torch_weights, trainer_weights
 from models import MLP, mlp_desc
 
-from orttrainer import ORTTrainer, optim
+from orttrainer import optim
 from orttrainer.optim import LinearWarmupLRScheduler
 
 CE = torch.nn.functional.cross_entropy

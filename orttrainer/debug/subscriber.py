@@ -354,7 +354,7 @@ def map_tensors(value: Any, fn: Callable[[int, torch.Tensor], torch.Tensor], cou
         return fn(index, value)
     if isinstance(value, (list, tuple)):
         items = [map_tensors(item, fn, counter) for item in value]
-        if all(new is old for new, old in zip(items, value)):
+        if all(new is old for new, old in zip(items, value, strict=False)):
             return value
         if isinstance(value, list):
             return items

@@ -66,10 +66,11 @@ class ORTTrainer:
         if postprocess_model is not None and _extra_postprocess is not None:
             raise TypeError("give either postprocess_model (its older name) or _extra_postprocess, not both")
         if isinstance(model, onnx.ModelProto) and loss_fn is not None:
-            warnings.warn("loss_fn is not used when creating ORTTrainer because an ONNX model is provided.")
+            warnings.warn("loss_fn is not used when creating ORTTrainer because an ONNX model is provided.",
+                          stacklevel=2)
             loss_fn = None
         if loss_scaler is not None and not use_mixed_precision:
-            warnings.warn("loss_scaler is ignored: it is only used with use_mixed_precision=True")
+            warnings.warn("loss_scaler is ignored: it is only used with use_mixed_precision=True", stacklevel=2)
         new_desc = to_model_desc(model_desc)
         arguments = {
             "device": args_mod.device_id(device), "gradient_accumulation_steps": gradient_accumulation_steps,

@@ -22,12 +22,12 @@ from onnx import numpy_helper
 
 from .builders import BuilderChoice, TorchGraphs, TorchSource, torch_gradient_model
 from .graph import fixups, mixed_precision
+from .graph.data_parallel import GradientStepGraph, build_gradient_step_graph, build_optimizer_graph
 from .graph.editor import FLOAT_TYPES
 from .graph.gradient import GradientBuildError, build_ort_gradient_graph, move_initializers_to_inputs
 from .graph.gradient_options import GradientOptions
 from .graph.recompute import RecomputePlan, apply_plan
 from .graph.scatter_grad import gather_grad_to_scatter_add
-from .graph.data_parallel import GradientStepGraph, build_gradient_step_graph, build_optimizer_graph
 from .graph.training import ParamGroup, TrainingGraph, accumulation_buffer_name, build_training_graph, zero_state
 
 
@@ -104,7 +104,7 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     if request.recompute:  # the 'ort' builder only: builders.ort_only_options keeps the torch builder away
         gradient_model, notes = apply_plan(gradient_model, request.outputs, request.recompute)
         for note in notes:
-            warnings.warn(f"options {note}")
+            warnings.warn(f"options {note}", stacklevel=2)
     _save(gradient_model, request.graph_save_paths.get("model_with_gradient_graph_path"))
     weights = initializer_values(request.forward, state)
     eval_model = build_eval_model(eval_forward, state, request.outputs)
@@ -220,7 +220,7 @@ def _freezing_unreachable(request: CompileRequest, build: Callable[[], onnx.Mode
             if not err.unreachable or not set(err.unreachable) <= set(request.trainable):
                 raise
             warnings.warn(f"parameters {err.unreachable} do not influence the loss; they are not trained "
-                          "(as PyTorch leaves their gradient None)")
+                          "(as PyTorch leaves their gradient None)", stacklevel=2)
             request.trainable = [p for p in request.trainable if p not in err.unreachable]
             request.frozen = request.frozen + err.unreachable
 

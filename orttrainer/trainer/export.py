@@ -192,7 +192,8 @@ def _dry_run(wrapper: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[list
         runner = copy.deepcopy(wrapper)
     except Exception:
         warnings.warn("This model cannot be deep copied (or pickled), which is a required step for stateful models "
-                      "to be properly exported to ONNX. Compute will continue, but unexpected results may occur!")
+                      "to be properly exported to ONNX. Compute will continue, but unexpected results may occur!",
+                      stacklevel=2)
         runner = wrapper
     was_training = runner.training
     runner.eval()

@@ -149,12 +149,12 @@ class ORTTrainer(SessionBuilding):
         """Write the forward (+loss) ONNX model with the current weights to `path`."""
         if self._training_session is None:
             warnings.warn("Training session is not initialized yet. 'train_step' or 'eval_step' methods must be "
-                          "executed at least once before calling 'save_as_onnx()'.")
+                          "executed at least once before calling 'save_as_onnx()'.", stacklevel=2)
             return
         _require(isinstance(path, str), "'path' must be a valid path string")
         directory, filename = os.path.split(path)
         if (directory and not os.path.isdir(directory)) or not filename:
-            warnings.warn("'path' is not valid or does not exist")
+            warnings.warn("'path' is not valid or does not exist", stacklevel=2)
             return
         model = self._onnx_model_with_current_weights()
         temporary = f"{path}.tmp-{os.getpid()}"
@@ -172,13 +172,13 @@ class ORTTrainer(SessionBuilding):
         accepts."""
         if self._training_session is None:
             warnings.warn("ONNX Runtime training session is not initialized yet. Please run train_step or eval_step at "
-                          "least once before calling ORTTrainer.state_dict().")
+                          "least once before calling ORTTrainer.state_dict().", stacklevel=2)
             return self._pending_state[0] if self._pending_state is not None else {}
         if pytorch_format:
             if self.options.distributed.deepspeed_zero_optimization.stage > 0:
-                warnings.warn("Incomplete state_dict: ZeRO enabled")
+                warnings.warn("Incomplete state_dict: ZeRO enabled", stacklevel=2)
             if self.options.distributed.horizontal_parallel_size > 1:
-                warnings.warn("Incomplete state_dict: Megatron enabled")
+                warnings.warn("Incomplete state_dict: Megatron enabled", stacklevel=2)
         return state_mod.build_state_dict(self, pytorch_format)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:

@@ -39,7 +39,8 @@ def build_state_dict(trainer, pytorch_format: bool = False) -> dict:
         "train_step_info": {"optimization_step": trainer._train_step_info.optimization_step,
                             "step": trainer._train_step_info.step},
     }
-    if compiled.accumulation_buffers and trainer._train_step_info.step % trainer.options.batch.gradient_accumulation_steps:
+    mid_window = trainer._train_step_info.step % trainer.options.batch.gradient_accumulation_steps
+    if compiled.accumulation_buffers and mid_window:
         if trainer._world_size > 1:
             raise RuntimeError(
                 "a state_dict in the middle of a gradient-accumulation window cannot be taken with data parallelism: "
@@ -141,7 +142,8 @@ def apply_state_dict(trainer, state_dict: dict, strict: bool) -> None:
     if state_dict.get("optimizer"):  # before the key checks: a different optimizer explains every key difference
         _check_optimizer_name(trainer, state_dict)
     if strict:
-        _check_keys(build_state_dict(trainer), state_dict, trainer.options.distributed.deepspeed_zero_optimization.stage)
+        zero_stage = trainer.options.distributed.deepspeed_zero_optimization.stage
+        _check_keys(build_state_dict(trainer), state_dict, zero_stage)
     values: dict[str, np.ndarray] = {}
     if "model" in state_dict:
         values.update(_model_values(trainer, state_dict["model"], strict))
@@ -235,7 +237,7 @@ def _load_train_step_info(trainer, state_dict: dict) -> None:
 
     info = state_dict.get("train_step_info")
     if info is None:
-        warnings.warn("Missing key: train_step_info in state_dict")
+        warnings.warn("Missing key: train_step_info in state_dict", stacklevel=2)
         return
     trainer._train_step_info.optimization_step = int(info["optimization_step"])
     trainer._train_step_info.step = int(info["step"])
@@ -247,14 +249,14 @@ def _check_keys(current: dict, loaded: dict, zero_stage: int) -> None:
 
     allow_unexpected = zero_stage > 0
     if "model" not in loaded:
-        warnings.warn("Missing key: model in state_dict")
+        warnings.warn("Missing key: model in state_dict", stacklevel=2)
     else:
         _compare(current["model"], loaded["model"], "state_dict[model]", allow_unexpected)
         for precision in current["model"]:
             _compare(current["model"][precision], loaded["model"][precision], f"state_dict[model][{precision}]",
                      allow_unexpected)
     if "optimizer" not in loaded:
-        warnings.warn("Missing key: optimizer in state_dict")
+        warnings.warn("Missing key: optimizer in state_dict", stacklevel=2)
         return
     _compare(current["optimizer"], loaded["optimizer"], "state_dict[optimizer]", allow_unexpected)
     for weight in current["optimizer"]:

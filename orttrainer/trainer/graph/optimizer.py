@@ -103,7 +103,8 @@ def append_lamb(ed: GraphEditor, weights: list[str], grads: list[str], coef: Sca
     s2 = ed.scalar_product([1.0 - b2, coef, coef], "lamb/s2")
     inv_bc1, inv_bc2 = _reciprocal(ed, bc1), _reciprocal(ed, bc2)
     zero, one = ed.constant(0.0, hint="lamb/zero"), ed.constant(1.0, hint="lamb/one")
-    lo, hi = ed.constant(hyper["ratio_min"], hint="lamb/ratio_min"), ed.constant(hyper["ratio_max"], hint="lamb/ratio_max")
+    lo = ed.constant(hyper["ratio_min"], hint="lamb/ratio_min")
+    hi = ed.constant(hyper["ratio_max"], hint="lamb/ratio_max")
     updates = []
     for w, g in zip(weights, grads, strict=True):
         m_in, v_in = moment_names(w)
@@ -154,8 +155,8 @@ def _bias_corrections(ed: GraphEditor, step: StepScalars, b1: float, b2: float, 
 def _decay_factor(ed: GraphEditor, lr: str, lam: float) -> Scalar:
     if lam == 0.0:
         return 1.0
-    return ed.op("Sub", [ed.constant(1.0, hint="one"), ed.op("Mul", [lr, ed.constant(lam, hint="lambda")], "lr_lambda")],
-                 "decay")
+    lr_lambda = ed.op("Mul", [lr, ed.constant(lam, hint="lambda")], "lr_lambda")
+    return ed.op("Sub", [ed.constant(1.0, hint="one"), lr_lambda], "decay")
 
 
 def _scale(ed: GraphEditor, x: str, factor: Scalar, hint: str) -> str:
