@@ -48,3 +48,36 @@ def transformer_loss(logits, target):
 def transformer_desc(vocab: int = 50) -> dict:
     return {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])],
             "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
+
+
+# custom autograd.Functions (the torch gradient builder trains them with their own backward) ---------------------------
+
+class ScalarAndTupleFunction(torch.autograd.Function):
+    """The seed's example (with the @staticmethods and save_for_backward it needs to run): non-tensor arguments — an
+    int, a tuple with a float and a bool, a float."""
+
+    @staticmethod
+    def forward(ctx, input, alpha, beta, gamma):
+        ctx.save_for_backward(input)
+        ctx.alpha, ctx.beta, ctx.gamma = alpha, beta, gamma
+        return alpha * beta[0] * beta[1] * gamma * input.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (input,) = ctx.saved_tensors
+        grad_input = grad_output.clone()
+        grad_input[input < 0] = 0
+        return ctx.alpha * ctx.beta[0] * ctx.beta[1] * ctx.gamma * grad_input, None, None, None
+
+
+class StraightThrough(torch.autograd.Function):
+    """round() forward; backward 3·g — not the derivative of round (0 almost everywhere), so a trained weight shows
+    whose backward ran."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 3 * grad

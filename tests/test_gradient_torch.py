@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
+from models import ScalarAndTupleFunction, StraightThrough
 from torch import nn
 
 from orttrainer.trainer.export import _ModelWithLoss
@@ -165,33 +166,6 @@ def test_dropout_backward_uses_the_forward_mask():
 
 
 # (c), (d), (e) custom autograd Functions -----------------------------------------------------------------------------
-
-class ScalarAndTupleFunction(torch.autograd.Function):
-    """The seed's example (with the @staticmethods and save_for_backward it needs to run)."""
-
-    @staticmethod
-    def forward(ctx, input, alpha, beta, gamma):
-        ctx.save_for_backward(input)
-        ctx.alpha, ctx.beta, ctx.gamma = alpha, beta, gamma
-        return alpha * beta[0] * beta[1] * gamma * input.clamp(min=0)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (input,) = ctx.saved_tensors
-        grad_input = grad_output.clone()
-        grad_input[input < 0] = 0
-        return ctx.alpha * ctx.beta[0] * ctx.beta[1] * ctx.gamma * grad_input, None, None, None
-
-
-class StraightThrough(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return 3 * grad
-
 
 class WithFunction(nn.Module):
     def __init__(self, fn) -> None:

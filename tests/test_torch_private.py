@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
+from models import StraightThrough
 from torch import nn
 
 from orttrainer.trainer.graph import torch_private
@@ -69,22 +70,13 @@ def test_aot_export_joint_signature_and_values():
 
 
 def test_aot_export_joint_keeps_custom_function_backward():
-    class Triple(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return torch.round(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return 3 * grad
-
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.w = nn.Parameter(torch.ones(3))
 
         def forward(self, x):
-            return (Triple.apply(x * self.w).sum(),)
+            return (StraightThrough.apply(x * self.w).sum(),)
 
     graph, _ = torch_private.aot_export_joint(Model(), [torch.tensor([1.0, 2.0, 3.0])])
     _, grad = graph(torch.ones(3), torch.tensor([1.0, 2.0, 3.0]))

@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 from helpers import clone, cpu_options, make_trainer, max_difference, torch_weights, trainer_weights
-from models import MLP, mlp_desc
+from models import MLP, ScalarAndTupleFunction, StraightThrough, mlp_desc
 from torch import nn
 from torch.nn import functional as F
 
@@ -52,35 +52,6 @@ def batches(n: int, sizes=(8,), d_in: int = 32, classes: int = 10, seed: int = 1
 
 
 # custom autograd.Functions ------------------------------------------------------------------------------------------
-
-class ScalarAndTupleFunction(torch.autograd.Function):
-    """The seed's example: non-tensor arguments (an int, a tuple with a float and a bool, a float)."""
-
-    @staticmethod
-    def forward(ctx, input, alpha, beta, gamma):
-        ctx.save_for_backward(input)
-        ctx.alpha, ctx.beta, ctx.gamma = alpha, beta, gamma
-        return alpha * beta[0] * beta[1] * gamma * input.clamp(min=0)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (input,) = ctx.saved_tensors
-        grad_input = grad_output.clone()
-        grad_input[input < 0] = 0
-        return ctx.alpha * ctx.beta[0] * ctx.beta[1] * ctx.gamma * grad_input, None, None, None
-
-
-class StraightThrough(torch.autograd.Function):
-    """round() forward; backward 3·g — not the derivative of round (0 almost everywhere)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return 3 * grad
-
 
 class WithActivation(MLP):
     def __init__(self, activation) -> None:
