@@ -1,4 +1,5 @@
-"""Fix-up passes (fixups.py) on hand-built graphs: optional outputs, dropout off, BatchNorm to inference."""
+"""Fix-up passes (fixups.py) on hand-built graphs: optional outputs, dropout off, BatchNorm to inference and to its
+affine map."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from orttrainer.trainer.graph.fixups import (
     batchnorm_to_inference,
     dropout_to_identity,
+    inference_batchnorm_to_affine,
     inference_dropout_to_identity,
     name_optional_outputs,
     restore_dropout_training_mode,
@@ -191,3 +193,40 @@ def test_inference_batchnorm_is_unchanged():
     del node.output[1:]
     del node.attribute[:]
     assert batchnorm_to_inference(model) == model
+
+
+# ---------------------------------------------------------------------------------- inference_batchnorm_to_affine
+def _inference_batchnorm_model(shape: list) -> onnx.ModelProto:
+    """x -> BatchNormalization (inference: no training_mode, one output) -> Relu, with a dynamic batch dim."""
+    bn = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y"], name="bn",
+                          epsilon=1e-3)
+    relu = helper.make_node("Relu", ["y"], ["out"], name="relu")
+    inits = [_const("scale", [1.0, 2.0]), _const("bias", [0.5, -0.5]), _const("mean", [1.0, -1.0]),
+             _const("var", [4.0, 0.25])]
+    return _model([bn, relu], [_vi("x", ["N", *shape])], [_vi("out", ["N", *shape])], inits)
+
+
+@pytest.mark.parametrize("shape", [[2], [2, 3], [2, 3, 2]], ids=["rank2", "rank3", "rank4"])
+def test_inference_batchnorm_becomes_its_affine_map(shape):
+    model = _inference_batchnorm_model(shape)
+    fixed = inference_batchnorm_to_affine(model)
+    onnx.checker.check_model(fixed, full_check=True)
+    ops = [n.op_type for n in fixed.graph.node]
+    assert "BatchNormalization" not in ops and ops[-1] == "Relu"  # still in topological order
+    assert ops.count("Reshape") == 3 and "Sqrt" in ops and "Div" in ops
+    assert [n.op_type for n in model.graph.node] == ["BatchNormalization", "Relu"]  # the argument is untouched
+    x = np.random.default_rng(0).normal(size=(5, *shape)).astype(np.float32) * 3
+    expected = _run(model, {"x": x})[0]  # ONNX Runtime's own inference BatchNormalization
+    np.testing.assert_allclose(_run(fixed, {"x": x})[0], expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_run(fixed, {"x": x[:2]})[0], expected[:2], rtol=1e-6, atol=1e-6)  # another batch
+
+
+def test_training_batchnorm_is_not_made_affine():
+    model = _batchnorm_model()
+    assert inference_batchnorm_to_affine(model) == model
+    explicit = _batchnorm_model()
+    for attribute in explicit.graph.node[0].attribute:
+        if attribute.name == "training_mode":
+            attribute.i = 0
+    del explicit.graph.node[0].output[1:]
+    assert "BatchNormalization" not in [n.op_type for n in inference_batchnorm_to_affine(explicit).graph.node]

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from orttrainer import optim
 from orttrainer.trainer.builders import ort_only_options
+from orttrainer.trainer.graph.gradient import GradientBuildError
 from orttrainer.trainer.graph.gradient_torch import UntraceableFunctionError
 
 CE = F.cross_entropy
@@ -269,19 +270,43 @@ class Normalised(MLP):
         return self.fc2(F.gelu(self.bn(self.fc1(x))))
 
 
+class ConvNormalised(nn.Module):
+    """BatchNorm2d on a (N, 4, 4, 4) activation: per-channel statistics over batch and space."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(F.relu(self.bn(self.conv(x.view(-1, 2, 4, 4)))).flatten(1))
+
+
+@pytest.mark.parametrize(("builder", "model_class"), [("ort", Normalised), ("torch", Normalised),
+                                                    ("ort", ConvNormalised)])  # torch: no Conv, see below
 @pytest.mark.parametrize("training", [True, False], ids=["train_mode", "eval_mode"])
-def test_batch_norm_matches_pytorch(training):
-    """Train mode: batch statistics; eval mode: the running statistics, as PyTorch trains an eval-mode module. Its
-    `num_batches_tracked` is module state the exported forward does not use (see bind_foreign_state)."""
+def test_batch_norm_matches_pytorch(training, builder, model_class):
+    """Train mode: batch statistics; eval mode: the running statistics, as PyTorch trains an eval-mode module (the
+    `ort` builder through graph/fixups.inference_batchnorm_to_affine: ONNX Runtime's own gradient of an inference
+    BatchNorm uses batch statistics). `num_batches_tracked` is module state the exported forward does not use (see
+    bind_foreign_state)."""
     torch.manual_seed(0)
-    model = Normalised().train(training)
+    model = model_class().train(training)
     with torch.no_grad():
         model.bn.running_mean.add_(0.5)
         model.bn.running_var.mul_(2)
+    options = {"_internal_use": {"gradient_builder": builder}}
     trainer, ref = train_with_reference(model, mlp_desc(), optim.SGDConfig(lr=0.1),
-                                        lambda ps: torch.optim.SGD(ps, lr=0.1), CE, batches(4), TORCH)
+                                        lambda ps: torch.optim.SGD(ps, lr=0.1), CE, batches(4), options)
     assert "bn.num_batches_tracked" not in trainer._training_session.state_names()
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+
+
+def test_the_torch_builder_names_the_convolution_gradient_it_cannot_export():
+    """torch.onnx (torch 2.13) has no ONNX function for `aten.convolution_backward`: a clear error, not a crash
+    inside the exporter. The `ort` builder trains convolutions (test_batch_norm_matches_pytorch)."""
+    trainer = make_trainer(ConvNormalised(), mlp_desc(), optim.SGDConfig(lr=0.1), CE, TORCH)
+    with pytest.raises(GradientBuildError, match=r"(?s)ConvNormalised.*aten\.convolution_backward"):
+        trainer.train_step(*batches(1)[0])
 
 
 # checkpoints, dropout, eval -----------------------------------------------------------------------------------------

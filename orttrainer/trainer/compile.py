@@ -44,7 +44,7 @@ class CompileRequest:
     optim_config: object
     accumulation_steps: int
     clip_grad_norm: bool
-    dropout_off: bool  # the torch model was in eval mode: train without dropout
+    dropout_off: bool  # the torch model was in eval mode: train without dropout, BatchNorm on running statistics
     graph_save_paths: dict[str, str]
     mixed_precision: bool = False
     cpu: bool = True  # CPU kernels need float32 fall-backs under mixed precision
@@ -89,6 +89,9 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     forward = fixups.name_optional_outputs(request.forward)
     # eval-mode model: no dropout; otherwise a Dropout without training_mode is the identity it computes
     forward = (fixups.dropout_to_identity if request.dropout_off else fixups.inference_dropout_to_identity)(forward)
+    if request.dropout_off:  # an eval-mode module: PyTorch trains its BatchNorm on the running statistics
+        forward = fixups.batchnorm_to_inference(forward)
+    forward = fixups.inference_batchnorm_to_affine(forward)  # ORT's gradient of inference BatchNorm is wrong
     state = request.trainable + request.frozen
     loss, loss_scale = request.loss_name, None
     eval_forward = request.forward

@@ -10,7 +10,7 @@ import onnx
 import onnx.numpy_helper
 from onnx import helper
 
-from .editor import copy_model, fresh_name, graph_value_names
+from .editor import GraphEditor, copy_model, fresh_name, graph_value_names, topologically_sorted
 
 # Optional outputs the ORT gradient builders read (engine.md §0.2): without them the builder fails with
 # "GradientBuilderBase::O(size_t, bool) const i < node_->OutputDefs().size() was false".
@@ -113,3 +113,57 @@ def batchnorm_to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
         node.attribute.extend(kept)
         del node.output[1:]
     return result
+
+
+def inference_batchnorm_to_affine(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Rewrite every inference-mode BatchNormalization as the per-channel affine map it computes, for ONNX Runtime's
+    gradient builder.
+
+    Rule: `BatchNormalization(X, scale, B, mean, var)` with `training_mode` absent or 0 becomes
+    `Y = X * a + b`, `a = scale / sqrt(var + epsilon)`, `b = B - mean * a`, with `a` and `b` reshaped to
+    `[C, 1, ..., 1]` (rank(X) - 2 ones, computed in the graph, so any input rank and dynamic dims work).
+    Training-mode nodes are left alone.
+
+    Why: ONNX Runtime differentiates an inference-mode BatchNormalization with `BatchNormalizationGrad`, which uses
+    the batch statistics, so the gradients are wrong (by 0.1-0.3, engine.md §1.4); the affine form has exact
+    gradients for `scale` and `B` (and `X`), and the running statistics are constants of the step, as in PyTorch.
+    """
+    if not any(_is_inference_batchnorm(n) for n in model.graph.node):
+        return model
+    result = copy_model(model)
+    replaced = [n for n in result.graph.node if _is_inference_batchnorm(n)]
+    kept = [n for n in result.graph.node if not _is_inference_batchnorm(n)]
+    del result.graph.node[:]
+    result.graph.node.extend(kept)
+    ed = GraphEditor(result.graph, "orttrainer/batchnorm_affine")
+    for node in replaced:
+        _append_affine(ed, node)
+    return topologically_sorted(result)
+
+
+def _is_inference_batchnorm(node: onnx.NodeProto) -> bool:
+    if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+        return False
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return not attributes.get("training_mode", 0)
+
+
+def _append_affine(ed: GraphEditor, node: onnx.NodeProto) -> None:
+    """`Y = X * a + b` for one inference-mode BatchNormalization `node` (see `inference_batchnorm_to_affine`)."""
+    x, scale, bias, mean, var = node.input[:5]
+    epsilon = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon"), 1e-5)
+    hint = (node.name or node.output[0]).strip("/")
+    # float32 constants: the pass runs on the float32 forward, before any float16 conversion
+    std = ed.op("Sqrt", [ed.op("Add", [var, ed.constant(epsilon, hint="epsilon")], f"{hint}/var_eps")], f"{hint}/std")
+    a = ed.op("Div", [scale, std], f"{hint}/a")
+    b = ed.op("Sub", [bias, ed.op("Mul", [mean, a], f"{hint}/mean_a")], f"{hint}/b")
+    rank = ed.op("Size", [ed.op("Shape", [x], f"{hint}/x_shape")], f"{hint}/rank")
+    spatial_rank = ed.op("Sub", [rank, ed.constant(2, np.int64, "two")], f"{hint}/spatial_rank")
+    spatial_rank_1d = ed.op("Reshape", [spatial_rank, ed.constant([1], np.int64, "one_dim")], f"{hint}/spatial_1d")
+    ones = ed.op("ConstantOfShape", [spatial_rank_1d], f"{hint}/ones",
+                 value=helper.make_tensor("one", onnx.TensorProto.INT64, [1], [1]))
+    channel_shape = ed.op("Concat", [ed.op("Shape", [scale], f"{hint}/channels"), ones], f"{hint}/channel_shape",
+                          axis=0)
+    scaled = ed.op("Mul", [x, ed.op("Reshape", [a, channel_shape], f"{hint}/a_channels")], f"{hint}/scaled")
+    ed.op("Add", [scaled, ed.op("Reshape", [b, channel_shape], f"{hint}/b_channels")], f"{hint}/y",
+          outputs=[node.output[0]])
