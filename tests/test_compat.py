@@ -237,3 +237,16 @@ def test_run_usage_errors(tmp_path):
     missing = _run(["-m", "orttrainer.run", str(tmp_path / "missing.py")])
     assert missing.returncode == 2 and "can't open file" in missing.stderr
     assert "usage: python -m orttrainer.run" in _run(["-m", "orttrainer.run", "--help"]).stdout
+
+
+def test_run_under_torchrun_aliases_every_rank(tmp_path):
+    """`torchrun --module orttrainer.run script.py` (README): each rank runs the script with the aliases installed."""
+    script = tmp_path / "ranks.py"
+    script.write_text("import os\nfrom onnxruntime.training import ORTTrainer\n"
+                      "print('rank', os.environ['RANK'], ORTTrainer.__module__)\n")
+    result = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--module", "orttrainer.run",
+                   str(script)],
+                  cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0 orttrainer.trainer.orttrainer", "rank 1 orttrainer.trainer.orttrainer"]
