@@ -74,18 +74,7 @@ def build_configured_gradient_graph(model: onnx.ModelProto, loss_name: str, trai
 
     from .gradient import GradientBuildError
 
-    loss_only = copy_model(model)
-    del loss_only.graph.output[:]
-    loss_only.graph.output.extend(o for o in model.graph.output if o.name == loss_name)
-    config = C.OrtModuleGraphBuilderConfiguration()
-    config.initializer_names = list(state)
-    config.initializer_names_to_train = list(trainable)
-    config.input_names_require_grad = []
-    config.build_gradient_graph = True
-    config.use_memory_efficient_gradient = options.memory_efficient
-    config.loglevel = C.Severity.ERROR
-    builder = C.OrtModuleGraphBuilder()
-    builder.initialize(loss_only.SerializeToString(), config)
+    builder = _graph_builder(C, model, loss_name, trainable, state, options.memory_efficient)
     builder.build(_transformer_configuration(C, options))
     graded = onnx.load_from_string(builder.get_gradient_model())
     _seed_loss_gradient(graded, loss_name, _elem_type(model, loss_name))
@@ -99,6 +88,25 @@ def build_configured_gradient_graph(model: onnx.ModelProto, loss_name: str, trai
     del graded.graph.output[:]
     graded.graph.output.extend(forward_outputs + grads)
     return graded
+
+
+def _graph_builder(C, model: onnx.ModelProto, loss_name: str, trainable: list[str], state: list[str],
+                   memory_efficient: bool):
+    """An `OrtModuleGraphBuilder` initialised with `model` reduced to its loss output (the builder differentiates
+    every graph output), `state` as initializers and `trainable` as the tensors to differentiate for."""
+    loss_only = copy_model(model)
+    del loss_only.graph.output[:]
+    loss_only.graph.output.extend(o for o in model.graph.output if o.name == loss_name)
+    config = C.OrtModuleGraphBuilderConfiguration()
+    config.initializer_names = list(state)
+    config.initializer_names_to_train = list(trainable)
+    config.input_names_require_grad = []
+    config.build_gradient_graph = True
+    config.use_memory_efficient_gradient = memory_efficient
+    config.loglevel = C.Severity.ERROR
+    builder = C.OrtModuleGraphBuilder()
+    builder.initialize(loss_only.SerializeToString(), config)
+    return builder
 
 
 def _transformer_configuration(C, options: GradientOptions):
@@ -135,16 +143,7 @@ def pre_gradient_model(model: onnx.ModelProto, loss_name: str, trainable: list[s
     where cast propagation shows)."""
     from onnxruntime.capi import _pybind_state as C
 
-    loss_only = copy_model(model)
-    del loss_only.graph.output[:]
-    loss_only.graph.output.extend(o for o in model.graph.output if o.name == loss_name)
-    config = C.OrtModuleGraphBuilderConfiguration()
-    config.initializer_names = list(state)
-    config.initializer_names_to_train = list(trainable)
-    config.input_names_require_grad = []
-    config.build_gradient_graph = True
-    builder = C.OrtModuleGraphBuilder()
-    builder.initialize(loss_only.SerializeToString(), config)
+    builder = _graph_builder(C, model, loss_name, trainable, state, memory_efficient=False)
     transformers = _transformer_configuration(C, options)
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "pre_gradient.onnx")
