@@ -5,15 +5,20 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench clean
+.PHONY: test lint demo bench clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,examples]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,examples,lint]'
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The style and type gates CI runs before the tests.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # BERT-style pretraining on the standard library's source, a few minutes on a 2-core CPU.
 # Longer: make demo ARGS="--steps 2000"

@@ -56,13 +56,20 @@ class Workload:
 
 
 WORKLOADS = {
-    "mlp": Workload("MLP 784-1024-1024-10, batch 64", BenchMLP, nn.functional.cross_entropy,
-                    {"inputs": [("x", ["batch", 784]), ("target", ["batch"])], "outputs": [("loss", [], True)]},
-                    lambda: (torch.randn(64, 784), torch.randint(0, 10, (64,)))),
-    "transformer": Workload("Transformer 2x256, seq 128, batch 16", BenchTransformer, token_loss,
-                            {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])],
-                             "outputs": [("loss", [], True)]},
-                            lambda: (torch.randint(0, 1000, (16, 128)), torch.randint(0, 1000, (16, 128)))),
+    "mlp": Workload(
+        "MLP 784-1024-1024-10, batch 64",
+        BenchMLP,
+        nn.functional.cross_entropy,
+        {"inputs": [("x", ["batch", 784]), ("target", ["batch"])], "outputs": [("loss", [], True)]},
+        lambda: (torch.randn(64, 784), torch.randint(0, 10, (64,))),
+    ),
+    "transformer": Workload(
+        "Transformer 2x256, seq 128, batch 16",
+        BenchTransformer,
+        token_loss,
+        {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])], "outputs": [("loss", [], True)]},
+        lambda: (torch.randint(0, 1000, (16, 128)), torch.randint(0, 1000, (16, 128))),
+    ),
 }
 
 
@@ -70,8 +77,9 @@ def run_worker(script: str, args: list[str], timeout: float = 900, env: dict[str
     """Run `script --worker ...` in a fresh process (with `env` added to the environment); it prints one JSON line
     last."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    done = subprocess.run([sys.executable, script, "--worker", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, script, "--worker", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
     if done.returncode != 0:
         raise RuntimeError(f"worker {args} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -44,16 +44,19 @@ def worker(mode: str, threads: int, steps: int, warmup: int) -> dict:
     out = tempfile.mkdtemp()
     if mode != "none":
         start = 10**9 if mode == "idle" else None
-        GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(out, override_output_dir=True,
-                                                                       start_step=start)])
+        GlobalSubscriberManager.subscribe(
+            model, [StatisticsSubscriber(out, override_output_dir=True, start_step=start)]
+        )
     session_options = ort.SessionOptions()
     session_options.intra_op_num_threads = threads
     session_options.inter_op_num_threads = 1
     session_options.log_severity_level = 3
-    options = ORTTrainerOptions({"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False},
-                                 "session_options": session_options})
-    trainer = ORTTrainer(model, workload.model_desc, optim.AdamConfig(lr=1e-3), loss_fn=workload.loss_fn,
-                         options=options)
+    options = ORTTrainerOptions(
+        {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}, "session_options": session_options}
+    )
+    trainer = ORTTrainer(
+        model, workload.model_desc, optim.AdamConfig(lr=1e-3), loss_fn=workload.loss_fn, options=options
+    )
     start_time = time.perf_counter()
     trainer.train_step(*batches[0])
     first = time.perf_counter() - start_time
@@ -65,9 +68,16 @@ def worker(mode: str, threads: int, steps: int, warmup: int) -> dict:
         times.append(time.perf_counter() - start_time)
     times, writing = times[warmup:], writing[warmup:]
     files = sum(len(f) for _, _, f in os.walk(out))
-    return {"mode": mode, "threads": threads, "first_step_s": first, "median_ms": 1000 * statistics.median(times),
-            "min_ms": 1000 * min(times), "write_ms": 1000 * statistics.median(writing) if writing else None,
-            "steps": len(times), "files_written": files}
+    return {
+        "mode": mode,
+        "threads": threads,
+        "first_step_s": first,
+        "median_ms": 1000 * statistics.median(times),
+        "min_ms": 1000 * min(times),
+        "write_ms": 1000 * statistics.median(writing) if writing else None,
+        "steps": len(times),
+        "files_written": files,
+    }
 
 
 def _time_file_writing(trainer) -> list[float]:
@@ -117,13 +127,32 @@ def main() -> None:
 
 def report(results: list[dict], threads: int) -> str:
     base = next(r for r in results if r["mode"] == "none" and r["code"] == "this checkout")
-    rows = [[r["code"], r["mode"], f"{r['median_ms']:.2f}", " / ".join(f"{m:.2f}" for m in r["median_ms_all"]),
-             f"{r['median_ms'] / base['median_ms']:.3f}x",
-             f"{r['write_ms']:.2f}" if r.get("write_ms") is not None else "-", f"{r['first_step_s']:.2f}",
-             r["files_written"]] for r in results]
-    return (f"{WORKLOADS['mlp'].name}, threads: {threads}\n\n"
-            + markdown_table(["code", "mode", "ms/step (best median)", "medians per process", "vs none",
-                              "of which writing files (ms)", "first step (s)", "files"], rows))
+    rows = [
+        [
+            r["code"],
+            r["mode"],
+            f"{r['median_ms']:.2f}",
+            " / ".join(f"{m:.2f}" for m in r["median_ms_all"]),
+            f"{r['median_ms'] / base['median_ms']:.3f}x",
+            f"{r['write_ms']:.2f}" if r.get("write_ms") is not None else "-",
+            f"{r['first_step_s']:.2f}",
+            r["files_written"],
+        ]
+        for r in results
+    ]
+    return f"{WORKLOADS['mlp'].name}, threads: {threads}\n\n" + markdown_table(
+        [
+            "code",
+            "mode",
+            "ms/step (best median)",
+            "medians per process",
+            "vs none",
+            "of which writing files (ms)",
+            "first step (s)",
+            "files",
+        ],
+        rows,
+    )
 
 
 if __name__ == "__main__":

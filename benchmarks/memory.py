@@ -72,8 +72,9 @@ def worker(config: str, dropout: float, steps: int, threads: int, arena: bool) -
     session_options.log_severity_level = 3
     session_options.enable_cpu_mem_arena = arena
     options = ORTTrainerOptions({"device": {"id": "cpu"}, "session_options": session_options, **CONFIGS[config]})
-    trainer = ORTTrainer(model, workload.model_desc, optim.AdamConfig(lr=1e-4), loss_fn=workload.loss_fn,
-                         options=options)
+    trainer = ORTTrainer(
+        model, workload.model_desc, optim.AdamConfig(lr=1e-4), loss_fn=workload.loss_fn, options=options
+    )
     batch = workload.make_batch()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -87,10 +88,16 @@ def worker(config: str, dropout: float, steps: int, threads: int, arena: bool) -
         trainer.train_step(*batch)
     seconds = (time.perf_counter() - start) / steps
     peak = _status_mib("VmHWM")
-    return {"config": config, "dropout": dropout, "peak_rss_mib": peak, "rss_before_mib": before,
-            "step_peak_mib": peak - before,
-            "step_s": seconds, "recompute_nodes": sum(count_recompute_nodes(trainer._compiled.training.model).values()),
-            "notes": notes}
+    return {
+        "config": config,
+        "dropout": dropout,
+        "peak_rss_mib": peak,
+        "rss_before_mib": before,
+        "step_peak_mib": peak - before,
+        "step_s": seconds,
+        "recompute_nodes": sum(count_recompute_nodes(trainer._compiled.training.model).values()),
+        "notes": notes,
+    }
 
 
 def _median(runs: list[dict]) -> dict:
@@ -111,19 +118,46 @@ def main() -> None:
         print(json.dumps(worker(args.worker[0], float(args.worker[1]), args.steps, args.threads, args.arena)))
         return
     flags = ["--steps", str(args.steps), "--threads", str(args.threads)] + (["--arena"] if args.arena else [])
-    results = [_median([run_worker(__file__, [config, str(p), *flags]) for _ in range(args.repeat)])
-               for p in DROPOUTS for config in CONFIGS]
+    results = [
+        _median([run_worker(__file__, [config, str(p), *flags]) for _ in range(args.repeat)])
+        for p in DROPOUTS
+        for config in CONFIGS
+    ]
     rows = []
     for r in results:
         base = next(b for b in results if b["dropout"] == r["dropout"] and b["config"] == "off")
         change = r["step_peak_mib"] - base["step_peak_mib"]
-        rows.append([f"dropout {r['dropout']}", r["config"], r["recompute_nodes"], f"{r['rss_before_mib']:.0f}",
-                     f"{r['step_peak_mib']:.0f}", "" if r is base else f"{change:+.0f}", f"{1000 * r['step_s']:.0f}",
-                     "nothing to recompute (warns)" if r["notes"] else ""])
-    print(f"{WORKLOADS['transformer'].name}; threads: {args.threads}; CPU arena {'on' if args.arena else 'off'}; "
-          f"{args.steps} steady-state steps per process; median of {args.repeat} process(es)\n")
-    print(markdown_table(["model", "option", "recompute nodes", "RSS between steps (MiB)", "step peak above it (MiB)",
-                          "vs off (MiB)", "ms/step", "note"], rows))
+        rows.append(
+            [
+                f"dropout {r['dropout']}",
+                r["config"],
+                r["recompute_nodes"],
+                f"{r['rss_before_mib']:.0f}",
+                f"{r['step_peak_mib']:.0f}",
+                "" if r is base else f"{change:+.0f}",
+                f"{1000 * r['step_s']:.0f}",
+                "nothing to recompute (warns)" if r["notes"] else "",
+            ]
+        )
+    print(
+        f"{WORKLOADS['transformer'].name}; threads: {args.threads}; CPU arena {'on' if args.arena else 'off'}; "
+        f"{args.steps} steady-state steps per process; median of {args.repeat} process(es)\n"
+    )
+    print(
+        markdown_table(
+            [
+                "model",
+                "option",
+                "recompute nodes",
+                "RSS between steps (MiB)",
+                "step peak above it (MiB)",
+                "vs off (MiB)",
+                "ms/step",
+                "note",
+            ],
+            rows,
+        )
+    )
     payload = {"steps": args.steps, "threads": args.threads, "arena": args.arena, "results": results}
     print(f"\nJSON: {save_json('memory.json', payload)}")
 

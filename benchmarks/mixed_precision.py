@@ -37,8 +37,13 @@ def worker(precision: str, workload_name: str, device: str, threads: int, steps:
     options = {"device": {"id": device}, "session_options": session_options}
     if precision == "mixed":
         options["mixed_precision"] = {"enabled": True, "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)}
-    trainer = ORTTrainer(workload.make_model(), workload.model_desc, optim.AdamConfig(lr=1e-4),
-                         loss_fn=workload.loss_fn, options=ORTTrainerOptions(options))
+    trainer = ORTTrainer(
+        workload.make_model(),
+        workload.model_desc,
+        optim.AdamConfig(lr=1e-4),
+        loss_fn=workload.loss_fn,
+        options=ORTTrainerOptions(options),
+    )
     batches = [tuple(t.to(device) for t in workload.make_batch()) for _ in range(4)]
     start = time.perf_counter()
     trainer.train_step(*batches[0])
@@ -48,9 +53,14 @@ def worker(precision: str, workload_name: str, device: str, threads: int, steps:
         start = time.perf_counter()
         trainer.train_step(*batches[i % len(batches)])
         times.append(time.perf_counter() - start)
-    return {"precision": precision, "workload": workload_name, "device": device, "first_step_s": first,
-            "median_ms": 1000 * statistics.median(times[warmup:]),
-            "finite_steps": trainer._train_step_info.optimization_step}
+    return {
+        "precision": precision,
+        "workload": workload_name,
+        "device": device,
+        "first_step_s": first,
+        "median_ms": 1000 * statistics.median(times[warmup:]),
+        "finite_steps": trainer._train_step_info.optimization_step,
+    }
 
 
 def cuda_usable() -> bool:
@@ -74,14 +84,29 @@ def main() -> None:
         return
     devices = ["cpu"] + (["cuda"] if cuda_usable() else [])
     flags = ["--threads", str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    results = [run_worker(__file__, [precision, name, device, *flags])
-               for device in devices for name in WORKLOADS for precision in ("fp32", "mixed")]
+    results = [
+        run_worker(__file__, [precision, name, device, *flags])
+        for device in devices
+        for name in WORKLOADS
+        for precision in ("fp32", "mixed")
+    ]
     rows = []
     for r in results:
-        base = next(b for b in results if b["workload"] == r["workload"] and b["device"] == r["device"]
-                    and b["precision"] == "fp32")
-        rows.append([WORKLOADS[r["workload"]].name, r["device"], r["precision"], f"{r['median_ms']:.1f}",
-                     f"{r['median_ms'] / base['median_ms']:.2f}x", f"{r['first_step_s']:.2f}"])
+        base = next(
+            b
+            for b in results
+            if b["workload"] == r["workload"] and b["device"] == r["device"] and b["precision"] == "fp32"
+        )
+        rows.append(
+            [
+                WORKLOADS[r["workload"]].name,
+                r["device"],
+                r["precision"],
+                f"{r['median_ms']:.1f}",
+                f"{r['median_ms'] / base['median_ms']:.2f}x",
+                f"{r['first_step_s']:.2f}",
+            ]
+        )
     print(f"threads: {args.threads}{'' if 'cuda' in devices else '; no usable CUDA device here: CPU only'}\n")
     print(markdown_table(["workload", "device", "precision", "ms/step (median)", "vs fp32", "first step (s)"], rows))
     print(f"\nJSON: {save_json('mixed_precision.json', {'threads': args.threads, 'results': results})}")

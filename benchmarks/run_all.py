@@ -85,12 +85,20 @@ def _pytorch(workload, threads: int, compiled: bool):
 def _orttrainer(workload, threads: int, builder: str):
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
-    options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False},
-               "session_options": _session_options(threads)}
+    options = {
+        "device": {"id": "cpu"},
+        "utils": {"grad_norm_clip": False},
+        "session_options": _session_options(threads),
+    }
     if builder != "ort":
         options["_internal_use"] = {"gradient_builder": builder}
-    trainer = ORTTrainer(workload.make_model(), workload.model_desc, optim.AdamConfig(lr=LR),
-                         loss_fn=workload.loss_fn, options=ORTTrainerOptions(options))
+    trainer = ORTTrainer(
+        workload.make_model(),
+        workload.model_desc,
+        optim.AdamConfig(lr=LR),
+        loss_fn=workload.loss_fn,
+        options=ORTTrainerOptions(options),
+    )
     return trainer.train_step, "first step includes export and graph compilation"
 
 
@@ -109,17 +117,31 @@ def _training_api(workload, threads: int):
     sample = workload.make_batch()
     path = tempfile.mkdtemp(prefix="ort_training_api_")
     exported = os.path.join(path, "model.onnx")
-    torch.onnx.export(wrapper, sample, exported, input_names=names, output_names=["loss"],
-                      dynamic_axes={n: {0: "batch"} for n in names}, opset_version=14, do_constant_folding=False,
-                      training=torch.onnx.TrainingMode.TRAINING, dynamo=False)
+    torch.onnx.export(
+        wrapper,
+        sample,
+        exported,
+        input_names=names,
+        output_names=["loss"],
+        dynamic_axes={n: {0: "batch"} for n in names},
+        opset_version=14,
+        do_constant_folding=False,
+        training=torch.onnx.TrainingMode.TRAINING,
+        dynamo=False,
+    )
     # onnxblock's gradient builder needs the optional outputs of LayerNormalization/SoftmaxCrossEntropyLoss named
     # (research/engine.md §3.3); orttrainer's own fix-up pass does exactly that.
     forward = name_optional_outputs(onnx.load(exported))
     float_inits = [i.name for i in forward.graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
     trainable = [n for n in float_inits if n.startswith("model.")]  # the exporter prefixes the wrapped module
-    artifacts.generate_artifacts(forward, requires_grad=trainable, frozen_params=[], loss=None,
-                                 optimizer=onnxblock.optim.AdamW(eps=1e-8, weight_decay=0.0),
-                                 artifact_directory=path)
+    artifacts.generate_artifacts(
+        forward,
+        requires_grad=trainable,
+        frozen_params=[],
+        loss=None,
+        optimizer=onnxblock.optim.AdamW(eps=1e-8, weight_decay=0.0),
+        artifact_directory=path,
+    )
     optimizer_path = os.path.join(path, "optimizer_model.onnx")
     optimizer_model = onnx.load(optimizer_path)
     for node in optimizer_model.graph.node:
@@ -129,8 +151,13 @@ def _training_api(workload, threads: int):
                     attribute.i = 0  # PyTorch's Adam(W) formula
     onnx.save(optimizer_model, optimizer_path)
     state = CheckpointState.load_checkpoint(os.path.join(path, "checkpoint"))
-    module = Module(os.path.join(path, "training_model.onnx"), state, os.path.join(path, "eval_model.onnx"),
-                    device="cpu", session_options=_session_options(threads))
+    module = Module(
+        os.path.join(path, "training_model.onnx"),
+        state,
+        os.path.join(path, "eval_model.onnx"),
+        device="cpu",
+        session_options=_session_options(threads),
+    )
     optimizer = Optimizer(optimizer_path, module)
     optimizer.set_learning_rate(LR)
     module.train()
@@ -158,7 +185,7 @@ def worker(runner: str, workload_name: str, threads: int, steps: int, warmup: in
     if runner in ("pytorch", "torch.compile"):
         step, note = _pytorch(workload, threads, compiled=runner == "torch.compile")
     elif runner.startswith("orttrainer["):
-        step, note = _orttrainer(workload, threads, runner[len("orttrainer["):-1])
+        step, note = _orttrainer(workload, threads, runner[len("orttrainer[") : -1])
     elif runner == "ort-training-api":
         step, note = _training_api(workload, threads)
     else:
@@ -170,10 +197,20 @@ def worker(runner: str, workload_name: str, threads: int, steps: int, warmup: in
         start = time.perf_counter()
         loss = step(*batches[(i + 1) % len(batches)])
         times.append(time.perf_counter() - start)
-    return {"runner": runner, "workload": workload_name, "threads": threads, "first_step_s": first,
-            "median_ms": 1000 * statistics.median(times[warmup:]), "min_ms": 1000 * min(times[warmup:]),
-            "steps": steps, "first_loss": first_loss, "last_loss": _scalar(loss), "peak_rss_mb": _rss_mb(),
-            "baseline_rss_mb": baseline, "note": note}
+    return {
+        "runner": runner,
+        "workload": workload_name,
+        "threads": threads,
+        "first_step_s": first,
+        "median_ms": 1000 * statistics.median(times[warmup:]),
+        "min_ms": 1000 * min(times[warmup:]),
+        "steps": steps,
+        "first_loss": first_loss,
+        "last_loss": _scalar(loss),
+        "peak_rss_mb": _rss_mb(),
+        "baseline_rss_mb": baseline,
+        "note": note,
+    }
 
 
 def torch_builder_available() -> bool:
@@ -188,8 +225,12 @@ def torch_builder_available() -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="threads per runner (1: stays comparable while other jobs share the machine)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="threads per runner (1: stays comparable while other jobs share the machine)",
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3, help="processes per runner; the table keeps the best")
@@ -215,23 +256,38 @@ def main() -> int:
             try:
                 # Inductor's on-disk caches off: every torch.compile process compiles from scratch, as on a fresh
                 # machine, so its first step means the same in every repeat.
-                done.append(run_worker(__file__, [runner, name, *flags], timeout=1200,
-                                       env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}))
+                done.append(
+                    run_worker(
+                        __file__, [runner, name, *flags], timeout=1200, env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+                    )
+                )
             except Exception as err:  # report the others; the failure is in the table and the exit status
                 done.append({"runner": runner, "workload": name, "failed": str(err).strip().splitlines()[-1]})
     results = []
     for (name, runner), done in runs.items():
         if runner == "orttrainer[torch]" and not has_torch_builder:
-            results.append({"runner": runner, "workload": name, "skipped": "this build has no "
-                            "_internal_use.gradient_builder option (the torch builder is not integrated)"})
+            results.append(
+                {
+                    "runner": runner,
+                    "workload": name,
+                    "skipped": "this build has no "
+                    "_internal_use.gradient_builder option (the torch builder is not integrated)",
+                }
+            )
         elif any("failed" in r for r in done):
             results.append(next(r for r in done if "failed" in r))
         else:
             results.append(best_of(done))
     print(report(results, args.threads, args.repeats))
-    payload = {"threads": args.threads, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-               "environment": environment(), "results": results,
-               "all_runs": [r for done in runs.values() for r in done]}
+    payload = {
+        "threads": args.threads,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "environment": environment(),
+        "results": results,
+        "all_runs": [r for done in runs.values() for r in done],
+    }
     print(f"\nJSON: {save_json('run_all.json', payload)}")
     return 1 if any("failed" in r for r in results) else 0
 
@@ -250,8 +306,13 @@ def environment() -> dict:
     import onnxruntime
     import torch
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
-            "cpus": os.cpu_count(), "machine": platform.machine()}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+    }
 
 
 def report(results: list[dict], threads: int, repeats: int) -> str:
@@ -261,18 +322,50 @@ def report(results: list[dict], threads: int, repeats: int) -> str:
         base = next((r for r in group if r["runner"] == "pytorch" and "median_ms" in r), None)
         for r in group:
             if "median_ms" not in r:
-                rows.append([WORKLOADS[name].name, r["runner"], "–", "–", "–", "–", "–", "–",
-                             r.get("skipped") or f"failed: {r['failed']}"])
+                rows.append(
+                    [
+                        WORKLOADS[name].name,
+                        r["runner"],
+                        "–",
+                        "–",
+                        "–",
+                        "–",
+                        "–",
+                        "–",
+                        r.get("skipped") or f"failed: {r['failed']}",
+                    ]
+                )
                 continue
             ratio = f"{r['median_ms'] / base['median_ms']:.2f}x" if base else "–"
-            rows.append([WORKLOADS[name].name, r["runner"], f"{r['median_ms']:.1f}", ratio, f"{r['first_step_s']:.2f}",
-                         f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_mb'] - r['baseline_rss_mb']:.0f}",
-                         f"{r['last_loss']:.5g}", r["note"]])
-    header = ["workload", "runner", "ms/step (median)", "vs PyTorch eager", "first step (s)", "peak RSS (MB)",
-              "RSS growth (MB)", "loss at the last step", "note"]
-    return (f"CPU threads: {threads}; Adam lr {LR}; the same initial weights and batches, so the last column should "
-            f"agree. Best of {repeats} processes per runner (step time: lowest median; first step: lowest; "
-            "memory: highest).\n\n" + markdown_table(header, rows))
+            rows.append(
+                [
+                    WORKLOADS[name].name,
+                    r["runner"],
+                    f"{r['median_ms']:.1f}",
+                    ratio,
+                    f"{r['first_step_s']:.2f}",
+                    f"{r['peak_rss_mb']:.0f}",
+                    f"{r['peak_rss_mb'] - r['baseline_rss_mb']:.0f}",
+                    f"{r['last_loss']:.5g}",
+                    r["note"],
+                ]
+            )
+    header = [
+        "workload",
+        "runner",
+        "ms/step (median)",
+        "vs PyTorch eager",
+        "first step (s)",
+        "peak RSS (MB)",
+        "RSS growth (MB)",
+        "loss at the last step",
+        "note",
+    ]
+    return (
+        f"CPU threads: {threads}; Adam lr {LR}; the same initial weights and batches, so the last column should "
+        f"agree. Best of {repeats} processes per runner (step time: lowest median; first step: lowest; "
+        "memory: highest).\n\n" + markdown_table(header, rows)
+    )
 
 
 if __name__ == "__main__":

@@ -68,10 +68,17 @@ def _orttrainer_step(workload, threads: int, profile_prefix: str | None, builder
     if profile_prefix:
         session_options.enable_profiling = True
         session_options.profile_file_prefix = profile_prefix
-    options = ORTTrainerOptions({"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False},
-                                 "session_options": session_options, "_internal_use": {"gradient_builder": builder}})
-    trainer = ORTTrainer(workload.make_model(), workload.model_desc, optim.AdamConfig(lr=1e-3),
-                         loss_fn=workload.loss_fn, options=options)
+    options = ORTTrainerOptions(
+        {
+            "device": {"id": "cpu"},
+            "utils": {"grad_norm_clip": False},
+            "session_options": session_options,
+            "_internal_use": {"gradient_builder": builder},
+        }
+    )
+    trainer = ORTTrainer(
+        workload.make_model(), workload.model_desc, optim.AdamConfig(lr=1e-3), loss_fn=workload.loss_fn, options=options
+    )
     return trainer.train_step, trainer
 
 
@@ -88,8 +95,15 @@ def worker(runner: str, workload_name: str, threads: int, steps: int, warmup: in
     else:
         step, trainer = _orttrainer_step(workload, threads, prefix, runner.removeprefix("orttrainer-"))
     first, times = _timed_steps(step, batches, steps, warmup)
-    result = {"runner": runner, "workload": workload_name, "threads": threads, "first_step_s": first,
-              "median_ms": 1000 * statistics.median(times), "min_ms": 1000 * min(times), "steps": len(times)}
+    result = {
+        "runner": runner,
+        "workload": workload_name,
+        "threads": threads,
+        "first_step_s": first,
+        "median_ms": 1000 * statistics.median(times),
+        "min_ms": 1000 * min(times),
+        "steps": len(times),
+    }
     if profile and trainer is not None:
         result["profile"] = op_type_profile(trainer._training_session.train_session.end_profiling(), warmup + steps + 1)
     return result
@@ -137,10 +151,10 @@ def report(results: list[dict], threads: int) -> str:
         base = next((r for r in results if r["workload"] == name and r["runner"] == "pytorch"), None)
         for r in (r for r in results if r["workload"] == name):
             ratio = f"{r['median_ms'] / base['median_ms']:.2f}x" if base else "-"
-            rows.append([WORKLOADS[name].name, r["runner"], f"{r['median_ms']:.1f}", ratio,
-                         f"{r['first_step_s']:.2f}"])
+            rows.append([WORKLOADS[name].name, r["runner"], f"{r['median_ms']:.1f}", ratio, f"{r['first_step_s']:.2f}"])
     text = f"threads: {threads}\n\n" + markdown_table(
-        ["workload", "runner", "ms/step (median)", "vs PyTorch eager", "first step (s)"], rows)
+        ["workload", "runner", "ms/step (median)", "vs PyTorch eager", "first step (s)"], rows
+    )
     for r in results:
         if "profile" in r:
             top = list(r["profile"].items())[:15]

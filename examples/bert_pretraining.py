@@ -47,12 +47,12 @@ def make_batch(text: torch.Tensor, batch: int, half: int, g: torch.Generator) ->
     elsewhere = torch.randint(0, len(text) - half, (batch,), generator=g)
     rows = []
     for start, random_b, other in zip(starts.tolist(), is_random.tolist(), elsewhere.tolist(), strict=False):
-        a = text[start:start + half]
-        b = text[other:other + half] if random_b else text[start + half:start + 2 * half]
+        a = text[start : start + half]
+        b = text[other : other + half] if random_b else text[start + half : start + 2 * half]
         rows.append(torch.cat([torch.tensor([CLS]), a, torch.tensor([SEP]), b, torch.tensor([SEP])]))
     ids = torch.stack(rows)
     token_type_ids = torch.zeros_like(ids)
-    token_type_ids[:, half + 2:] = 1  # segment b and its [SEP]
+    token_type_ids[:, half + 2 :] = 1  # segment b and its [SEP]
     chosen = (torch.rand(ids.shape, generator=g) < 0.15) & (ids < 256)  # special tokens are never predicted
     labels = torch.where(chosen, ids, torch.full_like(ids, -100))
     roll = torch.rand(ids.shape, generator=g)
@@ -70,23 +70,39 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=256, max_position_embeddings=2 * args.half + 3, pad_token_id=PAD,
-                        return_dict=False)  # a tuple (loss, mlm logits, nsp logits): what ORTTrainer returns
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=2 * args.half + 3,
+        pad_token_id=PAD,
+        return_dict=False,
+    )  # a tuple (loss, mlm logits, nsp logits): what ORTTrainer returns
     model = BertForPreTraining(config)
     # The inputs reach BertForPreTraining.forward by these names; with `labels` and `next_sentence_label` the model
     # computes BERT's loss (masked LM + next sentence) itself, so no loss_fn is needed.
     model_desc = {
-        "inputs": [("input_ids", ["batch", "seq"]), ("token_type_ids", ["batch", "seq"]),
-                   ("attention_mask", ["batch", "seq"]), ("labels", ["batch", "seq"]),
-                   ("next_sentence_label", ["batch"])],
-        "outputs": [("loss", [], True), ("prediction_logits", ["batch", "seq", VOCAB]),
-                    ("seq_relationship_logits", ["batch", 2])],
+        "inputs": [
+            ("input_ids", ["batch", "seq"]),
+            ("token_type_ids", ["batch", "seq"]),
+            ("attention_mask", ["batch", "seq"]),
+            ("labels", ["batch", "seq"]),
+            ("next_sentence_label", ["batch"]),
+        ],
+        "outputs": [
+            ("loss", [], True),
+            ("prediction_logits", ["batch", "seq", VOCAB]),
+            ("seq_relationship_logits", ["batch", 2]),
+        ],
     }
-    options = ORTTrainerOptions({
-        "device": {"id": args.device},
-        "lr_scheduler": optim.LinearWarmupLRScheduler(total_steps=args.steps, warmup=0.1),
-    })
+    options = ORTTrainerOptions(
+        {
+            "device": {"id": args.device},
+            "lr_scheduler": optim.LinearWarmupLRScheduler(total_steps=args.steps, warmup=0.1),
+        }
+    )
     trainer = ORTTrainer(model, model_desc, optim.LambConfig(lr=1e-2), options=options)
 
     text, g = stdlib_bytes(), torch.Generator().manual_seed(0)

@@ -19,8 +19,9 @@ from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 class Classifier(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Dropout(0.1),
-                                       torch.nn.Linear(128, 10))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(128, 10)
+        )
 
     def forward(self, pixels):
         return self.net(pixels)
@@ -44,29 +45,38 @@ def main(argv: list[str] | None = None) -> float:
     torch.manual_seed(0)
     (train_x, train_y), (test_x, test_y) = load()
     steps_per_epoch = len(train_x) // args.batch
-    model_desc = {"inputs": [("pixels", ["batch", 64]), ("label", ["batch"])],
-                  "outputs": [("loss", [], True), ("logits", ["batch", 10])]}
-    options = ORTTrainerOptions({
-        "device": {"id": "cpu"},
-        "lr_scheduler": optim.LinearWarmupLRScheduler(total_steps=args.epochs * steps_per_epoch, warmup=0.1),
-    })
-    trainer = ORTTrainer(Classifier(), model_desc, optim.AdamConfig(lr=3e-3),
-                         loss_fn=torch.nn.functional.cross_entropy, options=options)
+    model_desc = {
+        "inputs": [("pixels", ["batch", 64]), ("label", ["batch"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", 10])],
+    }
+    options = ORTTrainerOptions(
+        {
+            "device": {"id": "cpu"},
+            "lr_scheduler": optim.LinearWarmupLRScheduler(total_steps=args.epochs * steps_per_epoch, warmup=0.1),
+        }
+    )
+    trainer = ORTTrainer(
+        Classifier(), model_desc, optim.AdamConfig(lr=3e-3), loss_fn=torch.nn.functional.cross_entropy, options=options
+    )
 
     start = time.perf_counter()
     accuracy = 0.0
     for epoch in range(args.epochs):
         order = torch.randperm(len(train_x))
         for i in range(steps_per_epoch):
-            batch = order[i * args.batch:(i + 1) * args.batch]
+            batch = order[i * args.batch : (i + 1) * args.batch]
             loss, _ = trainer.train_step(train_x[batch], train_y[batch])
         test_loss, logits = trainer.eval_step(test_x, test_y)
         accuracy = (logits.argmax(dim=1) == test_y).float().mean().item()
         if epoch % 5 == 4 or epoch == args.epochs - 1:
-            print(f"epoch {epoch + 1:3d}  train loss {loss.item():.4f}  test loss {test_loss.item():.4f}  "
-                  f"test accuracy {accuracy:.3f}")
-    print(f"{trainer._train_step_info.optimization_step} steps in {time.perf_counter() - start:.1f} s; "
-          f"test accuracy {accuracy:.3f}")
+            print(
+                f"epoch {epoch + 1:3d}  train loss {loss.item():.4f}  test loss {test_loss.item():.4f}  "
+                f"test accuracy {accuracy:.3f}"
+            )
+    print(
+        f"{trainer._train_step_info.optimization_step} steps in {time.perf_counter() - start:.1f} s; "
+        f"test accuracy {accuracy:.3f}"
+    )
     return accuracy
 
 

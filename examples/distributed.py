@@ -49,16 +49,21 @@ def main(argv: list[str] | None = None) -> float:
     torch.manual_seed(0)
     session_options = ort.SessionOptions()
     session_options.intra_op_num_threads = 1  # one core per rank on a small machine
-    options = ORTTrainerOptions({
-        "device": {"id": "cpu"},
-        "session_options": session_options,
-        "batch": {"gradient_accumulation_steps": args.accumulation},
-        "distributed": {"allreduce_post_accumulation": True,
-                        "deepspeed_zero_optimization": {"stage": 1 if args.zero else 0}},
-    })
+    options = ORTTrainerOptions(
+        {
+            "device": {"id": "cpu"},
+            "session_options": session_options,
+            "batch": {"gradient_accumulation_steps": args.accumulation},
+            "distributed": {
+                "allreduce_post_accumulation": True,
+                "deepspeed_zero_optimization": {"stage": 1 if args.zero else 0},
+            },
+        }
+    )
     model_desc = {"inputs": [("features", ["batch", 64]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
-    trainer = ORTTrainer(Classifier(), model_desc, optim.AdamConfig(lr=3e-3), loss_fn=torch.nn.functional.cross_entropy,
-                         options=options)
+    trainer = ORTTrainer(
+        Classifier(), model_desc, optim.AdamConfig(lr=3e-3), loss_fn=torch.nn.functional.cross_entropy, options=options
+    )
     per_rank = args.batch // world
     for step in range(args.steps * args.accumulation):
         x, label = global_batch(step, args.batch)

@@ -30,22 +30,35 @@ def build_model(hidden: int = 64, seed: int = 0) -> onnx.ModelProto:
     rng = np.random.default_rng(seed)
 
     def weight(name, rows, cols):  # He initialisation: keeps the ReLU activations at a stable scale
-        return numpy_helper.from_array((rng.standard_normal((rows, cols)) * np.sqrt(2.0 / rows)).astype(np.float32),
-                                       name)
+        return numpy_helper.from_array(
+            (rng.standard_normal((rows, cols)) * np.sqrt(2.0 / rows)).astype(np.float32), name
+        )
 
-    initializers = [weight("w1", 64, hidden), numpy_helper.from_array(np.zeros(hidden, np.float32), "b1"),
-                    weight("w2", hidden, 10), numpy_helper.from_array(np.zeros(10, np.float32), "b2")]
-    nodes = [helper.make_node("Gemm", ["pixels", "w1", "b1"], ["h"]),
-             helper.make_node("Relu", ["h"], ["a"]),
-             helper.make_node("Gemm", ["a", "w2", "b2"], ["logits"]),
-             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "label"], ["loss"], reduction="mean")]
+    initializers = [
+        weight("w1", 64, hidden),
+        numpy_helper.from_array(np.zeros(hidden, np.float32), "b1"),
+        weight("w2", hidden, 10),
+        numpy_helper.from_array(np.zeros(10, np.float32), "b2"),
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["pixels", "w1", "b1"], ["h"]),
+        helper.make_node("Relu", ["h"], ["a"]),
+        helper.make_node("Gemm", ["a", "w2", "b2"], ["logits"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "label"], ["loss"], reduction="mean"),
+    ]
     graph = helper.make_graph(
-        nodes, "digits_mlp",
-        inputs=[helper.make_tensor_value_info("pixels", TensorProto.FLOAT, ["batch", 64]),
-                helper.make_tensor_value_info("label", TensorProto.INT64, ["batch"])],
-        outputs=[helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
-                 helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
-        initializer=initializers)
+        nodes,
+        "digits_mlp",
+        inputs=[
+            helper.make_tensor_value_info("pixels", TensorProto.FLOAT, ["batch", 64]),
+            helper.make_tensor_value_info("label", TensorProto.INT64, ["batch"]),
+        ],
+        outputs=[
+            helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10]),
+        ],
+        initializer=initializers,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model)
     return model
@@ -69,25 +82,30 @@ def main(argv: list[str] | None = None) -> dict:
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target, dtype=torch.int64)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    train, test = order[: int(0.8 * len(x))], order[int(0.8 * len(x)):]
+    train, test = order[: int(0.8 * len(x))], order[int(0.8 * len(x)) :]
 
     # Names must match the graph's inputs and outputs; the output flagged True is the loss. No loss_fn: the graph
     # computes its own loss.
-    model_desc = {"inputs": [("pixels", ["batch", 64]), ("label", ["batch"])],
-                  "outputs": [("loss", [], True), ("logits", ["batch", 10])]}
-    trainer = ORTTrainer(model, model_desc, optim.AdamConfig(lr=3e-3),
-                         options=ORTTrainerOptions({"device": {"id": "cpu"}}))
+    model_desc = {
+        "inputs": [("pixels", ["batch", 64]), ("label", ["batch"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", 10])],
+    }
+    trainer = ORTTrainer(
+        model, model_desc, optim.AdamConfig(lr=3e-3), options=ORTTrainerOptions({"device": {"id": "cpu"}})
+    )
     torch.manual_seed(0)
     for epoch in range(args.epochs):
         shuffled = train[torch.randperm(len(train))]
         for i in range(0, len(shuffled) - args.batch + 1, args.batch):
-            batch = shuffled[i:i + args.batch]
+            batch = shuffled[i : i + args.batch]
             loss, _ = trainer.train_step(x[batch], y[batch])
         test_loss, logits = trainer.eval_step(x[test], y[test])
         accuracy = (logits.argmax(dim=1) == y[test]).float().mean().item()
         if epoch % 5 == 4 or epoch == args.epochs - 1:
-            print(f"epoch {epoch + 1:3d}  train loss {loss.item():.4f}  test loss {test_loss.item():.4f}  "
-                  f"test accuracy {accuracy:.3f}")
+            print(
+                f"epoch {epoch + 1:3d}  train loss {loss.item():.4f}  test loss {test_loss.item():.4f}  "
+                f"test accuracy {accuracy:.3f}"
+            )
 
     # The trained model is again a plain ONNX file: same graph, trained initializers.
     trained = os.path.join(out, "digits_mlp_trained.onnx")
@@ -95,10 +113,15 @@ def main(argv: list[str] | None = None) -> dict:
     session = ort.InferenceSession(trained, providers=["CPUExecutionProvider"])
     onnx_logits = session.run(["logits"], {"pixels": x[test].numpy(), "label": y[test].numpy()})[0]
     onnx_accuracy = float((onnx_logits.argmax(axis=1) == y[test].numpy()).mean())
-    print(f"onnxruntime.InferenceSession on {trained}: test accuracy {onnx_accuracy:.3f} "
-          f"(max logit difference to eval_step {np.abs(onnx_logits - logits.numpy()).max():.1e})")
-    return {"accuracy": accuracy, "onnx_accuracy": onnx_accuracy,
-            "max_diff": float(np.abs(onnx_logits - logits.numpy()).max())}
+    print(
+        f"onnxruntime.InferenceSession on {trained}: test accuracy {onnx_accuracy:.3f} "
+        f"(max logit difference to eval_step {np.abs(onnx_logits - logits.numpy()).max():.1e})"
+    )
+    return {
+        "accuracy": accuracy,
+        "onnx_accuracy": onnx_accuracy,
+        "max_diff": float(np.abs(onnx_logits - logits.numpy()).max()),
+    }
 
 
 if __name__ == "__main__":

@@ -34,10 +34,40 @@ MASK_ID, VOCAB = 256, 257
 IGNORE = -100  # label of unmasked positions: cross_entropy skips them
 
 # Held-out modules are never trained on: the eval loss measures what the model learned about Python, not these files.
-TRAIN_MODULES = ["argparse", "ast", "calendar", "collections", "configparser", "csv", "dataclasses", "datetime",
-                 "difflib", "enum", "functools", "gettext", "heapq", "inspect", "ipaddress", "json.decoder",
-                 "json.encoder", "logging", "pathlib", "pickle", "pprint", "random", "shutil", "string",
-                 "subprocess", "tarfile", "threading", "typing", "unittest.case", "urllib.parse", "uuid", "zipfile"]
+TRAIN_MODULES = [
+    "argparse",
+    "ast",
+    "calendar",
+    "collections",
+    "configparser",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "difflib",
+    "enum",
+    "functools",
+    "gettext",
+    "heapq",
+    "inspect",
+    "ipaddress",
+    "json.decoder",
+    "json.encoder",
+    "logging",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "random",
+    "shutil",
+    "string",
+    "subprocess",
+    "tarfile",
+    "threading",
+    "typing",
+    "unittest.case",
+    "urllib.parse",
+    "uuid",
+    "zipfile",
+]
 EVAL_MODULES = ["fractions", "statistics", "textwrap"]
 
 
@@ -57,8 +87,9 @@ class ByteBERT(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
-        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=dropout, activation="gelu",
-                                           batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=dropout, activation="gelu", batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.bias = nn.Parameter(torch.zeros(VOCAB))
@@ -86,18 +117,22 @@ def mask_tokens(windows: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor
 
 def sample_batch(text: torch.Tensor, batch: int, seq: int, g: torch.Generator):
     starts = torch.randint(0, len(text) - seq, (batch,), generator=g)
-    windows = torch.stack([text[s:s + seq] for s in starts.tolist()]).long()
+    windows = torch.stack([text[s : s + seq] for s in starts.tolist()]).long()
     return mask_tokens(windows, g)
 
 
 def make_trainer(args, total_steps: int) -> ORTTrainer:
-    model_desc = {"inputs": [("tokens", ["batch", "seq"]), ("labels", ["batch", "seq"])],
-                  "outputs": [("loss", [], True), ("logits", ["batch", "seq", VOCAB])]}
-    options = ORTTrainerOptions({
-        "device": {"id": args.device},  # the legacy default is "cuda"
-        "batch": {"gradient_accumulation_steps": args.accumulation},
-        "lr_scheduler": optim.LinearWarmupLRScheduler(total_steps=total_steps, warmup=0.1),
-    })
+    model_desc = {
+        "inputs": [("tokens", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", "seq", VOCAB])],
+    }
+    options = ORTTrainerOptions(
+        {
+            "device": {"id": args.device},  # the legacy default is "cuda"
+            "batch": {"gradient_accumulation_steps": args.accumulation},
+            "lr_scheduler": optim.LinearWarmupLRScheduler(total_steps=total_steps, warmup=0.1),
+        }
+    )
     model = ByteBERT(args.d_model, args.layers, args.heads, args.seq, args.dropout)
     # BERT's recipe: weight decay except on biases and LayerNorm weights (a parameter group, by parameter name).
     no_decay = [name for name, _ in model.named_parameters() if name.endswith("bias") or "norm" in name]
@@ -157,8 +192,9 @@ def check_onnx(path: str, trainer: ORTTrainer, tokens, labels) -> float:
     """Plain ONNX Runtime on the saved model must give the trainer's eval outputs. Returns the largest difference."""
     session_options = ort.SessionOptions()
     session_options.log_severity_level = 3  # quiet: the switched-off dropouts leave unused constants behind
-    session = ort.InferenceSession(inference_model(path).SerializeToString(), session_options,
-                                   providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        inference_model(path).SerializeToString(), session_options, providers=["CPUExecutionProvider"]
+    )
     loss, logits = session.run(["loss", "logits"], {"tokens": tokens.numpy(), "labels": labels.numpy()})
     eval_loss, eval_logits = trainer.eval_step(tokens, labels)
     diff = max(abs(float(loss) - eval_loss.item()), float(np.abs(logits - eval_logits.cpu().numpy()).max()))
@@ -178,12 +214,13 @@ def plot(history: dict, resume_step: int, baseline: float, path: str) -> None:
     smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train (micro-batch)")
-    ax.plot(steps[window - 1:], smooth, color="tab:blue", label=f"train (mean of {window})")
+    ax.plot(steps[window - 1 :], smooth, color="tab:blue", label=f"train (mean of {window})")
     ax.plot(*zip(*history["eval"], strict=False), "o-", color="tab:orange", label="held-out modules")
     ax.axvline(resume_step, color="gray", linestyle="--", label="checkpoint / resume")
     ax.axhline(baseline, color="tab:green", linestyle=":", label="held-out, byte frequencies alone")
-    ax.set(xlabel="optimizer step", ylabel="masked-byte cross-entropy",
-           title="orttrainer: byte-level MLM on stdlib source")
+    ax.set(
+        xlabel="optimizer step", ylabel="masked-byte cross-entropy", title="orttrainer: byte-level MLM on stdlib source"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -212,8 +249,10 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(run_dir)  # fails rather than mixing two runs' files (save_checkpoint never overwrites either)
     torch.manual_seed(0)
     train_text, eval_text = stdlib_bytes(TRAIN_MODULES), stdlib_bytes(EVAL_MODULES)
-    print(f"text: {len(train_text) / 1e6:.2f} MB of stdlib source to train on, {len(eval_text) / 1e3:.0f} kB held out "
-          f"({', '.join(EVAL_MODULES)}); run directory {run_dir}")
+    print(
+        f"text: {len(train_text) / 1e6:.2f} MB of stdlib source to train on, {len(eval_text) / 1e3:.0f} kB held out "
+        f"({', '.join(EVAL_MODULES)}); run directory {run_dir}"
+    )
     eval_g = torch.Generator().manual_seed(1234)  # the same held-out batches every time: comparable eval losses
     eval_batches = [sample_batch(eval_text, args.batch, args.seq, eval_g) for _ in range(args.eval_batches)]
     history = {"train": [], "eval": []}
@@ -236,8 +275,10 @@ def main(argv: list[str] | None = None) -> dict:
     resumed_eval = evaluate(trainer, eval_batches)  # the session (export, compile) is created here, state loaded
     resume_s = time.perf_counter() - start
     info = trainer._train_step_info
-    print(f"resumed from {checkpoint}: optimizer step {info.optimization_step}, held-out loss {resumed_eval:.4f} "
-          f"(at save: {saved_eval:.4f})")
+    print(
+        f"resumed from {checkpoint}: optimizer step {info.optimization_step}, held-out loss {resumed_eval:.4f} "
+        f"(at save: {saved_eval:.4f})"
+    )
     if info.optimization_step != resume_step or not math.isclose(resumed_eval, saved_eval, rel_tol=1e-5):
         raise AssertionError("the resumed trainer does not continue from the checkpoint")
     run2 = train(trainer, args, train_text, eval_batches, resume_step, args.steps, g, history, "run 2")
@@ -260,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steady samples/s": f"{run1['samples_s']:.0f} (resumed run: {run2['samples_s']:.0f})",
         "train loss (mean of 10 micro-batches)": f"{first_loss:.3f} -> {last_loss:.3f}",
         "held-out loss": f"{history['eval'][0][1]:.3f} (step {history['eval'][0][0]}) -> {history['eval'][-1][1]:.3f} "
-                         f"(byte frequencies alone: {baseline:.3f})",
+        f"(byte frequencies alone: {baseline:.3f})",
         "checkpoint": checkpoint,
         "ONNX model (checked)": onnx_path,
         "loss curve": png,
@@ -268,8 +309,14 @@ def main(argv: list[str] | None = None) -> dict:
     print("\n| | |\n|---|---|")
     for key, value in summary.items():
         print(f"| {key} | {value} |")
-    return {"history": history, "summary": summary, "first_loss": first_loss, "last_loss": last_loss,
-            "onnx_diff": diff, "run_dir": run_dir}
+    return {
+        "history": history,
+        "summary": summary,
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "onnx_diff": diff,
+        "run_dir": run_dir,
+    }
 
 
 if __name__ == "__main__":

@@ -142,10 +142,13 @@ def _training_names(modules: dict[str, types.ModuleType]) -> dict[str, Any]:
     """What `onnxruntime.training` serves from orttrainer: the legacy public names and submodules."""
     import orttrainer
 
-    names = {"ORTTrainer": orttrainer.ORTTrainer, "ORTTrainerOptions": orttrainer.ORTTrainerOptions,
-             "TrainStepInfo": orttrainer.TrainStepInfo}
+    names = {
+        "ORTTrainer": orttrainer.ORTTrainer,
+        "ORTTrainerOptions": orttrainer.ORTTrainerOptions,
+        "TrainStepInfo": orttrainer.TrainStepInfo,
+    }
     prefix = "onnxruntime.training."
-    names.update({n[len(prefix):]: m for n, m in modules.items() if n.startswith(prefix) and n.count(".") == 2})
+    names.update({n[len(prefix) :]: m for n, m in modules.items() if n.startswith(prefix) and n.count(".") == 2})
     return names
 
 

@@ -39,22 +39,26 @@ def make_trainer(cfg: dict) -> ORTTrainer:
         "device": {"id": "cpu"},
         "session_options": session_options,
         "batch": {"gradient_accumulation_steps": cfg.get("accumulation", 1)},
-        "distributed": {"world_rank": cfg["rank"], "world_size": cfg["world_size"],
-                        "allreduce_post_accumulation": cfg.get("post", False),
-                        "deepspeed_zero_optimization": {"stage": cfg.get("zero", 0)},
-                        "enable_adasum": cfg.get("adasum", False)},
+        "distributed": {
+            "world_rank": cfg["rank"],
+            "world_size": cfg["world_size"],
+            "allreduce_post_accumulation": cfg.get("post", False),
+            "deepspeed_zero_optimization": {"stage": cfg.get("zero", 0)},
+            "enable_adasum": cfg.get("adasum", False),
+        },
         "_internal_use": {"gradient_builder": cfg.get("builder", "auto")},
     }
     if cfg.get("mixed_precision"):
         options["mixed_precision"] = {"enabled": True, "loss_scaler": amp.DynamicLossScaler(loss_scale=256.0)}
-    config = {"adam": optim.AdamConfig(lr=1e-2), "lamb": optim.LambConfig(lr=1e-2),
-              "sgd": optim.SGDConfig(lr=0.1)}[cfg.get("optimizer", "adam")]
+    config = {"adam": optim.AdamConfig(lr=1e-2), "lamb": optim.LambConfig(lr=1e-2), "sgd": optim.SGDConfig(lr=0.1)}[
+        cfg.get("optimizer", "adam")
+    ]
     return ORTTrainer(MLP(), mlp_desc(), config, loss_fn=CE, options=ORTTrainerOptions(options))
 
 
 def shard(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     per_rank = tensor.shape[0] // world_size
-    return tensor[rank * per_rank:(rank + 1) * per_rank]
+    return tensor[rank * per_rank : (rank + 1) * per_rank]
 
 
 def run(cfg: dict) -> dict:
@@ -81,11 +85,15 @@ def run(cfg: dict) -> dict:
         "weights": {k: v.tolist() for k, v in state["model"]["full_precision"].items()},
         "all_weights": {k: v.tolist() for k, v in session.get_state(trainer._compiled.trainable).items()},
         "optimizer": {w: {k: np.asarray(v).tolist() for k, v in e.items()} for w, e in state["optimizer"].items()},
-        "counters": [trainer._train_step_info.step, trainer._train_step_info.optimization_step,
-                     trainer._optimizer_updates],
+        "counters": [
+            trainer._train_step_info.step,
+            trainer._train_step_info.optimization_step,
+            trainer._optimizer_updates,
+        ],
         "calls": dict(getattr(session, "comm", None).calls) if hasattr(session, "comm") else {},
-        "moment_elements": sum(int(np.prod(session.get_state([m])[m].shape))
-                               for m in trainer._compiled.training.optimizer_state),
+        "moment_elements": sum(
+            int(np.prod(session.get_state([m])[m].shape)) for m in trainer._compiled.training.optimizer_state
+        ),
         "partition_info": sorted(state.get("partition_info", {})),
         "gradient_builder": trainer._gradient_builder,
         "graphs": session.training_graph_count,

@@ -19,15 +19,25 @@ class MLP(nn.Module):
 
 
 def mlp_desc(d_in: int = 32, classes: int = 10) -> dict:
-    return {"inputs": [("x", ["batch", d_in]), ("target", ["batch"])],
-            "outputs": [("loss", [], True), ("logits", ["batch", classes])]}
+    return {
+        "inputs": [("x", ["batch", d_in]), ("target", ["batch"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", classes])],
+    }
 
 
 class TinyTransformer(nn.Module):
     """Token + position embedding, a 2-layer post-LN TransformerEncoder with GELU and dropout, and an LM head."""
 
-    def __init__(self, vocab: int = 50, d_model: int = 32, heads: int = 4, ff: int = 64, layers: int = 2,
-                 seq: int = 16, dropout: float = 0.1) -> None:
+    def __init__(
+        self,
+        vocab: int = 50,
+        d_model: int = 32,
+        heads: int = 4,
+        ff: int = 64,
+        layers: int = 2,
+        seq: int = 16,
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
@@ -46,11 +56,14 @@ def transformer_loss(logits, target):
 
 
 def transformer_desc(vocab: int = 50) -> dict:
-    return {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])],
-            "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
+    return {
+        "inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])],
+    }
 
 
 # custom autograd.Functions (the torch gradient builder trains them with their own backward) ---------------------------
+
 
 class ScalarAndTupleFunction(torch.autograd.Function):
     """The seed's example (with the @staticmethods and save_for_backward it needs to run): non-tensor arguments — an

@@ -16,11 +16,18 @@ class ReferenceAdam:
     """Adam per the legacy AdamOptimizer: mode 0 = torch AdamW; mode 1 = decay after the update, bias correction
     folded into the step size, epsilon not corrected."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, mode=0,
-                 bias_correction=True) -> None:
+    def __init__(
+        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, mode=0, bias_correction=True
+    ) -> None:
         self.params = list(params)
-        self.lr, self.betas, self.eps, self.wd, self.mode, self.bias_correction = lr, betas, eps, weight_decay, mode, \
-            bias_correction
+        self.lr, self.betas, self.eps, self.wd, self.mode, self.bias_correction = (
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            mode,
+            bias_correction,
+        )
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]
         self.t = 0
@@ -30,8 +37,8 @@ class ReferenceAdam:
         lr = self.lr if lr is None else lr
         self.t += 1
         b1, b2 = self.betas
-        bc1 = 1 - b1 ** self.t if self.bias_correction else 1.0
-        bc2 = 1 - b2 ** self.t if self.bias_correction else 1.0
+        bc1 = 1 - b1**self.t if self.bias_correction else 1.0
+        bc2 = 1 - b2**self.t if self.bias_correction else 1.0
         for p, m, v in zip(self.params, self.m, self.v, strict=True):
             g = p.grad
             m.mul_(b1).add_(g, alpha=1 - b1)
@@ -51,8 +58,17 @@ class ReferenceAdam:
 class ReferenceLamb:
     """LAMB: Adam moments, r = m̂/(√v̂+ε) + λw, trust ratio ‖w‖/‖r‖ clamped (1 if a norm is 0), w -= lr·ratio·r."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, ratio_min=-math.inf,
-                 ratio_max=math.inf, bias_correction=False) -> None:
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=0.0,
+        ratio_min=-math.inf,
+        ratio_max=math.inf,
+        bias_correction=False,
+    ) -> None:
         self.params = list(params)
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.ratio_min, self.ratio_max, self.bias_correction = ratio_min, ratio_max, bias_correction
@@ -65,8 +81,8 @@ class ReferenceLamb:
         lr = self.lr if lr is None else lr
         self.t += 1
         b1, b2 = self.betas
-        bc1 = 1 - b1 ** self.t if self.bias_correction else 1.0
-        bc2 = 1 - b2 ** self.t if self.bias_correction else 1.0
+        bc1 = 1 - b1**self.t if self.bias_correction else 1.0
+        bc2 = 1 - b2**self.t if self.bias_correction else 1.0
         for p, m, v in zip(self.params, self.m, self.v, strict=True):
             g = p.grad
             m.mul_(b1).add_(g, alpha=1 - b1)

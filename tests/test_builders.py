@@ -25,20 +25,34 @@ def test_builder_choice_rules():
     with pytest.raises(NotImplementedError, match=r"Function\(s\) \['F'\]"):
         choose_builder("ort", custom_functions=["F"])
     for option, functions in (("torch", []), ("auto", ["F"])):
-        with pytest.raises(NotImplementedError, match=r"\['mixed_precision.enabled'\] transform the "
-                                                      "exported ONNX graph, which only the 'ort' gradient builder"):
+        with pytest.raises(
+            NotImplementedError,
+            match=r"\['mixed_precision.enabled'\] transform the "
+            "exported ONNX graph, which only the 'ort' gradient builder",
+        ):
             choose_builder(option, custom_functions=functions, ort_only=amp)
 
 
 def test_every_signature_must_keep_the_state_contract():
     def graph(trainable, shape):
-        model = onnx.helper.make_model(onnx.helper.make_graph(
-            [onnx.helper.make_node("Identity", [f"{p}"], [f"{p}_grad"]) for p in trainable], "g",
-            [onnx.helper.make_tensor_value_info(p, onnx.TensorProto.FLOAT, shape) for p in trainable],
-            [onnx.helper.make_tensor_value_info(f"{p}_grad", onnx.TensorProto.FLOAT, shape) for p in trainable]))
-        return build_training_graph(model, data_inputs=[], outputs=[], trainable=trainable,
-                                    optimizer_name="AdamOptimizer", groups=param_groups(optim.AdamConfig(), trainable),
-                                    accumulation_steps=2, clip_grad_norm=False)
+        model = onnx.helper.make_model(
+            onnx.helper.make_graph(
+                [onnx.helper.make_node("Identity", [f"{p}"], [f"{p}_grad"]) for p in trainable],
+                "g",
+                [onnx.helper.make_tensor_value_info(p, onnx.TensorProto.FLOAT, shape) for p in trainable],
+                [onnx.helper.make_tensor_value_info(f"{p}_grad", onnx.TensorProto.FLOAT, shape) for p in trainable],
+            )
+        )
+        return build_training_graph(
+            model,
+            data_inputs=[],
+            outputs=[],
+            trainable=trainable,
+            optimizer_name="AdamOptimizer",
+            groups=param_groups(optim.AdamConfig(), trainable),
+            accumulation_steps=2,
+            clip_grad_norm=False,
+        )
 
     check_same_state_contract(graph(["w"], [3]), graph(["w"], [3]))
     with pytest.raises(RuntimeError, match="differs from the first one in state_shapes"):
@@ -47,10 +61,14 @@ def test_every_signature_must_keep_the_state_contract():
 
 def test_state_the_trainer_does_not_hold_becomes_a_constant_or_disappears():
     f = onnx.TensorProto.FLOAT
-    model = onnx.helper.make_model(onnx.helper.make_graph(
-        [onnx.helper.make_node("Add", ["x", "w"], ["h"]), onnx.helper.make_node("Mul", ["h", "used"], ["y"])], "g",
-        [onnx.helper.make_tensor_value_info(n, f, [2]) for n in ("x", "w", "used", "unused")],
-        [onnx.helper.make_tensor_value_info("y", f, [2])]))
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Add", ["x", "w"], ["h"]), onnx.helper.make_node("Mul", ["h", "used"], ["y"])],
+            "g",
+            [onnx.helper.make_tensor_value_info(n, f, [2]) for n in ("x", "w", "used", "unused")],
+            [onnx.helper.make_tensor_value_info("y", f, [2])],
+        )
+    )
     values = {"used": torch.tensor([2.0, 3.0]), "unused": torch.zeros(2)}
     bound = bind_foreign_state(copy.deepcopy(model), 1, ["w"], values)
     assert [i.name for i in bound.graph.input] == ["x", "w"]

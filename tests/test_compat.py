@@ -37,10 +37,16 @@ def test_legacy_names_resolve_to_orttrainer(installed):
     import orttrainer.legacy
 
     assert (ORTTrainer, ORTTrainerOptions, TrainStepInfo) == (
-        orttrainer.ORTTrainer, orttrainer.ORTTrainerOptions, orttrainer.TrainStepInfo)
+        orttrainer.ORTTrainer,
+        orttrainer.ORTTrainerOptions,
+        orttrainer.TrainStepInfo,
+    )
     assert onnxruntime.training.ORTTrainer is ORTTrainer and checkpoint is orttrainer.checkpoint
     assert (OlderORTTrainer, IODescription, ModelDescription) == (
-        orttrainer.legacy.ORTTrainer, orttrainer.legacy.IODescription, orttrainer.legacy.ModelDescription)
+        orttrainer.legacy.ORTTrainer,
+        orttrainer.legacy.IODescription,
+        orttrainer.legacy.ModelDescription,
+    )
     assert optim.LambConfig is orttrainer.optim.LambConfig and amp.DynamicLossScaler is orttrainer.amp.DynamicLossScaler
     for name, target in compat.ALIASES.items():
         assert importlib.import_module(name) is importlib.import_module(target), name
@@ -182,8 +188,11 @@ def test_unchanged_legacy_script_matches_its_orttrainer_twin(tmp_path):
     legacy = tmp_path / "train_legacy.py"
     legacy.write_text(LEGACY_SCRIPT)
     twin = tmp_path / "train_orttrainer.py"
-    twin.write_text(LEGACY_SCRIPT.replace("import onnxruntime.training as", "import orttrainer as")
-                    .replace("from onnxruntime.training import", "from orttrainer import"))
+    twin.write_text(
+        LEGACY_SCRIPT.replace("import onnxruntime.training as", "import orttrainer as").replace(
+            "from onnxruntime.training import", "from orttrainer import"
+        )
+    )
     assert "onnxruntime" not in twin.read_text()
 
     plain = _run([str(legacy), str(tmp_path / "never.ortcp")])
@@ -223,8 +232,12 @@ def test_run_sets_argv_path_and_exit_status(tmp_path):
     result = _run(["-m", "orttrainer.run", str(script), "--flag", "value"], cwd=str(tmp_path))
     assert result.returncode == 3, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
-    assert seen == {"argv": [str(script), "--flag", "value"], "path0": str(script.parent), "name": "__main__",
-                    "trainer": "orttrainer.legacy.trainer"}
+    assert seen == {
+        "argv": [str(script), "--flag", "value"],
+        "path0": str(script.parent),
+        "name": "__main__",
+        "trainer": "orttrainer.legacy.trainer",
+    }
     (tmp_path / "showmod.py").write_text(ARGV_SCRIPT)
     result = _run(["-m", "orttrainer.run", "-m", "showmod", "a"], cwd=str(tmp_path))
     assert result.returncode == 3, result.stderr[-3000:]
@@ -242,11 +255,23 @@ def test_run_usage_errors(tmp_path):
 def test_run_under_torchrun_aliases_every_rank(tmp_path):
     """`torchrun --module orttrainer.run script.py` (README): each rank runs the script with the aliases installed."""
     script = tmp_path / "ranks.py"
-    script.write_text("import os\nfrom onnxruntime.training import ORTTrainer\n"
-                      "print('rank', os.environ['RANK'], ORTTrainer.__module__)\n")
-    result = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--module", "orttrainer.run",
-                   str(script)],
-                  cwd=str(tmp_path))
+    script.write_text(
+        "import os\nfrom onnxruntime.training import ORTTrainer\n"
+        "print('rank', os.environ['RANK'], ORTTrainer.__module__)\n"
+    )
+    result = _run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "--module",
+            "orttrainer.run",
+            str(script),
+        ],
+        cwd=str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
     assert lines == ["rank 0 orttrainer.trainer.orttrainer", "rank 1 orttrainer.trainer.orttrainer"]

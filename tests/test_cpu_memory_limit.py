@@ -45,5 +45,7 @@ def test_mem_limit_caps_the_cpu_arena_of_the_trainer_sessions():
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert lines[:3] == ["small batch under the cap: ok", "big batch over the cap: True", "big batch without a cap: ok"]
-    assert lines[3] == ("another cap: options device.mem_limit=8388608: this process already caps ONNX Runtime's "
-                        "shared CPU arena at 4194304 bytes, and the cap cannot change (one per process)")
+    assert lines[3] == (
+        "another cap: options device.mem_limit=8388608: this process already caps ONNX Runtime's "
+        "shared CPU arena at 4194304 bytes, and the cap cannot change (one per process)"
+    )

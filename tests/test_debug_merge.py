@@ -126,8 +126,9 @@ neg: 2, pos: 6, zero: 0,
 
 
 def _sample_lines():
-    return [line + " " if " run shape: " in line or line.startswith("min: ") else line
-            for line in SAMPLE_44.split("\n")]
+    return [
+        line + " " if " run shape: " in line or line.startswith("min: ") else line for line in SAMPLE_44.split("\n")
+    ]
 
 
 class Block(torch.nn.Module):
@@ -173,8 +174,11 @@ def run_sample(out, perturb=0.0):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    return {"pt": run_sample(root / "pt_out"), "ort": run_sample(root / "ort_out"),
-            "perturbed": run_sample(root / "perturbed", perturb=0.05)}
+    return {
+        "pt": run_sample(root / "pt_out"),
+        "ort": run_sample(root / "ort_out"),
+        "perturbed": run_sample(root / "perturbed", perturb=0.05),
+    }
 
 
 def _tree(root):
@@ -183,8 +187,12 @@ def _tree(root):
 
 def test_merged_files_have_the_legacy_layout(runs, tmp_path):
     merge_activation_summaries(runs["pt"], runs["ort"], tmp_path / "merged")
-    assert _tree(tmp_path / "merged") == ["merge_ort", *[f"merge_ort/step_{s}_.txt" for s in range(3)],
-                                          "merge_pt", *[f"merge_pt/step_{s}_.txt" for s in range(3)]]
+    assert _tree(tmp_path / "merged") == [
+        "merge_ort",
+        *[f"merge_ort/step_{s}_.txt" for s in range(3)],
+        "merge_pt",
+        *[f"merge_pt/step_{s}_.txt" for s in range(3)],
+    ]
     order = (runs["pt"] / "step_0" / "order.txt").read_text().splitlines()
     for step in range(3):
         merged = (tmp_path / "merged" / "merge_pt" / f"step_{step}_.txt").read_bytes()
@@ -203,8 +211,15 @@ def test_merged_files_have_the_legacy_layout(runs, tmp_path):
         for field in ("min", "max", "mean"):  # last float32 bit depends on the CPU's vector ISA (GELU)
             assert ours[field] == pytest.approx(theirs[field], abs=2e-7)
     # std is the true std: the all-ones gradient of the root output has std 0 (legacy printed 3.464101552963257).
-    assert got[got.index(">MLP_0_0th_output backward run shape: torch.Size([2, 2]) dtype: torch.float32 "
-                         "size: torch.Size([4]) ") + 1] == "min: 1.0 max: 1.0, mean: 1.0, std: 0.0 "
+    assert (
+        got[
+            got.index(
+                ">MLP_0_0th_output backward run shape: torch.Size([2, 2]) dtype: torch.float32 size: torch.Size([4]) "
+            )
+            + 1
+        ]
+        == "min: 1.0 max: 1.0, mean: 1.0, std: 0.0 "
+    )
 
 
 def parse_statistics_line(line):
@@ -233,8 +248,9 @@ def test_merge_orders_steps_naturally_and_skips_missing_files(tmp_path, caplog):
     write_statistics(tmp_path / "b", 2, "x", "forward", stats)
     merge_activation_summaries(tmp_path / "a", tmp_path / "b", tmp_path / "m")
     assert sorted(p.name for p in (tmp_path / "m" / "merge_pt").iterdir()) == ["step_10_.txt", "step_2_.txt"]
-    assert (tmp_path / "m" / "merge_ort" / "step_2_.txt").read_text() == (tmp_path / "b" / "step_2" /
-                                                                           "x_forward").read_text() + "\n"
+    assert (tmp_path / "m" / "merge_ort" / "step_2_.txt").read_text() == (
+        tmp_path / "b" / "step_2" / "x_forward"
+    ).read_text() + "\n"
     assert f"tensor {tmp_path / 'b' / 'step_2' / 'y_forward'} not exist" in caplog.text
     report = compare_activation_summaries(tmp_path / "a", tmp_path / "b")
     assert [s.step for s in report.steps] == ["step_2", "step_10"]
@@ -268,16 +284,37 @@ def test_a_perturbed_weight_is_found_at_its_first_activation(runs):
 
 
 def _write(root, name, **overrides):
-    values = dict(shape=(4,), dtype="float32", min=-1.0, max=2.0, mean=0.5, std=1.0, nan=0, inf=0, neg=1, pos=3,
-                  zero=0, samples=[-1.0, 2.0, 0.5, 0.5])
+    values = dict(
+        shape=(4,),
+        dtype="float32",
+        min=-1.0,
+        max=2.0,
+        mean=0.5,
+        std=1.0,
+        nan=0,
+        inf=0,
+        neg=1,
+        pos=3,
+        zero=0,
+        samples=[-1.0, 2.0, 0.5, 0.5],
+    )
     values.update(overrides)
     write_statistics(root, 0, name, "forward", statistics_from_reductions(**values))
 
 
-@pytest.mark.parametrize(("override", "diverges"), [({"mean": 0.5 + 4e-5}, False), ({"mean": 0.5 + 2e-4}, True),
-                                                    ({"std": 1.00009}, False), ({"max": 2.001}, True),
-                                                    ({"nan": 1}, True), ({"shape": (2, 2)}, True),
-                                                    ({"dtype": "float16"}, True), ({"neg": 2, "pos": 2}, False)])
+@pytest.mark.parametrize(
+    ("override", "diverges"),
+    [
+        ({"mean": 0.5 + 4e-5}, False),
+        ({"mean": 0.5 + 2e-4}, True),
+        ({"std": 1.00009}, False),
+        ({"max": 2.001}, True),
+        ({"nan": 1}, True),
+        ({"shape": (2, 2)}, True),
+        ({"dtype": "float16"}, True),
+        ({"neg": 2, "pos": 2}, False),
+    ],
+)
 def test_tolerance_rules(tmp_path, override, diverges):
     _write(tmp_path / "a", "first")
     _write(tmp_path / "a", "second")
@@ -296,8 +333,12 @@ def test_nan_equals_nan(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "orttrainer.debug.merge_activation_summary", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "orttrainer.debug.merge_activation_summary", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_command_line(runs, tmp_path):
@@ -310,16 +351,42 @@ def test_command_line(runs, tmp_path):
 
 
 def test_main(runs, tmp_path, capsys):
-    code = main(["--pt_dir", str(runs["pt"]), "--ort_dir", str(runs["perturbed"]), "--output_dir",
-                 str(tmp_path / "m"), "--rtol", "1e-3", "--atol", "1e-5", "--top", "3"])
+    code = main(
+        [
+            "--pt_dir",
+            str(runs["pt"]),
+            "--ort_dir",
+            str(runs["perturbed"]),
+            "--output_dir",
+            str(tmp_path / "m"),
+            "--rtol",
+            "1e-3",
+            "--atol",
+            "1e-5",
+            "--top",
+            "3",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0  # diverging is a finding, not a failure
     assert "rtol=0.001, atol=1e-05" in out
     assert "step_0: first divergence: Linear_4_0th_output_forward" in out
     assert main(["--pt_dir", str(runs["pt"]), "--ort_dir", str(runs["ort"]), "--output_dir", str(tmp_path / "m")]) == 1
     assert "already exists. Enable --overwrite" in capsys.readouterr().err
-    assert main(["--pt_dir", str(runs["pt"]), "--ort_dir", str(runs["ort"]), "--output_dir", str(tmp_path / "m"),
-                 "--overwrite"]) == 0
+    assert (
+        main(
+            [
+                "--pt_dir",
+                str(runs["pt"]),
+                "--ort_dir",
+                str(runs["ort"]),
+                "--output_dir",
+                str(tmp_path / "m"),
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
     with pytest.raises(SystemExit) as exit_info:
         main(["--pt_dir", str(runs["pt"])])
     assert exit_info.value.code == 2

@@ -31,8 +31,7 @@ SAMPLE_43 = (
 LEGACY_STD = "0.41052210330963135"  # the bucketed path's std: each bucket's sum used where its mean belongs (§2.5)
 TRUE_STD = "0.3730965554714203"  # the true unbiased std of those 8 values (legacy run_on_cpu path), float32
 # The eight values: min and max are exact in the file; the others are known to the printed 6 decimals.
-SAMPLE_VALUES = [0.084963, 0.5456756353378296, -0.051005, -0.6517250537872314, -0.066703, 0.425806, 0.114026,
-                 -0.217961]
+SAMPLE_VALUES = [0.084963, 0.5456756353378296, -0.051005, -0.6517250537872314, -0.066703, 0.425806, 0.114026, -0.217961]
 
 
 def _lines(text):
@@ -41,9 +40,19 @@ def _lines(text):
 
 def test_format_reproduces_the_legacy_sample_field_by_field():
     stats = statistics_from_reductions(
-        shape=(2, 4), dtype=torch.float32, min=-0.6517250537872314, max=0.5456756353378296,
-        mean=0.022884562611579895, std=float(TRUE_STD), nan=0, inf=0, neg=4, pos=4, zero=0,
-        samples=np.array(SAMPLE_VALUES, dtype=np.float32))
+        shape=(2, 4),
+        dtype=torch.float32,
+        min=-0.6517250537872314,
+        max=0.5456756353378296,
+        mean=0.022884562611579895,
+        std=float(TRUE_STD),
+        nan=0,
+        inf=0,
+        neg=4,
+        pos=4,
+        zero=0,
+        samples=np.array(SAMPLE_VALUES, dtype=np.float32),
+    )
     text = format_statistics("Linear_4_0th_output", "forward", stats, depth=3)
     # Every byte equal to ORT's file except the std value, which is the true std instead of the inflated one.
     assert text == SAMPLE_43.replace(f"std: {LEGACY_STD} ", f"std: {TRUE_STD} ")
@@ -70,8 +79,9 @@ def test_computed_statistics_of_the_sample_values():
     assert legacy == pytest.approx(float(LEGACY_STD), abs=1e-6)
 
 
-@pytest.mark.parametrize(("values", "legacy"), [([1.0, 1.0, 1.0, 1.0], 3.464101552963257),
-                                                (list(range(10)), 42.7979736328125)])
+@pytest.mark.parametrize(
+    ("values", "legacy"), [([1.0, 1.0, 1.0, 1.0], 3.464101552963257), (list(range(10)), 42.7979736328125)]
+)
 def test_std_is_the_true_std_not_the_legacy_one(values, legacy):
     tensor = torch.tensor(values, dtype=torch.float32)
     stats = compute_statistics(tensor)
@@ -87,7 +97,14 @@ def test_bucketing_changes_nothing_but_rounding(bucket_size):
     reference = compute_statistics(tensor)
     stats = compute_statistics(tensor, bucket_size=bucket_size)
     assert (stats.min, stats.max, stats.nan, stats.inf, stats.neg, stats.pos, stats.zero) == (
-        reference.min, reference.max, reference.nan, reference.inf, reference.neg, reference.pos, reference.zero)
+        reference.min,
+        reference.max,
+        reference.nan,
+        reference.inf,
+        reference.neg,
+        reference.pos,
+        reference.zero,
+    )
     assert stats.mean == pytest.approx(tensor.double().mean().item(), rel=1e-6)
     assert stats.std == pytest.approx(tensor.double().std().item(), rel=1e-6)  # no NaN for 1-element buckets
     assert torch.equal(stats.samples, tensor[:128])
@@ -109,23 +126,28 @@ def test_bool_tensor():
     assert lines[3] == "samples(top 128): tensor([ True, False,  True,  True])"
 
 
-@pytest.mark.parametrize(("shape", "dtype", "sample_repr"), [((0,), torch.float32, "tensor([])"),
-                                                            ((3, 0), torch.int64, "tensor([], dtype=torch.int64)")])
+@pytest.mark.parametrize(
+    ("shape", "dtype", "sample_repr"),
+    [((0,), torch.float32, "tensor([])"), ((3, 0), torch.int64, "tensor([], dtype=torch.int64)")],
+)
 def test_empty_tensor(shape, dtype, sample_repr):
     text = format_statistics("empty", "backward", compute_statistics(torch.empty(shape, dtype=dtype)), depth=2)
-    assert text == (f">>empty backward run shape: {torch.Size(shape)} dtype: {dtype} size: torch.Size([0]) \n"
-                    "min: nan max: nan, mean: nan, std: nan \n"
-                    "nan: 0, inf: 0\n"
-                    f"samples(top 128): {sample_repr}\n"
-                    "neg: 0, pos: 0, zero: 0,\n"
-                    "================\n")
+    assert text == (
+        f">>empty backward run shape: {torch.Size(shape)} dtype: {dtype} size: torch.Size([0]) \n"
+        "min: nan max: nan, mean: nan, std: nan \n"
+        "nan: 0, inf: 0\n"
+        f"samples(top 128): {sample_repr}\n"
+        "neg: 0, pos: 0, zero: 0,\n"
+        "================\n"
+    )
 
 
 def test_scalar_integer_and_half_tensors():
     scalar = compute_statistics(torch.tensor(3.0))
     assert (scalar.shape, scalar.size) == ((), 1) and math.isnan(scalar.std)  # unbiased std of one value
-    assert _lines(format_statistics("s", "forward", scalar))[0].endswith("shape: torch.Size([]) dtype: torch.float32 "
-                                                                           "size: torch.Size([1]) ")
+    assert _lines(format_statistics("s", "forward", scalar))[0].endswith(
+        "shape: torch.Size([]) dtype: torch.float32 size: torch.Size([1]) "
+    )
     ints = compute_statistics(torch.tensor([1, 2, 3, 3]))
     assert (ints.min, ints.max, ints.mean) == (1, 3, 2.25) and type(ints.min) is int
     assert ints.std == pytest.approx(math.sqrt(0.9166666666666666))
@@ -160,10 +182,19 @@ def test_statistics_from_reductions_matches_compute_statistics():
     tensor = torch.randn(4, 40)
     flat = tensor.reshape(-1).numpy()
     from_graph = statistics_from_reductions(
-        shape=np.array([4, 40], dtype=np.int64), dtype=1,  # ONNX TensorProto.FLOAT, as the graph reports it
-        min=np.float32(flat.min()), max=torch.tensor(flat.max()), mean=float(tensor.sum()) / 160,
-        std=np.float64(tensor.double().std().item()), nan=np.int64(0), inf=0, neg=int((flat < 0).sum()),
-        pos=int((flat > 0).sum()), zero=0, samples=flat[:200])
+        shape=np.array([4, 40], dtype=np.int64),
+        dtype=1,  # ONNX TensorProto.FLOAT, as the graph reports it
+        min=np.float32(flat.min()),
+        max=torch.tensor(flat.max()),
+        mean=float(tensor.sum()) / 160,
+        std=np.float64(tensor.double().std().item()),
+        nan=np.int64(0),
+        inf=0,
+        neg=int((flat < 0).sum()),
+        pos=int((flat > 0).sum()),
+        zero=0,
+        samples=flat[:200],
+    )
     computed = compute_statistics(tensor)
     assert from_graph.samples.shape == (128,)
     assert format_statistics("a", "forward", from_graph, 2) == format_statistics("a", "forward", computed, 2)
@@ -181,8 +212,12 @@ def test_parse_statistics_round_trip():
     parsed = parse_statistics(format_statistics("Block_3_0th_output", "backward", stats, depth=2))
     assert parsed["name"] == "Block_3_0th_output" and parsed["direction"] == "backward" and parsed["depth"] == 2
     assert parsed["shape"] == [3, 100] and parsed["dtype"] == "torch.float32" and parsed["size"] == 300
-    assert (parsed["min"], parsed["max"], parsed["mean"], parsed["std"]) == (stats.min, stats.max, stats.mean,
-                                                                             stats.std)
+    assert (parsed["min"], parsed["max"], parsed["mean"], parsed["std"]) == (
+        stats.min,
+        stats.max,
+        stats.mean,
+        stats.std,
+    )
     assert (parsed["neg"], parsed["pos"], parsed["zero"]) == (100, 199, 1)
     assert parsed["samples"].startswith("tensor([-100.,  -99.,") and "\n" in parsed["samples"]  # wrapped
     with pytest.raises(ValueError, match="unexpected statistics line"):

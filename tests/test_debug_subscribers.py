@@ -96,10 +96,17 @@ def test_sample_tree_order_and_file(tmp_path):
     # §4.3 (values to float32 rounding: the GELU kernel's last bit depends on the CPU's vector ISA).
     text = (out / "step_1" / "Linear_4_0th_output_forward").read_text(encoding="utf-8")
     lines = text.split("\n")
-    assert lines[0] == (">>>Linear_4_0th_output forward run shape: torch.Size([2, 4]) dtype: torch.float32 "
-                        "size: torch.Size([8]) ")
-    assert lines[2:] == ["nan: 0, inf: 0", "samples(top 128): tensor([ 0.084963,  0.545676, -0.051005, -0.651725, "
-                         "-0.066703,  0.425806,  0.114026, -0.217961])", "neg: 4, pos: 4, zero: 0,", "=" * 16, ""]
+    assert lines[0] == (
+        ">>>Linear_4_0th_output forward run shape: torch.Size([2, 4]) dtype: torch.float32 size: torch.Size([8]) "
+    )
+    assert lines[2:] == [
+        "nan: 0, inf: 0",
+        "samples(top 128): tensor([ 0.084963,  0.545676, -0.051005, -0.651725, "
+        "-0.066703,  0.425806,  0.114026, -0.217961])",
+        "neg: 4, pos: 4, zero: 0,",
+        "=" * 16,
+        "",
+    ]
     parsed = parse_statistics(text)
     assert parsed["min"] == pytest.approx(-0.6517250537872314, abs=2e-7)
     assert parsed["max"] == pytest.approx(0.5456756353378296, abs=2e-7)
@@ -132,8 +139,7 @@ def test_module_indices_are_a_preorder_dfs_with_shared_modules_once():
     names = {index: type(m).__name__ for m, index in states.module_to_module_index.items()}
     assert names == {0: "Shared", 1: "Linear", 2: "Multi", 3: "Sequential", 4: "ReLU", 5: "Sequential", 6: "Tanh"}
     assert states.module_index_to_depth == {0: 1, 1: 2, 2: 2, 3: 2, 4: 3, 5: 3, 6: 4}
-    assert states.module_index_to_path == {0: "", 1: "lin", 2: "multi", 3: "seq", 4: "seq.0", 5: "seq.1",
-                                           6: "seq.1.0"}
+    assert states.module_index_to_path == {0: "", 1: "lin", 2: "multi", 3: "seq", 4: "seq.0", 5: "seq.1", 6: "seq.1.0"}
     assert len(model.lin._forward_hooks) == 1  # reachable twice, hooked once
     manager.unsubscribe()
 
@@ -295,8 +301,12 @@ def test_bool_empty_and_shared_module_outputs(tmp_path):
 
     GlobalSubscriberManager.subscribe(Net(), [StatisticsSubscriber(tmp_path / "o")])
     GlobalSubscriberManager.module(torch.randn(3))
-    assert order(tmp_path / "o", 0) == ["Tanh_1_0th_output_forward", "Tanh_1_0th_output_call2_forward",
-                                        "Net_0_0th_output_forward", "Net_0_1th_output_forward"]
+    assert order(tmp_path / "o", 0) == [
+        "Tanh_1_0th_output_forward",
+        "Tanh_1_0th_output_call2_forward",
+        "Net_0_0th_output_forward",
+        "Net_0_1th_output_forward",
+    ]
     mask = parse_statistics((tmp_path / "o" / "step_0" / "Net_0_0th_output_forward").read_text())
     empty = parse_statistics((tmp_path / "o" / "step_0" / "Net_0_1th_output_forward").read_text())
     assert mask["dtype"] == "torch.bool" and empty["size"] == 0 and math.isnan(empty["min"])
@@ -314,8 +324,12 @@ def test_inspect_activation_forward_backward_and_pass_through(tmp_path):
     t = torch.ones(2, requires_grad=True)
     model(t).sum().backward()
     assert torch.equal(t.grad, torch.full((2,), 6.0))  # the gradient passes through unchanged
-    assert order(tmp_path / "o", 0) == ["doubled_forward", "Scale_0_0th_output_forward", "Scale_0_0th_output_backward",
-                                        "doubled_backward"]
+    assert order(tmp_path / "o", 0) == [
+        "doubled_forward",
+        "Scale_0_0th_output_forward",
+        "Scale_0_0th_output_backward",
+        "doubled_backward",
+    ]
     backward = parse_statistics((tmp_path / "o" / "step_0" / "doubled_backward").read_text())
     assert (backward["min"], backward["max"], backward["depth"]) == (3.0, 3.0, -1)
     plain = torch.ones(2)
@@ -370,8 +384,9 @@ def test_no_increase_global_step_suspends_everything(tmp_path):
 def test_two_statistics_subscribers_write_both(tmp_path):
     torch.manual_seed(0)
     model = MLP()
-    GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(tmp_path / "a"),
-                                              StatisticsSubscriber(tmp_path / "b", start_step=1)])
+    GlobalSubscriberManager.subscribe(
+        model, [StatisticsSubscriber(tmp_path / "a"), StatisticsSubscriber(tmp_path / "b", start_step=1)]
+    )
     for _ in range(2):
         model(torch.randn(2, 3)).sum().backward()
     assert order(tmp_path / "a", 0) == order(tmp_path / "a", 1) == order(tmp_path / "b", 1) == SAMPLE_ORDER
@@ -402,8 +417,13 @@ def test_trace_activations_matches_a_real_run_without_side_effects(tmp_path):
     assert order_for_step(records, sub, 0) == order(tmp_path / "o", 0)
     assert order_for_step(records, sub, 1) == []
     lin = next(r for r in records if r.name == "Linear_4_0th_output")
-    assert (lin.module_path, lin.module_class, lin.depth, lin.tensor_index, lin.shape) == ("block.lin", "Linear", 3,
-                                                                                          0, (4, 4))
+    assert (lin.module_path, lin.module_class, lin.depth, lin.tensor_index, lin.shape) == (
+        "block.lin",
+        "Linear",
+        3,
+        0,
+        (4, 4),
+    )
     inspected = next(r for r in records if r.name == "block_pre_act")
     assert inspected.module_index is None and inspected.depth == -1
     forward_only = trace_activations(model, (x,), backward=False)
@@ -424,5 +444,6 @@ def _rank_worker(rank, init_file, out):
 @pytest.mark.distributed
 def test_per_rank_output_directories(tmp_path):
     mp.spawn(_rank_worker, args=(str(tmp_path / "init"), str(tmp_path / "o")), nprocs=2)
-    assert tree(tmp_path / "o") == [f"rank_{r}/step_0/{f}" for r in range(2)
-                                    for f in ("Linear_0_0th_output_forward", "order.txt")]
+    assert tree(tmp_path / "o") == [
+        f"rank_{r}/step_0/{f}" for r in range(2) for f in ("Linear_0_0th_output_forward", "order.txt")
+    ]

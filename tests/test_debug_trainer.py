@@ -27,8 +27,10 @@ from orttrainer.debug import (
 from orttrainer.debug.merge_activation_summary import main as merge_main
 from orttrainer.debug.subscriber import managers_of
 
-DESC = {"inputs": [("x", ["batch", 3]), ("target", ["batch", 2])],
-        "outputs": [("loss", [], True), ("out", ["batch", 2])]}
+DESC = {
+    "inputs": [("x", ["batch", 3]), ("target", ["batch", 2])],
+    "outputs": [("loss", [], True), ("out", ["batch", 2])],
+}
 SAMPLE_ORDER = """Linear_1_0th_output_forward GELU_2_0th_output_forward Linear_4_0th_output_forward
 block_pre_act_forward Block_3_0th_output_forward Linear_5_0th_output_forward DebugMLP_0_0th_output_forward
 DebugMLP_0_0th_output_backward Linear_5_0th_output_backward Block_3_0th_output_backward block_pre_act_backward
@@ -154,8 +156,9 @@ def test_pytorch_and_trainer_write_the_same_files_and_statistics(tmp_path):
     assert_same_dumps(tmp_path / "pt", tmp_path / "ort")
     assert GlobalSubscriberManager.get_run_context().global_states.execution_step == 3  # the export counted none
     merge_activation_summaries(tmp_path / "pt", tmp_path / "ort", tmp_path / "merged")
-    merged = [(tmp_path / "merged" / side / "step_1_.txt").read_text().splitlines()
-              for side in ("merge_pt", "merge_ort")]
+    merged = [
+        (tmp_path / "merged" / side / "step_1_.txt").read_text().splitlines() for side in ("merge_pt", "merge_ort")
+    ]
     headers = [[line for line in lines if " run shape: " in line] for lines in merged]
     assert len(merged[0]) == len(merged[1]) and headers[0] == headers[1] and len(headers[0]) == len(SAMPLE_ORDER)
 
@@ -167,8 +170,10 @@ def test_transformer_dumps_agree(tmp_path):
     model = TinyTransformer(dropout=0.0)  # the trainer's dropout masks come from ONNX Runtime's RNG
     reference = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(3)
-    data = [(torch.randint(0, 50, (4, 16), generator=generator), torch.randint(0, 50, (4, 16), generator=generator))
-            for _ in range(2)]
+    data = [
+        (torch.randint(0, 50, (4, 16), generator=generator), torch.randint(0, 50, (4, 16), generator=generator))
+        for _ in range(2)
+    ]
     subscribe(reference, tmp_path / "pt")
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for tokens, target in data:
@@ -176,8 +181,13 @@ def test_transformer_dumps_agree(tmp_path):
         transformer_loss(reference(tokens), target).backward()
         opt.step()
     subscribe(model, tmp_path / "ort")
-    trainer = ORTTrainer(model, transformer_desc(), optim.SGDConfig(lr=0.1), loss_fn=transformer_loss,
-                         options=ORTTrainerOptions({"device": {"id": "cpu"}}))
+    trainer = ORTTrainer(
+        model,
+        transformer_desc(),
+        optim.SGDConfig(lr=0.1),
+        loss_fn=transformer_loss,
+        options=ORTTrainerOptions({"device": {"id": "cpu"}}),
+    )
     for tokens, target in data:
         trainer.train_step(tokens, target)
     assert len(order(tmp_path / "ort", 1)) > 40  # every module of the encoder, forward and backward
@@ -192,8 +202,19 @@ def test_merge_names_the_activation_where_a_perturbed_weight_first_shows_up(tmp_
     trainer_run(model, tmp_path / "ort")
     report = compare_activation_summaries(tmp_path / "pt", tmp_path / "ort")
     assert report.first_divergence == ("step_0", "Linear_4_0th_output_forward")
-    assert merge_main(["--pt_dir", str(tmp_path / "pt"), "--ort_dir", str(tmp_path / "ort"), "--output_dir",
-                       str(tmp_path / "merged")]) == 0
+    assert (
+        merge_main(
+            [
+                "--pt_dir",
+                str(tmp_path / "pt"),
+                "--ort_dir",
+                str(tmp_path / "ort"),
+                "--output_dir",
+                str(tmp_path / "merged"),
+            ]
+        )
+        == 0
+    )
     assert "step_0: first divergence: Linear_4_0th_output_forward" in capsys.readouterr().out
 
 
@@ -220,7 +241,7 @@ def test_a_first_eval_step_under_no_grad_still_traces_the_backward_order(tmp_pat
     model = make_model()
     subscribe(model, tmp_path / "o")
     trainer = make_trainer(model)
-    (x, target), = batches(1)
+    ((x, target),) = batches(1)
     with torch.no_grad():
         trainer.eval_step(x, target)
     trainer.train_step(x, target)
@@ -272,8 +293,9 @@ def test_mixed_precision_dumps_float16_activations_and_scaled_gradients(tmp_path
     trainer_run(model, tmp_path / "ort", "te", extra={"mixed_precision": {"enabled": True}})
     assert order(tmp_path / "ort", 0) == SAMPLE_ORDER
     assert order(tmp_path / "ort", 1) == [n for n in SAMPLE_ORDER if n.endswith("_forward")]
-    pt, ort = (parse_statistics((tmp_path / d / "step_0" / "Linear_4_0th_output_forward").read_text())
-               for d in ("pt", "ort"))
+    pt, ort = (
+        parse_statistics((tmp_path / d / "step_0" / "Linear_4_0th_output_forward").read_text()) for d in ("pt", "ort")
+    )
     assert ort["dtype"] == "torch.float16" and ort["mean"] == pytest.approx(pt["mean"], abs=2e-3)
     gradient = parse_statistics((tmp_path / "ort" / "step_0" / "Linear_1_0th_output_backward").read_text())
     assert gradient["dtype"] == "torch.float16"  # of loss * loss_scale, as hooks see them under a GradScaler
@@ -358,13 +380,21 @@ def test_fused_log_probabilities_have_no_backward_file(tmp_path):
     model = LogSoftmaxNet()
     subscribe(model, tmp_path / "o")
     desc = {"inputs": [("x", ["batch", 3]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=nn.functional.nll_loss,
-                         options=ORTTrainerOptions({"device": {"id": "cpu"}}))
+    trainer = ORTTrainer(
+        model,
+        desc,
+        optim.SGDConfig(lr=0.1),
+        loss_fn=nn.functional.nll_loss,
+        options=ORTTrainerOptions({"device": {"id": "cpu"}}),
+    )
     with pytest.warns(UserWarning, match=r"cannot collect statistics for \['LogSoftmaxNet_0_0th_output_backward'\]"):
         loss = trainer.train_step(torch.randn(5, 3), torch.tensor([0, 1, 2, 3, 0]))
     assert math.isfinite(float(loss))
-    assert order(tmp_path / "o", 0) == ["Linear_1_0th_output_forward", "LogSoftmaxNet_0_0th_output_forward",
-                                        "Linear_1_0th_output_backward"]
+    assert order(tmp_path / "o", 0) == [
+        "Linear_1_0th_output_forward",
+        "LogSoftmaxNet_0_0th_output_forward",
+        "Linear_1_0th_output_backward",
+    ]
 
 
 def test_no_warning_for_a_plain_subscribed_run(tmp_path):
@@ -381,8 +411,11 @@ def test_statistics_need_the_ort_gradient_builder(tmp_path):
     model = make_model()
     subscribe(model, tmp_path / "torch")
     trainer = make_trainer(model, {"_internal_use": {"gradient_builder": "torch"}})
-    with pytest.raises(NotImplementedError, match=r"\['orttrainer.debug statistics'\] transform the exported ONNX "
-                                                  "graph, which only the 'ort' gradient builder trains"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"\['orttrainer.debug statistics'\] transform the exported ONNX "
+        "graph, which only the 'ort' gradient builder trains",
+    ):
         trainer.train_step(*batches(1)[0])
 
 

@@ -32,13 +32,26 @@ def run_ranks(tmp_path, world_size: int, **cfg) -> list[dict]:
     port, procs, outs = _free_port(), [], []
     for rank in range(world_size):
         out = str(tmp_path / f"rank{rank}_{len(list(tmp_path.iterdir()))}.json")
-        config = {"rank": rank, "world_size": world_size, "steps": STEPS, "global_batch": 2 * PER_RANK, "out": out,
-                  **cfg}
+        config = {
+            "rank": rank,
+            "world_size": world_size,
+            "steps": STEPS,
+            "global_batch": 2 * PER_RANK,
+            "out": out,
+            **cfg,
+        }
         if "save" in cfg:
             config["save"] = cfg["save"].format(rank=rank)
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(config)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, WORKER, json.dumps(config)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
         outs.append(out)
     for proc in procs:
         output, _ = proc.communicate(timeout=300)
@@ -66,10 +79,17 @@ def _max_difference(a: dict, b: dict) -> float:
     return max(float(np.abs(np.asarray(a[k]) - np.asarray(b[k])).max()) for k in a)
 
 
-@pytest.mark.parametrize(("optimizer", "accumulation", "post"), [
-    ("adam", 1, False), ("lamb", 1, False), ("adam", 2, True), ("adam", 2, False), ("lamb", 2, True),
-    ("lamb", 2, False),
-])
+@pytest.mark.parametrize(
+    ("optimizer", "accumulation", "post"),
+    [
+        ("adam", 1, False),
+        ("lamb", 1, False),
+        ("adam", 2, True),
+        ("adam", 2, False),
+        ("lamb", 2, True),
+        ("lamb", 2, False),
+    ],
+)
 def test_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, optimizer, accumulation, post):
     single = run_ranks(tmp_path, 1, optimizer=optimizer, accumulation=accumulation)[0]
     ranks = run_ranks(tmp_path, 2, optimizer=optimizer, accumulation=accumulation, post=post)
@@ -180,8 +200,13 @@ def test_inconsistent_distributed_options_are_clear_errors():
     from models import MLP, mlp_desc
 
     def trainer(distributed: dict):
-        return ORTTrainer(MLP(), mlp_desc(), optim.SGDConfig(), torch.nn.functional.cross_entropy,
-                          options=ORTTrainerOptions({"device": {"id": "cpu"}, "distributed": distributed}))
+        return ORTTrainer(
+            MLP(),
+            mlp_desc(),
+            optim.SGDConfig(),
+            torch.nn.functional.cross_entropy,
+            options=ORTTrainerOptions({"device": {"id": "cpu"}, "distributed": distributed}),
+        )
 
     with pytest.raises(ValueError, match="world_rank=1 needs distributed.world_size > 1"):
         trainer({"world_rank": 1})

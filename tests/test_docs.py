@@ -15,7 +15,8 @@ def test_readme_options_table_is_generated_from_the_schema():
     with open(README, encoding="utf-8") as f:
         text = f.read()
     assert doc.replace_table(text, doc.options_table()) == text, (
-        "README.md's options table differs from the schema: run `python -m orttrainer.schema.doc --write README.md`")
+        "README.md's options table differs from the schema: run `python -m orttrainer.schema.doc --write README.md`"
+    )
 
 
 def test_every_option_has_a_meaning_and_no_meaning_is_stale():
@@ -42,6 +43,8 @@ def test_defaults_in_the_table_are_what_validation_fills_in():
 def test_table_rows_name_type_and_default():
     table = doc.options_table().splitlines()
     row = next(line for line in table if line.startswith("| `batch.gradient_accumulation_steps`"))
-    assert row == ("| `batch.gradient_accumulation_steps` | int ≥ 1 | `1` | micro-steps per optimizer update; "
-                   "the update uses the mean gradient |")
+    assert row == (
+        "| `batch.gradient_accumulation_steps` | int ≥ 1 | `1` | micro-steps per optimizer update; "
+        "the update uses the mean gradient |"
+    )
     assert len(table) == 2 + len(doc.MEANINGS)

@@ -29,8 +29,25 @@ def test_digits_classifier_learns_in_a_few_epochs(capsys):
 def test_mlm_demo_trains_resumes_and_exports(tmp_path, capsys):
     """`make demo` in miniature: the loss falls, the resumed trainer continues from the checkpoint's step with the
     same held-out loss (the example raises otherwise), the saved ONNX model matches eval_step, PNG and table appear."""
-    result = _load("pretrain_mlm").main(["--steps", "24", "--batch", "8", "--seq", "32", "--eval-every", "12",
-                                         "--eval-batches", "2", "--lr", "1e-2", "--out", str(tmp_path), "--quiet"])
+    result = _load("pretrain_mlm").main(
+        [
+            "--steps",
+            "24",
+            "--batch",
+            "8",
+            "--seq",
+            "32",
+            "--eval-every",
+            "12",
+            "--eval-batches",
+            "2",
+            "--lr",
+            "1e-2",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr().out
     assert result["last_loss"] < result["first_loss"] - 0.3
     assert [step for step, _ in result["history"]["eval"]] == [12, 24]
@@ -58,13 +75,33 @@ def test_onnx_model_trains_without_pytorch_module(tmp_path):
 
 @pytest.mark.distributed
 def test_distributed_example_two_ranks_with_zero(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [os.path.join(EXAMPLES, ".."), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([os.path.join(EXAMPLES, ".."), os.environ.get("PYTHONPATH", "")]),
+    )
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(EXAMPLES, "distributed.py"), "--steps", "12", "--zero", "--accumulation", "2",
-         "--checkpoint-dir", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            os.path.join(EXAMPLES, "distributed.py"),
+            "--steps",
+            "12",
+            "--zero",
+            "--accumulation",
+            "2",
+            "--checkpoint-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     losses = [float(v) for v in re.findall(r"rank-0 loss ([0-9.]+)", done.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0]

@@ -33,8 +33,9 @@ class AmpReference(nn.Module):
 
 
 def _cast_options(strategy, level=1, allow=()) -> dict:
-    return {"graph_transformer": {"propagate_cast_ops_config": {"strategy": strategy, "level": level,
-                                                                "allow": list(allow)}}}
+    return {
+        "graph_transformer": {"propagate_cast_ops_config": {"strategy": strategy, "level": level, "allow": list(allow)}}
+    }
 
 
 def _batches(n: int):
@@ -46,11 +47,19 @@ S = PropagateCastOpsStrategy
 
 
 # Cast counts as test_graph_gradient_options documents for this graph; 4 needs both level 2 and the allowed Sigmoid
-@pytest.mark.parametrize("strategy, level, allow, casts", [
-    (S.NONE, 1, (), 3), (None, 1, (), 3), (S.FLOOD_FILL, 1, (), 3), (S.INSERT_AND_REDUCE, 1, (), 5),
-    (S.FLOOD_FILL, 2, ("Sigmoid",), 4)])
-def test_cast_propagation_reaches_the_graph_and_training_stays_within_the_float16_tolerance(strategy, level, allow,
-                                                                                          casts):
+@pytest.mark.parametrize(
+    "strategy, level, allow, casts",
+    [
+        (S.NONE, 1, (), 3),
+        (None, 1, (), 3),
+        (S.FLOOD_FILL, 1, (), 3),
+        (S.INSERT_AND_REDUCE, 1, (), 5),
+        (S.FLOOD_FILL, 2, ("Sigmoid",), 4),
+    ],
+)
+def test_cast_propagation_reaches_the_graph_and_training_stays_within_the_float16_tolerance(
+    strategy, level, allow, casts
+):
     model = _amp_graph()
     reference = AmpReference(model)
     trainer = make_trainer(model, AMP_DESC, optim.AdamConfig(lr=1e-3), extra=_cast_options(strategy, level, allow))
@@ -61,8 +70,11 @@ def test_cast_propagation_reaches_the_graph_and_training_stays_within_the_float1
         reference(x, y).backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         ref_opt.step()
-    forward_casts = [n for n in trainer._compiled.training.model.graph.node
-                     if n.op_type == "Cast" and "_Grad" not in n.name and not n.name.startswith("orttrainer/")]
+    forward_casts = [
+        n
+        for n in trainer._compiled.training.model.graph.node
+        if n.op_type == "Cast" and "_Grad" not in n.name and not n.name.startswith("orttrainer/")
+    ]
     assert len(forward_casts) == casts
     assert max_difference(trainer_weights(trainer), torch_weights(reference)) < FP16_TOLERANCE
 
@@ -72,8 +84,10 @@ def test_every_strategy_trains_a_mixed_precision_model_within_the_float16_tolera
     torch.manual_seed(0)
     model = MLP()
     reference = copy.deepcopy(model)
-    options = {"mixed_precision": {"enabled": True, "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)},
-               **_cast_options(strategy, level=2)}
+    options = {
+        "mixed_precision": {"enabled": True, "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)},
+        **_cast_options(strategy, level=2),
+    }
     trainer = make_trainer(model, mlp_desc(), optim.AdamConfig(lr=1e-3), nn.functional.cross_entropy, options)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
     g = torch.Generator().manual_seed(5)
@@ -90,8 +104,13 @@ def test_every_strategy_trains_a_mixed_precision_model_within_the_float16_tolera
 def test_memory_efficient_gradient_uses_the_invertible_layer_norm_gradient_and_trains_identically():
     def train(memory_efficient: bool):
         torch.manual_seed(0)
-        trainer = make_trainer(TinyTransformer(dropout=0.0), transformer_desc(), optim.SGDConfig(lr=0.1),
-                               transformer_loss, {"utils": {"memory_efficient_gradient": memory_efficient}})
+        trainer = make_trainer(
+            TinyTransformer(dropout=0.0),
+            transformer_desc(),
+            optim.SGDConfig(lr=0.1),
+            transformer_loss,
+            {"utils": {"memory_efficient_gradient": memory_efficient}},
+        )
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
             tokens = torch.randint(0, 50, (4, 16), generator=g)
@@ -104,8 +123,9 @@ def test_memory_efficient_gradient_uses_the_invertible_layer_norm_gradient_and_t
     assert "InvertibleLayerNormalizationGrad" not in [n.op_type for n in plain._compiled.training.model.graph.node]
     assert max_difference(trainer_weights(efficient), trainer_weights(plain)) < 1e-5
     tokens = torch.randint(0, 50, (4, 16))
-    np.testing.assert_allclose(efficient.eval_step(tokens, tokens)[0].numpy(),
-                               plain.eval_step(tokens, tokens)[0].numpy(), rtol=1e-4)
+    np.testing.assert_allclose(
+        efficient.eval_step(tokens, tokens)[0].numpy(), plain.eval_step(tokens, tokens)[0].numpy(), rtol=1e-4
+    )
 
 
 def test_these_options_need_the_ort_gradient_builder():
@@ -113,14 +133,22 @@ def test_these_options_need_the_ort_gradient_builder():
 
     from orttrainer.trainer.builders import ort_only_options
 
-    extra = {"graph_transformer": {"gelu_recompute": True, "propagate_cast_ops_config": {"level": 2}},
-             "utils": {"memory_efficient_gradient": True}}
-    assert ort_only_options(cpu_options(extra)) == ["graph_transformer.gelu_recompute",
-                                                    "graph_transformer.propagate_cast_ops_config",
-                                                    "utils.memory_efficient_gradient"]
+    extra = {
+        "graph_transformer": {"gelu_recompute": True, "propagate_cast_ops_config": {"level": 2}},
+        "utils": {"memory_efficient_gradient": True},
+    }
+    assert ort_only_options(cpu_options(extra)) == [
+        "graph_transformer.gelu_recompute",
+        "graph_transformer.propagate_cast_ops_config",
+        "utils.memory_efficient_gradient",
+    ]
     assert ort_only_options(cpu_options({"graph_transformer": {"propagate_cast_ops_config": {"level": 1}}})) == []
-    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), nn.functional.cross_entropy,
-                           {"utils": {"memory_efficient_gradient": True},
-                            "_internal_use": {"gradient_builder": "torch"}})
+    trainer = make_trainer(
+        MLP(),
+        mlp_desc(),
+        optim.SGDConfig(),
+        nn.functional.cross_entropy,
+        {"utils": {"memory_efficient_gradient": True}, "_internal_use": {"gradient_builder": "torch"}},
+    )
     with pytest.raises(NotImplementedError, match=r"\['utils.memory_efficient_gradient'\] transform"):
         trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))

@@ -29,8 +29,9 @@ ATOL = 1e-5
 
 def build(module, loss_fn, inputs, names=("x", "y"), outputs=("loss",), frozen=(), **kw) -> TorchGradientGraph:
     trainable = [n for n, p in module.named_parameters() if p.requires_grad and n not in frozen]
-    return build_torch_gradient_graph(module, loss_fn, list(names), list(inputs), list(outputs), trainable,
-                                      list(frozen), **kw)
+    return build_torch_gradient_graph(
+        module, loss_fn, list(names), list(inputs), list(outputs), trainable, list(frozen), **kw
+    )
 
 
 def run(graph: TorchGradientGraph, module: nn.Module, inputs) -> dict[str, np.ndarray]:
@@ -66,6 +67,7 @@ def assert_matches(module, loss_fn, inputs, graph=None, names=("x", "y"), output
 
 # (a) MLP with GELU and cross-entropy --------------------------------------------------------------------------------
 
+
 class MLP(nn.Module):
     def __init__(self, d_in=8, hidden=16, classes=4) -> None:
         super().__init__()
@@ -80,8 +82,14 @@ def test_mlp_gelu_cross_entropy_matches_pytorch():
     model, x, y = MLP(), torch.randn(5, 8), torch.randint(0, 4, (5,))
     graph = assert_matches(model, F.cross_entropy, (x, y), outputs=("loss", "logits"))
     assert [i.name for i in graph.model.graph.input] == ["x", "y", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    assert [o.name for o in graph.model.graph.output] == ["loss", "logits", "fc1.weight_grad", "fc1.bias_grad",
-                                                           "fc2.weight_grad", "fc2.bias_grad"]
+    assert [o.name for o in graph.model.graph.output] == [
+        "loss",
+        "logits",
+        "fc1.weight_grad",
+        "fc1.bias_grad",
+        "fc2.weight_grad",
+        "fc2.bias_grad",
+    ]
     assert graph.model.ir_version <= 10
     assert graph.opset_version == 18  # the default request (18) is the exporter's minimum
 
@@ -98,6 +106,7 @@ def test_opset_rules():
 
 
 # (b) transformer ------------------------------------------------------------------------------------------------------
+
 
 class TinyTransformer(nn.Module):
     def __init__(self, dropout: float, vocab=50, d=32) -> None:
@@ -167,6 +176,7 @@ def test_dropout_backward_uses_the_forward_mask():
 
 # (c), (d), (e) custom autograd Functions -----------------------------------------------------------------------------
 
+
 class WithFunction(nn.Module):
     def __init__(self, fn) -> None:
         super().__init__()
@@ -211,8 +221,11 @@ class SortWithGrads(torch.autograd.Function):
         SortWithGrads.seen.append(tuple(ctx.needs_input_grad))
         x, w, indices = ctx.saved_tensors
         grad = torch.zeros_like(grad_values).scatter(-1, indices, grad_values)
-        return (grad * w if ctx.needs_input_grad[0] else None,
-                (grad * x).sum(0) if ctx.needs_input_grad[1] else None, None)
+        return (
+            grad * w if ctx.needs_input_grad[0] else None,
+            (grad * x).sum(0) if ctx.needs_input_grad[1] else None,
+            None,
+        )
 
 
 class SortModel(nn.Module):
@@ -272,6 +285,7 @@ def test_parameter_without_gradient_is_a_clear_error():
 
 # (f) untraceable backward ---------------------------------------------------------------------------------------------
 
+
 class ItemBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -314,8 +328,10 @@ class ItemForward(torch.autograd.Function):
         return grad
 
 
-@pytest.mark.parametrize("fn, phase", [(ItemBackward, "backward"), (BranchBackward, "backward"),
-                                       (NumpyBackward, "backward"), (ItemForward, "forward")])
+@pytest.mark.parametrize(
+    "fn, phase",
+    [(ItemBackward, "backward"), (BranchBackward, "backward"), (NumpyBackward, "backward"), (ItemForward, "forward")],
+)
 def test_untraceable_function_is_named(fn, phase):
     model = WithFunction(fn.apply)
     with pytest.raises(UntraceableFunctionError) as info:
@@ -328,6 +344,7 @@ def test_untraceable_function_is_named(fn, phase):
 
 
 # (g) shapes -----------------------------------------------------------------------------------------------------------
+
 
 class MeanModel(nn.Module):
     """A mean (divisor baked into the trace) and a view whose size comes from the batch."""
@@ -372,6 +389,7 @@ def test_shape_keyed_cache_evicts_least_recently_used():
 
 
 # (h) frozen parameters, buffers, tied weights -------------------------------------------------------------------------
+
 
 class FrozenAndBuffers(nn.Module):
     def __init__(self) -> None:
@@ -452,4 +470,3 @@ def test_model_that_returns_its_loss():
     torch.manual_seed(0)
     model, inputs = ReturnsLoss(), (torch.randn(3, 6), torch.randn(3, 2))
     assert_matches(model, None, inputs, outputs=("loss", "pred"))
-

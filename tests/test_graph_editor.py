@@ -30,8 +30,10 @@ def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
 def _add_model() -> onnx.ModelProto:
     """y = x + b; a tensor and a node already use names the editor would invent."""
     b = numpy_helper.from_array(np.array(2.0, np.float32), "b")
-    nodes = [helper.make_node("Add", ["x", "b"], ["orttrainer/t/Mul"], name="orttrainer/t/Mul_node"),
-             helper.make_node("Identity", ["orttrainer/t/Mul"], ["y"], name="id")]
+    nodes = [
+        helper.make_node("Add", ["x", "b"], ["orttrainer/t/Mul"], name="orttrainer/t/Mul_node"),
+        helper.make_node("Identity", ["orttrainer/t/Mul"], ["y"], name="id"),
+    ]
     return _model(nodes, [_vi("x", [])], [_vi("y", [])], [b])
 
 

@@ -57,8 +57,11 @@ def test_empty_output_names_are_replaced_and_names_never_collide():
     # `loss__extra1` is already a graph tensor, so the fresh name takes a suffix.
     node = helper.make_node("SoftmaxCrossEntropyLoss", ["x", "y"], ["loss", ""], name="sce")
     taken = helper.make_node("Identity", ["x"], ["loss__extra1"], name="id")
-    model = _model([taken, node], [_vi("x", [4, 3]), _vi("y", [4], TensorProto.INT64)],
-                   [_vi("loss", []), _vi("loss__extra1", [4, 3])])
+    model = _model(
+        [taken, node],
+        [_vi("x", [4, 3]), _vi("y", [4], TensorProto.INT64)],
+        [_vi("loss", []), _vi("loss__extra1", [4, 3])],
+    )
     fixed = name_optional_outputs(model)
     assert list(fixed.graph.node[1].output) == ["loss", "loss__extra1_1"]
     onnx.checker.check_model(fixed, full_check=True)
@@ -67,14 +70,20 @@ def test_empty_output_names_are_replaced_and_names_never_collide():
 def test_layer_normalization_gets_mean_and_inv_std_dev_outputs():
     # LayerNormalization is a standard op from opset 17.
     node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y", "", ""], name="ln", axis=-1)
-    model = _model([node], [_vi("x", [2, 3])], [_vi("y", [2, 3])],
-                   [_const("scale", [1.0, 2.0, 3.0]), _const("bias", [0.0, 0.5, -1.0])], opset=17)
+    model = _model(
+        [node],
+        [_vi("x", [2, 3])],
+        [_vi("y", [2, 3])],
+        [_const("scale", [1.0, 2.0, 3.0]), _const("bias", [0.0, 0.5, -1.0])],
+        opset=17,
+    )
     fixed = name_optional_outputs(model)
     assert list(fixed.graph.node[0].output) == ["y", "y__extra1", "y__extra2"]
     x = np.array([[1.0, 2.0, 4.0], [-1.0, 0.0, 3.0]], np.float32)
     normalised = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
-    np.testing.assert_allclose(_run(fixed, {"x": x})[0], normalised * [1.0, 2.0, 3.0] + [0.0, 0.5, -1.0],
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        _run(fixed, {"x": x})[0], normalised * [1.0, 2.0, 3.0] + [0.0, 0.5, -1.0], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_layer_normalization_with_one_missing_output_keeps_the_named_one():
@@ -84,9 +93,11 @@ def test_layer_normalization_with_one_missing_output_keeps_the_named_one():
 
 
 def test_dropout_gets_its_mask_output_and_other_ops_are_untouched():
-    nodes = [helper.make_node("Dropout", ["x"], ["d"], name="drop"),
-             helper.make_node("Softmax", ["d"], ["y"], name="softmax"),
-             helper.make_node("SoftmaxCrossEntropyLoss", ["x", "lbl"], ["custom"], domain="my.domain")]
+    nodes = [
+        helper.make_node("Dropout", ["x"], ["d"], name="drop"),
+        helper.make_node("Softmax", ["d"], ["y"], name="softmax"),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["x", "lbl"], ["custom"], domain="my.domain"),
+    ]
     model = _model(nodes, [_vi("x", [2, 3])], [_vi("y", [2, 3])])
     fixed = name_optional_outputs(model)
     assert [list(n.output) for n in fixed.graph.node] == [["d", "d__extra1"], ["y"], ["custom"]]
@@ -99,8 +110,11 @@ def test_complete_nodes_are_unchanged():
 
 # -------------------------------------------------------------------------------------------- dropout_to_identity
 def _dropout_model(outputs: list[str], extra_nodes=(), graph_outputs=("y",)) -> onnx.ModelProto:
-    nodes = [helper.make_node("Dropout", ["x", "ratio", "training"], outputs, name="drop", seed=3),
-             helper.make_node("Mul", [outputs[0], "two"], ["y"], name="mul"), *extra_nodes]
+    nodes = [
+        helper.make_node("Dropout", ["x", "ratio", "training"], outputs, name="drop", seed=3),
+        helper.make_node("Mul", [outputs[0], "two"], ["y"], name="mul"),
+        *extra_nodes,
+    ]
     inits = [_const("ratio", 0.5), _const("training", True, dtype=np.bool_), _const("two", 2.0)]
     return _model(nodes, [_vi("x", [64])], [_vi(n, None) for n in graph_outputs], inits)
 
@@ -135,8 +149,10 @@ def test_dropout_whose_mask_is_a_graph_output_is_rejected():
 
 def _dropout_pair() -> onnx.ModelProto:
     """`a = Dropout(x, ratio)` (no training mode: the identity) and `b = Dropout(x, ratio, training)`."""
-    nodes = [helper.make_node("Dropout", ["x", "ratio"], ["a", "a_mask"], name="inference"),
-             helper.make_node("Dropout", ["x", "ratio", "training"], ["b", "b_mask"], name="training")]
+    nodes = [
+        helper.make_node("Dropout", ["x", "ratio"], ["a", "a_mask"], name="inference"),
+        helper.make_node("Dropout", ["x", "ratio", "training"], ["b", "b_mask"], name="training"),
+    ]
     inits = [_const("ratio", 0.5), _const("training", True, dtype=np.bool_)]
     return _model(nodes, [_vi("x", [64])], [_vi("a"), _vi("b")], inits)
 
@@ -161,11 +177,21 @@ def test_a_dropout_without_training_mode_becomes_the_identity_it_computes():
 
 # ----------------------------------------------------------------------------------------- batchnorm_to_inference
 def _batchnorm_model() -> onnx.ModelProto:
-    node = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"],
-                            ["y", "running_mean", "running_var"], name="bn", training_mode=1, epsilon=1e-3,
-                            momentum=0.8)
-    inits = [_const("scale", [1.0, 2.0]), _const("bias", [0.5, -0.5]), _const("mean", [1.0, -1.0]),
-             _const("var", [4.0, 0.25])]
+    node = helper.make_node(
+        "BatchNormalization",
+        ["x", "scale", "bias", "mean", "var"],
+        ["y", "running_mean", "running_var"],
+        name="bn",
+        training_mode=1,
+        epsilon=1e-3,
+        momentum=0.8,
+    )
+    inits = [
+        _const("scale", [1.0, 2.0]),
+        _const("bias", [0.5, -0.5]),
+        _const("mean", [1.0, -1.0]),
+        _const("var", [4.0, 0.25]),
+    ]
     return _model([node], [_vi("x", [3, 2, 2])], [_vi("y", [3, 2, 2])], inits)
 
 
@@ -174,14 +200,17 @@ def test_batchnorm_uses_running_statistics():
     fixed = batchnorm_to_inference(model)
     node = fixed.graph.node[0]
     assert list(node.output) == ["y"]
-    assert {a.name: helper.get_attribute_value(a) for a in node.attribute} == {"epsilon": pytest.approx(1e-3),
-                                                                               "momentum": pytest.approx(0.8)}
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute} == {
+        "epsilon": pytest.approx(1e-3),
+        "momentum": pytest.approx(0.8),
+    }
     assert len(model.graph.node[0].output) == 3  # the argument is untouched
     onnx.checker.check_model(fixed, full_check=True)
     x = np.arange(12, dtype=np.float32).reshape(3, 2, 2) / 4.0
     shape = (1, 2, 1)
-    expected = ((x - np.reshape([1.0, -1.0], shape)) / np.sqrt(np.reshape([4.0, 0.25], shape) + 1e-3)
-                * np.reshape([1.0, 2.0], shape) + np.reshape([0.5, -0.5], shape))
+    expected = (x - np.reshape([1.0, -1.0], shape)) / np.sqrt(np.reshape([4.0, 0.25], shape) + 1e-3) * np.reshape(
+        [1.0, 2.0], shape
+    ) + np.reshape([0.5, -0.5], shape)
     np.testing.assert_allclose(_run(fixed, {"x": x})[0], expected, rtol=1e-6, atol=1e-6)
     batch_stats = _run(model, {"x": x}, ["y"])[0]  # training mode normalises with the batch statistics instead
     assert np.abs(batch_stats - expected).max() > 0.1
@@ -198,11 +227,14 @@ def test_inference_batchnorm_is_unchanged():
 # ---------------------------------------------------------------------------------- inference_batchnorm_to_affine
 def _inference_batchnorm_model(shape: list) -> onnx.ModelProto:
     """x -> BatchNormalization (inference: no training_mode, one output) -> Relu, with a dynamic batch dim."""
-    bn = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y"], name="bn",
-                          epsilon=1e-3)
+    bn = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y"], name="bn", epsilon=1e-3)
     relu = helper.make_node("Relu", ["y"], ["out"], name="relu")
-    inits = [_const("scale", [1.0, 2.0]), _const("bias", [0.5, -0.5]), _const("mean", [1.0, -1.0]),
-             _const("var", [4.0, 0.25])]
+    inits = [
+        _const("scale", [1.0, 2.0]),
+        _const("bias", [0.5, -0.5]),
+        _const("mean", [1.0, -1.0]),
+        _const("var", [4.0, 0.25]),
+    ]
     return _model([bn, relu], [_vi("x", ["N", *shape])], [_vi("out", ["N", *shape])], inits)
 
 

@@ -44,14 +44,19 @@ def _classifier(reduction: str = "mean") -> onnx.ModelProto:
 
     W and B are trainable, s is frozen state, `half` is a plain constant of the graph.
     """
-    nodes = [helper.make_node("Gemm", ["x", "W", "B"], ["z"], name="fc"),
-             helper.make_node("Mul", ["z", "s"], ["zs"], name="scale"),
-             helper.make_node("Mul", ["zs", "half"], ["logits"], name="halve"),
-             helper.make_node("Softmax", ["logits"], ["probs"], name="softmax", axis=1),
-             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "label"], ["loss"], name="sce",
-                              reduction=reduction)]
-    inits = [numpy_helper.from_array(W0, "W"), numpy_helper.from_array(B0, "B"), numpy_helper.from_array(S0, "s"),
-             numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+    nodes = [
+        helper.make_node("Gemm", ["x", "W", "B"], ["z"], name="fc"),
+        helper.make_node("Mul", ["z", "s"], ["zs"], name="scale"),
+        helper.make_node("Mul", ["zs", "half"], ["logits"], name="halve"),
+        helper.make_node("Softmax", ["logits"], ["probs"], name="softmax", axis=1),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "label"], ["loss"], name="sce", reduction=reduction),
+    ]
+    inits = [
+        numpy_helper.from_array(W0, "W"),
+        numpy_helper.from_array(B0, "B"),
+        numpy_helper.from_array(S0, "s"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+    ]
     inputs = [_vi("x", [4, 3]), _vi("label", [4], TensorProto.INT64)]
     return _model(nodes, inputs, [_vi("probs", [4, 2]), _vi("loss", [])], inits)
 
@@ -61,19 +66,30 @@ def _torch_reference(reduction: str = "mean") -> dict[str, np.ndarray]:
     logits = (torch.tensor(X) @ w + b) * float(S0) * 0.5
     loss = torch.nn.functional.cross_entropy(logits, torch.tensor(LABEL), reduction=reduction)
     loss.backward()
-    return {"loss": loss.detach().numpy(), "probs": torch.softmax(logits, 1).detach().numpy(),
-            "W_grad": w.grad.numpy(), "B_grad": b.grad.numpy()}
+    return {
+        "loss": loss.detach().numpy(),
+        "probs": torch.softmax(logits, 1).detach().numpy(),
+        "W_grad": w.grad.numpy(),
+        "B_grad": b.grad.numpy(),
+    }
 
 
 # --------------------------------------------------------------------------------------- move_initializers_to_inputs
 def test_move_initializers_to_inputs():
     model = _classifier()
     moved = move_initializers_to_inputs(model, ["s", "W", "B"])
-    inputs = [(i.name, i.type.tensor_type.elem_type, [d.dim_value for d in i.type.tensor_type.shape.dim])
-              for i in moved.graph.input]
+    inputs = [
+        (i.name, i.type.tensor_type.elem_type, [d.dim_value for d in i.type.tensor_type.shape.dim])
+        for i in moved.graph.input
+    ]
     # appended after the existing inputs, in initializer order (not in the order of `names`); 0-d stays 0-d
-    assert inputs == [("x", TensorProto.FLOAT, [4, 3]), ("label", TensorProto.INT64, [4]),
-                      ("W", TensorProto.FLOAT, [3, 2]), ("B", TensorProto.FLOAT, [2]), ("s", TensorProto.FLOAT, [])]
+    assert inputs == [
+        ("x", TensorProto.FLOAT, [4, 3]),
+        ("label", TensorProto.INT64, [4]),
+        ("W", TensorProto.FLOAT, [3, 2]),
+        ("B", TensorProto.FLOAT, [2]),
+        ("s", TensorProto.FLOAT, []),
+    ]
     assert [i.name for i in moved.graph.initializer] == ["half"]
     assert len(model.graph.initializer) == 4 and len(model.graph.input) == 2  # the argument is untouched
     outputs = _run(moved, {"x": X, "label": LABEL, "W": W0, "B": B0, "s": S0})
@@ -123,16 +139,19 @@ def test_state_is_fed_per_step():
     grad = session.run(["W_grad"], feeds)[0]
     grad_2s = session.run(["W_grad"], {**feeds, "s": np.array(2 * S0)})[0]
     w, s = torch.tensor(W0, requires_grad=True), 2 * float(S0)
-    torch.nn.functional.cross_entropy((torch.tensor(X) @ w + torch.tensor(B0)) * s * 0.5,
-                                      torch.tensor(LABEL)).backward()
+    torch.nn.functional.cross_entropy(
+        (torch.tensor(X) @ w + torch.tensor(B0)) * s * 0.5, torch.tensor(LABEL)
+    ).backward()
     np.testing.assert_allclose(grad_2s, w.grad.numpy(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(grad, _torch_reference()["W_grad"], rtol=1e-5, atol=1e-7)
 
 
 def test_an_op_without_gradient_is_named_with_its_node():
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
-             helper.make_node("CumSum", ["h", "axis"], ["c"], name="running_total"),
-             helper.make_node("ReduceSum", ["c"], ["loss"], name="total", keepdims=0)]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
+        helper.make_node("CumSum", ["h", "axis"], ["c"], name="running_total"),
+        helper.make_node("ReduceSum", ["c"], ["loss"], name="total", keepdims=0),
+    ]
     inits = [numpy_helper.from_array(W0, "W"), numpy_helper.from_array(np.array(1, np.int64), "axis")]
     model = _model(nodes, [_vi("x", [4, 3])], [_vi("loss", [])], inits)
     with pytest.raises(GradientBuildError, match=r"cannot differentiate op 'CumSum' \(node 'running_total'\)") as info:
@@ -143,20 +162,28 @@ def test_an_op_without_gradient_is_named_with_its_node():
 
 def test_negative_log_likelihood_has_no_gradient():
     # Why postprocess fuses LogSoftmax + NegativeLogLikelihoodLoss into SoftmaxCrossEntropyLoss.
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
-             helper.make_node("LogSoftmax", ["h"], ["log_prob"], name="log_softmax", axis=1),
-             helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "label"], ["loss"], name="nll")]
-    model = _model(nodes, [_vi("x", [4, 3]), _vi("label", [4], TensorProto.INT64)], [_vi("loss", [])],
-                   [numpy_helper.from_array(W0, "W")])
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
+        helper.make_node("LogSoftmax", ["h"], ["log_prob"], name="log_softmax", axis=1),
+        helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "label"], ["loss"], name="nll"),
+    ]
+    model = _model(
+        nodes,
+        [_vi("x", [4, 3]), _vi("label", [4], TensorProto.INT64)],
+        [_vi("loss", [])],
+        [numpy_helper.from_array(W0, "W")],
+    )
     with pytest.raises(GradientBuildError, match=r"op 'NegativeLogLikelihoodLoss' \(node 'nll'\)") as info:
         build_ort_gradient_graph(model, "loss", ["W"], ["W"])
     assert "frozen_weights" in str(info.value)
 
 
 def test_a_parameter_that_does_not_reach_the_loss_is_reported():
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
-             helper.make_node("ReduceSum", ["h"], ["loss"], name="total", keepdims=0),
-             helper.make_node("Add", ["x", "unused"], ["side"], name="side")]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
+        helper.make_node("ReduceSum", ["h"], ["loss"], name="total", keepdims=0),
+        helper.make_node("Add", ["x", "unused"], ["side"], name="side"),
+    ]
     inits = [numpy_helper.from_array(W0, "W"), numpy_helper.from_array(np.ones(3, np.float32), "unused")]
     model = _model(nodes, [_vi("x", [4, 3])], [_vi("loss", []), _vi("side", [4, 3])], inits)
     with pytest.raises(GradientBuildError, match=r"parameters \['unused'\] have no differentiable path") as info:

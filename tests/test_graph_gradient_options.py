@@ -25,18 +25,27 @@ def _amp_graph() -> onnx.ModelProto:
     inits = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32) * 0.3, w) for w in ("W0", "W1")]
     inits.append(numpy_helper.from_array(np.full(8, 0.1, np.float32), "b"))
     node = helper.make_node
-    nodes = [node("Relu", ["x"], ["r0"], name="relu0"), node("Tanh", ["r0"], ["t0"], name="tanh0"),
-             node("Gemm", ["t0", "W0"], ["g0"], name="gemm0"), node("Relu", ["g0"], ["r1"], name="relu1"),
-             node("Cast", ["r1"], ["r1_16"], name="cast_in", to=HALF),
-             node("Cast", ["W1"], ["w1_16"], name="cast_w", to=HALF),
-             node("Gemm", ["r1_16", "w1_16"], ["g1_16"], name="gemm1"),
-             node("Cast", ["g1_16"], ["g1"], name="cast_out", to=FLOAT),
-             node("Tanh", ["g1"], ["t1"], name="tanh1"), node("Sigmoid", ["t1"], ["s1"], name="sigmoid"),
-             node("Add", ["s1", "b"], ["logits"], name="add"),
-             node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss", "log_prob"], name="loss")]
-    graph = helper.make_graph(nodes, "amp", [helper.make_tensor_value_info("x", FLOAT, [4, 8]),
-                                             helper.make_tensor_value_info("y", TensorProto.INT64, [4])],
-                              [helper.make_tensor_value_info("loss", FLOAT, [])], inits)
+    nodes = [
+        node("Relu", ["x"], ["r0"], name="relu0"),
+        node("Tanh", ["r0"], ["t0"], name="tanh0"),
+        node("Gemm", ["t0", "W0"], ["g0"], name="gemm0"),
+        node("Relu", ["g0"], ["r1"], name="relu1"),
+        node("Cast", ["r1"], ["r1_16"], name="cast_in", to=HALF),
+        node("Cast", ["W1"], ["w1_16"], name="cast_w", to=HALF),
+        node("Gemm", ["r1_16", "w1_16"], ["g1_16"], name="gemm1"),
+        node("Cast", ["g1_16"], ["g1"], name="cast_out", to=FLOAT),
+        node("Tanh", ["g1"], ["t1"], name="tanh1"),
+        node("Sigmoid", ["t1"], ["s1"], name="sigmoid"),
+        node("Add", ["s1", "b"], ["logits"], name="add"),
+        node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss", "log_prob"], name="loss"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "amp",
+        [helper.make_tensor_value_info("x", FLOAT, [4, 8]), helper.make_tensor_value_info("y", TensorProto.INT64, [4])],
+        [helper.make_tensor_value_info("loss", FLOAT, [])],
+        inits,
+    )
     opsets = [helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 8
@@ -83,8 +92,13 @@ def _run(model, feeds):
     options.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     wanted = {i.name for i in session.get_inputs()}
-    return dict(zip([o.name for o in session.get_outputs()], session.run(None, {k: v for k, v in feeds.items()
-                                                                                  if k in wanted}), strict=True))
+    return dict(
+        zip(
+            [o.name for o in session.get_outputs()],
+            session.run(None, {k: v for k, v in feeds.items() if k in wanted}),
+            strict=True,
+        )
+    )
 
 
 def _feeds(model):
@@ -110,13 +124,20 @@ def _layer_norm_graph(extra_output: bool = False) -> onnx.ModelProto:
     """loss = sum(LayerNorm(x + h) @ W0)^2 with h = x @ W1: the residual sum feeds only the layer norm."""
     rng = np.random.default_rng(2)
     inits = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32) * 0.3, w) for w in ("W0", "W1")]
-    inits += [numpy_helper.from_array(np.ones(8, np.float32), "gamma"),
-              numpy_helper.from_array(np.zeros(8, np.float32), "b")]
+    inits += [
+        numpy_helper.from_array(np.ones(8, np.float32), "gamma"),
+        numpy_helper.from_array(np.zeros(8, np.float32), "b"),
+    ]
     node = helper.make_node
-    nodes = [node("MatMul", ["x", "W1"], ["h"]), node("Add", ["x", "h"], ["s"]),
-             node("LayerNormalization", ["s", "gamma", "b"], ["n", "mean", "inv_std"], axis=-1),
-             node("MatMul", ["n", "W0"], ["o"]), node("Mul", ["o", "o"], ["sq"]),
-             node("ReduceSum", ["sq"], ["loss"], keepdims=0), node("Neg", ["x"], ["unrelated"])]
+    nodes = [
+        node("MatMul", ["x", "W1"], ["h"]),
+        node("Add", ["x", "h"], ["s"]),
+        node("LayerNormalization", ["s", "gamma", "b"], ["n", "mean", "inv_std"], axis=-1),
+        node("MatMul", ["n", "W0"], ["o"]),
+        node("Mul", ["o", "o"], ["sq"]),
+        node("ReduceSum", ["sq"], ["loss"], keepdims=0),
+        node("Neg", ["x"], ["unrelated"]),
+    ]
     outputs = [helper.make_tensor_value_info("loss", FLOAT, [])]
     if extra_output:
         outputs.append(helper.make_tensor_value_info("unrelated", FLOAT, [4, 8]))
@@ -143,8 +164,9 @@ def test_memory_efficient_gradient_computes_the_layer_norm_gradient_from_its_out
 
 def test_an_output_the_loss_does_not_depend_on_stays_an_output():
     model = _layer_norm_graph(extra_output=True)
-    graded = build_ort_gradient_graph(model, "loss", ["W0"], ["W0", "W1", "gamma", "b"],
-                                      GradientOptions(memory_efficient=True))
+    graded = build_ort_gradient_graph(
+        model, "loss", ["W0"], ["W0", "W1", "gamma", "b"], GradientOptions(memory_efficient=True)
+    )
     assert [o.name for o in graded.graph.output] == ["loss", "unrelated", "W0_grad"]
     feeds = _feeds(model)
     np.testing.assert_array_equal(_run(graded, feeds)["unrelated"], -feeds["x"])

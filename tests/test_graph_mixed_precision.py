@@ -13,21 +13,29 @@ FLOAT, HALF = TensorProto.FLOAT, TensorProto.FLOAT16
 
 def _model(nodes, inputs, outputs, initializers=(), opset=14):
     graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
-                                                    helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    )
     model.ir_version = 8
     return model
 
 
 def _mlp_loss():
     """logits = Relu(x @ W); loss = SoftmaxCrossEntropyLoss(logits, y); W is a graph input (a master weight)."""
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Relu", ["h"], ["logits"]),
-             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss", "log_prob"])]
-    return _model(nodes, [helper.make_tensor_value_info("x", FLOAT, [4, 3]),
-                          helper.make_tensor_value_info("y", TensorProto.INT64, [4]),
-                          helper.make_tensor_value_info("W", FLOAT, [3, 5])],
-                  [helper.make_tensor_value_info("loss", FLOAT, []),
-                   helper.make_tensor_value_info("logits", FLOAT, [4, 5])])
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Relu", ["h"], ["logits"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss", "log_prob"]),
+    ]
+    return _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("x", FLOAT, [4, 3]),
+            helper.make_tensor_value_info("y", TensorProto.INT64, [4]),
+            helper.make_tensor_value_info("W", FLOAT, [3, 5]),
+        ],
+        [helper.make_tensor_value_info("loss", FLOAT, []), helper.make_tensor_value_info("logits", FLOAT, [4, 5])],
+    )
 
 
 def _types(model) -> dict[str, int]:
@@ -37,8 +45,11 @@ def _types(model) -> dict[str, int]:
 
 def _feeds():
     rng = np.random.default_rng(0)
-    return {"x": rng.standard_normal((4, 3)).astype(np.float32), "y": np.array([0, 1, 2, 3]),
-            "W": rng.standard_normal((3, 5)).astype(np.float32)}
+    return {
+        "x": rng.standard_normal((4, 3)).astype(np.float32),
+        "y": np.array([0, 1, 2, 3]),
+        "W": rng.standard_normal((3, 5)).astype(np.float32),
+    }
 
 
 def test_to_float16_keeps_named_io_and_loss_ops_in_float32_and_computes_the_rest_in_float16():
@@ -78,15 +89,25 @@ def test_append_loss_scale_picks_a_free_name():
 
 def _slice_grad_model(dtype: int):
     """A SliceGrad whose gradient input has `dtype`: the CPU kernel only implements float and double."""
-    nodes = [helper.make_node("Cast", ["g32"], ["g"], to=dtype),
-             helper.make_node("SliceGrad", ["g", "shape", "starts", "ends", "axes"], ["dx"], domain="com.microsoft",
-                              name="slice_grad")]
-    inits = [numpy_helper.from_array(np.array([6], np.int64), "shape"),
-             numpy_helper.from_array(np.array([1], np.int64), "starts"),
-             numpy_helper.from_array(np.array([4], np.int64), "ends"),
-             numpy_helper.from_array(np.array([0], np.int64), "axes")]
-    return _model(nodes, [helper.make_tensor_value_info("g32", FLOAT, [3])],
-                  [helper.make_tensor_value_info("dx", dtype, [6])], inits, opset=15)
+    nodes = [
+        helper.make_node("Cast", ["g32"], ["g"], to=dtype),
+        helper.make_node(
+            "SliceGrad", ["g", "shape", "starts", "ends", "axes"], ["dx"], domain="com.microsoft", name="slice_grad"
+        ),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([6], np.int64), "shape"),
+        numpy_helper.from_array(np.array([1], np.int64), "starts"),
+        numpy_helper.from_array(np.array([4], np.int64), "ends"),
+        numpy_helper.from_array(np.array([0], np.int64), "axes"),
+    ]
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("g32", FLOAT, [3])],
+        [helper.make_tensor_value_info("dx", dtype, [6])],
+        inits,
+        opset=15,
+    )
 
 
 def test_cast_fp32_only_kernels_makes_a_float16_slice_grad_run_on_the_cpu():

@@ -30,13 +30,30 @@ RTOL, ATOL = 2e-6, 1e-7
 
 
 def adam_hyper(**overrides) -> dict:
-    return {"alpha": 0.9, "beta": 0.999, "lambda": 0.0, "epsilon": 1e-8, "max_norm_clip": 1.0,
-            "do_bias_correction": True, "weight_decay_mode": 0, **overrides}
+    return {
+        "alpha": 0.9,
+        "beta": 0.999,
+        "lambda": 0.0,
+        "epsilon": 1e-8,
+        "max_norm_clip": 1.0,
+        "do_bias_correction": True,
+        "weight_decay_mode": 0,
+        **overrides,
+    }
 
 
 def lamb_hyper(**overrides) -> dict:
-    return {"alpha": 0.9, "beta": 0.999, "lambda": 0.0, "ratio_min": -math.inf, "ratio_max": math.inf,
-            "epsilon": 1e-6, "max_norm_clip": 1.0, "do_bias_correction": False, **overrides}
+    return {
+        "alpha": 0.9,
+        "beta": 0.999,
+        "lambda": 0.0,
+        "ratio_min": -math.inf,
+        "ratio_max": math.inf,
+        "epsilon": 1e-6,
+        "max_norm_clip": 1.0,
+        "do_bias_correction": False,
+        **overrides,
+    }
 
 
 def sgd_hyper(**overrides) -> dict:
@@ -49,13 +66,17 @@ def gradient_model(shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
     `loss = Σ_p [Σ(x_p·p) + ½·Σ p²]`, so `p_grad = x_p + p` (computed by an Add node)."""
     nodes, inputs, terms, grads = [], [], [], []
     for p, shape in shapes.items():
-        inputs += [helper.make_tensor_value_info(f"x_{p}", TensorProto.FLOAT, list(shape)),
-                   helper.make_tensor_value_info(p, TensorProto.FLOAT, list(shape))]
-        nodes += [helper.make_node("Mul", [f"x_{p}", p], [f"{p}_xp"]),
-                  helper.make_node("ReduceSum", [f"{p}_xp"], [f"{p}_linear"], keepdims=0),
-                  helper.make_node("ReduceSumSquare", [p], [f"{p}_sq"], keepdims=0),
-                  helper.make_node("Mul", [f"{p}_sq", "half"], [f"{p}_quadratic"]),
-                  helper.make_node("Add", [f"x_{p}", p], [f"{p}_grad"])]
+        inputs += [
+            helper.make_tensor_value_info(f"x_{p}", TensorProto.FLOAT, list(shape)),
+            helper.make_tensor_value_info(p, TensorProto.FLOAT, list(shape)),
+        ]
+        nodes += [
+            helper.make_node("Mul", [f"x_{p}", p], [f"{p}_xp"]),
+            helper.make_node("ReduceSum", [f"{p}_xp"], [f"{p}_linear"], keepdims=0),
+            helper.make_node("ReduceSumSquare", [p], [f"{p}_sq"], keepdims=0),
+            helper.make_node("Mul", [f"{p}_sq", "half"], [f"{p}_quadratic"]),
+            helper.make_node("Add", [f"x_{p}", p], [f"{p}_grad"]),
+        ]
         terms += [f"{p}_linear", f"{p}_quadratic"]
         grads.append(helper.make_tensor_value_info(f"{p}_grad", TensorProto.FLOAT, list(shape)))
     nodes.append(helper.make_node("Sum", terms, ["loss"]))
@@ -65,12 +86,24 @@ def gradient_model(shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
 
 
-def compile_graph(params: dict[str, np.ndarray], optimizer: str, groups: list[ParamGroup], *,
-                  accumulation_steps: int = 1, clip: bool = False) -> TrainingGraph:
-    return build_training_graph(gradient_model({p: v.shape for p, v in params.items()}),
-                                data_inputs=[f"x_{p}" for p in params], outputs=["loss"], trainable=list(params),
-                                optimizer_name=optimizer, groups=groups, accumulation_steps=accumulation_steps,
-                                clip_grad_norm=clip)
+def compile_graph(
+    params: dict[str, np.ndarray],
+    optimizer: str,
+    groups: list[ParamGroup],
+    *,
+    accumulation_steps: int = 1,
+    clip: bool = False,
+) -> TrainingGraph:
+    return build_training_graph(
+        gradient_model({p: v.shape for p, v in params.items()}),
+        data_inputs=[f"x_{p}" for p in params],
+        outputs=["loss"],
+        trainable=list(params),
+        optimizer_name=optimizer,
+        groups=groups,
+        accumulation_steps=accumulation_steps,
+        clip_grad_norm=clip,
+    )
 
 
 class OrtRunner:
@@ -84,8 +117,12 @@ class OrtRunner:
         self.options.only_execute_path_to_fetches = True
 
     def _run(self, data: dict, lr: float, count: int, state_outputs: dict[str, str]) -> tuple[float, dict]:
-        feeds = {**self.state, **data, self.graph.lr_input: np.array(lr, np.float32),
-                 self.graph.update_count_input: np.array(count, np.int64)}
+        feeds = {
+            **self.state,
+            **data,
+            self.graph.lr_input: np.array(lr, np.float32),
+            self.graph.update_count_input: np.array(count, np.int64),
+        }
         fetched = self.session.run(["loss", *state_outputs.values()], feeds, self.options)
         new_state = dict(zip(state_outputs, fetched[1:], strict=True))
         self.state.update(new_state)
@@ -136,7 +173,7 @@ class Reference:
         self.v[p] = b2 * self.v[p] + (1 - b2) * g * g
         if not h["do_bias_correction"]:
             return 1.0, 1.0
-        return 1 - b1 ** self.t, 1 - b2 ** self.t
+        return 1 - b1**self.t, 1 - b2**self.t
 
     def SGDOptimizer(self, p: str, g: np.ndarray, lr: float, h: dict) -> None:
         self.w[p] = self.w[p] - lr * g
@@ -164,13 +201,21 @@ DataFn = Callable[[int, int, Reference], dict[str, np.ndarray]]
 
 def random_data(seed: int = 0) -> DataFn:
     rng = np.random.default_rng(seed)
-    return lambda update, micro, ref: {f"x_{p}": rng.standard_normal(w.shape).astype(np.float32)
-                                       for p, w in ref.w.items()}
+    return lambda update, micro, ref: {
+        f"x_{p}": rng.standard_normal(w.shape).astype(np.float32) for p, w in ref.w.items()
+    }
 
 
-def train_and_compare(params: dict[str, np.ndarray], optimizer: str, groups: list[ParamGroup], *,
-                      accumulation_steps: int = 1, clip: bool = False, data: DataFn | None = None,
-                      updates: int = 3) -> tuple[TrainingGraph, Reference]:
+def train_and_compare(
+    params: dict[str, np.ndarray],
+    optimizer: str,
+    groups: list[ParamGroup],
+    *,
+    accumulation_steps: int = 1,
+    clip: bool = False,
+    data: DataFn | None = None,
+    updates: int = 3,
+) -> tuple[TrainingGraph, Reference]:
     """Compile, then run `updates` optimizer steps of `accumulation_steps` micro-steps each, checking the loss, the
     running gradient sums of the micro-steps and the weights and moments after each update against `Reference`."""
     graph = compile_graph(params, optimizer, groups, accumulation_steps=accumulation_steps, clip=clip)
@@ -226,8 +271,14 @@ def test_sgd():
 @pytest.mark.parametrize("weight_decay", [0.0, 0.3])
 def test_adam(mode, bias_correction, weight_decay):
     params = initial_params(w=(3, 2), b=(2,))
-    hyper = adam_hyper(weight_decay_mode=mode, do_bias_correction=bias_correction, **{"lambda": weight_decay},
-                       alpha=0.8, beta=0.95, epsilon=1e-3)
+    hyper = adam_hyper(
+        weight_decay_mode=mode,
+        do_bias_correction=bias_correction,
+        **{"lambda": weight_decay},
+        alpha=0.8,
+        beta=0.95,
+        epsilon=1e-3,
+    )
     graph, _ = train_and_compare(params, "AdamOptimizer", [ParamGroup(hyper, ["w", "b"])])
     # the bias corrections are computed once per group, in double; nothing at all when they are off
     assert op_count(graph, "Pow") == (2 if bias_correction else 0)
@@ -237,8 +288,9 @@ def test_adam(mode, bias_correction, weight_decay):
 def test_adam_modes_differ_with_weight_decay_and_bias_correction():
     params = initial_params(w=(3, 2))
     _, mode0 = train_and_compare(params, "AdamOptimizer", [ParamGroup(adam_hyper(**{"lambda": 0.3}), ["w"])])
-    _, mode1 = train_and_compare(params, "AdamOptimizer",
-                                 [ParamGroup(adam_hyper(weight_decay_mode=1, **{"lambda": 0.3}), ["w"])])
+    _, mode1 = train_and_compare(
+        params, "AdamOptimizer", [ParamGroup(adam_hyper(weight_decay_mode=1, **{"lambda": 0.3}), ["w"])]
+    )
     assert np.abs(mode0.w["w"] - mode1.w["w"]).max() > 1e-3
 
 
@@ -257,18 +309,31 @@ def test_adam_update_count_drives_the_bias_correction():
 
 def test_adam_with_a_tensor_coefficient():
     # append_adam folds a 0-d coefficient tensor (here a graph input) into the moment updates.
-    graph = helper.make_graph([], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in
-                                        [("w", [2]), ("G", [2]), ("coef", []), ("lr", []), ("Moment_1_w", [2]),
-                                         ("Moment_2_w", [2])]] +
-                              [helper.make_tensor_value_info("count", TensorProto.DOUBLE, [])], [])
+    graph = helper.make_graph(
+        [],
+        "g",
+        [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
+            for n, s in [("w", [2]), ("G", [2]), ("coef", []), ("lr", []), ("Moment_1_w", [2]), ("Moment_2_w", [2])]
+        ]
+        + [helper.make_tensor_value_info("count", TensorProto.DOUBLE, [])],
+        [],
+    )
     ed = GraphEditor(graph, "t")
     (update,) = append_adam(ed, ["w"], ["G"], "coef", StepScalars("lr", "count"), adam_hyper())
     for name in (update.new_weight, *(out for _, out in update.moments)):
         ed.add_output(name, TensorProto.FLOAT, [2])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
     w, G, m, v = (np.array(a, np.float32) for a in ([1.0, -2.0], [3.0, 0.5], [0.1, 0.2], [0.01, 0.02]))
-    feeds = {"w": w, "G": G, "coef": np.array(0.25, np.float32), "lr": np.array(0.1, np.float32),
-             "Moment_1_w": m, "Moment_2_w": v, "count": np.array(2.0)}
+    feeds = {
+        "w": w,
+        "G": G,
+        "coef": np.array(0.25, np.float32),
+        "lr": np.array(0.1, np.float32),
+        "Moment_1_w": m,
+        "Moment_2_w": v,
+        "count": np.array(2.0),
+    }
     got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     g = 0.25 * G.astype(np.float64)
     m_new, v_new = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
@@ -313,8 +378,10 @@ def test_lamb_zero_norms_give_ratio_one():
 
 
 # -------------------------------------------------------------------------------------------- 0-d (scalar) weights
-@pytest.mark.parametrize(("optimizer", "hyper"), [("SGDOptimizer", sgd_hyper()), ("AdamOptimizer", adam_hyper()),
-                                                   ("LambOptimizer", lamb_hyper(**{"lambda": 0.1}))])
+@pytest.mark.parametrize(
+    ("optimizer", "hyper"),
+    [("SGDOptimizer", sgd_hyper()), ("AdamOptimizer", adam_hyper()), ("LambOptimizer", lamb_hyper(**{"lambda": 0.1}))],
+)
 def test_scalar_parameter_keeps_its_shape(optimizer, hyper):
     params = initial_params(w=(3, 2), s=())
     graph, _ = train_and_compare(params, optimizer, [ParamGroup(hyper, ["w", "s"])], clip=True)

@@ -31,34 +31,59 @@ def _op_types(model: onnx.ModelProto) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------ name_nodes
 def test_name_nodes_keeps_names_and_names_unnamed_nodes_uniquely():
-    nodes = [helper.make_node("Relu", ["x"], ["a"]),  # Relu_0 and Relu_0_1 are taken: Relu_0_2
-             helper.make_node("Relu", ["a"], ["b"], name="Relu_0"),
-             helper.make_node("Relu", ["b"], ["c"]),  # Relu_2
-             helper.make_node("Neg", ["c"], ["d"], name="/encoder/neg"),  # exporter scope names are kept
-             helper.make_node("Relu", ["d"], ["e"], name="Relu_4"),
-             helper.make_node("Relu", ["e"], ["f"]),  # Relu_5
-             helper.make_node("Relu", ["f"], ["g"]),  # Relu_6
-             helper.make_node("Relu", ["g"], ["y"], name="Relu_0_1")]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),  # Relu_0 and Relu_0_1 are taken: Relu_0_2
+        helper.make_node("Relu", ["a"], ["b"], name="Relu_0"),
+        helper.make_node("Relu", ["b"], ["c"]),  # Relu_2
+        helper.make_node("Neg", ["c"], ["d"], name="/encoder/neg"),  # exporter scope names are kept
+        helper.make_node("Relu", ["d"], ["e"], name="Relu_4"),
+        helper.make_node("Relu", ["e"], ["f"]),  # Relu_5
+        helper.make_node("Relu", ["f"], ["g"]),  # Relu_6
+        helper.make_node("Relu", ["g"], ["y"], name="Relu_0_1"),
+    ]
     model = _model(nodes, [_vi("x", [2])], [_vi("y", [2])])
     named = name_nodes(model)
-    assert [n.name for n in named.graph.node] == ["Relu_0_2", "Relu_0", "Relu_2", "/encoder/neg", "Relu_4",
-                                                 "Relu_5", "Relu_6", "Relu_0_1"]
+    assert [n.name for n in named.graph.node] == [
+        "Relu_0_2",
+        "Relu_0",
+        "Relu_2",
+        "/encoder/neg",
+        "Relu_4",
+        "Relu_5",
+        "Relu_6",
+        "Relu_0_1",
+    ]
     assert model.graph.node[0].name == ""  # the argument is untouched
     assert name_nodes(named) == named
 
 
 # ---------------------------------------------------------------------------------------------- fuse_log_softmax_nll
-def _nll_model(shape: tuple[int, ...], axis: int | None = 1, *, reduction: str | None = None,
-               ignore_index: int | None = None, weight: bool = False, extra_consumer: bool = False,
-               log_prob_output: bool = False, opset: int = 14) -> onnx.ModelProto:
+def _nll_model(
+    shape: tuple[int, ...],
+    axis: int | None = 1,
+    *,
+    reduction: str | None = None,
+    ignore_index: int | None = None,
+    weight: bool = False,
+    extra_consumer: bool = False,
+    log_prob_output: bool = False,
+    opset: int = 14,
+) -> onnx.ModelProto:
     """loss = NLL(LogSoftmax(x @ 1 + 0), label): the logits come from a node so the fused op's input is produced."""
     n, c, *rest = shape
     axis_attr = {} if axis is None else {"axis": axis}
     nll_attrs = {k: v for k, v in (("reduction", reduction), ("ignore_index", ignore_index)) if v is not None}
-    nodes = [helper.make_node("Mul", ["x", "one"], ["logits"], name="scale"),
-             helper.make_node("LogSoftmax", ["logits"], ["log_prob"], name="log_softmax", **axis_attr),
-             helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "label"] + (["w"] if weight else []),
-                              ["loss"], name="nll", **nll_attrs)]
+    nodes = [
+        helper.make_node("Mul", ["x", "one"], ["logits"], name="scale"),
+        helper.make_node("LogSoftmax", ["logits"], ["log_prob"], name="log_softmax", **axis_attr),
+        helper.make_node(
+            "NegativeLogLikelihoodLoss",
+            ["log_prob", "label"] + (["w"] if weight else []),
+            ["loss"],
+            name="nll",
+            **nll_attrs,
+        ),
+    ]
     outputs = [_vi("loss", [n, *rest] if reduction == "none" else [])]
     if extra_consumer:
         nodes.append(helper.make_node("Exp", ["log_prob"], ["prob"], name="exp"))
@@ -89,14 +114,17 @@ def _assert_same_outputs(model: onnx.ModelProto, fused: onnx.ModelProto, feeds: 
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize(("shape", "axis", "reduction", "ignore_index", "weight"), [
-    ((5, 4), 1, None, None, False),  # default reduction: mean
-    ((5, 4), -1, "sum", None, False),  # -1 is the class axis of 2-D logits
-    ((5, 4), 1, "none", 2, True),
-    ((5, 4), None, "mean", 1, True),  # opset 13+ default axis is -1
-    ((3, 4, 6), 1, "mean", 3, True),  # N, C, d1: the class axis is still 1
-    ((3, 4, 2, 2), 1, "none", None, False),
-])
+@pytest.mark.parametrize(
+    ("shape", "axis", "reduction", "ignore_index", "weight"),
+    [
+        ((5, 4), 1, None, None, False),  # default reduction: mean
+        ((5, 4), -1, "sum", None, False),  # -1 is the class axis of 2-D logits
+        ((5, 4), 1, "none", 2, True),
+        ((5, 4), None, "mean", 1, True),  # opset 13+ default axis is -1
+        ((3, 4, 6), 1, "mean", 3, True),  # N, C, d1: the class axis is still 1
+        ((3, 4, 2, 2), 1, "none", None, False),
+    ],
+)
 def test_log_softmax_nll_becomes_softmax_cross_entropy(shape, axis, reduction, ignore_index, weight):
     model = _nll_model(shape, axis, reduction=reduction, ignore_index=ignore_index, weight=weight)
     fused = fuse_log_softmax_nll(model)
@@ -124,13 +152,16 @@ def test_log_prob_graph_output_keeps_its_name_and_value():
     _assert_same_outputs(model, fused, _feeds((5, 4)))
 
 
-@pytest.mark.parametrize(("shape", "axis", "opset"), [
-    ((3, 4, 6), -1, 14),  # the last axis of 3-D logits is not the class axis
-    ((3, 4, 6), 2, 14),
-    ((5, 4), 0, 14),
-    ((3, 4, 6), 1, 12),  # LogSoftmax-11 flattens from axis 1 on: a softmax over C*d1 values, not over C
-    ((3, 4, 6), None, 12),  # default axis 1, same
-])
+@pytest.mark.parametrize(
+    ("shape", "axis", "opset"),
+    [
+        ((3, 4, 6), -1, 14),  # the last axis of 3-D logits is not the class axis
+        ((3, 4, 6), 2, 14),
+        ((5, 4), 0, 14),
+        ((3, 4, 6), 1, 12),  # LogSoftmax-11 flattens from axis 1 on: a softmax over C*d1 values, not over C
+        ((3, 4, 6), None, 12),  # default axis 1, same
+    ],
+)
 def test_no_fusion_when_the_softmax_axis_is_not_the_class_axis(shape, axis, opset):
     model = _nll_model(shape, axis, opset=opset)
     fused = fuse_log_softmax_nll(model)
@@ -153,23 +184,29 @@ def test_no_fusion_when_log_probs_have_another_consumer():
 
 
 def test_no_fusion_without_log_softmax_producer():
-    nodes = [helper.make_node("Identity", ["x"], ["log_prob"], name="id"),
-             helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "label"], ["loss"], name="nll")]
+    nodes = [
+        helper.make_node("Identity", ["x"], ["log_prob"], name="id"),
+        helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "label"], ["loss"], name="nll"),
+    ]
     model = _model(nodes, [_vi("x", [5, 4]), _vi("label", [5], TensorProto.INT64)], [_vi("loss", None)])
     assert fuse_log_softmax_nll(model) == model
 
 
 def test_two_losses_are_both_fused_and_stay_in_topological_order():
-    nodes = [helper.make_node("LogSoftmax", ["x"], ["lp_a"], axis=1, name="ls_a"),
-             helper.make_node("LogSoftmax", ["x"], ["lp_b"], axis=-1, name="ls_b"),
-             helper.make_node("NegativeLogLikelihoodLoss", ["lp_a", "label"], ["loss_a"], name="nll_a"),
-             helper.make_node("NegativeLogLikelihoodLoss", ["lp_b", "label"], ["loss_b"], name="nll_b",
-                              reduction="sum"),
-             helper.make_node("Add", ["loss_a", "loss_b"], ["loss"], name="add")]
+    nodes = [
+        helper.make_node("LogSoftmax", ["x"], ["lp_a"], axis=1, name="ls_a"),
+        helper.make_node("LogSoftmax", ["x"], ["lp_b"], axis=-1, name="ls_b"),
+        helper.make_node("NegativeLogLikelihoodLoss", ["lp_a", "label"], ["loss_a"], name="nll_a"),
+        helper.make_node("NegativeLogLikelihoodLoss", ["lp_b", "label"], ["loss_b"], name="nll_b", reduction="sum"),
+        helper.make_node("Add", ["loss_a", "loss_b"], ["loss"], name="add"),
+    ]
     model = _model(nodes, [_vi("x", [5, 4]), _vi("label", [5], TensorProto.INT64)], [_vi("loss", [])])
     fused = fuse_log_softmax_nll(model)
-    assert [n.name for n in fused.graph.node] == ["nll_a_fused_softmax_cross_entropy",
-                                                  "nll_b_fused_softmax_cross_entropy", "add"]
+    assert [n.name for n in fused.graph.node] == [
+        "nll_a_fused_softmax_cross_entropy",
+        "nll_b_fused_softmax_cross_entropy",
+        "add",
+    ]
     onnx.checker.check_model(fused, full_check=True)
     _assert_same_outputs(model, fused, _feeds((5, 4)))
 
@@ -180,5 +217,7 @@ def test_run_postprocess_names_nodes_then_fuses():
         node.name = ""
     processed = run_postprocess(model)
     assert [(n.op_type, n.name) for n in processed.graph.node] == [
-        ("Mul", "Mul_0"), ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss_2_fused_softmax_cross_entropy")]
+        ("Mul", "Mul_0"),
+        ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss_2_fused_softmax_cross_entropy"),
+    ]
     _assert_same_outputs(model, processed, _feeds((5, 4)))

@@ -24,8 +24,9 @@ FLOAT = TensorProto.FLOAT
 
 
 def _model(nodes, inputs, initializers, outputs=("loss",)):
-    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(o, FLOAT, None) for o in outputs],
-                              initializers)
+    graph = helper.make_graph(
+        nodes, "g", inputs, [helper.make_tensor_value_info(o, FLOAT, None) for o in outputs], initializers
+    )
     opsets = [helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 8
@@ -34,21 +35,27 @@ def _model(nodes, inputs, initializers, outputs=("loss",)):
 
 def _weights(*shapes):
     rng = np.random.default_rng(0)
-    return [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.3, f"W{i + 1}")
-            for i, s in enumerate(shapes)]
+    return [
+        numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.3, f"W{i + 1}")
+        for i, s in enumerate(shapes)
+    ]
 
 
 def _sum_of_squares(y: str):
-    return [helper.make_node("Mul", [y, y], ["squares"], name="square"),
-            helper.make_node("ReduceSum", ["squares"], ["loss"], name="loss", keepdims=0)]
+    return [
+        helper.make_node("Mul", [y, y], ["squares"], name="square"),
+        helper.make_node("ReduceSum", ["squares"], ["loss"], name="loss", keepdims=0),
+    ]
 
 
 def _gelu_mlp():
     """loss = sum((Gelu(x @ W1) @ W2)^2): the backward pass reads the GELU output (for W2's gradient)."""
-    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"),
-             helper.make_node("Gelu", ["h"], ["g"], name="gelu", domain="com.microsoft"),
-             helper.make_node("MatMul", ["g", "W2"], ["y"], name="fc2"),
-             *_sum_of_squares("y")]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"),
+        helper.make_node("Gelu", ["h"], ["g"], name="gelu", domain="com.microsoft"),
+        helper.make_node("MatMul", ["g", "W2"], ["y"], name="fc2"),
+        *_sum_of_squares("y"),
+    ]
     forward = _model(nodes, [helper.make_tensor_value_info("x", FLOAT, [4, 8])], _weights((8, 16), (16, 3)))
     return build_ort_gradient_graph(forward, "loss", ["W1", "W2"], ["W1", "W2"])
 
@@ -65,20 +72,28 @@ def _attention(mode_input: str | None):
     elif mode_input == "input":
         inputs.append(helper.make_tensor_value_info("mode", TensorProto.BOOL, []))
         dropout_inputs.append("mode")
-    nodes = [helper.make_node("MatMul", ["x", "W1"], ["s"], name="scores"),
-             helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
-             helper.make_node("Dropout", dropout_inputs, ["pd", "mask"], name="attn_dropout"),
-             helper.make_node("MatMul", ["pd", "W2"], ["y"], name="context"),
-             *_sum_of_squares("y")]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["s"], name="scores"),
+        helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+        helper.make_node("Dropout", dropout_inputs, ["pd", "mask"], name="attn_dropout"),
+        helper.make_node("MatMul", ["pd", "W2"], ["y"], name="context"),
+        *_sum_of_squares("y"),
+    ]
     forward = _model(nodes, inputs, inits)
     return build_ort_gradient_graph(forward, "loss", ["W1", "W2"], ["W1", "W2"])
 
 
 def _run(model, feeds):
     weights = {i.name: numpy_helper.to_array(i) for i in _weights((8, 16), (16, 3))}
-    weights = {n: (weights[n] if n in weights and weights[n].shape == _input_shape(model, n) else
-                   np.random.default_rng(len(n)).standard_normal(_input_shape(model, n)).astype(np.float32) * 0.3)
-               for n in (i.name for i in model.graph.input) if n.startswith("W")}
+    weights = {
+        n: (
+            weights[n]
+            if n in weights and weights[n].shape == _input_shape(model, n)
+            else np.random.default_rng(len(n)).standard_normal(_input_shape(model, n)).astype(np.float32) * 0.3
+        )
+        for n in (i.name for i in model.graph.input)
+        if n.startswith("W")
+    }
     feeds = {**feeds, **weights}
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -161,10 +176,12 @@ def _layered():
     for k, (w, v) in enumerate([("W1", "W2"), ("W3", "W4")]):
         s = f"/m/layers.{k}/"
         gelu_name = f"{s}gelu" if k == 0 else "BiasGelu_fused"
-        nodes += [helper.make_node("MatMul", [h, w], [f"{s}a"], name=f"{s}fc1"),
-                  helper.make_node("Gelu", [f"{s}a"], [f"{s}g"], name=gelu_name, domain="com.microsoft"),
-                  helper.make_node("MatMul", [f"{s}g", v], [f"{s}b"], name=f"{s}fc2"),
-                  helper.make_node("Add", [f"{s}b", h], [f"{s}out"], name=f"{s}residual")]
+        nodes += [
+            helper.make_node("MatMul", [h, w], [f"{s}a"], name=f"{s}fc1"),
+            helper.make_node("Gelu", [f"{s}a"], [f"{s}g"], name=gelu_name, domain="com.microsoft"),
+            helper.make_node("MatMul", [f"{s}g", v], [f"{s}b"], name=f"{s}fc2"),
+            helper.make_node("Add", [f"{s}b", h], [f"{s}out"], name=f"{s}residual"),
+        ]
         h = f"{s}out"
     nodes += _sum_of_squares(h)
     forward = _model(nodes, [helper.make_tensor_value_info("x", FLOAT, [4, 8])], inits)

@@ -50,14 +50,19 @@ def _mark(x: str, y: str, activation: str) -> onnx.NodeProto:
 
 # ------------------------------------------------------------------------------------------------ marks_to_identity
 def test_marks_become_identities_and_report_their_tensors_in_node_order():
-    nodes = [helper.make_node("Relu", ["x"], ["r"]), _mark("r", "m1", "Linear_1_0th_output"),
-             _mark("m1", "m2", "inspected"), helper.make_node("Neg", ["m2"], ["y"])]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        _mark("r", "m1", "Linear_1_0th_output"),
+        _mark("m1", "m2", "inspected"),
+        helper.make_node("Neg", ["m2"], ["y"]),
+    ]
     model = _model(nodes, [_vi("x", [3])], [_vi("y", [3])], extra_opsets=[helper.make_opsetid(MARK_DOMAIN, 1)])
     plain, marks = marks_to_identity(model)
     assert marks == [("Linear_1_0th_output", "m1"), ("inspected", "m2")]
     assert [(n.op_type, n.domain, n.name) for n in plain.graph.node[1:3]] == [
         ("Identity", "", "orttrainer/activation/Linear_1_0th_output"),
-        ("Identity", "", "orttrainer/activation/inspected")]
+        ("Identity", "", "orttrainer/activation/inspected"),
+    ]
     assert [o.domain for o in plain.opset_import] == [""]
     assert model.graph.node[1].op_type == "ActivationMark"  # the argument is untouched
     x = np.array([-1.0, 0.5, 2.0], np.float32)
@@ -94,9 +99,15 @@ CASES = {
     "int32": torch.tensor([5, 5, -5], dtype=torch.int32),
     "bool": torch.tensor([True, False, True, True]),
 }
-_TYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16, torch.bfloat16: TensorProto.BFLOAT16,
-          torch.float64: TensorProto.DOUBLE, torch.int64: TensorProto.INT64, torch.int32: TensorProto.INT32,
-          torch.bool: TensorProto.BOOL}
+_TYPES = {
+    torch.float32: TensorProto.FLOAT,
+    torch.float16: TensorProto.FLOAT16,
+    torch.bfloat16: TensorProto.BFLOAT16,
+    torch.float64: TensorProto.DOUBLE,
+    torch.int64: TensorProto.INT64,
+    torch.int32: TensorProto.INT32,
+    torch.bool: TensorProto.BOOL,
+}
 
 
 def _summarise(tensor: torch.Tensor):
@@ -105,8 +116,11 @@ def _summarise(tensor: torch.Tensor):
     with_stats, outputs = append_statistics(model, {"t": StatisticsTarget("y", elem)})
     assert list(with_stats.graph.output)[:1] == list(model.graph.output)
     # bfloat16 through DLPack: numpy has no bfloat16.
-    value = (C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False) if tensor.dtype == torch.bfloat16
-             else ort.OrtValue.ortvalue_from_numpy(tensor.numpy())._get_c_value())
+    value = (
+        C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False)
+        if tensor.dtype == torch.bfloat16
+        else ort.OrtValue.ortvalue_from_numpy(tensor.numpy())._get_c_value()
+    )
     fetched = _session(with_stats)._sess.run_with_ort_values({"x": value}, outputs["t"].names, None)
     return decode_statistics(*(v.numpy() for v in fetched), dtype=tensor.dtype)
 
@@ -128,8 +142,11 @@ def test_in_graph_statistics_match_the_pytorch_computation(case):
 
 
 def test_a_target_of_unknown_type_gets_an_untyped_samples_output():
-    model = _model([helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16)], [_vi("x", [3])],
-                   [_vi("h", [3], TensorProto.FLOAT16)])
+    model = _model(
+        [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16)],
+        [_vi("x", [3])],
+        [_vi("h", [3], TensorProto.FLOAT16)],
+    )
     with_stats, outputs = append_statistics(model, {"t": StatisticsTarget("h", None)})
     session = _session(with_stats)
     types = {o.name: o.type for o in session.get_outputs()}
@@ -143,8 +160,9 @@ def test_statistics_need_existing_tensors_and_keep_the_graph():
     model = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", [2])], [_vi("y", [2])])
     with pytest.raises(ValueError, match=r"tensors the graph does not have: \['nope'\]"):
         append_statistics(model, {"t": StatisticsTarget("nope", TensorProto.FLOAT)})
-    both, outputs = append_statistics(model, {"a": StatisticsTarget("x", TensorProto.FLOAT),
-                                              "b": StatisticsTarget("y", TensorProto.FLOAT)})
+    both, outputs = append_statistics(
+        model, {"a": StatisticsTarget("x", TensorProto.FLOAT), "b": StatisticsTarget("y", TensorProto.FLOAT)}
+    )
     assert both.graph.node[0] == model.graph.node[0]
     names = [o.name for o in both.graph.output]
     assert names[0] == "y" and set(outputs["a"].names + outputs["b"].names) == set(names[1:])
@@ -177,20 +195,27 @@ def _nodes_run(profile: str) -> set[str]:
 
 # ------------------------------------------------------------------------------------ markers and the NLL fusion
 def test_log_softmax_nll_fuses_through_a_marker_chain():
-    nodes = [helper.make_node("LogSoftmax", ["x"], ["lp"], axis=1),
-             helper.make_node("Identity", ["lp"], ["m1"], name="orttrainer/activation/a"),
-             helper.make_node("Identity", ["m1"], ["m2"], name="orttrainer/activation/b"),
-             helper.make_node("NegativeLogLikelihoodLoss", ["m2", "t"], ["loss"], reduction="mean")]
+    nodes = [
+        helper.make_node("LogSoftmax", ["x"], ["lp"], axis=1),
+        helper.make_node("Identity", ["lp"], ["m1"], name="orttrainer/activation/a"),
+        helper.make_node("Identity", ["m1"], ["m2"], name="orttrainer/activation/b"),
+        helper.make_node("NegativeLogLikelihoodLoss", ["m2", "t"], ["loss"], reduction="mean"),
+    ]
     model = _model(nodes, [_vi("x", [4, 3]), _vi("t", [4], TensorProto.INT64)], [_vi("loss", []), _vi("m2", [4, 3])])
     fused = fuse_log_softmax_nll(model)
     assert [(n.op_type, list(n.input), list(n.output)) for n in fused.graph.node] == [
-        ("SoftmaxCrossEntropyLoss", ["x", "t"], ["loss", "lp"]), ("Identity", ["lp"], ["m1"]),
-        ("Identity", ["m1"], ["m2"])]
+        ("SoftmaxCrossEntropyLoss", ["x", "t"], ["loss", "lp"]),
+        ("Identity", ["lp"], ["m1"]),
+        ("Identity", ["m1"], ["m2"]),
+    ]
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
     t = np.array([0, 2, 1, 2], np.int64)
     feeds = {"x": x, "t": t}
     for got, want in zip(_session(fused).run(None, feeds), _session(model).run(None, feeds), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
-    branched = _model([*nodes, helper.make_node("Neg", ["m1"], ["n"])], [_vi("x", [4, 3]),
-                      _vi("t", [4], TensorProto.INT64)], [_vi("loss", []), _vi("n", [4, 3])])
+    branched = _model(
+        [*nodes, helper.make_node("Neg", ["m1"], ["n"])],
+        [_vi("x", [4, 3]), _vi("t", [4], TensorProto.INT64)],
+        [_vi("loss", []), _vi("n", [4, 3])],
+    )
     assert fuse_log_softmax_nll(branched).graph.node[0].op_type == "LogSoftmax"  # m1 has two consumers: no fusion

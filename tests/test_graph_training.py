@@ -37,8 +37,9 @@ def _names(values) -> list[str]:
 
 
 def _clip_norm_nodes(graph) -> int:
-    return sum(n.op_type == "ReduceSumSquare" and n.name.startswith("orttrainer/train/grad_sq")
-               for n in graph.model.graph.node)
+    return sum(
+        n.op_type == "ReduceSumSquare" and n.name.startswith("orttrainer/train/grad_sq") for n in graph.model.graph.node
+    )
 
 
 # --------------------------------------------------------------------------------------------------- graph contract
@@ -46,22 +47,41 @@ def test_graph_contract_without_accumulation():
     params = initial_params(w=(3, 2), b=(2,))
     source = gradient_model({p: v.shape for p, v in params.items()})
     before = source.SerializeToString()
-    graph = build_training_graph(source, data_inputs=["x_w", "x_b"], outputs=["loss"], trainable=["w", "b"],
-                                 optimizer_name="AdamOptimizer", groups=[ParamGroup(adam_hyper(), ["w", "b"])],
-                                 accumulation_steps=1, clip_grad_norm=True)
+    graph = build_training_graph(
+        source,
+        data_inputs=["x_w", "x_b"],
+        outputs=["loss"],
+        trainable=["w", "b"],
+        optimizer_name="AdamOptimizer",
+        groups=[ParamGroup(adam_hyper(), ["w", "b"])],
+        accumulation_steps=1,
+        clip_grad_norm=True,
+    )
     assert source.SerializeToString() == before  # the gradient model is not modified
     assert (graph.data_inputs, graph.outputs) == (["x_w", "x_b"], ["loss"])
     assert (graph.lr_input, graph.update_count_input) == (LEARNING_RATE_INPUT, UPDATE_COUNT_INPUT)
     assert graph.accumulation == {}
     assert graph.weight_updates == {"w": "orttrainer/train/w.new", "b": "orttrainer/train/b.new"}
-    assert graph.optimizer_state == {"Moment_1_w": "orttrainer/train/Moment_1_w.new",
-                                     "Moment_2_w": "orttrainer/train/Moment_2_w.new",
-                                     "Moment_1_b": "orttrainer/train/Moment_1_b.new",
-                                     "Moment_2_b": "orttrainer/train/Moment_2_b.new"}
+    assert graph.optimizer_state == {
+        "Moment_1_w": "orttrainer/train/Moment_1_w.new",
+        "Moment_2_w": "orttrainer/train/Moment_2_w.new",
+        "Moment_1_b": "orttrainer/train/Moment_1_b.new",
+        "Moment_2_b": "orttrainer/train/Moment_2_b.new",
+    }
     assert graph.state_shapes == {"Moment_1_w": (3, 2), "Moment_2_w": (3, 2), "Moment_1_b": (2,), "Moment_2_b": (2,)}
     model = graph.model.graph
-    assert _names(model.input) == ["x_w", "w", "x_b", "b", "__learning_rate", "__update_count", "Moment_1_w",
-                                   "Moment_2_w", "Moment_1_b", "Moment_2_b"]
+    assert _names(model.input) == [
+        "x_w",
+        "w",
+        "x_b",
+        "b",
+        "__learning_rate",
+        "__update_count",
+        "Moment_1_w",
+        "Moment_2_w",
+        "Moment_1_b",
+        "Moment_2_b",
+    ]
     inputs = {i.name: i.type.tensor_type for i in model.input}
     assert inputs["__learning_rate"].elem_type == TensorProto.FLOAT and not inputs["__learning_rate"].shape.dim
     assert inputs["__update_count"].elem_type == TensorProto.INT64 and not inputs["__update_count"].shape.dim
@@ -69,28 +89,39 @@ def test_graph_contract_without_accumulation():
     assert _names(model.output) == ["loss", *graph.weight_updates.values(), *graph.optimizer_state.values()]
     node_names = [n.name for n in model.node if n.name]
     assert len(node_names) == len(set(node_names))
-    assert all(n.name.startswith("orttrainer/train/") for n in model.node[len(source.graph.node):])
+    assert all(n.name.startswith("orttrainer/train/") for n in model.node[len(source.graph.node) :])
 
 
 def test_graph_contract_with_accumulation():
     params = initial_params(w=(3, 2), s=())
     graph = compile_graph(params, "SGDOptimizer", [ParamGroup(sgd_hyper(), ["w", "s"])], accumulation_steps=4)
-    assert graph.accumulation == {"w_grad_accumulation_buffer": "orttrainer/train/w_grad_accumulation_buffer.new",
-                                  "s_grad_accumulation_buffer": "orttrainer/train/s_grad_accumulation_buffer.new"}
+    assert graph.accumulation == {
+        "w_grad_accumulation_buffer": "orttrainer/train/w_grad_accumulation_buffer.new",
+        "s_grad_accumulation_buffer": "orttrainer/train/s_grad_accumulation_buffer.new",
+    }
     assert accumulation_buffer_name("w") == "w_grad_accumulation_buffer"
     assert graph.state_shapes == {"w_grad_accumulation_buffer": (3, 2), "s_grad_accumulation_buffer": ()}
-    assert _names(graph.model.graph.input)[4:] == ["w_grad_accumulation_buffer", "s_grad_accumulation_buffer",
-                                                   "__learning_rate", "__update_count"]
+    assert _names(graph.model.graph.input)[4:] == [
+        "w_grad_accumulation_buffer",
+        "s_grad_accumulation_buffer",
+        "__learning_rate",
+        "__update_count",
+    ]
     assert _names(graph.model.graph.output) == ["loss", *graph.accumulation.values(), *graph.weight_updates.values()]
     zeros = zero_state(graph.state_shapes)
     assert {k: (v.shape, v.dtype, float(np.abs(v).sum())) for k, v in zeros.items()} == {
-        "w_grad_accumulation_buffer": ((3, 2), np.float32, 0.0), "s_grad_accumulation_buffer": ((), np.float32, 0.0)}
+        "w_grad_accumulation_buffer": ((3, 2), np.float32, 0.0),
+        "s_grad_accumulation_buffer": ((), np.float32, 0.0),
+    }
 
 
 def test_unknown_optimizer_is_rejected():
     params = initial_params(w=(3, 2))
-    with pytest.raises(ValueError, match=r"unknown optimizer 'AdagradOptimizer'; expected one of \['AdamOptimizer', "
-                                         r"'LambOptimizer', 'SGDOptimizer'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown optimizer 'AdagradOptimizer'; expected one of \['AdamOptimizer', "
+        r"'LambOptimizer', 'SGDOptimizer'\]",
+    ):
         compile_graph(params, "AdagradOptimizer", [ParamGroup(sgd_hyper(), ["w"])])
 
 
@@ -98,24 +129,43 @@ def test_dynamic_parameter_shape_is_rejected():
     model = gradient_model({"w": (3, 2)})
     model.graph.input[1].type.tensor_type.shape.dim[0].dim_param = "batch"
     with pytest.raises(ValueError, match="trainable tensor 'w' has a dynamic shape"):
-        build_training_graph(model, data_inputs=["x_w"], outputs=["loss"], trainable=["w"],
-                             optimizer_name="SGDOptimizer", groups=[ParamGroup(sgd_hyper(), ["w"])],
-                             accumulation_steps=1, clip_grad_norm=False)
+        build_training_graph(
+            model,
+            data_inputs=["x_w"],
+            outputs=["loss"],
+            trainable=["w"],
+            optimizer_name="SGDOptimizer",
+            groups=[ParamGroup(sgd_hyper(), ["w"])],
+            accumulation_steps=1,
+            clip_grad_norm=False,
+        )
 
 
 def test_reserved_input_names_cannot_be_reused():
     model = gradient_model({"w": (3, 2)})
     model.graph.input.append(helper.make_tensor_value_info(LEARNING_RATE_INPUT, TensorProto.FLOAT, []))
     with pytest.raises(ValueError, match="'__learning_rate' is already used"):
-        build_training_graph(model, data_inputs=["x_w"], outputs=["loss"], trainable=["w"],
-                             optimizer_name="SGDOptimizer", groups=[ParamGroup(sgd_hyper(), ["w"])],
-                             accumulation_steps=1, clip_grad_norm=False)
+        build_training_graph(
+            model,
+            data_inputs=["x_w"],
+            outputs=["loss"],
+            trainable=["w"],
+            optimizer_name="SGDOptimizer",
+            groups=[ParamGroup(sgd_hyper(), ["w"])],
+            accumulation_steps=1,
+            clip_grad_norm=False,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------- accumulation
-@pytest.mark.parametrize(("optimizer", "hyper"), [("SGDOptimizer", sgd_hyper()),
-                                                   ("AdamOptimizer", adam_hyper(**{"lambda": 0.1})),
-                                                   ("LambOptimizer", lamb_hyper(do_bias_correction=True))])
+@pytest.mark.parametrize(
+    ("optimizer", "hyper"),
+    [
+        ("SGDOptimizer", sgd_hyper()),
+        ("AdamOptimizer", adam_hyper(**{"lambda": 0.1})),
+        ("LambOptimizer", lamb_hyper(do_bias_correction=True)),
+    ],
+)
 @pytest.mark.parametrize("steps", [1, 3])
 def test_accumulation_sums_micro_steps_and_updates_with_the_mean(optimizer, hyper, steps):
     params = initial_params(w=(3, 2), s=())
@@ -144,8 +194,9 @@ def test_micro_steps_do_not_update_weights():
 def test_clipping_scales_by_the_global_norm(optimizer, steps):
     params = initial_params(w=(3, 2), b=(2,))
     hyper = (adam_hyper if optimizer == "AdamOptimizer" else lamb_hyper)(max_norm_clip=0.5)
-    graph, ref = train_and_compare(params, optimizer, [ParamGroup(hyper, ["w", "b"])], accumulation_steps=steps,
-                                   clip=True)
+    graph, ref = train_and_compare(
+        params, optimizer, [ParamGroup(hyper, ["w", "b"])], accumulation_steps=steps, clip=True
+    )
     assert all(f < 0.5 for f in ref.clip_factors) and len(ref.clip_factors) == 3  # clipping was active
     assert _clip_norm_nodes(graph) == 2  # one squared norm per gradient
 
@@ -169,8 +220,9 @@ def test_clipping_off_adds_no_norm():
 def test_sgd_is_never_clipped():
     # As the legacy SGDOptimizer, which took no gradient-norm input: clip_grad_norm has no effect on SGD.
     params = initial_params(w=(3, 2))
-    graph, ref = train_and_compare(params, "SGDOptimizer", [ParamGroup(sgd_hyper(max_norm_clip=1e-3), ["w"])],
-                                   clip=True)
+    graph, ref = train_and_compare(
+        params, "SGDOptimizer", [ParamGroup(sgd_hyper(max_norm_clip=1e-3), ["w"])], clip=True
+    )
     assert _clip_norm_nodes(graph) == 0 and ref.clip_factors == []
 
 
@@ -185,8 +237,10 @@ def test_per_group_max_norm_with_one_global_norm():
 # ---------------------------------------------------------------------------------------------------- param groups
 def test_two_groups_with_different_hyper_parameters():
     params = initial_params(w=(3, 2), b=(2,), s=())
-    groups = [ParamGroup(adam_hyper(alpha=0.5, beta=0.9, epsilon=1e-4, **{"lambda": 0.2}), ["w", "s"]),
-              ParamGroup(adam_hyper(weight_decay_mode=1, do_bias_correction=False, **{"lambda": 0.05}), ["b"])]
+    groups = [
+        ParamGroup(adam_hyper(alpha=0.5, beta=0.9, epsilon=1e-4, **{"lambda": 0.2}), ["w", "s"]),
+        ParamGroup(adam_hyper(weight_decay_mode=1, do_bias_correction=False, **{"lambda": 0.05}), ["b"]),
+    ]
     graph, _ = train_and_compare(params, "AdamOptimizer", groups, clip=True)
     assert op_count(graph, "Pow") == 2  # bias corrections: once for the first group, none for the second
     assert list(graph.weight_updates) == ["w", "s", "b"]
@@ -194,8 +248,10 @@ def test_two_groups_with_different_hyper_parameters():
 
 def test_two_lamb_groups():
     params = initial_params(w=(3, 2), b=(2,))
-    groups = [ParamGroup(lamb_hyper(alpha=0.7, **{"lambda": 0.3}), ["b"]),
-              ParamGroup(lamb_hyper(beta=0.99, do_bias_correction=True, ratio_max=0.2, max_norm_clip=0.5), ["w"])]
+    groups = [
+        ParamGroup(lamb_hyper(alpha=0.7, **{"lambda": 0.3}), ["b"]),
+        ParamGroup(lamb_hyper(beta=0.99, do_bias_correction=True, ratio_max=0.2, max_norm_clip=0.5), ["w"]),
+    ]
     train_and_compare(params, "LambOptimizer", groups, clip=True, accumulation_steps=3)
 
 
@@ -213,8 +269,10 @@ def test_matches_torch_adamw_with_clip_grad_norm_and_accumulation():
             group["lr"] = lr
         for micro in range(2):
             data = {f"x_{p}": (3 * rng.standard_normal(v.shape)).astype(np.float32) for p, v in params.items()}
-            loss = sum((torch.tensor(data[f"x_{p}"], dtype=torch.float64) * w).sum() + 0.5 * (w * w).sum()
-                       for p, w in torch_params.items())
+            loss = sum(
+                (torch.tensor(data[f"x_{p}"], dtype=torch.float64) * w).sum() + 0.5 * (w * w).sum()
+                for p, w in torch_params.items()
+            )
             (loss / 2).backward()  # the mean of the micro-batch gradients
             (runner.accumulate if micro == 0 else runner.update)(data, lr, update)
         torch.nn.utils.clip_grad_norm_(list(torch_params.values()), 0.7)

@@ -35,7 +35,8 @@ LR = IODescription("Learning_Rate", [1], torch.float32)
 def mlp_description():
     return ModelDescription(
         [IODescription("input1", ["batch", 32], torch.float32), IODescription("label", ["batch"], torch.int64, 10)],
-        [IODescription("loss", [], torch.float32), IODescription("probs", ["batch", 10], torch.float32)])
+        [IODescription("loss", [], torch.float32), IODescription("probs", ["batch", 10], torch.float32)],
+    )
 
 
 def legacy_mlp(optimizer="SGDOptimizer", attributes=None, seed=0, **kwargs):
@@ -55,9 +56,16 @@ def weights(trainer):
 
 # --- constructor ----------------------------------------------------------------------------------------------------
 def test_arguments_reach_the_new_trainer(tmp_path):
-    _, trainer = legacy_mlp("AdamOptimizer", gradient_accumulation_steps=3, enable_grad_norm_clip=False,
-                            frozen_weights=["fc1.bias"], _opset_version=13, _use_deterministic_compute=True,
-                            optimized_model_filepath=str(tmp_path / "opt.onnx"), global_step=7)
+    _, trainer = legacy_mlp(
+        "AdamOptimizer",
+        gradient_accumulation_steps=3,
+        enable_grad_norm_clip=False,
+        frozen_weights=["fc1.bias"],
+        _opset_version=13,
+        _use_deterministic_compute=True,
+        optimized_model_filepath=str(tmp_path / "opt.onnx"),
+        global_step=7,
+    )
     opts = trainer.ort_trainer.options
     assert opts.batch.gradient_accumulation_steps == 3 and opts.utils.grad_norm_clip is False
     assert opts.utils.frozen_weights == ["fc1.bias"] and opts.debug.deterministic_compute is True
@@ -82,25 +90,42 @@ def test_distributed_arguments_reach_the_distributed_layer(monkeypatch):
 
 
 def test_onnx_model_extra_postprocess_in_place_and_loss_fn_warning(tmp_path):
-    source = NewORTTrainer(MLP(), {"inputs": [("x", ["batch", 32]), ("target", ["batch"])],
-                                   "outputs": [("loss", [], True), ("probs", ["batch", 10])]},
-                           optim.SGDConfig(), loss_fn=ce, options=ORTTrainerOptions({"device": {"id": "cpu"}}))
+    source = NewORTTrainer(
+        MLP(),
+        {
+            "inputs": [("x", ["batch", 32]), ("target", ["batch"])],
+            "outputs": [("loss", [], True), ("probs", ["batch", 10])],
+        },
+        optim.SGDConfig(),
+        loss_fn=ce,
+        options=ORTTrainerOptions({"device": {"id": "cpu"}}),
+    )
     source.eval_step(*batches(1)[0])
     source.save_as_onnx(str(tmp_path / "forward.onnx"))
-    desc = ModelDescription([IODescription("x", ["batch", 32]), IODescription("target", ["batch"])],
-                            mlp_description().outputs_)
+    desc = ModelDescription(
+        [IODescription("x", ["batch", 32]), IODescription("target", ["batch"])], mlp_description().outputs_
+    )
 
     def touch(model):
         model.doc_string = "post-processed in place"
 
     with pytest.warns(UserWarning, match="loss_fn is not used when creating ORTTrainer because an ONNX model"):
-        trainer = ORTTrainer(onnx.load(str(tmp_path / "forward.onnx")), ce, desc, "SGDOptimizer", None, LR,
-                             torch.device("cpu"), _extra_postprocess=touch)
+        trainer = ORTTrainer(
+            onnx.load(str(tmp_path / "forward.onnx")),
+            ce,
+            desc,
+            "SGDOptimizer",
+            None,
+            LR,
+            torch.device("cpu"),
+            _extra_postprocess=touch,
+        )
     assert trainer.session is not None and trainer.onnx_model_.doc_string == "post-processed in place"
     loss, probs = trainer.train_step(*batches(1)[0], torch.tensor([0.1]))
     assert loss.shape == () and probs.shape == (8, 10)
-    trainer = ORTTrainer(onnx.load(str(tmp_path / "forward.onnx")), None, desc, "SGDOptimizer", None, LR, "cpu",
-                         postprocess_model=touch)
+    trainer = ORTTrainer(
+        onnx.load(str(tmp_path / "forward.onnx")), None, desc, "SGDOptimizer", None, LR, "cpu", postprocess_model=touch
+    )
     assert trainer.onnx_model_.doc_string == "post-processed in place"
 
 
@@ -138,8 +163,9 @@ def test_learning_rate_input_trains_like_pytorch_sgd():
 
 def test_get_lr_this_step_sees_global_step_of_applied_updates():
     seen = []
-    _, trainer = legacy_mlp(gradient_accumulation_steps=2, global_step=5,
-                            get_lr_this_step=lambda step: seen.append(step) or 0.01)
+    _, trainer = legacy_mlp(
+        gradient_accumulation_steps=2, global_step=5, get_lr_this_step=lambda step: seen.append(step) or 0.01
+    )
     for x, y in batches(5):
         trainer.train_step(x, y)
     assert seen == [5, 5, 6, 6, 7] and trainer.global_step_ == 7 and trainer.current_step == 5
@@ -189,8 +215,10 @@ def test_call_dispatches_on_train_and_eval_mode():
 
 
 # --- state ----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("optimizer, counters", [("AdamOptimizer", {"Update_Count_fc1.weight"}),
-                                                 ("LambOptimizer", {"Step"}), ("SGDOptimizer", set())])
+@pytest.mark.parametrize(
+    "optimizer, counters",
+    [("AdamOptimizer", {"Update_Count_fc1.weight"}), ("LambOptimizer", {"Step"}), ("SGDOptimizer", set())],
+)
 def test_state_dict_is_flat_with_optimizer_tensors(optimizer, counters):
     _, trainer = legacy_mlp(optimizer)
     with pytest.warns(UserWarning, match="not initialized yet"):
@@ -267,17 +295,25 @@ def _no_decay(name: str) -> bool:
 
 def _transformer_batches():
     g = torch.Generator().manual_seed(4)
-    return [(torch.randint(0, 50, (4, 16), generator=g), torch.randint(0, 50, (4, 16), generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randint(0, 50, (4, 16), generator=g), torch.randint(0, 50, (4, 16), generator=g)) for _ in range(STEPS)
+    ]
 
 
 def _train_new(model):
     no_decay = [n for n, _ in model.named_parameters() if _no_decay(n)]
     config = optim.LambConfig([{"params": no_decay, "lambda_coef": 0.0}], lr=BASE_LR, lambda_coef=0.01)
-    options = ORTTrainerOptions({"device": {"id": "cpu"}, "batch": {"gradient_accumulation_steps": 2},
-                                 "lr_scheduler": optim.LinearWarmupLRScheduler(TOTAL_UPDATES, WARMUP)})
-    desc = {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])],
-            "outputs": [("loss", [], True), ("logits", ["batch", "seq", 50])]}
+    options = ORTTrainerOptions(
+        {
+            "device": {"id": "cpu"},
+            "batch": {"gradient_accumulation_steps": 2},
+            "lr_scheduler": optim.LinearWarmupLRScheduler(TOTAL_UPDATES, WARMUP),
+        }
+    )
+    desc = {
+        "inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", "seq", 50])],
+    }
     trainer = NewORTTrainer(model, desc, config, loss_fn=transformer_loss, options=options)
     for tokens, target in _transformer_batches():
         trainer.train_step(tokens, target)
@@ -286,14 +322,27 @@ def _train_new(model):
 
 def _train_legacy(model, lr_as_input: bool):
     desc = ModelDescription(  # names unlike forward's parameter (`tokens`): fed by position, as the original did
-        [IODescription("input_ids", ["batch", "seq"], torch.int64, num_classes=50),
-         IODescription("labels", ["batch", "seq"], torch.int64, num_classes=50)],
-        [IODescription("loss", [], torch.float32), IODescription("logits", ["batch", "seq", 50], torch.float32)])
-    attributes = lambda name: {"alpha": 0.9, "beta": 0.999, "lambda": 0.0 if _no_decay(name) else 0.01,  # noqa: E731
-                               "epsilon": 1e-6}
-    trainer = ORTTrainer(model, transformer_loss, desc, "LambOptimizer", attributes,
-                         IODescription("Learning_Rate", [1], torch.float32), torch.device("cpu"),
-                         gradient_accumulation_steps=2, get_lr_this_step=None if lr_as_input else _schedule)
+        [
+            IODescription("input_ids", ["batch", "seq"], torch.int64, num_classes=50),
+            IODescription("labels", ["batch", "seq"], torch.int64, num_classes=50),
+        ],
+        [IODescription("loss", [], torch.float32), IODescription("logits", ["batch", "seq", 50], torch.float32)],
+    )
+
+    def attributes(name):
+        return {"alpha": 0.9, "beta": 0.999, "lambda": 0.0 if _no_decay(name) else 0.01, "epsilon": 1e-6}
+
+    trainer = ORTTrainer(
+        model,
+        transformer_loss,
+        desc,
+        "LambOptimizer",
+        attributes,
+        IODescription("Learning_Rate", [1], torch.float32),
+        torch.device("cpu"),
+        gradient_accumulation_steps=2,
+        get_lr_this_step=None if lr_as_input else _schedule,
+    )
     for tokens, target in _transformer_batches():
         if lr_as_input:
             trainer.train_step(tokens, target, torch.tensor([_schedule(trainer.global_step_)]))
@@ -325,11 +374,18 @@ def test_mixed_precision_with_a_legacy_loss_scaler_matches_the_new_api():
     _, trainer = legacy_mlp("AdamOptimizer", use_mixed_precision=True, loss_scaler=scaler)
     torch.manual_seed(0)
     new_scaler = amp.DynamicLossScaler(loss_scale=8.0, up_scale_window=2)
-    reference = NewORTTrainer(MLP(), {"inputs": [("x", ["batch", 32]), ("target", ["batch"])],
-                                      "outputs": [("loss", [], True), ("probs", ["batch", 10])]},
-                              optim.AdamConfig(lr=1e-2), loss_fn=ce, options=ORTTrainerOptions(
-                                  {"device": {"id": "cpu"}, "mixed_precision": {"enabled": True,
-                                                                                "loss_scaler": new_scaler}}))
+    reference = NewORTTrainer(
+        MLP(),
+        {
+            "inputs": [("x", ["batch", 32]), ("target", ["batch"])],
+            "outputs": [("loss", [], True), ("probs", ["batch", 10])],
+        },
+        optim.AdamConfig(lr=1e-2),
+        loss_fn=ce,
+        options=ORTTrainerOptions(
+            {"device": {"id": "cpu"}, "mixed_precision": {"enabled": True, "loss_scaler": new_scaler}}
+        ),
+    )
     data = batches(5)
     data.insert(2, _overflowing_batch())
     for x, y in data:

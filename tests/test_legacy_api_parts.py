@@ -29,15 +29,18 @@ from orttrainer.legacy.positional import legacy_input_model
 def _desc():
     return ModelDescription(
         [IODescription("input1", ["batch", 8], torch.float32), IODescription("label", ["batch"], torch.int64, 10)],
-        [IODescription("loss", [], torch.float32), IODescription("probs", ["batch", 10], torch.float32)])
+        [IODescription("loss", [], torch.float32), IODescription("probs", ["batch", 10], torch.float32)],
+    )
 
 
 def test_descriptions_keep_legacy_attributes_and_convert_with_the_first_output_as_loss():
     desc = _desc()
     label = desc.inputs_[1]
     assert (label.name_, label.shape_, label.dtype_, label.num_classes_) == ("label", ["batch"], torch.int64, 10)
-    assert to_model_desc(desc) == {"inputs": [("input1", ["batch", 8]), ("label", ["batch"])],
-                                   "outputs": [("loss", [], True), ("probs", ["batch", 10], False)]}
+    assert to_model_desc(desc) == {
+        "inputs": [("input1", ["batch", 8]), ("label", ["batch"])],
+        "outputs": [("loss", [], True), ("probs", ["batch", 10], False)],
+    }
     with pytest.raises(TypeError, match="ModelDescription"):
         to_model_desc({"inputs": [], "outputs": []})
     with pytest.raises(TypeError, match="IODescription"):
@@ -68,8 +71,14 @@ def test_resolve_symbolic_dimensions_and_dtype_map():
 
 
 # --- loss scaler ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("params", [{}, {"loss_scale": 3, "up_scale_window": 7, "min_loss_scale": 0.5,
-                                         "max_loss_scale": 10.0}, {"loss_scale": 8.0, "up_scale_window": 1}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"loss_scale": 3, "up_scale_window": 7, "min_loss_scale": 0.5, "max_loss_scale": 10.0},
+        {"loss_scale": 8.0, "up_scale_window": 1},
+    ],
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_legacy_loss_scaler_equals_dynamic_loss_scaler(params, seed):
     rng = random.Random(seed)
@@ -114,12 +123,26 @@ def test_loss_scaler_bridges_to_the_new_trainer_interface():
 def test_every_mapped_argument_is_a_valid_option():
     from orttrainer import ORTTrainerOptions
 
-    values = {"device": "cpu", "gradient_accumulation_steps": 3, "world_rank": 0, "world_size": 1,
-              "use_mixed_precision": False, "loss_scaler": None, "allreduce_post_accumulation": False,
-              "deepspeed_zero_stage": 0, "enable_adasum": False, "enable_grad_norm_clip": False,
-              "frozen_weights": ["fc1.bias"], "use_memory_efficient_gradient": False, "run_symbolic_shape_infer": True,
-              "_use_deterministic_compute": True, "optimized_model_filepath": "x.onnx", "_opset_version": 13,
-              "_enable_internal_postprocess": False, "_extra_postprocess": print}
+    values = {
+        "device": "cpu",
+        "gradient_accumulation_steps": 3,
+        "world_rank": 0,
+        "world_size": 1,
+        "use_mixed_precision": False,
+        "loss_scaler": None,
+        "allreduce_post_accumulation": False,
+        "deepspeed_zero_stage": 0,
+        "enable_adasum": False,
+        "enable_grad_norm_clip": False,
+        "frozen_weights": ["fc1.bias"],
+        "use_memory_efficient_gradient": False,
+        "run_symbolic_shape_infer": True,
+        "_use_deterministic_compute": True,
+        "optimized_model_filepath": "x.onnx",
+        "_opset_version": 13,
+        "_enable_internal_postprocess": False,
+        "_extra_postprocess": print,
+    }
     assert set(values) == set(args_mod.OPTION_OF_ARGUMENT)
     options = ORTTrainerOptions(args_mod.options_dict(values))
     for argument, path in args_mod.OPTION_OF_ARGUMENT.items():
@@ -148,13 +171,16 @@ def test_optimizer_config_groups_weights_by_attributes():
     assert args_mod.optimizer_config("SGDOptimizer", lambda n: {}, weights).params == []
 
 
-@pytest.mark.parametrize("name, attributes, message", [
-    ("AdamW", None, "training_optimizer_name 'AdamW'"),
-    ("AdamOptimizer", {"lr": 0.1}, "per-weight learning rates are not supported"),
-    ("AdamOptimizer", {"gamma": 0.1}, r"returned \['gamma'\], which AdamOptimizer does not take"),
-    ("SGDOptimizer", {"alpha": 0.9}, "SGDOptimizer does not take .*attributes: none"),
-    ("LambOptimizer", {"alpha": "0.9"}, "Optimizer attributes must be either float or int"),
-])
+@pytest.mark.parametrize(
+    "name, attributes, message",
+    [
+        ("AdamW", None, "training_optimizer_name 'AdamW'"),
+        ("AdamOptimizer", {"lr": 0.1}, "per-weight learning rates are not supported"),
+        ("AdamOptimizer", {"gamma": 0.1}, r"returned \['gamma'\], which AdamOptimizer does not take"),
+        ("SGDOptimizer", {"alpha": 0.9}, "SGDOptimizer does not take .*attributes: none"),
+        ("LambOptimizer", {"alpha": "0.9"}, "Optimizer attributes must be either float or int"),
+    ],
+)
 def test_optimizer_config_errors(name, attributes, message):
     with pytest.raises(ValueError, match=message):
         args_mod.optimizer_config(name, lambda n: attributes, ["w"])

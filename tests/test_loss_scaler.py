@@ -55,8 +55,17 @@ def test_default_growth_windows_reach_the_cap():
 def test_block_values_after_each_window():
     scaler = amp.DynamicLossScaler()
     after_blocks = [_run(scaler, [True] * 2000)[-1] for _ in range(9)]
-    assert after_blocks == [131072.0, 262144.0, 524288.0, 1048576.0, 2097152.0, 4194304.0, 8388608.0, 16777216.0,
-                            16777216.0]
+    assert after_blocks == [
+        131072.0,
+        262144.0,
+        524288.0,
+        1048576.0,
+        2097152.0,
+        4194304.0,
+        8388608.0,
+        16777216.0,
+        16777216.0,
+    ]
 
 
 def test_overflows_halve_down_to_the_floor_then_stay():
@@ -81,8 +90,9 @@ def test_custom_values_sequence():
 
 
 def test_automatic_update_false_is_static():
-    scaler = amp.DynamicLossScaler(automatic_update=False, loss_scale=3, up_scale_window=7, min_loss_scale=5,
-                                   max_loss_scale=10)
+    scaler = amp.DynamicLossScaler(
+        automatic_update=False, loss_scale=3, up_scale_window=7, min_loss_scale=5, max_loss_scale=10
+    )
     assert scaler.automatic_update is False
     assert _run(scaler, [True] * 20 + [False] * 5) == [3.0] * 25
     assert scaler._stable_steps_count == 0
@@ -228,8 +238,12 @@ class _LegacyCapiLossScaler:
 @pytest.mark.parametrize("seed", range(5))
 def test_matches_legacy_capi_scaler_on_random_flags(seed):
     rng = random.Random(seed)
-    args = dict(loss_scale=float(1 << rng.randint(0, 20)), up_scale_window=rng.randint(1, 6), min_loss_scale=1.0,
-                max_loss_scale=float(1 << 22))
+    args = dict(
+        loss_scale=float(1 << rng.randint(0, 20)),
+        up_scale_window=rng.randint(1, 6),
+        min_loss_scale=1.0,
+        max_loss_scale=float(1 << 22),
+    )
     scaler, legacy = amp.DynamicLossScaler(**args), _LegacyCapiLossScaler(**args)
     for _ in range(2000):
         flag = rng.random() < 0.8

@@ -40,8 +40,13 @@ def _everything(trainer) -> dict[str, np.ndarray]:
 def test_an_overflowing_step_changes_nothing_halves_the_scale_and_the_next_step_updates(accumulation):
     torch.manual_seed(0)
     scaler = amp.DynamicLossScaler(loss_scale=1024.0)
-    trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(lr=1e-2), CE,
-                           _amp(scaler, batch={"gradient_accumulation_steps": accumulation}))
+    trainer = make_trainer(
+        MLP(),
+        mlp_desc(),
+        optim.AdamConfig(lr=1e-2),
+        CE,
+        _amp(scaler, batch={"gradient_accumulation_steps": accumulation}),
+    )
     for x, y in _batches(2 * accumulation):
         trainer.train_step(x, y)
     assert trainer._train_step_info.optimization_step == 2 and scaler.loss_scale == 1024.0
@@ -92,8 +97,13 @@ def test_mixed_precision_tracks_fp32_on_the_transformer():
     torch.manual_seed(0)
     model = TinyTransformer(dropout=0.1).eval()
     reference = copy.deepcopy(model)
-    trainer = make_trainer(model, transformer_desc(), optim.AdamConfig(lr=1e-3), transformer_loss,
-                           _amp(amp.DynamicLossScaler(loss_scale=1024.0)))
+    trainer = make_trainer(
+        model,
+        transformer_desc(),
+        optim.AdamConfig(lr=1e-3),
+        transformer_loss,
+        _amp(amp.DynamicLossScaler(loss_scale=1024.0)),
+    )
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     for _ in range(30):
@@ -136,8 +146,9 @@ def trainer_forward(trainer, x):
 
 
 def test_a_loss_scaler_without_mixed_precision_is_the_legacy_error():
-    trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE,
-                           {"mixed_precision": {"loss_scaler": amp.DynamicLossScaler()}})
+    trainer = make_trainer(
+        MLP(), mlp_desc(), optim.AdamConfig(), CE, {"mixed_precision": {"loss_scaler": amp.DynamicLossScaler()}}
+    )
     with pytest.raises(ValueError, match="^Loss Scaler cannot be specified when Mixed Precision is not enabled$"):
         trainer.train_step(*_batches(1)[0])
 
@@ -149,8 +160,13 @@ def test_resume_under_mixed_precision_is_exact(tmp_path):
 
     def fresh():
         scaler = amp.DynamicLossScaler(loss_scale=1024.0, up_scale_window=3)
-        return make_trainer(copy.deepcopy(model), mlp_desc(), optim.LambConfig(lr=1e-2), CE,
-                            _amp(scaler, batch={"gradient_accumulation_steps": 2}))
+        return make_trainer(
+            copy.deepcopy(model),
+            mlp_desc(),
+            optim.LambConfig(lr=1e-2),
+            CE,
+            _amp(scaler, batch={"gradient_accumulation_steps": 2}),
+        )
 
     straight = fresh()
     for x, y in batches:
@@ -203,10 +219,18 @@ def test_an_onnx_model_trains_in_mixed_precision():
 
     torch.manual_seed(0)
     buffer = io.BytesIO()
-    torch.onnx.export(WithLoss(), _batches(1)[0], buffer, input_names=["x", "target"],
-                      output_names=["loss", "logits"], opset_version=14, do_constant_folding=False,
-                      dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}},
-                      training=torch.onnx.TrainingMode.TRAINING, dynamo=False)
+    torch.onnx.export(
+        WithLoss(),
+        _batches(1)[0],
+        buffer,
+        input_names=["x", "target"],
+        output_names=["loss", "logits"],
+        opset_version=14,
+        do_constant_folding=False,
+        dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}},
+        training=torch.onnx.TrainingMode.TRAINING,
+        dynamo=False,
+    )
     trainer = make_trainer(onnx.load_from_string(buffer.getvalue()), mlp_desc(), optim.SGDConfig(lr=0.1), None, _amp())
     losses = [trainer.train_step(x, y)[0].item() for x, y in _batches(8) * 3]
     assert losses[-1] < losses[0]

@@ -394,7 +394,11 @@ def test_schema_imports_without_onnxruntime():
 def test_gradient_builder_is_an_added_key_that_leaves_the_legacy_ones_alone():
     internal = ORTTrainerOptions({})._validated_opts["_internal_use"]
     assert internal["gradient_builder"] == "auto"
-    assert set(internal) - {"gradient_builder"} == {"enable_internal_postprocess", "extra_postprocess",
-                                                     "onnx_opset_version", "enable_onnx_contrib_ops"}
+    assert set(internal) - {"gradient_builder"} == {
+        "enable_internal_postprocess",
+        "extra_postprocess",
+        "onnx_opset_version",
+        "enable_onnx_contrib_ops",
+    }
     for value in ("ort", "torch", "auto"):
         assert ORTTrainerOptions({"_internal_use": {"gradient_builder": value}})._internal_use.gradient_builder == value

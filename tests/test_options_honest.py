@@ -43,21 +43,24 @@ class Refused:
 
 
 _GRAPH_SAVE = Effect("test_trainer_features::test_debug_graph_save_paths_write_the_four_stages")
-_CAST_TRAINING = ("test_gradient_options::test_cast_propagation_reaches_the_graph_and_training_stays_within_the_"
-                  "float16_tolerance")
+_CAST_TRAINING = (
+    "test_gradient_options::test_cast_propagation_reaches_the_graph_and_training_stays_within_the_float16_tolerance"
+)
 _CAST_GRAPH = "test_graph_gradient_options::test_each_cast_propagation_setting_changes_the_graph_as_documented"
 
 HONESTY = {
     "batch.gradient_accumulation_steps": Effect(
-        "test_trainer_features::test_accumulation_of_four_equals_one_step_on_the_concatenation"),
-    "device.id": Effect("test_trainer_errors::test_cuda_asked_for_without_cuda_is_a_clear_error",
-                        "test_trainer_errors::test_a_malformed_device_id_is_rejected_in_the_constructor"),
+        "test_trainer_features::test_accumulation_of_four_equals_one_step_on_the_concatenation"
+    ),
+    "device.id": Effect(
+        "test_trainer_errors::test_cuda_asked_for_without_cuda_is_a_clear_error",
+        "test_trainer_errors::test_a_malformed_device_id_is_rejected_in_the_constructor",
+    ),
     "device.mem_limit": Effect("test_cpu_memory_limit::test_mem_limit_caps_the_cpu_arena_of_the_trainer_sessions"),
     "distributed.world_rank": Effect("test_distributed::test_two_ranks_equal_one_process_on_the_concatenated_batch"),
     "distributed.world_size": Effect("test_distributed::test_two_ranks_equal_one_process_on_the_concatenated_batch"),
     "distributed.local_rank": Effect("test_options_honest::test_local_rank_picks_the_cuda_device_of_a_rank"),
-    "distributed.data_parallel_size": Effect(
-        "test_options_honest::test_data_parallel_size_must_be_the_world_size"),
+    "distributed.data_parallel_size": Effect("test_options_honest::test_data_parallel_size_must_be_the_world_size"),
     "distributed.horizontal_parallel_size": Refused(2),
     "distributed.pipeline_parallel.pipeline_parallel_size": Refused(2),
     "distributed.pipeline_parallel.num_pipeline_micro_batches": Refused(2),
@@ -66,63 +69,79 @@ HONESTY = {
     "distributed.pipeline_parallel.sliced_axes": Refused({"x": 0}),
     "distributed.pipeline_parallel.sliced_tensor_names": Refused(["x"]),
     "distributed.allreduce_post_accumulation": Effect(
-        "test_distributed::test_post_accumulation_reduces_once_per_optimizer_step"),
+        "test_distributed::test_post_accumulation_reduces_once_per_optimizer_step"
+    ),
     "distributed.deepspeed_zero_optimization.stage": Effect(
-        "test_distributed::test_zero_stage_1_equals_data_parallel_and_partitions_the_optimizer_state"),
+        "test_distributed::test_zero_stage_1_equals_data_parallel_and_partitions_the_optimizer_state"
+    ),
     "distributed.enable_adasum": Effect("test_distributed::test_adasum_matches_the_reference_rule"),
     "lr_scheduler": Effect(
-        "test_trainer_features::test_an_lr_scheduler_drives_the_learning_rate_per_optimization_step"),
+        "test_trainer_features::test_an_lr_scheduler_drives_the_learning_rate_per_optimization_step"
+    ),
     "mixed_precision.enabled": Effect("test_mixed_precision::test_mixed_precision_tracks_fp32_on_the_transformer"),
     "mixed_precision.loss_scaler": Effect(
         "test_mixed_precision::test_the_scale_grows_after_each_window_of_finite_steps_up_to_the_cap",
-        "test_mixed_precision::test_a_scaler_with_automatic_update_off_keeps_its_scale"),
+        "test_mixed_precision::test_a_scaler_with_automatic_update_off_keeps_its_scale",
+    ),
     "graph_transformer.attn_dropout_recompute": Effect(
-        "test_recompute::test_attn_dropout_recompute_copies_each_attention_dropout_and_trains_identically"),
+        "test_recompute::test_attn_dropout_recompute_copies_each_attention_dropout_and_trains_identically"
+    ),
     "graph_transformer.gelu_recompute": Effect(
-        "test_recompute::test_gelu_recompute_copies_each_gelu_and_trains_identically"),
+        "test_recompute::test_gelu_recompute_copies_each_gelu_and_trains_identically"
+    ),
     "graph_transformer.transformer_layer_recompute": Effect(
-        "test_recompute::test_transformer_layer_recompute_copies_every_layer_but_the_last_and_trains_identically"),
+        "test_recompute::test_transformer_layer_recompute_copies_every_layer_but_the_last_and_trains_identically"
+    ),
     "graph_transformer.number_recompute_layers": Effect(
         "test_recompute::test_number_recompute_layers_counts_from_the_first_layer",
-        "test_recompute::test_number_recompute_layers_alone_is_an_error"),
-    "graph_transformer.propagate_cast_ops_config.strategy": Effect(
-        _CAST_TRAINING, _CAST_GRAPH),
-    "graph_transformer.propagate_cast_ops_config.level": Effect(
-        _CAST_TRAINING, _CAST_GRAPH),
-    "graph_transformer.propagate_cast_ops_config.allow": Effect(
-        _CAST_TRAINING, _CAST_GRAPH),
+        "test_recompute::test_number_recompute_layers_alone_is_an_error",
+    ),
+    "graph_transformer.propagate_cast_ops_config.strategy": Effect(_CAST_TRAINING, _CAST_GRAPH),
+    "graph_transformer.propagate_cast_ops_config.level": Effect(_CAST_TRAINING, _CAST_GRAPH),
+    "graph_transformer.propagate_cast_ops_config.allow": Effect(_CAST_TRAINING, _CAST_GRAPH),
     "utils.frozen_weights": Effect(
-        "test_trainer_features::test_frozen_weights_and_requires_grad_false_parameters_stay_unchanged"),
+        "test_trainer_features::test_frozen_weights_and_requires_grad_false_parameters_stay_unchanged"
+    ),
     "utils.grad_norm_clip": Effect("test_trainer_parity::test_mlp_matches_pytorch"),
     "utils.memory_efficient_gradient": Effect(
         "test_gradient_options::test_memory_efficient_gradient_uses_the_invertible_layer_norm_gradient_and_trains_"
-        "identically"),
+        "identically"
+    ),
     "utils.run_symbolic_shape_infer": Effect(
-        "test_trainer_features::test_run_symbolic_shape_infer_annotates_the_graph"),
+        "test_trainer_features::test_run_symbolic_shape_infer_annotates_the_graph"
+    ),
     "debug.deterministic_compute": Effect(
-        "test_trainer_features::test_deterministic_compute_and_user_session_options_reach_onnxruntime"),
+        "test_trainer_features::test_deterministic_compute_and_user_session_options_reach_onnxruntime"
+    ),
     "debug.check_model_export": Effect(
-        "test_trainer_features::test_check_model_export_passes_for_a_faithful_export_and_fails_for_a_changed_graph"),
+        "test_trainer_features::test_check_model_export_passes_for_a_faithful_export_and_fails_for_a_changed_graph"
+    ),
     "debug.graph_save_paths.model_after_graph_transforms_path": _GRAPH_SAVE,
     "debug.graph_save_paths.model_with_gradient_graph_path": _GRAPH_SAVE,
     "debug.graph_save_paths.model_with_training_graph_path": _GRAPH_SAVE,
     "debug.graph_save_paths.model_with_training_graph_after_optimization_path": _GRAPH_SAVE,
     "_internal_use.enable_internal_postprocess": Effect(
-        "test_trainer_features::test_internal_postprocess_fuses_log_softmax_and_nll_so_the_model_trains"),
+        "test_trainer_features::test_internal_postprocess_fuses_log_softmax_and_nll_so_the_model_trains"
+    ),
     "_internal_use.extra_postprocess": Effect(
         "test_trainer_features::test_check_model_export_passes_for_a_faithful_export_and_fails_for_a_changed_graph",
-        "test_legacy_api::test_onnx_model_extra_postprocess_in_place_and_loss_fn_warning"),
+        "test_legacy_api::test_onnx_model_extra_postprocess_in_place_and_loss_fn_warning",
+    ),
     "_internal_use.onnx_opset_version": Effect("test_legacy_api::test_arguments_reach_the_new_trainer"),
     "_internal_use.gradient_builder": Effect(
         "test_trainer_torch_builder::test_auto_falls_back_to_torch_for_an_op_without_an_ort_gradient",
         "test_trainer_torch_builder::test_straight_through_estimator_trains_with_the_users_backward",
-        "test_builders::test_builder_choice_rules"),
+        "test_builders::test_builder_choice_rules",
+    ),
     "_internal_use.enable_onnx_contrib_ops": Effect(
-        "test_options_honest::test_enable_onnx_contrib_ops_exports_grid_sample_as_the_contrib_op"),
+        "test_options_honest::test_enable_onnx_contrib_ops_exports_grid_sample_as_the_contrib_op"
+    ),
     "provider_options": Effect(
-        "test_trainer_features::test_provider_options_are_merged_into_the_provider_list_given_to_onnxruntime"),
+        "test_trainer_features::test_provider_options_are_merged_into_the_provider_list_given_to_onnxruntime"
+    ),
     "session_options": Effect(
-        "test_trainer_features::test_deterministic_compute_and_user_session_options_reach_onnxruntime"),
+        "test_trainer_features::test_deterministic_compute_and_user_session_options_reach_onnxruntime"
+    ),
 }
 
 
@@ -177,8 +196,9 @@ def test_local_rank_picks_the_cuda_device_of_a_rank(monkeypatch):
         return DistributedContext(1, 2, options.distributed.local_rank)
 
     monkeypatch.setattr(orttrainer_module, "resolve_context", fake_context)
-    options = ORTTrainerOptions({"device": {"id": "cuda"}, "distributed": {"world_rank": 1, "world_size": 2,
-                                                                          "local_rank": 3}})
+    options = ORTTrainerOptions(
+        {"device": {"id": "cuda"}, "distributed": {"world_rank": 1, "world_size": 2, "local_rank": 3}}
+    )
     trainer = ORTTrainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, options=options)
     assert seen == {"local_rank": 3} and trainer._device == Device("cuda", 3)
 
@@ -202,12 +222,21 @@ class Sampler(torch.nn.Module):
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_enable_onnx_contrib_ops_exports_grid_sample_as_the_contrib_op(enabled, tmp_path):
-    desc = {"inputs": [("x", ["b", 4]), ("image", ["b", 1, 3, 3]), ("grid", ["b", 2, 2, 2]), ("target", ["b"])],
-            "outputs": [("loss", [], True)]}
+    desc = {
+        "inputs": [("x", ["b", 4]), ("image", ["b", 1, 3, 3]), ("grid", ["b", 2, 2, 2]), ("target", ["b"])],
+        "outputs": [("loss", [], True)],
+    }
     path = str(tmp_path / "forward.onnx")
-    trainer = make_trainer(Sampler(), desc, optim.SGDConfig(), CE,
-                           {"_internal_use": {"enable_onnx_contrib_ops": enabled},
-                            "debug": {"graph_save_paths": {"model_after_graph_transforms_path": path}}})
+    trainer = make_trainer(
+        Sampler(),
+        desc,
+        optim.SGDConfig(),
+        CE,
+        {
+            "_internal_use": {"enable_onnx_contrib_ops": enabled},
+            "debug": {"graph_save_paths": {"model_after_graph_transforms_path": path}},
+        },
+    )
     batch = (torch.randn(2, 4), torch.randn(2, 1, 3, 3), torch.rand(2, 2, 2, 2) * 2 - 1, torch.tensor([1, 7]))
     if not enabled:
         with pytest.raises(RuntimeError, match="'aten::grid_sampler' to ONNX opset version 14 is not supported"):

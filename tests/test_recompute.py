@@ -58,8 +58,9 @@ DESC = {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])], 
 
 def _train(graph_transformer: dict, layers: int = 2, steps: int = 3):
     torch.manual_seed(0)  # the same weights and the same ONNX Runtime dropout seed in every run
-    trainer = make_trainer(Stack(layers), DESC, optim.AdamConfig(lr=1e-2), token_loss,
-                           {"graph_transformer": graph_transformer})
+    trainer = make_trainer(
+        Stack(layers), DESC, optim.AdamConfig(lr=1e-2), token_loss, {"graph_transformer": graph_transformer}
+    )
     batches = torch.Generator().manual_seed(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
@@ -106,8 +107,9 @@ def test_transformer_layer_recompute_copies_every_layer_but_the_last_and_trains_
     assert max_difference(trainer_weights(trainer), reference) <= 1e-6
 
 
-@pytest.mark.parametrize("number, expected", [(0, {"layers.0", "layers.1"}), (1, {"layers.0"}),
-                                              (2, {"layers.0", "layers.1"})])
+@pytest.mark.parametrize(
+    "number, expected", [(0, {"layers.0", "layers.1"}), (1, {"layers.0"}), (2, {"layers.0", "layers.1"})]
+)
 def test_number_recompute_layers_counts_from_the_first_layer(number, expected):
     trainer = _train({"transformer_layer_recompute": True, "number_recompute_layers": number}, layers=3, steps=1)
     assert _copied_layers(trainer) == expected
@@ -120,15 +122,23 @@ def test_more_layers_than_can_be_recomputed_is_clipped_with_a_warning():
 
 
 def test_number_recompute_layers_alone_is_an_error():
-    with pytest.raises(ValueError, match="number_recompute_layers=2 only takes effect with "
-                                         "graph_transformer.transformer_layer_recompute=True"):
-        make_trainer(Stack(), DESC, optim.AdamConfig(), token_loss,
-                     {"graph_transformer": {"number_recompute_layers": 2}})
+    with pytest.raises(
+        ValueError,
+        match="number_recompute_layers=2 only takes effect with graph_transformer.transformer_layer_recompute=True",
+    ):
+        make_trainer(
+            Stack(), DESC, optim.AdamConfig(), token_loss, {"graph_transformer": {"number_recompute_layers": 2}}
+        )
 
 
 def test_a_recompute_option_that_finds_nothing_warns():
-    trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), nn.functional.cross_entropy,
-                           {"graph_transformer": {"attn_dropout_recompute": True}})
+    trainer = make_trainer(
+        MLP(),
+        mlp_desc(),
+        optim.AdamConfig(),
+        nn.functional.cross_entropy,
+        {"graph_transformer": {"attn_dropout_recompute": True}},
+    )
     with pytest.warns(UserWarning, match="attn_dropout_recompute: the graph has no Dropout between a Softmax"):
         trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
     assert count_recompute_nodes(trainer._compiled.training.model) == {}
@@ -138,11 +148,19 @@ def test_nn_multihead_attention_dropout_is_recomputed_and_a_gelu_before_a_dropou
     from models import TinyTransformer, transformer_desc, transformer_loss
 
     torch.manual_seed(0)
-    trainer = make_trainer(TinyTransformer(dropout=0.1), transformer_desc(), optim.AdamConfig(), transformer_loss,
-                           {"graph_transformer": {"attn_dropout_recompute": True, "gelu_recompute": True}})
+    trainer = make_trainer(
+        TinyTransformer(dropout=0.1),
+        transformer_desc(),
+        optim.AdamConfig(),
+        transformer_loss,
+        {"graph_transformer": {"attn_dropout_recompute": True, "gelu_recompute": True}},
+    )
     tokens = torch.randint(0, 50, (4, 16))
-    with pytest.warns(UserWarning, match="gelu_recompute: the backward pass reads none of the 2 activations it "
-                                         "selects \\(a dropout follows each GELU"):
+    with pytest.warns(
+        UserWarning,
+        match="gelu_recompute: the backward pass reads none of the 2 activations it "
+        "selects \\(a dropout follows each GELU",
+    ):
         trainer.train_step(tokens, tokens)
     # PyTorch's exporter drops scaled_dot_product_attention's training flag; the trainer restores it (fixups.py)
     assert count_recompute_nodes(trainer._compiled.training.model) == {"DropoutGrad": 2}

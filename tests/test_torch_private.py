@@ -53,9 +53,16 @@ def test_aot_export_joint_signature_and_values():
     torch.manual_seed(0)
     model, x = Small(), torch.randn(5, 3)
     graph, sig = torch_private.aot_export_joint(model, [x])
-    assert sig.inputs == (("parameter", "fc.weight"), ("parameter", "fc.bias"), ("parameter", "bn.weight"),
-                          ("parameter", "bn.bias"), ("buffer", "bn.running_mean"), ("buffer", "bn.running_var"),
-                          ("buffer", "bn.num_batches_tracked"), ("user", sig.inputs[-1][1]))
+    assert sig.inputs == (
+        ("parameter", "fc.weight"),
+        ("parameter", "fc.bias"),
+        ("parameter", "bn.weight"),
+        ("parameter", "bn.bias"),
+        ("buffer", "bn.running_mean"),
+        ("buffer", "bn.running_var"),
+        ("buffer", "bn.num_batches_tracked"),
+        ("user", sig.inputs[-1][1]),
+    )
     kinds = [kind for kind, _ in sig.outputs]
     assert kinds == ["mutation"] * 3 + ["user"] * 2 + ["gradient"] * 3
     assert [name for kind, name in sig.outputs if kind == "gradient"] == ["fc.weight", "bn.weight", "bn.bias"]
@@ -132,14 +139,16 @@ def test_export_graph_to_onnx():
     graph, _ = torch_private.aot_export_joint(wrapped, [torch.randn(4, 3)])
     x = torch.randn(4, 3)
     onnx_model = torch_private.export_graph_to_onnx(
-        graph, [model.weight.detach(), model.bias.detach(), x], ["w", "b", "x"], ["loss", "gw", "gb"], 18)
+        graph, [model.weight.detach(), model.bias.detach(), x], ["w", "b", "x"], ["loss", "gw", "gb"], 18
+    )
     assert onnx_model.ir_version <= 10
     assert {o.domain: o.version for o in onnx_model.opset_import}[""] == 18
     assert [i.name for i in onnx_model.graph.input] == ["w", "b", "x"]
     assert [d.dim_value for d in onnx_model.graph.input[2].type.tensor_type.shape.dim] == [4, 3]  # static shapes
     session = ort.InferenceSession(onnx_model.SerializeToString(), providers=["CPUExecutionProvider"])
-    loss, gw, gb = session.run(None, {"w": model.weight.detach().numpy(), "b": model.bias.detach().numpy(),
-                                      "x": x.numpy()})
+    loss, gw, gb = session.run(
+        None, {"w": model.weight.detach().numpy(), "b": model.bias.detach().numpy(), "x": x.numpy()}
+    )
     wrapped(x)[0].backward()
     np.testing.assert_allclose(loss, wrapped(x)[0].item(), atol=1e-6)
     np.testing.assert_allclose(gw, model.weight.grad, atol=1e-6)

@@ -30,8 +30,10 @@ def _batches(n: int, seed: int = 3):
 
 
 def _options(accumulation: int) -> dict:
-    return {"batch": {"gradient_accumulation_steps": accumulation},
-            "lr_scheduler": CosineWarmupLRScheduler(total_steps=10, warmup=0.2)}
+    return {
+        "batch": {"gradient_accumulation_steps": accumulation},
+        "lr_scheduler": CosineWarmupLRScheduler(total_steps=10, warmup=0.2),
+    }
 
 
 def _config(name: str):
@@ -87,15 +89,15 @@ from helpers import make_trainer
 from models import MLP, mlp_desc
 from orttrainer import optim
 from orttrainer.optim import CosineWarmupLRScheduler
-setup = torch.load({str(tmp_path / 'setup.pt')!r})
+setup = torch.load({str(tmp_path / "setup.pt")!r})
 model = MLP(); model.load_state_dict(setup["model"])
 options = {{"batch": {{"gradient_accumulation_steps": 3}},
             "lr_scheduler": CosineWarmupLRScheduler(total_steps=10, warmup=0.2)}}
 trainer = make_trainer(model, mlp_desc(), optim.LambConfig(lr=1e-2), torch.nn.functional.cross_entropy, options)
-trainer.load_checkpoint({str(tmp_path / 'half.ortcp')!r})
+trainer.load_checkpoint({str(tmp_path / "half.ortcp")!r})
 for x, y in setup["batches"][5:]:
     trainer.train_step(x, y)
-trainer.save_checkpoint({str(tmp_path / 'end.ortcp')!r})
+trainer.save_checkpoint({str(tmp_path / "end.ortcp")!r})
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
     end = storage.load(str(tmp_path / "end.ortcp"))
@@ -120,9 +122,15 @@ def test_state_dict_has_the_legacy_layout():
     assert sorted(state["model"]["full_precision"]) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
     assert set(state["optimizer"]["fc1.weight"]) == {"Moment_1", "Moment_2", "Update_Count"}
     assert state["optimizer"]["fc1.weight"]["Update_Count"].tolist() == [2]
-    assert state["trainer_options"] == {"mixed_precision": False, "zero_stage": 0, "world_rank": 0, "world_size": 1,
-                                        "optimizer_name": "AdamOptimizer", "data_parallel_size": 1,
-                                        "horizontal_parallel_size": 1}
+    assert state["trainer_options"] == {
+        "mixed_precision": False,
+        "zero_stage": 0,
+        "world_rank": 0,
+        "world_size": 1,
+        "optimizer_name": "AdamOptimizer",
+        "data_parallel_size": 1,
+        "horizontal_parallel_size": 1,
+    }
     assert state["train_step_info"] == {"optimization_step": 1, "step": 1}
     assert lamb.state_dict()["optimizer"]["shared_optimizer_state"]["Step"].tolist() == [2]
     assert "Update_Count" not in lamb.state_dict()["optimizer"]["fc1.weight"]
@@ -186,18 +194,29 @@ def _trained(config=None):
     return trainer
 
 
-@pytest.mark.parametrize(("mutate", "message"), [
-    (lambda s: s["model"].update({"half": {}}), r"Unexpected keys: \['half'\] in state_dict\[model\]"),
-    (lambda s: s["model"]["full_precision"].pop("fc1.bias"),
-     r"Missing keys: \['fc1.bias'\] in state_dict\[model\]\[full_precision\]"),
-    (lambda s: s["model"]["full_precision"].update({"fc3.bias": np.zeros(1)}),
-     r"Unexpected keys: \['fc3.bias'\] in state_dict\[model\]\[full_precision\]"),
-    (lambda s: s["optimizer"].pop("fc2.weight"), r"Missing keys: \['fc2.weight'\] in state_dict\[optimizer\]"),
-    (lambda s: s["optimizer"]["fc2.weight"].pop("Moment_2"),
-     r"Missing keys: \['Moment_2'\] in state_dict\[optimizer\]\[fc2.weight\]"),
-    (lambda s: s["optimizer"]["fc2.weight"].update({"Moment_3": np.zeros(1)}),
-     r"Unexpected keys: \['Moment_3'\] in state_dict\[optimizer\]\[fc2.weight\]"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda s: s["model"].update({"half": {}}), r"Unexpected keys: \['half'\] in state_dict\[model\]"),
+        (
+            lambda s: s["model"]["full_precision"].pop("fc1.bias"),
+            r"Missing keys: \['fc1.bias'\] in state_dict\[model\]\[full_precision\]",
+        ),
+        (
+            lambda s: s["model"]["full_precision"].update({"fc3.bias": np.zeros(1)}),
+            r"Unexpected keys: \['fc3.bias'\] in state_dict\[model\]\[full_precision\]",
+        ),
+        (lambda s: s["optimizer"].pop("fc2.weight"), r"Missing keys: \['fc2.weight'\] in state_dict\[optimizer\]"),
+        (
+            lambda s: s["optimizer"]["fc2.weight"].pop("Moment_2"),
+            r"Missing keys: \['Moment_2'\] in state_dict\[optimizer\]\[fc2.weight\]",
+        ),
+        (
+            lambda s: s["optimizer"]["fc2.weight"].update({"Moment_3": np.zeros(1)}),
+            r"Unexpected keys: \['Moment_3'\] in state_dict\[optimizer\]\[fc2.weight\]",
+        ),
+    ],
+)
 def test_strict_loading_reports_missing_then_unexpected_keys_and_changes_nothing(mutate, message):
     trainer = _trained()
     state = trainer.state_dict()
@@ -284,11 +303,14 @@ def test_checkpoints_go_through_file_objects():
     assert max_difference(trainer_weights(fresh), trainer_weights(trainer)) == 0.0
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (None, "no-such.ortcp"),
-    (b"not an hdf5 file at all", "garbage.ortcp"),
-    ("truncated", "truncated.ortcp"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no-such.ortcp"),
+        (b"not an hdf5 file at all", "garbage.ortcp"),
+        ("truncated", "truncated.ortcp"),
+    ],
+)
 def test_missing_corrupt_or_truncated_checkpoints_are_named(tmp_path, content, message):
     trainer = _trained()
     if content == "truncated":
@@ -317,9 +339,14 @@ def _write_legacy_checkpoint(path: str, weights: dict[str, np.ndarray], optimize
         if optimizer == "LambOptimizer":
             opt.create_group("shared_optimizer_state")["Step"] = np.array([8], dtype=np.int64)
         options = f.create_group("trainer_options")
-        for key, value in {"mixed_precision": np.bool_(False), "zero_stage": np.int64(0), "world_rank": np.int64(0),
-                           "world_size": np.int64(1), "data_parallel_size": np.int64(1),
-                           "horizontal_parallel_size": np.int64(1)}.items():
+        for key, value in {
+            "mixed_precision": np.bool_(False),
+            "zero_stage": np.int64(0),
+            "world_rank": np.int64(0),
+            "world_size": np.int64(1),
+            "data_parallel_size": np.int64(1),
+            "horizontal_parallel_size": np.int64(1),
+        }.items():
             options[key] = value
         options["optimizer_name"] = optimizer  # a variable-length string; reads back as bytes
         info = f.create_group("train_step_info")
@@ -358,8 +385,9 @@ def test_checkpoint_info_cli_reads_a_trainer_checkpoint(tmp_path):
     model = MLP()
     model.load_state_dict(torch.load(out))
     assert max_difference(torch_weights(model), trainer_weights(trainer)) == 0.0
-    info = subprocess.run([sys.executable, "-m", "orttrainer.checkpoint", "info", path], check=True,
-                          capture_output=True, text=True).stdout
+    info = subprocess.run(
+        [sys.executable, "-m", "orttrainer.checkpoint", "info", path], check=True, capture_output=True, text=True
+    ).stdout
     assert "fc1.weight" in info and "AdamOptimizer" in info
 
 

@@ -14,18 +14,32 @@ CE = torch.nn.functional.cross_entropy
 X, Y = torch.randn(8, 32), torch.randint(0, 10, (8,))
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    ((None, mlp_desc(), optim.SGDConfig()), "'model' is required and must be either a 'torch.nn.Module' or ONNX model"),
-    ((MLP(), [], optim.SGDConfig()), "'model_desc' must be a 'dict'"),
-    ((MLP(), mlp_desc(), {"lr": 1}),
-     "'optim_config' is required and must be any of 'AdamConfig', 'LambConfig' or 'SGDConfig'"),
-    ((MLP(), mlp_desc(), optim.SGDConfig(), lambda pred: pred),
-     "'loss_fn' must be either 'None' or a callable with two parameters"),
-    ((MLP(), mlp_desc(), optim.SGDConfig(), None, {"device": {"id": "cpu"}}),
-     "'options' must be either 'None' or 'ORTTrainerOptions'"),
-    ((onnx.ModelProto(), mlp_desc(), optim.SGDConfig(), CE),
-     "'loss_fn' must not be specified when 'model' is an ONNX model"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            (None, mlp_desc(), optim.SGDConfig()),
+            "'model' is required and must be either a 'torch.nn.Module' or ONNX model",
+        ),
+        ((MLP(), [], optim.SGDConfig()), "'model_desc' must be a 'dict'"),
+        (
+            (MLP(), mlp_desc(), {"lr": 1}),
+            "'optim_config' is required and must be any of 'AdamConfig', 'LambConfig' or 'SGDConfig'",
+        ),
+        (
+            (MLP(), mlp_desc(), optim.SGDConfig(), lambda pred: pred),
+            "'loss_fn' must be either 'None' or a callable with two parameters",
+        ),
+        (
+            (MLP(), mlp_desc(), optim.SGDConfig(), None, {"device": {"id": "cpu"}}),
+            "'options' must be either 'None' or 'ORTTrainerOptions'",
+        ),
+        (
+            (onnx.ModelProto(), mlp_desc(), optim.SGDConfig(), CE),
+            "'loss_fn' must not be specified when 'model' is an ONNX model",
+        ),
+    ],
+)
 def test_constructor_arguments_are_checked_with_the_legacy_messages(args, message):
     with pytest.raises(AssertionError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
         ORTTrainer(*args)
@@ -41,18 +55,24 @@ def test_loss_functions_with_optional_extra_parameters_are_accepted():
     assert trainer.train_step(X, Y)[0].shape == ()
 
 
-@pytest.mark.parametrize(("call", "error", "message"), [
-    (lambda t: t.train_step(X), ValueError, r"expected 2 inputs \['x', 'target'\], got 1"),
-    (lambda t: t.train_step(X, Y, Y), ValueError, r"expected 2 inputs \['x', 'target'\], got 3"),
-    (lambda t: t.train_step(X, label=Y), TypeError, r"unexpected keyword input \['label'\]"),
-    (lambda t: t.train_step(X, Y, x=X), TypeError, r"\['x'\] given both positionally and by keyword"),
-    (lambda t: t.train_step(X.numpy(), Y), TypeError, "input 'x' must be a torch.Tensor, got ndarray"),
-    (lambda t: t.train_step(torch.randn(8, 31), Y), ValueError,
-     r"input 'x' has shape \[8, 31\], but model_desc declares \['batch', 32\]"),
-    (lambda t: t.train_step(torch.randn(8, 4, 32), Y), ValueError, r"\(rank 2\)"),
-    (lambda t: t.train_step(X, Y[:4]), ValueError, "another input bound 'batch' to 8"),
-    (lambda t: t.eval_step(X), ValueError, r"expected 2 inputs"),
-])
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda t: t.train_step(X), ValueError, r"expected 2 inputs \['x', 'target'\], got 1"),
+        (lambda t: t.train_step(X, Y, Y), ValueError, r"expected 2 inputs \['x', 'target'\], got 3"),
+        (lambda t: t.train_step(X, label=Y), TypeError, r"unexpected keyword input \['label'\]"),
+        (lambda t: t.train_step(X, Y, x=X), TypeError, r"\['x'\] given both positionally and by keyword"),
+        (lambda t: t.train_step(X.numpy(), Y), TypeError, "input 'x' must be a torch.Tensor, got ndarray"),
+        (
+            lambda t: t.train_step(torch.randn(8, 31), Y),
+            ValueError,
+            r"input 'x' has shape \[8, 31\], but model_desc declares \['batch', 32\]",
+        ),
+        (lambda t: t.train_step(torch.randn(8, 4, 32), Y), ValueError, r"\(rank 2\)"),
+        (lambda t: t.train_step(X, Y[:4]), ValueError, "another input bound 'batch' to 8"),
+        (lambda t: t.eval_step(X), ValueError, r"expected 2 inputs"),
+    ],
+)
 def test_bad_inputs_are_rejected_before_anything_runs(call, error, message):
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(lr=0.1), CE)
     trainer.train_step(X, Y)
@@ -68,8 +88,9 @@ def test_bad_inputs_are_rejected_before_anything_runs(call, error, message):
 def test_a_dtype_other_than_the_exported_one_is_rejected():
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE)
     trainer.train_step(X, Y)
-    with pytest.raises(TypeError, match="input 'x' has dtype torch.float64, but the model was exported for "
-                                        "torch.float32"):
+    with pytest.raises(
+        TypeError, match="input 'x' has dtype torch.float64, but the model was exported for torch.float32"
+    ):
         trainer.train_step(X.double(), Y)
     with pytest.raises(TypeError, match="input 'target' has dtype torch.int32"):
         trainer.eval_step(X, Y.int())
@@ -90,18 +111,25 @@ def test_a_model_desc_input_that_forward_does_not_take_is_named():
 
 
 def test_a_loss_that_is_not_a_scalar_is_rejected():
-    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(),
-                           lambda logits, target: CE(logits, target, reduction="none"))
-    with pytest.raises(ValueError, match=r"the loss output 'loss' must be a scalar \(shape \[\]\), but the model "
-                                         r"returns shape \[8\]"):
+    trainer = make_trainer(
+        MLP(), mlp_desc(), optim.SGDConfig(), lambda logits, target: CE(logits, target, reduction="none")
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"the loss output 'loss' must be a scalar \(shape \[\]\), but the model "
+        r"returns shape \[8\]",
+    ):
         trainer.train_step(X, Y)
 
 
 def test_more_described_outputs_than_the_model_returns():
     desc = mlp_desc()
     desc["outputs"].append(("extra", ["batch"]))
-    with pytest.raises(ValueError, match=r"model_desc describes 3 outputs \['loss', 'logits', 'extra'\], but the "
-                                         "model with its loss_fn returns 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"model_desc describes 3 outputs \['loss', 'logits', 'extra'\], but the "
+        "model with its loss_fn returns 2",
+    ):
         make_trainer(MLP(), desc, optim.SGDConfig(), CE).train_step(X, Y)
 
 
@@ -117,8 +145,9 @@ def test_an_op_without_a_gradient_is_named_with_its_node():
         def forward(self, x):
             return torch.cumsum(super().forward(x), dim=1)
 
-    trainer = make_trainer(CumulativeHead(), mlp_desc(), optim.SGDConfig(), CE,
-                           {"_internal_use": {"gradient_builder": "ort"}})  # 'auto' would switch to 'torch'
+    trainer = make_trainer(
+        CumulativeHead(), mlp_desc(), optim.SGDConfig(), CE, {"_internal_use": {"gradient_builder": "ort"}}
+    )  # 'auto' would switch to 'torch'
     with pytest.raises(RuntimeError, match=r"cannot differentiate op 'CumSum' \(node '/model/CumSum'\)"):
         trainer.train_step(X, Y)
 
@@ -126,6 +155,7 @@ def test_an_op_without_a_gradient_is_named_with_its_node():
 def test_custom_autograd_functions_are_refused_by_the_ort_gradient_builder():
     """The exporter inlines a Function's forward, so the 'ort' builder would ignore its backward: refused. 'auto'
     (the default) trains it with the torch builder instead (tests/test_trainer_torch_builder.py)."""
+
     class StraightThrough(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -139,26 +169,37 @@ def test_custom_autograd_functions_are_refused_by_the_ort_gradient_builder():
         def forward(self, x):  # the Function sits on the gradient path of fc1
             return self.fc2(StraightThrough.apply(self.fc1(x)))
 
-    trainer = make_trainer(Quantized(), mlp_desc(), optim.SGDConfig(), CE,
-                           {"_internal_use": {"gradient_builder": "ort"}})
-    with pytest.raises(NotImplementedError, match=r"Function\(s\) \['.*StraightThrough'\].*Set options "
-                                                  r"_internal_use.gradient_builder to 'torch' or 'auto'"):
+    trainer = make_trainer(
+        Quantized(), mlp_desc(), optim.SGDConfig(), CE, {"_internal_use": {"gradient_builder": "ort"}}
+    )
+    with pytest.raises(
+        NotImplementedError,
+        match=r"Function\(s\) \['.*StraightThrough'\].*Set options "
+        r"_internal_use.gradient_builder to 'torch' or 'auto'",
+    ):
         trainer.train_step(X, Y)
     assert trainer._training_session is None
 
 
 def test_unknown_frozen_weights_use_the_legacy_error():
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, {"utils": {"frozen_weights": ["fc9.weight"]}})
-    with pytest.raises(RuntimeError, match=r"^\['fc9.weight'\] params from 'frozen_weights' not found in the ONNX "
-                                           r"model.$"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^\['fc9.weight'\] params from 'frozen_weights' not found in the ONNX "
+        r"model.$",
+    ):
         trainer.train_step(X, Y)
 
 
 def test_onnx_model_descriptions_must_name_graph_inputs():
-    model = onnx.helper.make_model(onnx.helper.make_graph(
-        [onnx.helper.make_node("Identity", ["x"], ["loss"])], "g",
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [])],
-        [onnx.helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])]))
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Identity", ["x"], ["loss"])],
+            "g",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [])],
+            [onnx.helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])],
+        )
+    )
     desc = {"inputs": [("input", [])], "outputs": [("loss", [], True)]}
     with pytest.raises(AssertionError, match=r"^ONNX model with unknown input type \(input\)$"):
         ORTTrainer(model, desc, optim.SGDConfig(), options=cpu_options())

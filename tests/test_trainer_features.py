@@ -48,8 +48,13 @@ def test_accumulation_continues_over_several_windows_like_pytorch():
     torch.manual_seed(0)
     model = MLP()
     reference = clone(model)
-    trainer = make_trainer(model, mlp_desc(), optim.AdamConfig(lr=1e-2), CE,
-                           {"batch": {"gradient_accumulation_steps": 3}, "utils": {"grad_norm_clip": False}})
+    trainer = make_trainer(
+        model,
+        mlp_desc(),
+        optim.AdamConfig(lr=1e-2),
+        CE,
+        {"batch": {"gradient_accumulation_steps": 3}, "utils": {"grad_norm_clip": False}},
+    )
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     for i, (x, y) in enumerate(_batches(9)):
         trainer.train_step(x, y)
@@ -65,13 +70,17 @@ def test_two_parameter_groups_use_their_own_hyper_parameters():
     torch.manual_seed(0)
     model = MLP()
     reference = clone(model)
-    config = optim.AdamConfig(params=[{"params": ["fc1.weight", "fc1.bias"], "alpha": 0.8, "lambda_coef": 0.1}],
-                              lr=5e-3)
+    config = optim.AdamConfig(
+        params=[{"params": ["fc1.weight", "fc1.bias"], "alpha": 0.8, "lambda_coef": 0.1}], lr=5e-3
+    )
     trainer = make_trainer(model, mlp_desc(), config, CE, {"utils": {"grad_norm_clip": False}})
-    ref_opt = torch.optim.AdamW([
-        {"params": [reference.fc1.weight, reference.fc1.bias], "betas": (0.8, 0.999), "weight_decay": 0.1},
-        {"params": [reference.fc2.weight, reference.fc2.bias], "betas": (0.9, 0.999), "weight_decay": 0.0},
-    ], lr=5e-3)
+    ref_opt = torch.optim.AdamW(
+        [
+            {"params": [reference.fc1.weight, reference.fc1.bias], "betas": (0.8, 0.999), "weight_decay": 0.1},
+            {"params": [reference.fc2.weight, reference.fc2.bias], "betas": (0.9, 0.999), "weight_decay": 0.0},
+        ],
+        lr=5e-3,
+    )
     for x, y in _batches(10):
         trainer.train_step(x, y)
         ref_opt.zero_grad()
@@ -88,8 +97,9 @@ def test_frozen_weights_and_requires_grad_false_parameters_stay_unchanged():
     reference = clone(model)
     reference.fc1.weight.requires_grad_(False)
     initial = torch_weights(model)
-    trainer = make_trainer(model, mlp_desc(), optim.SGDConfig(lr=0.1), CE,
-                           {"utils": {"frozen_weights": ["fc1.weight"]}})
+    trainer = make_trainer(
+        model, mlp_desc(), optim.SGDConfig(lr=0.1), CE, {"utils": {"frozen_weights": ["fc1.weight"]}}
+    )
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
     for x, y in _batches(5):
         trainer.train_step(x, y)
@@ -116,10 +126,18 @@ class _ModelWithLoss(torch.nn.Module):
 def _export_with_loss(model: torch.nn.Module) -> onnx.ModelProto:
     buffer = io.BytesIO()
     x, y = _batches(1)[0]
-    torch.onnx.export(model, (x, y), buffer, input_names=["x", "target"], output_names=["loss", "logits"],
-                      dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}},
-                      opset_version=14, do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING,
-                      dynamo=False)
+    torch.onnx.export(
+        model,
+        (x, y),
+        buffer,
+        input_names=["x", "target"],
+        output_names=["loss", "logits"],
+        dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}},
+        opset_version=14,
+        do_constant_folding=False,
+        training=torch.onnx.TrainingMode.TRAINING,
+        dynamo=False,
+    )
     return onnx.load_from_string(buffer.getvalue())
 
 
@@ -197,8 +215,13 @@ def test_an_lr_scheduler_drives_the_learning_rate_per_optimization_step():
     model = MLP()
     reference = clone(model)
     scheduler = LinearWarmupLRScheduler(total_steps=8, warmup=0.25)
-    trainer = make_trainer(model, mlp_desc(), optim.SGDConfig(lr=0.1), CE,
-                           {"lr_scheduler": scheduler, "batch": {"gradient_accumulation_steps": 2}})
+    trainer = make_trainer(
+        model,
+        mlp_desc(),
+        optim.SGDConfig(lr=0.1),
+        CE,
+        {"lr_scheduler": scheduler, "batch": {"gradient_accumulation_steps": 2}},
+    )
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     seen = []
     for i, (x, y) in enumerate(_batches(8)):
@@ -277,8 +300,12 @@ def test_returned_tensors_are_not_overwritten_by_later_steps():
 
 
 def test_debug_graph_save_paths_write_the_four_stages(tmp_path):
-    names = ["model_after_graph_transforms_path", "model_with_gradient_graph_path", "model_with_training_graph_path",
-             "model_with_training_graph_after_optimization_path"]
+    names = [
+        "model_after_graph_transforms_path",
+        "model_with_gradient_graph_path",
+        "model_with_training_graph_path",
+        "model_with_training_graph_after_optimization_path",
+    ]
     paths = {name: str(tmp_path / f"{name}.onnx") for name in names}
     trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE, {"debug": {"graph_save_paths": paths}})
     trainer.train_step(*_batches(1)[0])
@@ -300,8 +327,13 @@ def test_check_model_export_passes_for_a_faithful_export_and_fails_for_a_changed
         weight.CopyFrom(onnx.numpy_helper.from_array(values, "fc2.bias"))
         return model
 
-    broken = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE,
-                          {"debug": {"check_model_export": True}, "_internal_use": {"extra_postprocess": perturb}})
+    broken = make_trainer(
+        MLP(),
+        mlp_desc(),
+        optim.SGDConfig(),
+        CE,
+        {"debug": {"check_model_export": True}, "_internal_use": {"extra_postprocess": perturb}},
+    )
     with pytest.raises(AssertionError, match="Mismatch between outputs of PyTorch model and exported ONNX model"):
         broken.train_step(x, y)
 
@@ -319,8 +351,9 @@ def test_run_symbolic_shape_infer_annotates_the_graph():
 def test_deterministic_compute_and_user_session_options_reach_onnxruntime():
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE,
-                           {"session_options": options, "debug": {"deterministic_compute": True}})
+    trainer = make_trainer(
+        MLP(), mlp_desc(), optim.SGDConfig(), CE, {"session_options": options, "debug": {"deterministic_compute": True}}
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         trainer.train_step(*_batches(1)[0])
@@ -350,14 +383,21 @@ def _log_softmax_nll_model() -> onnx.ModelProto:
     """logits = x @ W; loss = NegativeLogLikelihoodLoss(LogSoftmax(logits), target) — the pattern ORT cannot
     differentiate unless the internal post-processing fuses it."""
     rng = np.random.default_rng(0)
-    nodes = [onnx.helper.make_node("MatMul", ["x", "W"], ["logits"]),
-             onnx.helper.make_node("LogSoftmax", ["logits"], ["log_prob"], axis=1),
-             onnx.helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "target"], ["loss"], reduction="mean")]
-    graph = onnx.helper.make_graph(nodes, "nll", [
-        onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 32]),
-        onnx.helper.make_tensor_value_info("target", onnx.TensorProto.INT64, ["batch"])],
+    nodes = [
+        onnx.helper.make_node("MatMul", ["x", "W"], ["logits"]),
+        onnx.helper.make_node("LogSoftmax", ["logits"], ["log_prob"], axis=1),
+        onnx.helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "target"], ["loss"], reduction="mean"),
+    ]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "nll",
+        [
+            onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 32]),
+            onnx.helper.make_tensor_value_info("target", onnx.TensorProto.INT64, ["batch"]),
+        ],
         [onnx.helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])],
-        [onnx.numpy_helper.from_array(rng.standard_normal((32, 10)).astype(np.float32), "W")])
+        [onnx.numpy_helper.from_array(rng.standard_normal((32, 10)).astype(np.float32), "W")],
+    )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 14)])
     model.ir_version = 8
     return model
@@ -371,23 +411,32 @@ def test_internal_postprocess_fuses_log_softmax_and_nll_so_the_model_trains():
     trainer = make_trainer(_log_softmax_nll_model(), desc, optim.SGDConfig(lr=0.5))
     trainer.train_step(x, y)
     CE(x @ weight, y).backward()
-    np.testing.assert_allclose(trainer_weights(trainer)["W"], (weight - 0.5 * weight.grad).detach().numpy(),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        trainer_weights(trainer)["W"], (weight - 0.5 * weight.grad).detach().numpy(), rtol=1e-5, atol=1e-6
+    )
     with pytest.raises(RuntimeError, match="cannot differentiate op 'NegativeLogLikelihoodLoss'"):
-        make_trainer(_log_softmax_nll_model(), desc, optim.SGDConfig(),
-                     extra={"_internal_use": {"enable_internal_postprocess": False}})
+        make_trainer(
+            _log_softmax_nll_model(),
+            desc,
+            optim.SGDConfig(),
+            extra={"_internal_use": {"enable_internal_postprocess": False}},
+        )
 
 
 def test_provider_options_are_merged_into_the_provider_list_given_to_onnxruntime():
     from orttrainer.trainer.session import Device, SessionConfig, _providers
 
-    config = SessionConfig(Device("cpu"), provider_options={"CPUExecutionProvider": {"a": "1"},
-                                                            "CUDAExecutionProvider": {"b": "2"}})
+    config = SessionConfig(
+        Device("cpu"), provider_options={"CPUExecutionProvider": {"a": "1"}, "CUDAExecutionProvider": {"b": "2"}}
+    )
     assert _providers(config) == [("CUDAExecutionProvider", {"b": "2"}), ("CPUExecutionProvider", {"a": "1"})]
-    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE,
-                           {"provider_options": {"NoSuchExecutionProvider": {}}})
-    with pytest.raises(ValueError, match="provider_options names 'NoSuchExecutionProvider', which this onnxruntime "
-                                         "build does not provide"):  # ONNX Runtime itself would drop it silently
+    trainer = make_trainer(
+        MLP(), mlp_desc(), optim.SGDConfig(), CE, {"provider_options": {"NoSuchExecutionProvider": {}}}
+    )
+    with pytest.raises(
+        ValueError,
+        match="provider_options names 'NoSuchExecutionProvider', which this onnxruntime build does not provide",
+    ):  # ONNX Runtime itself would drop it silently
         trainer.train_step(*_batches(1)[0])
 
 
@@ -398,8 +447,7 @@ def test_parameters_without_a_path_to_the_loss_are_left_alone_like_pytorch():
     model.graph.initializer.append(extra)
     model.graph.node.append(onnx.helper.make_node("Mul", ["unused_scale", "unused_scale"], ["side"]))
     model.graph.output.append(onnx.helper.make_tensor_value_info("side", onnx.TensorProto.FLOAT, [3]))
-    desc = {"inputs": [("x", ["batch", 32]), ("target", ["batch"])],
-            "outputs": [("loss", [], True), ("side", [3])]}
+    desc = {"inputs": [("x", ["batch", 32]), ("target", ["batch"])], "outputs": [("loss", [], True), ("side", [3])]}
     with pytest.warns(UserWarning, match=r"parameters \['unused_scale'\] do not influence the loss"):
         trainer = make_trainer(model, desc, optim.AdamConfig(lambda_coef=0.1))
     trainer.train_step(*_batches(1)[0])
@@ -416,8 +464,10 @@ def test_bool_inputs_and_outputs_cross_between_torch_and_onnxruntime():
             return logits.masked_fill(~mask[:, None], 0.0), mask.logical_not()
 
     torch.manual_seed(0)
-    desc = {"inputs": [("x", ["batch", 32]), ("mask", ["batch"]), ("target", ["batch"])],
-            "outputs": [("loss", [], True), ("logits", ["batch", 10]), ("unmasked", ["batch"])]}
+    desc = {
+        "inputs": [("x", ["batch", 32]), ("mask", ["batch"]), ("target", ["batch"])],
+        "outputs": [("loss", [], True), ("logits", ["batch", 10]), ("unmasked", ["batch"])],
+    }
 
     def loss_fn(outputs, target):
         return CE(outputs[0], target)
@@ -434,6 +484,7 @@ def test_bool_inputs_and_outputs_cross_between_torch_and_onnxruntime():
 def test_the_export_leaves_batch_norm_statistics_alone():
     """The TorchScript export runs the model once in training mode, which moves BatchNorm's running statistics; the
     user's module and the trainer's initial state must keep the values the model was handed over with."""
+
     class Normalised(MLP):
         def __init__(self) -> None:
             super().__init__()

@@ -33,21 +33,31 @@ def _optimizers():
     return {
         "sgd": (optim.SGDConfig(lr=0.05), lambda ps: torch.optim.SGD(ps, lr=0.05)),
         "adam": (optim.AdamConfig(lr=2e-3), lambda ps: torch.optim.Adam(ps, lr=2e-3, eps=1e-8)),
-        "adamw_before_update": (optim.AdamConfig(lr=2e-3, lambda_coef=0.05),
-                                lambda ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=0.05, eps=1e-8)),
-        "adamw_after_update": (optim.AdamConfig(lr=2e-3, lambda_coef=0.05, weight_decay_mode=Decay.AFTER_WEIGHT_UPDATE),
-                               lambda ps: ReferenceAdam(ps, lr=2e-3, weight_decay=0.05, mode=1)),
+        "adamw_before_update": (
+            optim.AdamConfig(lr=2e-3, lambda_coef=0.05),
+            lambda ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=0.05, eps=1e-8),
+        ),
+        "adamw_after_update": (
+            optim.AdamConfig(lr=2e-3, lambda_coef=0.05, weight_decay_mode=Decay.AFTER_WEIGHT_UPDATE),
+            lambda ps: ReferenceAdam(ps, lr=2e-3, weight_decay=0.05, mode=1),
+        ),
         "adamw_after_update_no_bias_correction": (
-            optim.AdamConfig(lr=2e-3, lambda_coef=0.05, weight_decay_mode=Decay.AFTER_WEIGHT_UPDATE,
-                             do_bias_correction=False),
-            lambda ps: ReferenceAdam(ps, lr=2e-3, weight_decay=0.05, mode=1, bias_correction=False)),
-        "adam_no_bias_correction": (optim.AdamConfig(lr=2e-3, lambda_coef=0.05, do_bias_correction=False),
-                                    lambda ps: ReferenceAdam(ps, lr=2e-3, weight_decay=0.05, bias_correction=False)),
+            optim.AdamConfig(
+                lr=2e-3, lambda_coef=0.05, weight_decay_mode=Decay.AFTER_WEIGHT_UPDATE, do_bias_correction=False
+            ),
+            lambda ps: ReferenceAdam(ps, lr=2e-3, weight_decay=0.05, mode=1, bias_correction=False),
+        ),
+        "adam_no_bias_correction": (
+            optim.AdamConfig(lr=2e-3, lambda_coef=0.05, do_bias_correction=False),
+            lambda ps: ReferenceAdam(ps, lr=2e-3, weight_decay=0.05, bias_correction=False),
+        ),
         "lamb": (optim.LambConfig(lr=2e-3, lambda_coef=0.05), lambda ps: ReferenceLamb(ps, lr=2e-3, weight_decay=0.05)),
         "lamb_bias_correction_clamped": (
             optim.LambConfig(lr=2e-3, lambda_coef=0.05, do_bias_correction=True, ratio_min=0.5, ratio_max=2.0),
-            lambda ps: ReferenceLamb(ps, lr=2e-3, weight_decay=0.05, bias_correction=True, ratio_min=0.5,
-                                     ratio_max=2.0)),
+            lambda ps: ReferenceLamb(
+                ps, lr=2e-3, weight_decay=0.05, bias_correction=True, ratio_min=0.5, ratio_max=2.0
+            ),
+        ),
     }
 
 
@@ -71,8 +81,9 @@ def train_both(case, opt_name: str, clip: bool, builder: str = "ort"):
     model, desc, loss_fn, batches = case()
     reference = copy.deepcopy(model)
     config, make_reference = _optimizers()[opt_name]
-    options = ORTTrainerOptions({"device": {"id": "cpu"}, "utils": {"grad_norm_clip": clip},
-                                 "_internal_use": {"gradient_builder": builder}})
+    options = ORTTrainerOptions(
+        {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": clip}, "_internal_use": {"gradient_builder": builder}}
+    )
     trainer = ORTTrainer(model, desc, config, loss_fn=loss_fn, options=options)
     ref_opt = make_reference(list(reference.parameters()))
     for inputs, target in batches:
@@ -104,12 +115,14 @@ def key_bias_slice(d_model: int = 32):
     """The attention key bias: its gradient is identically zero (softmax is invariant to a per-row shift), so both
     frameworks only see ~1e-9 rounding noise there, which Adam normalises into lr-sized steps. It is compared
     separately (see test_attention_key_bias_gradient_is_zero), not against the reference's noise."""
+
     def skip(name: str):
         if name.endswith("self_attn.in_proj_bias"):
             mask = np.zeros(3 * d_model, dtype=bool)
-            mask[d_model: 2 * d_model] = True
+            mask[d_model : 2 * d_model] = True
             return mask
         return None
+
     return skip
 
 
@@ -125,8 +138,12 @@ def test_mlp_matches_pytorch(opt_name, clip, builder):
 
 
 TORCH_TRANSFORMER_CASES = ("sgd", "adamw_after_update", "lamb_bias_correction_clamped")
-TRANSFORMER_CASES = [(name, builder) for name in _optimizers() for builder in BUILDERS
-                     if builder == "ort" or name in TORCH_TRANSFORMER_CASES]
+TRANSFORMER_CASES = [
+    (name, builder)
+    for name in _optimizers()
+    for builder in BUILDERS
+    if builder == "ort" or name in TORCH_TRANSFORMER_CASES
+]
 
 
 @pytest.mark.parametrize(("opt_name", "builder"), TRANSFORMER_CASES)

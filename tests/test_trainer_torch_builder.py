@@ -48,11 +48,17 @@ def train_pytorch(model, make_optimizer, loss_fn, batches, accumulation=1):
 
 def batches(n: int, sizes=(8,), d_in: int = 32, classes: int = 10, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(sizes[i % len(sizes)], d_in, generator=g),
-             torch.randint(0, classes, (sizes[i % len(sizes)],), generator=g)) for i in range(n)]
+    return [
+        (
+            torch.randn(sizes[i % len(sizes)], d_in, generator=g),
+            torch.randint(0, classes, (sizes[i % len(sizes)],), generator=g),
+        )
+        for i in range(n)
+    ]
 
 
 # custom autograd.Functions ------------------------------------------------------------------------------------------
+
 
 class WithActivation(MLP):
     def __init__(self, activation) -> None:
@@ -63,18 +69,24 @@ class WithActivation(MLP):
         return self.fc2(self.activation(self.fc1(x)))
 
 
-@pytest.mark.parametrize("config, reference", [
-    (optim.SGDConfig(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1)),
-    (optim.AdamConfig(lr=1e-2), lambda ps: torch.optim.Adam(ps, lr=1e-2)),
-], ids=["sgd", "adam"])
+@pytest.mark.parametrize(
+    "config, reference",
+    [
+        (optim.SGDConfig(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        (optim.AdamConfig(lr=1e-2), lambda ps: torch.optim.Adam(ps, lr=1e-2)),
+    ],
+    ids=["sgd", "adam"],
+)
 def test_scalar_and_tuple_function_trains_like_pytorch(config, reference, caplog):
     torch.manual_seed(0)
     model = WithActivation(lambda h: ScalarAndTupleFunction.apply(h, 2, (1.5, True), 0.5))
     with caplog.at_level(logging.INFO, logger="orttrainer"):
         trainer, ref = train_with_reference(model, mlp_desc(), config, reference, CE, batches(10), NO_CLIP)
     assert trainer._gradient_builder == "torch"  # chosen by 'auto' (the default)
-    assert "gradient builder 'torch' (auto: the model uses custom torch.autograd.Function(s) " \
-           "['ScalarAndTupleFunction']" in caplog.text
+    assert (
+        "gradient builder 'torch' (auto: the model uses custom torch.autograd.Function(s) "
+        "['ScalarAndTupleFunction']" in caplog.text
+    )
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
 
 
@@ -105,8 +117,10 @@ def test_a_function_whose_backward_cannot_be_traced_is_named():
             return grad * grad.abs().max().item()
 
     trainer = make_trainer(WithActivation(ItemBackward.apply), mlp_desc(), optim.SGDConfig(), CE)
-    with pytest.raises(UntraceableFunctionError, match="The backward of the custom torch.autograd.Function "
-                                                       "'.*ItemBackward' cannot be traced"):
+    with pytest.raises(
+        UntraceableFunctionError,
+        match="The backward of the custom torch.autograd.Function '.*ItemBackward' cannot be traced",
+    ):
         trainer.train_step(*batches(1)[0])
 
 
@@ -132,13 +146,21 @@ class WithIgnoredBias(MLP):
 def test_a_parameter_the_users_backward_gives_no_gradient_is_frozen_as_in_pytorch():
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match=r"parameters \['b'\] do not influence the loss"):
-        trainer, ref = train_with_reference(WithIgnoredBias(), mlp_desc(), optim.AdamConfig(lr=1e-2),
-                                            lambda ps: torch.optim.Adam(ps, lr=1e-2), CE, batches(3), NO_CLIP)
+        trainer, ref = train_with_reference(
+            WithIgnoredBias(),
+            mlp_desc(),
+            optim.AdamConfig(lr=1e-2),
+            lambda ps: torch.optim.Adam(ps, lr=1e-2),
+            CE,
+            batches(3),
+            NO_CLIP,
+        )
     assert "b" in trainer._frozen and "b" not in trainer._compiled.training.weight_updates
     assert max_difference(trainer_weights(trainer), {k: v for k, v in torch_weights(ref).items() if k != "b"}) < 1e-5
 
 
 # choosing the builder ---------------------------------------------------------------------------------------------
+
 
 class CumulativeHead(MLP):
     def forward(self, x):
@@ -150,18 +172,28 @@ def test_auto_picks_ort_for_a_plain_model(caplog):
         trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE)
         trainer.train_step(*batches(1)[0])
     assert trainer._gradient_builder == "ort"
-    assert "gradient builder 'ort' (auto: no custom torch.autograd.Function, and ONNX Runtime differentiates " \
-           "every op)" in caplog.text
+    assert (
+        "gradient builder 'ort' (auto: no custom torch.autograd.Function, and ONNX Runtime differentiates "
+        "every op)" in caplog.text
+    )
 
 
 def test_auto_falls_back_to_torch_for_an_op_without_an_ort_gradient(caplog):
     torch.manual_seed(0)
     with caplog.at_level(logging.INFO, logger="orttrainer"):
-        trainer, ref = train_with_reference(CumulativeHead(), mlp_desc(), optim.SGDConfig(lr=0.1),
-                                            lambda ps: torch.optim.SGD(ps, lr=0.1), CE, batches(3))
+        trainer, ref = train_with_reference(
+            CumulativeHead(),
+            mlp_desc(),
+            optim.SGDConfig(lr=0.1),
+            lambda ps: torch.optim.SGD(ps, lr=0.1),
+            CE,
+            batches(3),
+        )
     assert trainer._gradient_builder == "torch"
-    assert "gradient builder 'torch' (auto: ONNX Runtime's gradient builder cannot differentiate op 'CumSum')" \
-           in caplog.text
+    assert (
+        "gradient builder 'torch' (auto: ONNX Runtime's gradient builder cannot differentiate op 'CumSum')"
+        in caplog.text
+    )
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
 
 
@@ -177,17 +209,28 @@ def _onnx_mlp_with_loss() -> onnx.ModelProto:
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's, chosen on purpose
-        torch.onnx.export(WithLoss(), batches(1)[0], buffer, input_names=["x", "target"], output_names=["loss"],
-                          dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}}, opset_version=14, dynamo=False,
-                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+        torch.onnx.export(
+            WithLoss(),
+            batches(1)[0],
+            buffer,
+            input_names=["x", "target"],
+            output_names=["loss"],
+            dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}},
+            opset_version=14,
+            dynamo=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+            do_constant_folding=False,
+        )
     return onnx.load_from_string(buffer.getvalue())
 
 
 def test_onnx_models_use_the_ort_builder_and_refuse_torch():
     desc = {"inputs": [("x", ["batch", 32]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
     model = _onnx_mlp_with_loss()
-    with pytest.raises(ValueError, match="gradient_builder='torch' needs a torch.nn.Module .* the model is an ONNX "
-                                         "model; use 'ort' or 'auto'"):
+    with pytest.raises(
+        ValueError,
+        match="gradient_builder='torch' needs a torch.nn.Module .* the model is an ONNX model; use 'ort' or 'auto'",
+    ):
         make_trainer(model, desc, optim.SGDConfig(), extra=TORCH)
     assert make_trainer(model, desc, optim.SGDConfig())._gradient_builder == "ort"
 
@@ -202,14 +245,23 @@ def test_options_that_transform_the_exported_graph_keep_the_ort_builder():
     trainer = make_trainer(CumulativeHead(), mlp_desc(), optim.SGDConfig(), CE, extra)
     with pytest.raises(RuntimeError, match="cannot differentiate op 'CumSum'"):  # 'auto' does not switch
         trainer.train_step(*batches(1)[0])
-    trainer = make_trainer(WithActivation(StraightThrough.apply), mlp_desc(), optim.SGDConfig(), CE,
-                           {"_internal_use": {"extra_postprocess": postprocess, "gradient_builder": "auto"}})
-    with pytest.raises(NotImplementedError, match=r"\['_internal_use.extra_postprocess'\] transform .* custom "
-                                                  r"torch.autograd.Function\(s\) \['StraightThrough'\]"):
+    trainer = make_trainer(
+        WithActivation(StraightThrough.apply),
+        mlp_desc(),
+        optim.SGDConfig(),
+        CE,
+        {"_internal_use": {"extra_postprocess": postprocess, "gradient_builder": "auto"}},
+    )
+    with pytest.raises(
+        NotImplementedError,
+        match=r"\['_internal_use.extra_postprocess'\] transform .* custom "
+        r"torch.autograd.Function\(s\) \['StraightThrough'\]",
+    ):
         trainer.train_step(*batches(1)[0])
 
 
 # shapes: one graph per signature, one shared state ------------------------------------------------------------------
+
 
 class GroupMean(nn.Module):
     """A view sized by the batch and a mean: both bake the batch size into a traced graph."""
@@ -226,10 +278,16 @@ class GroupMean(nn.Module):
 def test_interleaved_batch_sizes_share_one_state_and_match_pytorch():
     torch.manual_seed(0)
     data = batches(8, sizes=(4, 4, 7, 7, 4, 7, 7, 4))  # with accumulation 2, windows mix the two sizes
-    trainer, ref = train_with_reference(GroupMean(), mlp_desc(), optim.AdamConfig(lr=1e-2),
-                                        lambda ps: torch.optim.Adam(ps, lr=1e-2), CE, data,
-                                        {**TORCH, **NO_CLIP, "batch": {"gradient_accumulation_steps": 2}},
-                                        accumulation=2)
+    trainer, ref = train_with_reference(
+        GroupMean(),
+        mlp_desc(),
+        optim.AdamConfig(lr=1e-2),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        CE,
+        data,
+        {**TORCH, **NO_CLIP, "batch": {"gradient_accumulation_steps": 2}},
+        accumulation=2,
+    )
     assert trainer._training_session.training_graph_count == 2
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
     loss, logits = trainer.eval_step(*batches(1, sizes=(5,))[0])  # eval has dynamic axes: no new graph
@@ -281,8 +339,9 @@ class ConvNormalised(nn.Module):
         return self.head(F.relu(self.bn(self.conv(x.view(-1, 2, 4, 4)))).flatten(1))
 
 
-@pytest.mark.parametrize(("builder", "model_class"), [("ort", Normalised), ("torch", Normalised),
-                                                    ("ort", ConvNormalised)])  # torch: no Conv, see below
+@pytest.mark.parametrize(
+    ("builder", "model_class"), [("ort", Normalised), ("torch", Normalised), ("ort", ConvNormalised)]
+)  # torch: no Conv, see below
 @pytest.mark.parametrize("training", [True, False], ids=["train_mode", "eval_mode"])
 def test_batch_norm_matches_pytorch(training, builder, model_class):
     """Train mode: batch statistics; eval mode: the running statistics, as PyTorch trains an eval-mode module (the
@@ -295,8 +354,9 @@ def test_batch_norm_matches_pytorch(training, builder, model_class):
         model.bn.running_mean.add_(0.5)
         model.bn.running_var.mul_(2)
     options = {"_internal_use": {"gradient_builder": builder}}
-    trainer, ref = train_with_reference(model, mlp_desc(), optim.SGDConfig(lr=0.1),
-                                        lambda ps: torch.optim.SGD(ps, lr=0.1), CE, batches(4), options)
+    trainer, ref = train_with_reference(
+        model, mlp_desc(), optim.SGDConfig(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1), CE, batches(4), options
+    )
     assert "bn.num_batches_tracked" not in trainer._training_session.state_names()
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
 
@@ -310,6 +370,7 @@ def test_the_torch_builder_names_the_convolution_gradient_it_cannot_export():
 
 
 # checkpoints, dropout, eval -----------------------------------------------------------------------------------------
+
 
 def test_checkpoint_resume_is_exact(tmp_path):
     torch.manual_seed(0)
@@ -349,8 +410,13 @@ def test_dropout_backward_uses_the_forward_mask_and_eval_is_deterministic(builde
     n, p, lr = 512, 0.5, 0.1
     model, x, c = DropoutProbe(n, p), torch.rand(n) + 0.5, torch.rand(n) + 0.5
     desc = {"inputs": [("x", [n]), ("c", [n])], "outputs": [("loss", [], True), ("y", [n])]}
-    trainer = make_trainer(model, desc, optim.SGDConfig(lr=lr), lambda y, c: (y * c).sum(),
-                           {"_internal_use": {"gradient_builder": builder}})
+    trainer = make_trainer(
+        model,
+        desc,
+        optim.SGDConfig(lr=lr),
+        lambda y, c: (y * c).sum(),
+        {"_internal_use": {"gradient_builder": builder}},
+    )
     masks, w = [], model.w.detach().numpy().copy()
     for _ in range(3):
         _, y = trainer.train_step(x, c)

@@ -26,12 +26,17 @@ from .subscriber import current_manager
 
 def inspect_activation(activation_name: str, tensor: torch.Tensor) -> torch.Tensor:
     """Pass ``tensor`` through, recording its statistics (and in backward its gradient's) under ``activation_name``."""
-    if not isinstance(activation_name, str) or not activation_name or os.sep in activation_name \
-            or activation_name in (".", ".."):
+    if (
+        not isinstance(activation_name, str)
+        or not activation_name
+        or os.sep in activation_name
+        or activation_name in (".", "..")
+    ):
         raise ValueError(f"activation_name must be a non-empty string usable as a file name, got {activation_name!r}")
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"inspect_activation({activation_name!r}, ...) expects a torch.Tensor, "
-                        f"got {type(tensor).__name__}")
+        raise TypeError(
+            f"inspect_activation({activation_name!r}, ...) expects a torch.Tensor, got {type(tensor).__name__}"
+        )
     return current_manager().inspect(activation_name, tensor, _caller_site())
 
 

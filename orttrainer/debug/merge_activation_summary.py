@@ -44,14 +44,16 @@ TOLERANCE_FIELDS = ("min", "max", "mean", "std")
 EXACT_FIELDS = ("shape", "dtype", "nan", "inf")
 
 
-def merge_activation_summaries(pt_dir: str | os.PathLike, ort_dir: str | os.PathLike,
-                               output_dir: str | os.PathLike, overwrite: bool = False) -> None:
+def merge_activation_summaries(
+    pt_dir: str | os.PathLike, ort_dir: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False
+) -> None:
     """Write ``output_dir/merge_pt/<D>_.txt`` and ``output_dir/merge_ort/<D>_.txt`` (see the module docstring)."""
     pt_dir, ort_dir, output_dir = Path(pt_dir), Path(ort_dir), Path(output_dir)
     if output_dir.exists():
         if not overwrite:
             raise FileExistsError(
-                f"Output directory {output_dir} already exists. Enable --overwrite to allow overwriting it.")
+                f"Output directory {output_dir} already exists. Enable --overwrite to allow overwriting it."
+            )
         logger.warning(f"Output directory {output_dir} already exists, overwriting it.")
     order_path = find_order_file(pt_dir)
     order = read_order(order_path)
@@ -59,14 +61,17 @@ def merge_activation_summaries(pt_dir: str | os.PathLike, ort_dir: str | os.Path
         shutil.rmtree(output_dir)
     output_dir.mkdir(parents=True)
     for source, dest_name in ((pt_dir, "merge_pt"), (ort_dir, "merge_ort")):
-        logger.warning(f"Start generating summary per step for [{source}] following typological order in "
-                       f"[{order_path}]")
+        logger.warning(
+            f"Start generating summary per step for [{source}] following typological order in [{order_path}]"
+        )
         destination = output_dir / dest_name
         destination.mkdir()
         for step in step_dirs(source):
             _merge_step(step, order, destination / f"{step.name}_.txt")
-        logger.warning(f"Finish generating summary per step for [{source}] following typological order in "
-                       f"[{order_path}], merged files are in [{destination}]")
+        logger.warning(
+            f"Finish generating summary per step for [{source}] following typological order in "
+            f"[{order_path}], merged files are in [{destination}]"
+        )
 
 
 def _merge_step(step: Path, order: Sequence[str], target: Path) -> None:
@@ -96,6 +101,7 @@ def read_order(path: Path) -> list[str]:
 
 def step_dirs(root: Path) -> list[Path]:
     """Sub-directories of ``root`` in natural order (``step_2`` before ``step_10``)."""
+
     def key(path: Path) -> list[Any]:
         return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", path.name)]
 
@@ -147,8 +153,9 @@ class ComparisonReport:
         return _format_report(self)
 
 
-def compare_activation_summaries(pt_dir: str | os.PathLike, ort_dir: str | os.PathLike, rtol: float = 1e-4,
-                                 atol: float = 1e-6, top: int = 10) -> ComparisonReport:
+def compare_activation_summaries(
+    pt_dir: str | os.PathLike, ort_dir: str | os.PathLike, rtol: float = 1e-4, atol: float = 1e-6, top: int = 10
+) -> ComparisonReport:
     """Compare two statistics trees step by step, ``pt_dir`` being the reference (rules in the module docstring)."""
     pt_dir, ort_dir = Path(pt_dir), Path(ort_dir)
     global_order = read_order(find_order_file(pt_dir))
@@ -164,8 +171,7 @@ def compare_activation_summaries(pt_dir: str | os.PathLike, ort_dir: str | os.Pa
     return ComparisonReport(str(pt_dir), str(ort_dir), rtol, atol, steps)
 
 
-def _compare_step(pt: Path, ort: Path, global_order: list[str], rtol: float, atol: float,
-                  top: int) -> StepComparison:
+def _compare_step(pt: Path, ort: Path, global_order: list[str], rtol: float, atol: float, top: int) -> StepComparison:
     # The merged files' order first, then anything this step dumped that step 0 did not.
     own = read_order(pt / ORDER_FILE) if (pt / ORDER_FILE).is_file() else []
     order = list(dict.fromkeys(global_order + own))
@@ -218,15 +224,18 @@ def _rel_diff(a: float, b: float) -> float:
 
 
 def _format_report(report: ComparisonReport) -> str:
-    lines = [f"Comparing {report.ort_dir} against {report.pt_dir} (reference): rtol={report.rtol}, "
-             f"atol={report.atol}; within tolerance: {', '.join(TOLERANCE_FIELDS)}; exact: {', '.join(EXACT_FIELDS)}"]
+    lines = [
+        f"Comparing {report.ort_dir} against {report.pt_dir} (reference): rtol={report.rtol}, "
+        f"atol={report.atol}; within tolerance: {', '.join(TOLERANCE_FIELDS)}; exact: {', '.join(EXACT_FIELDS)}"
+    ]
     for step in report.steps:
         if step.only_in is not None:
             lines.append(f"{step.step}: only in {report.pt_dir if step.only_in == 'pt' else report.ort_dir}")
             continue
         if step.first_divergence:
-            detail = "; ".join(f"{d.field}: pt={d.pt} ort={d.ort} (rel diff {d.rel_diff:.3g})"
-                               for d in step.first_divergence)
+            detail = "; ".join(
+                f"{d.field}: pt={d.pt} ort={d.ort} (rel diff {d.rel_diff:.3g})" for d in step.first_divergence
+            )
             lines.append(f"{step.step}: first divergence: {step.first_divergence[0].activation}  [{detail}]")
         else:
             lines.append(f"{step.step}: {step.compared} activations compared, no divergence beyond tolerance")
@@ -241,11 +250,15 @@ def _format_table(rows: list[Difference]) -> list[str]:
     if not rows:
         return ["  largest relative differences: none (identical statistics)"]
     width = max(len("activation"), *(len(d.activation) for d in rows))
-    lines = ["  largest relative differences (* = beyond tolerance):",
-             f"    {'activation':<{width}}  {'field':<5}  {'pt':>24}  {'ort':>24}  rel diff"]
+    lines = [
+        "  largest relative differences (* = beyond tolerance):",
+        f"    {'activation':<{width}}  {'field':<5}  {'pt':>24}  {'ort':>24}  rel diff",
+    ]
     for d in rows:
-        lines.append(f"    {d.activation:<{width}}  {d.field:<5}  {str(d.pt):>24}  {str(d.ort):>24}  "
-                     f"{d.rel_diff:.3e}{' *' if d.beyond else ''}")
+        lines.append(
+            f"    {d.activation:<{width}}  {d.field:<5}  {str(d.pt):>24}  {str(d.ort):>24}  "
+            f"{d.rel_diff:.3e}{' *' if d.beyond else ''}"
+        )
     return lines
 
 
@@ -253,8 +266,9 @@ def _format_table(rows: list[Difference]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orttrainer.debug.merge_activation_summary",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m orttrainer.debug.merge_activation_summary", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--pt_dir", type=str, required=True, help="reference statistics directory")
     parser.add_argument("--ort_dir", type=str, required=True, help="statistics directory to compare")
     parser.add_argument("--output_dir", type=str, required=True, help="where merge_pt/ and merge_ort/ go")

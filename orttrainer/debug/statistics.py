@@ -44,8 +44,18 @@ DEFAULT_BUCKET_SIZE = 1024 * 1024 * 1024 // 2  # the legacy default: one bucket 
 DIRECTIONS = ("forward", "backward")
 
 # ONNX TensorProto element types, so the in-graph path can hand over the graph's dtype as is (no onnx import here).
-_ONNX_DTYPES = {1: torch.float32, 2: torch.uint8, 3: torch.int8, 5: torch.int16, 6: torch.int32, 7: torch.int64,
-                9: torch.bool, 10: torch.float16, 11: torch.float64, 16: torch.bfloat16}
+_ONNX_DTYPES = {
+    1: torch.float32,
+    2: torch.uint8,
+    3: torch.int8,
+    5: torch.int16,
+    6: torch.int32,
+    7: torch.int64,
+    9: torch.bool,
+    10: torch.float16,
+    11: torch.float64,
+    16: torch.bfloat16,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +84,9 @@ class TensorStatistics:
         return values
 
 
-def compute_statistics(tensor: torch.Tensor, *, bucket_size: int | None = None,
-                       run_on_cpu: bool = False) -> TensorStatistics:
+def compute_statistics(
+    tensor: torch.Tensor, *, bucket_size: int | None = None, run_on_cpu: bool = False
+) -> TensorStatistics:
     """Statistics of ``tensor`` (any shape, dtype and device), computed bucket by bucket.
 
     ``bucket_size`` bounds the elements reduced at once (peak extra memory), ``None`` means the legacy default.
@@ -90,13 +101,25 @@ def compute_statistics(tensor: torch.Tensor, *, bucket_size: int | None = None,
         flat = flat.cpu()
     samples = flat[:NUM_SAMPLES].to("cpu", copy=True)
     values = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
-    buckets = [_bucket_moments(values[i:i + bucket_size]) for i in range(0, values.numel(), bucket_size)]
+    buckets = [_bucket_moments(values[i : i + bucket_size]) for i in range(0, values.numel(), bucket_size)]
     return _combine(tuple(tensor.shape), tensor.dtype, flat.numel(), buckets, samples)
 
 
-def statistics_from_reductions(*, shape: Sequence[int], dtype: Any, min: Any, max: Any, mean: Any, std: Any,
-                               nan: Any, inf: Any, neg: Any, pos: Any, zero: Any,
-                               samples: Any) -> TensorStatistics:
+def statistics_from_reductions(
+    *,
+    shape: Sequence[int],
+    dtype: Any,
+    min: Any,
+    max: Any,
+    mean: Any,
+    std: Any,
+    nan: Any,
+    inf: Any,
+    neg: Any,
+    pos: Any,
+    zero: Any,
+    samples: Any,
+) -> TensorStatistics:
     """Build :class:`TensorStatistics` from reductions computed elsewhere (e.g. inside an ONNX graph).
 
     Scalars may be Python numbers, numpy scalars/0-d arrays or 0-d tensors; ``samples`` a numpy array, tensor or
@@ -114,11 +137,20 @@ def statistics_from_reductions(*, shape: Sequence[int], dtype: Any, min: Any, ma
         sample_tensor = torch.as_tensor(np.asarray(samples))
     sample_tensor = sample_tensor.reshape(-1)[:NUM_SAMPLES].to(dtype)
     return TensorStatistics(
-        shape=shape, dtype=dtype, size=size,
-        min=_element_scalar(min, dtype), max=_element_scalar(max, dtype),
-        mean=_float_or_nan(mean), std=_round_std(_float_or_nan(std), dtype),
-        nan=_count(nan), inf=_count(inf), neg=_count(neg), pos=_count(pos), zero=_count(zero),
-        samples=sample_tensor)
+        shape=shape,
+        dtype=dtype,
+        size=size,
+        min=_element_scalar(min, dtype),
+        max=_element_scalar(max, dtype),
+        mean=_float_or_nan(mean),
+        std=_round_std(_float_or_nan(std), dtype),
+        nan=_count(nan),
+        inf=_count(inf),
+        neg=_count(neg),
+        pos=_count(pos),
+        zero=_count(zero),
+        samples=sample_tensor,
+    )
 
 
 def format_statistics(name: str, direction: str, stats: TensorStatistics, depth: int = -1) -> str:
@@ -128,13 +160,15 @@ def format_statistics(name: str, direction: str, stats: TensorStatistics, depth:
     (``inspect_activation`` uses -1).
     """
     _check_direction(direction)
-    return (f"{'>' * max(0, depth)}{name} {direction} run shape: {torch.Size(stats.shape)} dtype: {stats.dtype} "
-            f"size: {torch.Size([stats.size])} \n"
-            f"min: {stats.min} max: {stats.max}, mean: {stats.mean}, std: {stats.std} \n"
-            f"nan: {stats.nan}, inf: {stats.inf}\n"
-            f"samples(top {NUM_SAMPLES}): {format_samples(stats.samples)}\n"
-            f"neg: {stats.neg}, pos: {stats.pos}, zero: {stats.zero},\n"
-            f"{'=' * 16}\n")
+    return (
+        f"{'>' * max(0, depth)}{name} {direction} run shape: {torch.Size(stats.shape)} dtype: {stats.dtype} "
+        f"size: {torch.Size([stats.size])} \n"
+        f"min: {stats.min} max: {stats.max}, mean: {stats.mean}, std: {stats.std} \n"
+        f"nan: {stats.nan}, inf: {stats.inf}\n"
+        f"samples(top {NUM_SAMPLES}): {format_samples(stats.samples)}\n"
+        f"neg: {stats.neg}, pos: {stats.pos}, zero: {stats.zero},\n"
+        f"{'=' * 16}\n"
+    )
 
 
 def format_samples(samples: torch.Tensor) -> str:
@@ -173,13 +207,21 @@ class _Moments:
 
 def _bucket_moments(bucket: torch.Tensor) -> _Moments:
     n = bucket.numel()
-    counts = torch.stack([torch.isnan(bucket).sum(), torch.isinf(bucket).sum(), (bucket < 0).sum(),
-                          (bucket > 0).sum(), (bucket == 0).sum()]).tolist()
+    counts = torch.stack(
+        [
+            torch.isnan(bucket).sum(),
+            torch.isinf(bucket).sum(),
+            (bucket < 0).sum(),
+            (bucket > 0).sum(),
+            (bucket == 0).sum(),
+        ]
+    ).tolist()
     if bucket.is_floating_point():
         work = bucket if bucket.dtype in (torch.float32, torch.float64) else bucket.float()
         # var(correction=0) * n is the bucket's own sum of squared deviations, computed by torch's stable kernel.
-        total, var0, lo, hi = torch.stack([work.sum(), work.var(correction=0), work.min(), work.max()]
-                                          ).double().tolist()
+        total, var0, lo, hi = (
+            torch.stack([work.sum(), work.var(correction=0), work.min(), work.max()]).double().tolist()
+        )
     else:
         ints = bucket.long()
         total, lo, hi = torch.stack([ints.sum(), ints.min(), ints.max()]).tolist()
@@ -187,8 +229,9 @@ def _bucket_moments(bucket: torch.Tensor) -> _Moments:
     return _Moments(n, tuple(counts), total, var0 * n, lo, hi)
 
 
-def _combine(shape: tuple[int, ...], dtype: torch.dtype, size: int, buckets: list[_Moments],
-             samples: torch.Tensor) -> TensorStatistics:
+def _combine(
+    shape: tuple[int, ...], dtype: torch.dtype, size: int, buckets: list[_Moments], samples: torch.Tensor
+) -> TensorStatistics:
     counts = [sum(b.counts[i] for b in buckets) for i in range(5)]
     nan = float("nan")
     if not buckets:  # empty tensor
@@ -202,9 +245,20 @@ def _combine(shape: tuple[int, ...], dtype: torch.dtype, size: int, buckets: lis
         m2 = sum(b.m2 + b.count * (float(b.total) / b.count - mean) ** 2 for b in buckets)
         std = math.sqrt(m2 / (n - 1)) if n > 1 else nan
     return TensorStatistics(
-        shape=shape, dtype=dtype, size=size, min=_element_scalar(lo, dtype), max=_element_scalar(hi, dtype),
-        mean=mean, std=_round_std(std, dtype), nan=counts[0], inf=counts[1], neg=counts[2], pos=counts[3],
-        zero=counts[4], samples=samples)
+        shape=shape,
+        dtype=dtype,
+        size=size,
+        min=_element_scalar(lo, dtype),
+        max=_element_scalar(hi, dtype),
+        mean=mean,
+        std=_round_std(std, dtype),
+        nan=counts[0],
+        inf=counts[1],
+        neg=counts[2],
+        pos=counts[3],
+        zero=counts[4],
+        samples=samples,
+    )
 
 
 def _nan_min(values: list) -> float | int:
@@ -263,8 +317,10 @@ def _print_options(**options: Any) -> Iterator[None]:
 
 # --------------------------------------------------------------------------------------------------------- parsing
 
-_HEADER = re.compile(r"^(?P<depth>>*)(?P<name>.*) (?P<direction>forward|backward) run shape: torch\.Size\("
-                     r"(?P<shape>\[[^\]]*\])\) dtype: (?P<dtype>\S+) size: torch\.Size\(\[(?P<size>\d+)\]\) $")
+_HEADER = re.compile(
+    r"^(?P<depth>>*)(?P<name>.*) (?P<direction>forward|backward) run shape: torch\.Size\("
+    r"(?P<shape>\[[^\]]*\])\) dtype: (?P<dtype>\S+) size: torch\.Size\(\[(?P<size>\d+)\]\) $"
+)
 _VALUES = re.compile(r"^min: (?P<min>\S+) max: (?P<max>\S+), mean: (?P<mean>\S+), std: (?P<std>\S+) $")
 _NANINF = re.compile(r"^nan: (?P<nan>\d+), inf: (?P<inf>\d+)$")
 _SIGNS = re.compile(r"^neg: (?P<neg>\d+), pos: (?P<pos>\d+), zero: (?P<zero>\d+),$")
@@ -285,10 +341,14 @@ def parse_statistics(text: str) -> dict[str, Any]:
         if match is None:
             raise ValueError(f"unexpected statistics line: {line!r}")
         parsed.update(match.groupdict())
-    result: dict[str, Any] = {"name": parsed["name"], "direction": parsed["direction"],
-                              "depth": len(parsed["depth"]) or -1, "dtype": parsed["dtype"],
-                              "shape": [int(d) for d in re.findall(r"\d+", parsed["shape"])],
-                              "samples": "\n".join(lines[3:-2]).removeprefix(f"samples(top {NUM_SAMPLES}): ")}
+    result: dict[str, Any] = {
+        "name": parsed["name"],
+        "direction": parsed["direction"],
+        "depth": len(parsed["depth"]) or -1,
+        "dtype": parsed["dtype"],
+        "shape": [int(d) for d in re.findall(r"\d+", parsed["shape"])],
+        "samples": "\n".join(lines[3:-2]).removeprefix(f"samples(top {NUM_SAMPLES}): "),
+    }
     for key in ("size", "nan", "inf", "neg", "pos", "zero"):
         result[key] = int(parsed[key])
     for key in ("min", "max", "mean", "std"):

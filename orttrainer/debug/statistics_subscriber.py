@@ -53,8 +53,9 @@ def step_dir(output_dir: str | os.PathLike, step: int) -> Path:
     return Path(output_dir) / f"step_{step}"
 
 
-def write_statistics(output_dir: str | os.PathLike, step: int, name: str, direction: str,
-                     stats: TensorStatistics, depth: int = -1) -> Path:
+def write_statistics(
+    output_dir: str | os.PathLike, step: int, name: str, direction: str, stats: TensorStatistics, depth: int = -1
+) -> Path:
     """Write ``<output_dir>/step_<step>/<name>_<direction>`` and append its file name to that step's order.txt.
 
     This is the single writer of both collection paths; ``output_dir`` is used as given (already per rank).
@@ -91,7 +92,8 @@ def prepare_output_dir(path: Path, override: bool) -> None:
     if not override:
         raise FileExistsError(
             f"Output directory {path} already exists and is not empty. Set override_output_dir=True for "
-            "StatisticsSubscriber to replace its contents, or choose another directory.")
+            "StatisticsSubscriber to replace its contents, or choose another directory."
+        )
     warnings.warn(f"Output directory {path} already exists, overriding it.", stacklevel=3)
     shutil.rmtree(path)
 
@@ -107,12 +109,20 @@ class StatisticsSubscriber(SubscriberBase):
         bucket_size: elements reduced at once; ``None`` means the legacy default (536870912).
     """
 
-    def __init__(self, output_dir: str | os.PathLike, *, override_output_dir: bool = False,
-                 start_step: int | None = None, end_step: int | None = None, run_on_cpu: bool = False,
-                 bucket_size: int | None = None) -> None:
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        *,
+        override_output_dir: bool = False,
+        start_step: int | None = None,
+        end_step: int | None = None,
+        run_on_cpu: bool = False,
+        bucket_size: int | None = None,
+    ) -> None:
         super().__init__(start_step, end_step)
-        if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int)
-                                        or bucket_size <= 0):
+        if bucket_size is not None and (
+            isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0
+        ):
             raise ValueError(f"bucket_size must be a positive int or None, got {bucket_size!r}")
         self._output_dir = rank_output_dir(output_dir)
         self._run_on_cpu = run_on_cpu
@@ -132,8 +142,9 @@ class StatisticsSubscriber(SubscriberBase):
         """Write one statistics file into this subscriber's directory (no range check: the caller decides)."""
         return write_statistics(self._output_dir, step, name, direction, stats, depth)
 
-    def post_forward_tensor_apply_impl(self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int,
-                                       tensor: torch.Tensor) -> torch.Tensor:
+    def post_forward_tensor_apply_impl(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
+    ) -> torch.Tensor:
         states = run_ctx.global_states
         index = states.module_to_module_index[module]
         call = states.module_call_count.get(index, 1)
@@ -145,6 +156,8 @@ class StatisticsSubscriber(SubscriberBase):
 
     def _tap(self, name: str, depth: int, step: int, tensor: torch.Tensor) -> torch.Tensor:
         # The step is bound now: the gradient arrives after the counter has moved on and belongs to this forward.
-        return tap(tensor,
-                   lambda value: self.dump(step, name, "forward", self.compute(value), depth),
-                   lambda grad: self.dump(step, name, "backward", self.compute(grad), depth))
+        return tap(
+            tensor,
+            lambda value: self.dump(step, name, "forward", self.compute(value), depth),
+            lambda grad: self.dump(step, name, "backward", self.compute(grad), depth),
+        )

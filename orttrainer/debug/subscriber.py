@@ -87,32 +87,37 @@ class SubscriberBase:
         """Whether ``step`` is in the half-open range ``[start_step, end_step)``."""
         return self._start_step <= step < self._end_step
 
-    def pre_forward_module_apply(self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any,
-                                 kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    def pre_forward_module_apply(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]
+    ) -> tuple[Any, dict[str, Any]]:
         if not self.in_range(run_ctx.global_states.execution_step):
             return args, kwargs
         return self.pre_forward_module_apply_impl(run_ctx, module, args, kwargs)
 
-    def pre_forward_tensor_apply(self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int,
-                                 tensor: torch.Tensor) -> torch.Tensor:
+    def pre_forward_tensor_apply(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
+    ) -> torch.Tensor:
         if not self.in_range(run_ctx.global_states.execution_step):
             return tensor
         return self.pre_forward_tensor_apply_impl(run_ctx, module, tensor_index, tensor)
 
-    def post_forward_module_apply(self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any,
-                                  outputs: Any) -> tuple[Any, Any]:
+    def post_forward_module_apply(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, outputs: Any
+    ) -> tuple[Any, Any]:
         if not self.in_range(run_ctx.global_states.execution_step):
             return args, outputs
         return self.post_forward_module_apply_impl(run_ctx, module, args, outputs)
 
-    def post_forward_tensor_apply(self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int,
-                                  tensor: torch.Tensor) -> torch.Tensor:
+    def post_forward_tensor_apply(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
+    ) -> torch.Tensor:
         if not self.in_range(run_ctx.global_states.execution_step):
             return tensor
         return self.post_forward_tensor_apply_impl(run_ctx, module, tensor_index, tensor)
 
-    def post_forward_outmost_module_apply(self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any,
-                                          outputs: Any) -> tuple[Any, Any]:
+    def post_forward_outmost_module_apply(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, outputs: Any
+    ) -> tuple[Any, Any]:
         if not self.in_range(run_ctx.global_states.execution_step):
             return args, outputs
         return self.post_forward_outmost_module_apply_impl(run_ctx, module, args, outputs)
@@ -123,24 +128,29 @@ class SubscriberBase:
             return tensor
         return self.inspect_activation_apply_impl(run_ctx, name, tensor)
 
-    def pre_forward_module_apply_impl(self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any,
-                                      kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    def pre_forward_module_apply_impl(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]
+    ) -> tuple[Any, dict[str, Any]]:
         return args, kwargs
 
-    def pre_forward_tensor_apply_impl(self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int,
-                                      tensor: torch.Tensor) -> torch.Tensor:
+    def pre_forward_tensor_apply_impl(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
+    ) -> torch.Tensor:
         return tensor
 
-    def post_forward_module_apply_impl(self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any,
-                                       outputs: Any) -> tuple[Any, Any]:
+    def post_forward_module_apply_impl(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, outputs: Any
+    ) -> tuple[Any, Any]:
         return args, outputs
 
-    def post_forward_tensor_apply_impl(self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int,
-                                       tensor: torch.Tensor) -> torch.Tensor:
+    def post_forward_tensor_apply_impl(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
+    ) -> torch.Tensor:
         return tensor
 
-    def post_forward_outmost_module_apply_impl(self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any,
-                                               outputs: Any) -> tuple[Any, Any]:
+    def post_forward_outmost_module_apply_impl(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, outputs: Any
+    ) -> tuple[Any, Any]:
         return args, outputs
 
     def inspect_activation_apply_impl(self, run_ctx: RuntimeStates, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -257,7 +267,8 @@ class SubscriberManager:
             raise ValueError(
                 f"inspect_activation name {name!r} is used twice in step {states.execution_step}: first at {first}, "
                 f"again at {call_site}. Each name is one file per step, so names must be unique within a step "
-                "(for a block used several times, put its index into the name).")
+                "(for a block used several times, put its index into the name)."
+            )
 
     # ------------------------------------------------------------------------------------------- registration
 
@@ -272,13 +283,16 @@ class SubscriberManager:
             states.module_to_module_index[module] = index
             states.module_index_to_depth[index] = depth
             states.module_index_to_path[index] = path
-            children = [(child, depth + 1, f"{path}.{name}" if path else name)
-                        for name, child in module.named_children()]
+            children = [
+                (child, depth + 1, f"{path}.{name}" if path else name) for name, child in module.named_children()
+            ]
             stack.extend(reversed(children))
 
     def _register_hooks(self, root: torch.nn.Module) -> None:
-        wants_inputs = any(_overrides(s, "pre_forward_module_apply_impl")
-                           or _overrides(s, "pre_forward_tensor_apply_impl") for s in self._subscribers)
+        wants_inputs = any(
+            _overrides(s, "pre_forward_module_apply_impl") or _overrides(s, "pre_forward_tensor_apply_impl")
+            for s in self._subscribers
+        )
         self._handles.append(root.register_forward_pre_hook(self._root_pre_hook))
         for module in self._run_ctx.global_states.module_to_module_index:
             if wants_inputs:

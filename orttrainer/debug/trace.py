@@ -51,14 +51,20 @@ class RecordingSubscriber(SubscriberBase):
         super().__init__(start_step, end_step)
         self.records: list[ActivationRecord] = []
 
-    def post_forward_tensor_apply_impl(self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int,
-                                       tensor: torch.Tensor) -> torch.Tensor:
+    def post_forward_tensor_apply_impl(
+        self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
+    ) -> torch.Tensor:
         states = run_ctx.global_states
         index = states.module_to_module_index[module]
         call = states.module_call_count.get(index, 1)
         name = module_activation_name(type(module).__name__, index, tensor_index, call)
-        details = dict(module_index=index, module_path=states.module_index_to_path[index],
-                       module_class=type(module).__name__, tensor_index=tensor_index, call=call)
+        details = dict(
+            module_index=index,
+            module_path=states.module_index_to_path[index],
+            module_class=type(module).__name__,
+            tensor_index=tensor_index,
+            call=call,
+        )
         return self._tap(name, states.module_index_to_depth[index], details, tensor)
 
     def inspect_activation_apply_impl(self, run_ctx: RuntimeStates, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -67,16 +73,23 @@ class RecordingSubscriber(SubscriberBase):
 
     def _tap(self, name: str, depth: int, details: dict[str, Any], tensor: torch.Tensor) -> torch.Tensor:
         def record(direction: str) -> Callable[[torch.Tensor], None]:
-            return lambda value: self.records.append(ActivationRecord(
-                name=name, direction=direction, depth=depth, shape=tuple(value.shape), dtype=value.dtype,
-                **details))
+            return lambda value: self.records.append(
+                ActivationRecord(
+                    name=name, direction=direction, depth=depth, shape=tuple(value.shape), dtype=value.dtype, **details
+                )
+            )
 
         return tap(tensor, record("forward"), record("backward"))
 
 
-def trace_activations(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
-                      backward: bool = True,
-                      loss_fn: Callable[[Any], torch.Tensor] | None = None) -> list[ActivationRecord]:
+def trace_activations(
+    model: torch.nn.Module,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    backward: bool = True,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> list[ActivationRecord]:
     """Run ``model(*args, **kwargs)`` once (and a backward) and return its dumps in order.txt order.
 
     The backward differentiates ``loss_fn(outputs)`` (default: the sum of all floating output tensors) with respect
@@ -91,8 +104,7 @@ def trace_activations(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: 
         try:
             outputs = model(*args, **(kwargs or {}))
             if backward:
-                _differentiate(loss_fn(outputs) if loss_fn is not None else _sum_outputs(outputs), model, args,
-                               kwargs)
+                _differentiate(loss_fn(outputs) if loss_fn is not None else _sum_outputs(outputs), model, args, kwargs)
         finally:
             manager.unsubscribe()
     return recorder.records

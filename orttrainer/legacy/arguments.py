@@ -105,8 +105,10 @@ def optimizer_config(name: str, map_optimizer_attributes: Callable | None, weigh
 def _check_attributes(name: str, weight: str, attributes: dict, known: set[str]) -> None:
     where = f"map_optimizer_attributes({weight!r})"
     if "lr" in attributes:
-        raise ValueError(f"{where} returned 'lr': per-weight learning rates are not supported; the rate comes from "
-                         "the learning-rate input or get_lr_this_step")
+        raise ValueError(
+            f"{where} returned 'lr': per-weight learning rates are not supported; the rate comes from "
+            "the learning-rate input or get_lr_this_step"
+        )
     unknown = sorted(set(attributes) - known)
     if unknown:
         allowed = sorted(known) or "none"
@@ -135,5 +137,6 @@ def name_the_argument(error: NotImplementedError, arguments: dict[str, Any]) -> 
     argument = by_path.get(match.group(1)) if match else None
     if argument is None:
         return error
-    return NotImplementedError(f"ORTTrainer argument {argument}={arguments[argument]!r} is not supported by this "
-                               f"orttrainer build ({error})")
+    return NotImplementedError(
+        f"ORTTrainer argument {argument}={arguments[argument]!r} is not supported by this orttrainer build ({error})"
+    )

@@ -14,8 +14,9 @@ from typing import Any
 from ..checkpoint import experimental as flat
 
 
-def get_checkpoint_name(prefix: str, is_partitioned: Any, world_rank: int | None = None,
-                        world_size: int | None = None) -> str:
+def get_checkpoint_name(
+    prefix: str, is_partitioned: Any, world_rank: int | None = None, world_size: int | None = None
+) -> str:
     """`<prefix>.ZeRO.<world_rank>.<world_size-1>.ort.pt` when partitioned, else `<prefix>.ort.pt`."""
     return flat._get_checkpoint_name(prefix, is_partitioned, world_rank, world_size)
 
@@ -25,8 +26,9 @@ def list_checkpoint_files(checkpoint_dir: str, checkpoint_prefix: str, extension
     try:
         return flat._list_checkpoint_files(checkpoint_dir, checkpoint_prefix, extension)
     except AssertionError:
-        raise AssertionError(f'No checkpoint files found with prefix "{checkpoint_prefix}" in directory '
-                             f"{checkpoint_dir}.") from None
+        raise AssertionError(
+            f'No checkpoint files found with prefix "{checkpoint_prefix}" in directory {checkpoint_dir}.'
+        ) from None
 
 
 class CombineZeroCheckpoint(flat._CombineZeroCheckpoint):
@@ -36,18 +38,25 @@ class CombineZeroCheckpoint(flat._CombineZeroCheckpoint):
         return self._aggregate_files()
 
 
-def save_checkpoint(model, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint",
-                    checkpoint_state_dict: dict | None = None, include_optimizer_state: bool = True) -> None:
+def save_checkpoint(
+    model,
+    checkpoint_dir: str,
+    checkpoint_prefix: str = "ORT_checkpoint",
+    checkpoint_state_dict: dict | None = None,
+    include_optimizer_state: bool = True,
+) -> None:
     """Write `model.state_dict()` plus `checkpoint_state_dict` (not modified) into `checkpoint_dir`, atomically."""
     trainer = _new_trainer(model)
     if not os.path.isdir(checkpoint_dir):
         raise AssertionError(f"ERROR: Checkpoint directory doesn't exist: {checkpoint_dir}")
-    flat._save_flat_checkpoint(trainer, checkpoint_dir, checkpoint_prefix, checkpoint_state_dict,
-                               include_optimizer_state)
+    flat._save_flat_checkpoint(
+        trainer, checkpoint_dir, checkpoint_prefix, checkpoint_state_dict, include_optimizer_state
+    )
 
 
-def load_checkpoint(model, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint",
-                    strict: bool = False) -> dict[str, Any]:
+def load_checkpoint(
+    model, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint", strict: bool = False
+) -> dict[str, Any]:
     """Load the prefix's checkpoint (several ZeRO files are combined) into `model`; returns the saved extra state
     (everything but `'model'`)."""
     return flat._load_flat_checkpoint(_new_trainer(model), checkpoint_dir, checkpoint_prefix, strict)
@@ -57,7 +66,9 @@ def _new_trainer(model):
     from .trainer import ORTTrainer
 
     if not isinstance(model, ORTTrainer):
-        raise TypeError(f"model must be an onnxruntime.capi.ort_trainer.ORTTrainer (orttrainer.legacy.ORTTrainer), "
-                        f"got {type(model).__name__}; for orttrainer.ORTTrainer use its save_checkpoint/"
-                        "load_checkpoint or orttrainer.checkpoint.experimental_*")
+        raise TypeError(
+            f"model must be an onnxruntime.capi.ort_trainer.ORTTrainer (orttrainer.legacy.ORTTrainer), "
+            f"got {type(model).__name__}; for orttrainer.ORTTrainer use its save_checkpoint/"
+            "load_checkpoint or orttrainer.checkpoint.experimental_*"
+        )
     return model.ort_trainer

@@ -21,16 +21,19 @@ import torch
 class IODescription:
     """One input or output: a name, a shape (ints and symbolic `str` dims), an optional dtype and class count."""
 
-    def __init__(self, name: str, shape: Sequence, dtype: torch.dtype | None = None,
-                 num_classes: int | None = None) -> None:
+    def __init__(
+        self, name: str, shape: Sequence, dtype: torch.dtype | None = None, num_classes: int | None = None
+    ) -> None:
         self.name_ = name
         self.shape_ = shape
         self.dtype_ = dtype
         self.num_classes_ = num_classes
 
     def __repr__(self) -> str:
-        return (f"IODescription({self.name_!r}, {list(self.shape_)!r}, dtype={self.dtype_}, "
-                f"num_classes={self.num_classes_})")
+        return (
+            f"IODescription({self.name_!r}, {list(self.shape_)!r}, dtype={self.dtype_}, "
+            f"num_classes={self.num_classes_})"
+        )
 
 
 class ModelDescription:
@@ -54,8 +57,10 @@ def to_model_desc(model_desc: ModelDescription) -> dict:
 
 def _check_model_description(model_desc) -> None:
     if not (hasattr(model_desc, "inputs_") and hasattr(model_desc, "outputs_")):
-        raise TypeError(f"model_desc must be a ModelDescription (inputs_, outputs_), got {type(model_desc).__name__}; "
-                        "the older ORTTrainer takes ModelDescription/IODescription objects, the new one a dict")
+        raise TypeError(
+            f"model_desc must be a ModelDescription (inputs_, outputs_), got {type(model_desc).__name__}; "
+            "the older ORTTrainer takes ModelDescription/IODescription objects, the new one a dict"
+        )
     for kind, descs in (("inputs_", model_desc.inputs_), ("outputs_", model_desc.outputs_)):
         for d in descs:
             if not isinstance(d, IODescription):
@@ -74,8 +79,9 @@ def generate_sample(desc: IODescription, device: torch.device | str | None = Non
     return sample.to(device) if device is not None else sample
 
 
-def resolve_symbolic_dimensions(inputs: Sequence[torch.Tensor], input_descs: Sequence[IODescription],
-                                output_descs: Sequence[IODescription]) -> list[IODescription]:
+def resolve_symbolic_dimensions(
+    inputs: Sequence[torch.Tensor], input_descs: Sequence[IODescription], output_descs: Sequence[IODescription]
+) -> list[IODescription]:
     """Copies of `output_descs` with every symbolic dim replaced by the size the inputs bind it to.
 
     Unlike the original (later inputs silently overwrote earlier sizes; an unbound output dim raised KeyError), a
@@ -96,8 +102,15 @@ def resolve_symbolic_dimensions(inputs: Sequence[torch.Tensor], input_descs: Seq
     return resolved
 
 
-_TORCH_TO_NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
-                   torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.bool: bool}
+_TORCH_TO_NUMPY = {
+    torch.float64: np.float64,
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.bool: bool,
+}
 
 
 def dtype_torch_to_numpy(torch_dtype: torch.dtype) -> type:

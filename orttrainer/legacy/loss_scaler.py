@@ -21,9 +21,15 @@ from ..amp import loss_scaler as amp_scaler
 class LossScaler:
     """Loss scale for mixed precision, dynamic (`is_dynamic_scale=True`) or static."""
 
-    def __init__(self, loss_scale_input_name: str, is_dynamic_scale: bool, loss_scale: float = float(1 << 16),
-                 up_scale_window: int = 2000, min_loss_scale: float = 1.0,
-                 max_loss_scale: float = float(1 << 24)) -> None:
+    def __init__(
+        self,
+        loss_scale_input_name: str,
+        is_dynamic_scale: bool,
+        loss_scale: float = float(1 << 16),
+        up_scale_window: int = 2000,
+        min_loss_scale: float = 1.0,
+        max_loss_scale: float = float(1 << 24),
+    ) -> None:
         self.loss_scale_input_name_ = loss_scale_input_name
         self.is_dynamic_scale_ = is_dynamic_scale
         self.initial_loss_scale_ = loss_scale
@@ -91,6 +97,8 @@ def as_new_loss_scaler(loss_scaler: LossScaler | None) -> amp_scaler.LossScaler:
     if loss_scaler is None:
         return CallerFedLossScale()
     if not isinstance(loss_scaler, LossScaler):
-        raise TypeError(f"loss_scaler must be an onnxruntime.capi.ort_trainer.LossScaler (orttrainer.legacy."
-                        f"LossScaler), got {type(loss_scaler).__name__}")
+        raise TypeError(
+            f"loss_scaler must be an onnxruntime.capi.ort_trainer.LossScaler (orttrainer.legacy."
+            f"LossScaler), got {type(loss_scaler).__name__}"
+        )
     return _LegacyScalerAsNew(loss_scaler)

@@ -32,16 +32,22 @@ def legacy_input_model(model: torch.nn.Module, loss_fn, input_names: list[str]) 
     slots = [p for p in params.values() if p.kind in _POSITIONAL]
     takes_varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
     if len(model_names) > len(slots) and not takes_varargs:
-        raise ValueError(f"the older ORTTrainer passes the model_desc inputs {model_names} to "
-                         f"{type(model).__name__}.forward{inspect.signature(model.forward)} by position, but it takes "
-                         f"{len(slots)} positional arguments")
+        raise ValueError(
+            f"the older ORTTrainer passes the model_desc inputs {model_names} to "
+            f"{type(model).__name__}.forward{inspect.signature(model.forward)} by position, but it takes "
+            f"{len(slots)} positional arguments"
+        )
     bad = [n for n in model_names if not n.isidentifier() or keyword.iskeyword(n) or n == "self"]
     if bad:
-        raise ValueError(f"model_desc inputs {bad} must be Python identifiers to be passed to "
-                         f"{type(model).__name__}.forward by position")
+        raise ValueError(
+            f"model_desc inputs {bad} must be Python identifiers to be passed to "
+            f"{type(model).__name__}.forward by position"
+        )
     if "forward" in vars(model):
-        raise ValueError(f"{type(model).__name__} has an instance-level forward; the older ORTTrainer's positional "
-                         "input matching cannot wrap it: name the model_desc inputs after forward's parameters")
+        raise ValueError(
+            f"{type(model).__name__} has an instance-level forward; the older ORTTrainer's positional "
+            "input matching cannot wrap it: name the model_desc inputs after forward's parameters"
+        )
     return _adapter(model, model_names)
 
 
@@ -66,10 +72,12 @@ def _adapter(model: torch.nn.Module, names: list[str]) -> torch.nn.Module:
         return base.forward(self, *[bound.arguments[n] for n in names])
 
     signature = inspect.Signature(
-        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ["self", *names]])
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ["self", *names]]
+    )
     forward.__signature__ = signature
-    adapter_class = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
-                                                  "__qualname__": base.__qualname__})
+    adapter_class = type(
+        base.__name__, (base,), {"forward": forward, "__module__": base.__module__, "__qualname__": base.__qualname__}
+    )
     adapter = object.__new__(adapter_class)
     object.__setattr__(adapter, "__dict__", model.__dict__)  # one state: the user's model
     return adapter

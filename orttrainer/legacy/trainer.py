@@ -49,51 +49,86 @@ class ORTTrainer:
     releases before 1.5) is accepted as the older name of `_extra_postprocess`.
     """
 
-    def __init__(self, model, loss_fn, model_desc: ModelDescription, training_optimizer_name: str,
-                 map_optimizer_attributes: Callable[[str], dict] | None, learning_rate_description: IODescription,
-                 device, gradient_accumulation_steps: int = 1, world_rank: int = 0, world_size: int = 1,
-                 use_mixed_precision: bool = False, allreduce_post_accumulation: bool = False, global_step: int = 0,
-                 get_lr_this_step: Callable[[int], float] | None = None, loss_scaler: LossScaler | None = None,
-                 deepspeed_zero_stage: int = 0, enable_grad_norm_clip: bool = True, frozen_weights=(),
-                 _opset_version: int = args_mod.DEFAULT_OPSET_VERSION, _enable_internal_postprocess: bool = True,
-                 _extra_postprocess: Callable | None = None, _use_deterministic_compute: bool = False,
-                 use_memory_efficient_gradient: bool = False, run_symbolic_shape_infer: bool = False,
-                 enable_adasum: bool = False, optimized_model_filepath: str = "", *,
-                 postprocess_model: Callable | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        loss_fn,
+        model_desc: ModelDescription,
+        training_optimizer_name: str,
+        map_optimizer_attributes: Callable[[str], dict] | None,
+        learning_rate_description: IODescription,
+        device,
+        gradient_accumulation_steps: int = 1,
+        world_rank: int = 0,
+        world_size: int = 1,
+        use_mixed_precision: bool = False,
+        allreduce_post_accumulation: bool = False,
+        global_step: int = 0,
+        get_lr_this_step: Callable[[int], float] | None = None,
+        loss_scaler: LossScaler | None = None,
+        deepspeed_zero_stage: int = 0,
+        enable_grad_norm_clip: bool = True,
+        frozen_weights=(),
+        _opset_version: int = args_mod.DEFAULT_OPSET_VERSION,
+        _enable_internal_postprocess: bool = True,
+        _extra_postprocess: Callable | None = None,
+        _use_deterministic_compute: bool = False,
+        use_memory_efficient_gradient: bool = False,
+        run_symbolic_shape_infer: bool = False,
+        enable_adasum: bool = False,
+        optimized_model_filepath: str = "",
+        *,
+        postprocess_model: Callable | None = None,
+    ) -> None:
         if not isinstance(learning_rate_description, IODescription):
-            raise TypeError("learning_rate_description must be an IODescription (e.g. IODescription('Learning_Rate', "
-                            f"[1], torch.float32)), got {type(learning_rate_description).__name__}")
+            raise TypeError(
+                "learning_rate_description must be an IODescription (e.g. IODescription('Learning_Rate', "
+                f"[1], torch.float32)), got {type(learning_rate_description).__name__}"
+            )
         if postprocess_model is not None and _extra_postprocess is not None:
             raise TypeError("give either postprocess_model (its older name) or _extra_postprocess, not both")
         if isinstance(model, onnx.ModelProto) and loss_fn is not None:
-            warnings.warn("loss_fn is not used when creating ORTTrainer because an ONNX model is provided.",
-                          stacklevel=2)
+            warnings.warn(
+                "loss_fn is not used when creating ORTTrainer because an ONNX model is provided.", stacklevel=2
+            )
             loss_fn = None
         if loss_scaler is not None and not use_mixed_precision:
             warnings.warn("loss_scaler is ignored: it is only used with use_mixed_precision=True", stacklevel=2)
         new_desc = to_model_desc(model_desc)
         arguments = {
-            "device": args_mod.device_id(device), "gradient_accumulation_steps": gradient_accumulation_steps,
-            "world_rank": world_rank, "world_size": world_size, "use_mixed_precision": use_mixed_precision,
+            "device": args_mod.device_id(device),
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "world_rank": world_rank,
+            "world_size": world_size,
+            "use_mixed_precision": use_mixed_precision,
             "loss_scaler": as_new_loss_scaler(loss_scaler) if use_mixed_precision else None,
-            "allreduce_post_accumulation": allreduce_post_accumulation, "deepspeed_zero_stage": deepspeed_zero_stage,
-            "enable_adasum": enable_adasum, "enable_grad_norm_clip": enable_grad_norm_clip,
+            "allreduce_post_accumulation": allreduce_post_accumulation,
+            "deepspeed_zero_stage": deepspeed_zero_stage,
+            "enable_adasum": enable_adasum,
+            "enable_grad_norm_clip": enable_grad_norm_clip,
             "frozen_weights": list(frozen_weights or []),
             "use_memory_efficient_gradient": use_memory_efficient_gradient,
             "run_symbolic_shape_infer": run_symbolic_shape_infer,
             "_use_deterministic_compute": _use_deterministic_compute,
-            "optimized_model_filepath": optimized_model_filepath, "_opset_version": _opset_version,
+            "optimized_model_filepath": optimized_model_filepath,
+            "_opset_version": _opset_version,
             "_enable_internal_postprocess": _enable_internal_postprocess,
             "_extra_postprocess": args_mod.in_place_postprocess(_extra_postprocess or postprocess_model),
         }
-        config = args_mod.optimizer_config(training_optimizer_name, map_optimizer_attributes,
-                                           args_mod.trainable_weight_names(model))
+        config = args_mod.optimizer_config(
+            training_optimizer_name, map_optimizer_attributes, args_mod.trainable_weight_names(model)
+        )
         fed_model = model
         if isinstance(model, torch.nn.Module):
             fed_model = legacy_input_model(model, loss_fn, [d.name_ for d in model_desc.inputs_])
         try:
-            self._trainer = _NewORTTrainer(fed_model, new_desc, config, loss_fn=loss_fn,
-                                           options=ORTTrainerOptions(args_mod.options_dict(arguments)))
+            self._trainer = _NewORTTrainer(
+                fed_model,
+                new_desc,
+                config,
+                loss_fn=loss_fn,
+                options=ORTTrainerOptions(args_mod.options_dict(arguments)),
+            )
         except NotImplementedError as error:
             raise args_mod.name_the_argument(error, arguments) from error
 
@@ -114,8 +149,9 @@ class ORTTrainer:
         self.get_lr_this_step_ = get_lr_this_step
         self.loss_scaler_ = loss_scaler if use_mixed_precision else None
         self._fed_loss_scale = arguments["loss_scaler"]  # the new trainer's view of the loss scale
-        self.loss_scale_input_name = (loss_scaler.loss_scale_input_name_ if self.loss_scaler_ is not None
-                                      else DEFAULT_LOSS_SCALE_INPUT_NAME)
+        self.loss_scale_input_name = (
+            loss_scaler.loss_scale_input_name_ if self.loss_scaler_ is not None else DEFAULT_LOSS_SCALE_INPUT_NAME
+        )
         self.input_desc_with_lr = [*model_desc.inputs_, learning_rate_description]
 
     # ------------------------------------------------------------------------------------------------- properties
@@ -203,10 +239,15 @@ class ORTTrainer:
         model_names = [d.name_ for d in self.model_desc_.inputs_]
         extras = self._extra_input_names(training)
         lr_name = self.learning_rate_description_.name_
-        if training and self.get_lr_this_step_ is not None and (
-                lr_name in kwargs or len(args) == len(model_names) + len(extras) + 1):
-            raise TypeError(f"a learning rate input ({lr_name!r}) was given, but get_lr_this_step is set and supplies "
-                            "the learning rate; pass only the model inputs")
+        if (
+            training
+            and self.get_lr_this_step_ is not None
+            and (lr_name in kwargs or len(args) == len(model_names) + len(extras) + 1)
+        ):
+            raise TypeError(
+                f"a learning rate input ({lr_name!r}) was given, but get_lr_this_step is set and supplies "
+                "the learning rate; pass only the model inputs"
+            )
         if not training:  # eval: a trailing lr / loss scale is allowed and ignored
             for name in extras:
                 kwargs.pop(name, None)
@@ -214,11 +255,14 @@ class ORTTrainer:
                 args = args[: len(model_names)]
             extras = []
         values = order_inputs(args, kwargs, [_Named(n) for n in model_names + extras])
-        extra = dict(zip(extras, values[len(model_names):], strict=True))
+        extra = dict(zip(extras, values[len(model_names) :], strict=True))
         lr = extra.get(lr_name)
         loss_scale = extra.get(self.loss_scale_input_name)
-        return (values[: len(model_names)], None if lr is None else _scalar(lr, "learning rate"),
-                None if loss_scale is None else _scalar(loss_scale, "loss scale"))
+        return (
+            values[: len(model_names)],
+            None if lr is None else _scalar(lr, "learning rate"),
+            None if loss_scale is None else _scalar(loss_scale, "loss scale"),
+        )
 
     @contextlib.contextmanager
     def _fetches(self, fetches: list[str] | None):

@@ -47,7 +47,7 @@ MEANINGS = {
     "graph_transformer.transformer_layer_recompute": "recompute whole transformer layers in the backward",
     "graph_transformer.number_recompute_layers": "layers to recompute; 0: all but the last",
     "graph_transformer.propagate_cast_ops_config.strategy": "ONNX Runtime's PropagateCastOps strategy on "
-                                                            "float16/float32 casts (NONE disables it)",
+    "float16/float32 casts (NONE disables it)",
     "graph_transformer.propagate_cast_ops_config.level": "PropagateCastOps level: which ops count as fp16-safe",
     "graph_transformer.propagate_cast_ops_config.allow": "extra op types PropagateCastOps may move casts across",
     "utils.frozen_weights": "parameter (or ONNX initializer) names to keep fixed",
@@ -60,7 +60,7 @@ MEANINGS = {
     "debug.graph_save_paths.model_with_gradient_graph_path": "write the forward + gradient graph here",
     "debug.graph_save_paths.model_with_training_graph_path": "write the whole training graph here",
     "debug.graph_save_paths.model_with_training_graph_after_optimization_path": "write the training graph after "
-                                                                                 "ONNX Runtime's optimizations here",
+    "ONNX Runtime's optimizations here",
     "_internal_use.enable_internal_postprocess": "the legacy post-processing passes on the exported model",
     "_internal_use.extra_postprocess": "your `f(onnx.ModelProto) -> ModelProto`, run after the post-processing",
     "_internal_use.onnx_opset_version": "opset of the PyTorch export",
@@ -72,9 +72,15 @@ MEANINGS = {
 
 # cerberus type names -> what a user passes
 _TYPE_NAMES = {
-    "integer": "int", "boolean": "bool", "string": "str", "list": "list", "dict": "dict",
-    "lr_scheduler": "`optim` LR scheduler", "loss_scaler": "`amp.LossScaler`",
-    "session_options": "`onnxruntime.SessionOptions`", "propagate_cast_ops_strategy": "`PropagateCastOpsStrategy`",
+    "integer": "int",
+    "boolean": "bool",
+    "string": "str",
+    "list": "list",
+    "dict": "dict",
+    "lr_scheduler": "`optim` LR scheduler",
+    "loss_scaler": "`amp.LossScaler`",
+    "session_options": "`onnxruntime.SessionOptions`",
+    "propagate_cast_ops_strategy": "`PropagateCastOpsStrategy`",
 }
 
 

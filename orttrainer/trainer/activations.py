@@ -160,15 +160,21 @@ class ActivationStatistics:
                 eval_targets[record.file_name] = StatisticsTarget(tensor, _elem_type(evaluation, tensor))
             records[record.file_name] = record
         if lost:
-            warnings.warn(f"ORTTrainer cannot collect statistics for {lost}: the exported graph has no such tensor "
-                          "or no gradient for it (e.g. unused outputs, or log-probabilities fused into "
-                          "SoftmaxCrossEntropyLoss); those files are missing from its dumps", stacklevel=5)
+            warnings.warn(
+                f"ORTTrainer cannot collect statistics for {lost}: the exported graph has no such tensor "
+                "or no gradient for it (e.g. unused outputs, or log-probabilities fused into "
+                "SoftmaxCrossEntropyLoss); those files are missing from its dumps",
+                stacklevel=5,
+            )
         backward_graph.model, train_outputs = append_statistics(training, train_targets)
         compiled.eval_model, eval_outputs = append_statistics(evaluation, eval_targets)
         for kind, targets, outputs in (("train", train_targets, train_outputs), ("eval", eval_targets, eval_outputs)):
             # The graph's element type (float16 under mixed precision), else PyTorch's from the trace.
-            self._dumps[kind] = [_Dump(r.name, r.direction, r.depth, _torch_dtype(targets[f].elem_type, r.dtype),
-                                       outputs[f]) for f, r in records.items() if f in outputs]
+            self._dumps[kind] = [
+                _Dump(r.name, r.direction, r.depth, _torch_dtype(targets[f].elem_type, r.dtype), outputs[f])
+                for f, r in records.items()
+                if f in outputs
+            ]
 
     # ---------------------------------------------------------------------------------------------------- steps
     def begin_step(self, kind: str) -> list[str]:
@@ -181,9 +187,12 @@ class ActivationStatistics:
             return []
         if self._order is None and not self._warned_late:
             self._warned_late = True
-            warnings.warn(f"{type(self._model).__name__} was subscribed after ORTTrainer compiled its graph: steps "
-                          "are counted but no activation statistics are collected. Subscribe before the first "
-                          "train_step/eval_step.", stacklevel=3)
+            warnings.warn(
+                f"{type(self._model).__name__} was subscribed after ORTTrainer compiled its graph: steps "
+                "are counted but no activation statistics are collected. Subscribe before the first "
+                "train_step/eval_step.",
+                stacklevel=3,
+            )
         for manager in managers:
             step = manager.get_run_context().global_states.execution_step
             collecting = [s for s in manager.subscribers if isinstance(s, StatisticsSubscriber) and s.in_range(step)]
@@ -212,6 +221,7 @@ def trace_order(model: torch.nn.Module, loss_fn, model_desc, inputs: list) -> li
 
     wrapper = _ModelWithLoss(model, loss_fn, [d.name for d in model_desc.inputs])
     if loss_fn is not None:
+
         def loss(preds):
             return loss_fn(preds, inputs[-1])
     else:
@@ -219,6 +229,7 @@ def trace_order(model: torch.nn.Module, loss_fn, model_desc, inputs: list) -> li
 
         def loss(preds):
             return _flatten(preds)[index]
+
     with torch.enable_grad():  # the first step may be an eval_step under torch.no_grad()
         return trace_activations(model, (), wrapper.model_kwargs(inputs), loss_fn=loss)
 
@@ -244,8 +255,12 @@ def _flatten(outputs) -> list:
 
 
 def _warn_unserved(model: torch.nn.Module) -> None:
-    others = sorted({type(s).__name__ for m in managers_of(model) for s in m.subscribers
-                     if not isinstance(s, StatisticsSubscriber)})
+    others = sorted(
+        {type(s).__name__ for m in managers_of(model) for s in m.subscribers if not isinstance(s, StatisticsSubscriber)}
+    )
     if others:
-        warnings.warn(f"subscribers {others} of {type(model).__name__} do not run in ORTTrainer (only "
-                      "StatisticsSubscriber is collected, inside the ONNX Runtime graph)", stacklevel=6)
+        warnings.warn(
+            f"subscribers {others} of {type(model).__name__} do not run in ORTTrainer (only "
+            "StatisticsSubscriber is collected, inside the ONNX Runtime graph)",
+            stacklevel=6,
+        )

@@ -53,18 +53,21 @@ def ort_only_options(options) -> list[str]:
 
     graph = options.graph_transformer
     cast_propagation = not gradient_options(options).builtin_cast_propagation
-    checks = (("_internal_use.extra_postprocess", options._internal_use.extra_postprocess is not None),
-              ("mixed_precision.enabled", bool(options.mixed_precision.enabled)),
-              ("graph_transformer.gelu_recompute", graph.gelu_recompute),
-              ("graph_transformer.attn_dropout_recompute", graph.attn_dropout_recompute),
-              ("graph_transformer.transformer_layer_recompute", graph.transformer_layer_recompute),
-              ("graph_transformer.propagate_cast_ops_config", cast_propagation),
-              ("utils.memory_efficient_gradient", options.utils.memory_efficient_gradient))
+    checks = (
+        ("_internal_use.extra_postprocess", options._internal_use.extra_postprocess is not None),
+        ("mixed_precision.enabled", bool(options.mixed_precision.enabled)),
+        ("graph_transformer.gelu_recompute", graph.gelu_recompute),
+        ("graph_transformer.attn_dropout_recompute", graph.attn_dropout_recompute),
+        ("graph_transformer.transformer_layer_recompute", graph.transformer_layer_recompute),
+        ("graph_transformer.propagate_cast_ops_config", cast_propagation),
+        ("utils.memory_efficient_gradient", options.utils.memory_efficient_gradient),
+    )
     return [name for name, is_set in checks if is_set]
 
 
-def choose_builder(option: str, *, onnx_model: bool = False, custom_functions: Sequence[str] = (),
-                   ort_only: Sequence[str] = ()) -> BuilderChoice:
+def choose_builder(
+    option: str, *, onnx_model: bool = False, custom_functions: Sequence[str] = (), ort_only: Sequence[str] = ()
+) -> BuilderChoice:
     """Rules, in order:
     - an ONNX model uses 'ort' ('torch' is a ValueError: the torch builder traces a `torch.nn.Module`);
     - `ort_only` features (see `ort_only_options`) need 'ort': with them 'torch' is a NotImplementedError (so is
@@ -74,8 +77,10 @@ def choose_builder(option: str, *, onnx_model: bool = False, custom_functions: S
     functions, ort_only = list(custom_functions), list(ort_only)
     if onnx_model:
         if option == "torch":
-            raise ValueError(f"options {OPTION}='torch' needs a torch.nn.Module (it traces PyTorch's autograd), but "
-                             "the model is an ONNX model; use 'ort' or 'auto' (ONNX models always use 'ort')")
+            raise ValueError(
+                f"options {OPTION}='torch' needs a torch.nn.Module (it traces PyTorch's autograd), but "
+                "the model is an ONNX model; use 'ort' or 'auto' (ONNX models always use 'ort')"
+            )
         return BuilderChoice("ort", "the model is an ONNX model")
     wants_torch = option == "torch" or (option == "auto" and functions)
     if ort_only and wants_torch:
@@ -83,19 +88,24 @@ def choose_builder(option: str, *, onnx_model: bool = False, custom_functions: S
         raise NotImplementedError(
             f"{ort_only} transform the exported ONNX graph, which only the 'ort' gradient builder trains "
             f"from, but {why}the 'torch' gradient builder (it traces the PyTorch module and would ignore them). "
-            f"Turn {ort_only} off" + ("." if functions else f", or set {OPTION}='ort'."))
+            f"Turn {ort_only} off" + ("." if functions else f", or set {OPTION}='ort'.")
+        )
     if option == "ort" and functions:
         raise NotImplementedError(
             f"the model uses custom torch.autograd.Function(s) {functions}: the ONNX exporter inlines their forward "
             "and ONNX Runtime's gradient builder would ignore their backward (a silently wrong gradient). Set "
-            f"options {OPTION} to 'torch' or 'auto' (the default) to train it with PyTorch's autograd.")
+            f"options {OPTION} to 'torch' or 'auto' (the default) to train it with PyTorch's autograd."
+        )
     if option == "torch":
         return BuilderChoice("torch", f"options {OPTION}='torch'")
     if option == "ort":
         return BuilderChoice("ort", f"options {OPTION}='ort'")
     if functions:
-        return BuilderChoice("torch", f"auto: the model uses custom torch.autograd.Function(s) {functions}, whose "
-                                      "backward only the torch builder keeps")
+        return BuilderChoice(
+            "torch",
+            f"auto: the model uses custom torch.autograd.Function(s) {functions}, whose "
+            "backward only the torch builder keeps",
+        )
     if ort_only:
         return BuilderChoice("ort", f"auto: {ort_only} need the 'ort' builder")
     return BuilderChoice("auto", "auto: no custom torch.autograd.Function")
@@ -112,16 +122,25 @@ class TorchSource:
     training: bool
 
 
-def torch_gradient_model(source: TorchSource, inputs: Sequence[torch.Tensor], outputs: list[str],
-                         trainable: list[str], state: list[str]) -> onnx.ModelProto:
+def torch_gradient_model(
+    source: TorchSource, inputs: Sequence[torch.Tensor], outputs: list[str], trainable: list[str], state: list[str]
+) -> onnx.ModelProto:
     """The gradient model for `inputs`' shapes: the data and the trainer's `state` tensors (trainable and frozen)
     as graph inputs; `outputs` (loss first), then `<p>_grad` for each of `trainable`, as graph outputs."""
     params = {name for name, _ in source.module.named_parameters()}
     frozen = [n for n in state if n in params and n not in set(trainable)]
     # orttrainer.debug hooks pass values through while tracing: no step counted, no file written from fake tensors
     with _mode(source.module, source.training), no_increase_global_step():
-        graph = build_torch_gradient_graph(source.module, source.loss_fn, source.input_names, list(inputs), outputs,
-                                           trainable, frozen, source.opset_version)
+        graph = build_torch_gradient_graph(
+            source.module,
+            source.loss_fn,
+            source.input_names,
+            list(inputs),
+            outputs,
+            trainable,
+            frozen,
+            source.opset_version,
+        )
     values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
     return bind_foreign_state(graph.model, len(source.input_names), state, values)
 
@@ -136,8 +155,9 @@ def _mode(module: torch.nn.Module, training: bool) -> Iterator[None]:
         module.train(was_training)
 
 
-def bind_foreign_state(model: onnx.ModelProto, data_count: int, state: Sequence[str],
-                       values: dict[str, torch.Tensor]) -> onnx.ModelProto:
+def bind_foreign_state(
+    model: onnx.ModelProto, data_count: int, state: Sequence[str], values: dict[str, torch.Tensor]
+) -> onnx.ModelProto:
     """Rule: every graph input after the first `data_count` (the data) that is not in `state` becomes an initializer
     holding `values[name]` when a node reads it, and is removed when none does. `model` is modified and returned.
 
@@ -165,8 +185,15 @@ class TorchGraphs:
     optimizer, or the gradient step), and must have `first`'s state contract. The caller caches the results
     (`session.GraphRunners`)."""
 
-    def __init__(self, source: TorchSource, first, first_inputs: Sequence[torch.Tensor],
-                 finish: Callable[[onnx.ModelProto], object], trainable: list[str], state: list[str]) -> None:
+    def __init__(
+        self,
+        source: TorchSource,
+        first,
+        first_inputs: Sequence[torch.Tensor],
+        finish: Callable[[onnx.ModelProto], object],
+        trainable: list[str],
+        state: list[str],
+    ) -> None:
         self.source, self.first, self._finish = source, first, finish
         self._first_signature = shape_signature(first_inputs)
         self._trainable, self._state = list(trainable), list(state)
@@ -175,16 +202,26 @@ class TorchGraphs:
         signature = shape_signature(inputs)
         if signature == self._first_signature:
             return self.first
-        logger.info("tracing and compiling a training graph for the new input shapes %s (torch gradient "
-                    "builder: one graph per input-shape signature)", [list(shape) for shape, _ in signature])
+        logger.info(
+            "tracing and compiling a training graph for the new input shapes %s (torch gradient "
+            "builder: one graph per input-shape signature)",
+            [list(shape) for shape, _ in signature],
+        )
         model = torch_gradient_model(self.source, inputs, list(self.first.outputs), self._trainable, self._state)
         graph = self._finish(model)
         check_same_state_contract(self.first, graph)
         return graph
 
 
-_CONTRACT_VALUES = ("data_inputs", "outputs", "lr_input", "update_count_input", "loss_scale_input",
-                    "all_finite_output", "state_shapes")
+_CONTRACT_VALUES = (
+    "data_inputs",
+    "outputs",
+    "lr_input",
+    "update_count_input",
+    "loss_scale_input",
+    "all_finite_output",
+    "state_shapes",
+)
 _CONTRACT_KEYS = ("weight_updates", "optimizer_state", "accumulation", "gradients")
 
 
@@ -197,5 +234,6 @@ def check_same_state_contract(first, other) -> None:
         if field in _CONTRACT_KEYS and mine is not None and theirs is not None:
             mine, theirs = list(mine), list(theirs)
         if mine != theirs:
-            raise RuntimeError(f"the training graph for new input shapes differs from the first one in {field}: "
-                               f"{theirs} != {mine}")
+            raise RuntimeError(
+                f"the training graph for new input shapes differs from the first one in {field}: {theirs} != {mine}"
+            )

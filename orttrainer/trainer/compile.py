@@ -96,10 +96,13 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     loss, loss_scale = request.loss_name, None
     eval_forward = request.forward
     if request.mixed_precision:  # the 'ort' builder only (builders.choose_builder)
-        forward = mixed_precision.to_float16(move_initializers_to_inputs(forward, state),
-                                             keep_float32=[*request.data_inputs, *state, request.loss_name])
-        eval_forward = mixed_precision.to_float16(move_initializers_to_inputs(request.forward, state),
-                                                  keep_float32=[*request.data_inputs, *state, request.loss_name])
+        forward = mixed_precision.to_float16(
+            move_initializers_to_inputs(forward, state), keep_float32=[*request.data_inputs, *state, request.loss_name]
+        )
+        eval_forward = mixed_precision.to_float16(
+            move_initializers_to_inputs(request.forward, state),
+            keep_float32=[*request.data_inputs, *state, request.loss_name],
+        )
         forward, loss, loss_scale = mixed_precision.append_loss_scale(forward, request.loss_name)
     _save(forward, request.graph_save_paths.get("model_after_graph_transforms_path"))
     raw_gradient_model, builder = _gradient_graph(forward, request, loss)
@@ -116,15 +119,25 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     else:
         training = _training_graph(gradient_model, request, loss_scale)
         _save(training.model, request.graph_save_paths.get("model_with_training_graph_path"))
-        compiled = CompiledModel(training, eval_model, {**weights, **zero_state(training.state_shapes)},
-                                 list(request.trainable), list(training.accumulation),
-                                 {p: tuple(weights[p].shape) for p in request.trainable})
+        compiled = CompiledModel(
+            training,
+            eval_model,
+            {**weights, **zero_state(training.state_shapes)},
+            list(request.trainable),
+            list(training.accumulation),
+            {p: tuple(weights[p].shape) for p in request.trainable},
+        )
     compiled.builder = builder
     if builder.builder == "torch":
         tail = replace(request, forward=onnx.ModelProto(), sample_inputs=None)  # keeps no batch, no forward model
-        compiled.graph_for = TorchGraphs(request.torch_source, compiled.step or compiled.training,
-                                         request.sample_inputs, lambda model: shape_dependent_graph(model, tail),
-                                         request.trainable, state)
+        compiled.graph_for = TorchGraphs(
+            request.torch_source,
+            compiled.step or compiled.training,
+            request.sample_inputs,
+            lambda model: shape_dependent_graph(model, tail),
+            request.trainable,
+            state,
+        )
     return compiled
 
 
@@ -139,8 +152,9 @@ def gradient_model_passes(model: onnx.ModelProto, request: CompileRequest, scale
     return gather_grad_to_scatter_add(model)
 
 
-def shape_dependent_graph(raw_gradient_model: onnx.ModelProto,
-                          request: CompileRequest) -> TrainingGraph | GradientStepGraph:
+def shape_dependent_graph(
+    raw_gradient_model: onnx.ModelProto, request: CompileRequest
+) -> TrainingGraph | GradientStepGraph:
     """The torch builder's graph for one more input-shape signature, from its gradient model: the training graph,
     or with data parallelism the gradient-step graph (the optimizer graph does not depend on shapes)."""
     gradient_model = gradient_model_passes(raw_gradient_model, request, request.loss_name)
@@ -151,38 +165,61 @@ def shape_dependent_graph(raw_gradient_model: onnx.ModelProto,
 
 def _training_graph(gradient_model: onnx.ModelProto, request: CompileRequest, loss_scale: str | None) -> TrainingGraph:
     return build_training_graph(
-        gradient_model, data_inputs=request.data_inputs, outputs=request.outputs, trainable=request.trainable,
-        optimizer_name=request.optim_config.name, groups=param_groups(request.optim_config, request.trainable),
-        accumulation_steps=request.accumulation_steps, clip_grad_norm=request.clip_grad_norm,
-        loss_scale_input=loss_scale)
+        gradient_model,
+        data_inputs=request.data_inputs,
+        outputs=request.outputs,
+        trainable=request.trainable,
+        optimizer_name=request.optim_config.name,
+        groups=param_groups(request.optim_config, request.trainable),
+        accumulation_steps=request.accumulation_steps,
+        clip_grad_norm=request.clip_grad_norm,
+        loss_scale_input=loss_scale,
+    )
 
 
-def _gradient_step_graph(gradient_model: onnx.ModelProto, request: CompileRequest,
-                         loss_scale: str | None) -> GradientStepGraph:
+def _gradient_step_graph(
+    gradient_model: onnx.ModelProto, request: CompileRequest, loss_scale: str | None
+) -> GradientStepGraph:
     plan, k = request.data_parallel, request.accumulation_steps
-    return build_gradient_step_graph(gradient_model, data_inputs=request.data_inputs, outputs=request.outputs,
-                                     trainable=request.trainable, accumulate=k > 1 and plan.post_accumulation,
-                                     loss_scale_input=loss_scale)
+    return build_gradient_step_graph(
+        gradient_model,
+        data_inputs=request.data_inputs,
+        outputs=request.outputs,
+        trainable=request.trainable,
+        accumulate=k > 1 and plan.post_accumulation,
+        loss_scale_input=loss_scale,
+    )
 
 
-def _compile_data_parallel(request: CompileRequest, gradient_model: onnx.ModelProto, loss_scale: str | None,
-                           weights: dict[str, np.ndarray], eval_model: onnx.ModelProto) -> CompiledModel:
+def _compile_data_parallel(
+    request: CompileRequest,
+    gradient_model: onnx.ModelProto,
+    loss_scale: str | None,
+    weights: dict[str, np.ndarray],
+    eval_model: onnx.ModelProto,
+) -> CompiledModel:
     plan, k = request.data_parallel, request.accumulation_steps
     step = _gradient_step_graph(gradient_model, request, loss_scale)
     shapes = {p: tuple(weights[p].shape) for p in request.trainable}
     optimizer, reduced = build_optimizer_graph(
-        shapes, trainable=request.trainable, optimizer_name=request.optim_config.name,
+        shapes,
+        trainable=request.trainable,
+        optimizer_name=request.optim_config.name,
         groups=param_groups(request.optim_config, request.trainable),
-        gradient_divisor=k if plan.adasum else k * plan.world_size, clip_grad_norm=request.clip_grad_norm,
-        loss_scale=loss_scale is not None, update_only=plan.owned)
+        gradient_divisor=k if plan.adasum else k * plan.world_size,
+        clip_grad_norm=request.clip_grad_norm,
+        loss_scale=loss_scale is not None,
+        update_only=plan.owned,
+    )
     _save(optimizer.model, request.graph_save_paths.get("model_with_training_graph_path"))
     buffers = {accumulation_buffer_name(p): shapes[p] for p in request.trainable} if k > 1 else {}
     initial = {**weights, **zero_state(optimizer.state_shapes), **zero_state(buffers)}
     return CompiledModel(optimizer, eval_model, initial, list(request.trainable), list(buffers), shapes, step, reduced)
 
 
-def _gradient_graph(forward: onnx.ModelProto, request: CompileRequest,
-                    loss: str) -> tuple[onnx.ModelProto, BuilderChoice]:
+def _gradient_graph(
+    forward: onnx.ModelProto, request: CompileRequest, loss: str
+) -> tuple[onnx.ModelProto, BuilderChoice]:
     """The gradient model (of `loss`, for the 'ort' builder) from the requested builder. 'auto' tries 'ort' and, when
     ONNX Runtime has no gradient for an op, falls back to 'torch' (with the parameter lists as they were before the
     'ort' attempt)."""
@@ -191,26 +228,38 @@ def _gradient_graph(forward: onnx.ModelProto, request: CompileRequest,
         return _freezing_unreachable(request, lambda: _torch_gradient_graph(request)), choice
     before = (list(request.trainable), list(request.frozen))
     try:
-        model = _freezing_unreachable(request, lambda: build_ort_gradient_graph(
-            forward, loss, request.trainable, request.trainable + request.frozen, request.gradient_options))
+        model = _freezing_unreachable(
+            request,
+            lambda: build_ort_gradient_graph(
+                forward, loss, request.trainable, request.trainable + request.frozen, request.gradient_options
+            ),
+        )
     except GradientBuildError as err:
         if choice.builder != "auto" or err.op_type is None or request.torch_source is None:
             raise
         request.trainable, request.frozen = before
-        logging.getLogger(__name__).info("ONNX Runtime has no gradient for op '%s'; building the "
-                                         "gradient graph with the torch builder", err.op_type)
+        logging.getLogger(__name__).info(
+            "ONNX Runtime has no gradient for op '%s'; building the gradient graph with the torch builder", err.op_type
+        )
         model = _freezing_unreachable(request, lambda: _torch_gradient_graph(request))
-        return model, BuilderChoice("torch", f"auto: ONNX Runtime's gradient builder cannot differentiate op "
-                                             f"'{err.op_type}'")
+        return model, BuilderChoice(
+            "torch", f"auto: ONNX Runtime's gradient builder cannot differentiate op '{err.op_type}'"
+        )
     if choice.builder == "auto":
-        choice = BuilderChoice("ort", "auto: no custom torch.autograd.Function, and ONNX Runtime differentiates "
-                                      "every op")
+        choice = BuilderChoice(
+            "ort", "auto: no custom torch.autograd.Function, and ONNX Runtime differentiates every op"
+        )
     return model, choice
 
 
 def _torch_gradient_graph(request: CompileRequest) -> onnx.ModelProto:
-    return torch_gradient_model(request.torch_source, request.sample_inputs, request.outputs, request.trainable,
-                                request.trainable + request.frozen)
+    return torch_gradient_model(
+        request.torch_source,
+        request.sample_inputs,
+        request.outputs,
+        request.trainable,
+        request.trainable + request.frozen,
+    )
 
 
 def _freezing_unreachable(request: CompileRequest, build: Callable[[], onnx.ModelProto]) -> onnx.ModelProto:
@@ -222,8 +271,11 @@ def _freezing_unreachable(request: CompileRequest, build: Callable[[], onnx.Mode
         except GradientBuildError as err:
             if not err.unreachable or not set(err.unreachable) <= set(request.trainable):
                 raise
-            warnings.warn(f"parameters {err.unreachable} do not influence the loss; they are not trained "
-                          "(as PyTorch leaves their gradient None)", stacklevel=2)
+            warnings.warn(
+                f"parameters {err.unreachable} do not influence the loss; they are not trained "
+                "(as PyTorch leaves their gradient None)",
+                stacklevel=2,
+            )
             request.trainable = [p for p in request.trainable if p not in err.unreachable]
             request.frozen = request.frozen + err.unreachable
 
@@ -263,8 +315,9 @@ def param_groups(optim_config, trainable: list[str]) -> list[ParamGroup]:
     return list(groups.values())
 
 
-def split_parameters(model: onnx.ModelProto, frozen_weights: list[str], torch_params: list[str] | None,
-                     torch_state: list[str] | None) -> tuple[list[str], list[str]]:
+def split_parameters(
+    model: onnx.ModelProto, frozen_weights: list[str], torch_params: list[str] | None, torch_state: list[str] | None
+) -> tuple[list[str], list[str]]:
     """(trainable, frozen) initializer names.
 
     PyTorch model: its `requires_grad` parameters minus `utils.frozen_weights` are trained; buffers, other

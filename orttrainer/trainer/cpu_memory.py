@@ -24,6 +24,8 @@ def cap_cpu_arena(session_options, limit: int) -> None:
         ort.create_and_register_allocator(info, ort.OrtArenaCfg(limit, -1, -1, -1))
         _registered_limit = limit
     elif _registered_limit != limit:
-        raise ValueError(f"options device.mem_limit={limit}: this process already caps ONNX Runtime's shared CPU arena "
-                         f"at {_registered_limit} bytes, and the cap cannot change (one per process)")
+        raise ValueError(
+            f"options device.mem_limit={limit}: this process already caps ONNX Runtime's shared CPU arena "
+            f"at {_registered_limit} bytes, and the cap cannot change (one per process)"
+        )
     session_options.add_session_config_entry("session.use_env_allocators", "1")

@@ -46,14 +46,19 @@ def _init_process_group(context: DistributedContext, device_type: str) -> None:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            raise RuntimeError("torch.distributed is not initialised and MASTER_PORT is not set: launch with "
-                               "torchrun, or call torch.distributed.init_process_group first")
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=context.rank,
-                                world_size=context.world_size)
+            raise RuntimeError(
+                "torch.distributed is not initialised and MASTER_PORT is not set: launch with "
+                "torchrun, or call torch.distributed.init_process_group first"
+            )
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo", rank=context.rank, world_size=context.world_size
+        )
     if dist.get_world_size() != context.world_size or dist.get_rank() != context.rank:
-        raise ValueError(f"options distributed.world_rank={context.rank}, world_size={context.world_size} do not "
-                         f"match the torch.distributed process group (rank {dist.get_rank()} of "
-                         f"{dist.get_world_size()})")
+        raise ValueError(
+            f"options distributed.world_rank={context.rank}, world_size={context.world_size} do not "
+            f"match the torch.distributed process group (rank {dist.get_rank()} of "
+            f"{dist.get_world_size()})"
+        )
 
 
 def partition_parameters(shapes: dict[str, tuple[int, ...]], world_size: int) -> dict[str, int]:
@@ -91,8 +96,10 @@ class Communicator:
         self.calls["all_gather"] += 1
         parts = [_split_like(g, tensors) for g in gathered]
         while len(parts) > 1:
-            parts = [[adasum_pair(a, b) for a, b in zip(parts[i], parts[i + 1], strict=True)]
-                     for i in range(0, len(parts), 2)]
+            parts = [
+                [adasum_pair(a, b) for a, b in zip(parts[i], parts[i + 1], strict=True)]
+                for i in range(0, len(parts), 2)
+            ]
         return parts[0]
 
     def share(self, tensors_by_owner: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
@@ -127,6 +134,6 @@ def check_adasum_world_size(world_size: int) -> None:
 def _split_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     pieces, offset = [], 0
     for t in like:
-        pieces.append(flat[offset: offset + t.numel()].view(t.shape))
+        pieces.append(flat[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
     return pieces

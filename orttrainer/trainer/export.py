@@ -71,7 +71,8 @@ def check_forward_accepts(model: torch.nn.Module, input_names: list[str], has_lo
     if unknown:
         raise ValueError(
             f"model_desc inputs {unknown} are not parameters of {type(model).__name__}.forward{signature}; inputs are "
-            "passed to forward by name" + (" (with a loss_fn, the last input is the label)" if has_loss_fn else ""))
+            "passed to forward by name" + (" (with a loss_fn, the last input is the label)" if has_loss_fn else "")
+        )
 
 
 def custom_autograd_functions(outputs) -> list[str]:
@@ -91,8 +92,15 @@ def custom_autograd_functions(outputs) -> list[str]:
     return sorted(found)
 
 
-def export_model(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: list[torch.Tensor], *,
-                 opset_version: int, enable_contrib_ops: bool) -> ExportedModel:
+def export_model(
+    model: torch.nn.Module,
+    loss_fn,
+    model_desc,
+    sample_inputs: list[torch.Tensor],
+    *,
+    opset_version: int,
+    enable_contrib_ops: bool,
+) -> ExportedModel:
     """Dry-run and export `model` (+ `loss_fn`); returns the forward ONNX model with the `model.` prefix removed."""
     input_names = [d.name for d in model_desc.inputs]
     output_names = [d.name for d in model_desc.outputs]
@@ -101,8 +109,10 @@ def export_model(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: lis
     wrapper = _ModelWithLoss(model, loss_fn, input_names)
     sample_outputs, functions = _dry_run(wrapper, sample_inputs)
     if len(sample_outputs) < len(output_names):
-        raise ValueError(f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
-                         f"{' with its loss_fn' if loss_fn else ''} returns {len(sample_outputs)}")
+        raise ValueError(
+            f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
+            f"{' with its loss_fn' if loss_fn else ''} returns {len(sample_outputs)}"
+        )
     _register_contrib_ops(enable_contrib_ops)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     buffer = io.BytesIO()
@@ -111,10 +121,18 @@ def export_model(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: lis
             # torch deprecates the TorchScript exporter and its `training` argument; both are chosen on purpose
             # (DESIGN.md: dynamo=False, TrainingMode.TRAINING), so their notices are not the user's concern.
             warnings.simplefilter("ignore", DeprecationWarning)
-            torch.onnx.export(wrapper, tuple(sample_inputs), buffer, input_names=input_names,
-                              output_names=output_names, opset_version=opset_version,
-                              dynamic_axes=_dynamic_axes(model_desc), do_constant_folding=False,
-                              training=torch.onnx.TrainingMode.TRAINING, dynamo=False)
+            torch.onnx.export(
+                wrapper,
+                tuple(sample_inputs),
+                buffer,
+                input_names=input_names,
+                output_names=output_names,
+                opset_version=opset_version,
+                dynamic_axes=_dynamic_axes(model_desc),
+                do_constant_folding=False,
+                training=torch.onnx.TrainingMode.TRAINING,
+                dynamo=False,
+            )
     except Exception as err:
         raise RuntimeError(f"exporting {type(model).__name__} to ONNX failed: {err}") from err
     finally:
@@ -127,9 +145,18 @@ def export_model(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: lis
     params = [n for n, p in model.named_parameters() if p.requires_grad and n in initializers]
     state = [n for n in model.state_dict() if n in initializers and n not in params]
     aliases, unused = _state_outside_graph(model, initializers)
-    return ExportedModel(onnx_model, sample_outputs, [t.dtype for t in sample_inputs],
-                         [t.dtype for t in sample_outputs[: len(output_names)]], params, state, was_training, functions,
-                         aliases, unused)
+    return ExportedModel(
+        onnx_model,
+        sample_outputs,
+        [t.dtype for t in sample_inputs],
+        [t.dtype for t in sample_outputs[: len(output_names)]],
+        params,
+        state,
+        was_training,
+        functions,
+        aliases,
+        unused,
+    )
 
 
 def _restore_buffers(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
@@ -173,7 +200,7 @@ def _state_outside_graph(model: torch.nn.Module, initializers: set[str]):
 def strip_prefix(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
     """Rule: initializers named `<prefix><name>` are renamed `<name>`, and so are their uses by nodes."""
     result = copy_model(model)
-    renamed = {i.name: i.name[len(prefix):] for i in result.graph.initializer if i.name.startswith(prefix)}
+    renamed = {i.name: i.name[len(prefix) :] for i in result.graph.initializer if i.name.startswith(prefix)}
     for init in result.graph.initializer:
         init.name = renamed.get(init.name, init.name)
     for node in result.graph.node:
@@ -191,9 +218,11 @@ def _dry_run(wrapper: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[list
     try:
         runner = copy.deepcopy(wrapper)
     except Exception:
-        warnings.warn("This model cannot be deep copied (or pickled), which is a required step for stateful models "
-                      "to be properly exported to ONNX. Compute will continue, but unexpected results may occur!",
-                      stacklevel=2)
+        warnings.warn(
+            "This model cannot be deep copied (or pickled), which is a required step for stateful models "
+            "to be properly exported to ONNX. Compute will continue, but unexpected results may occur!",
+            stacklevel=2,
+        )
         runner = wrapper
     was_training = runner.training
     runner.eval()

@@ -19,8 +19,9 @@ def order_inputs(args: tuple, kwargs: dict, descs: Sequence) -> list:
     names = [d.name for d in descs]
     unknown = [k for k in kwargs if k not in names]
     if unknown:
-        raise TypeError(f"unexpected keyword input{'s' if len(unknown) > 1 else ''} {unknown}; the model_desc "
-                        f"inputs are {names}")
+        raise TypeError(
+            f"unexpected keyword input{'s' if len(unknown) > 1 else ''} {unknown}; the model_desc inputs are {names}"
+        )
     doubled = [k for k in kwargs if names.index(k) < len(args)]
     if doubled:
         raise TypeError(f"input{'s' if len(doubled) > 1 else ''} {doubled} given both positionally and by keyword")
@@ -55,13 +56,16 @@ def check_outputs(outputs: dict[str, torch.Tensor], descs: Sequence, sizes: dict
 
 def _check_shape(name: str, actual: list[int], declared: list, sizes: dict[str, int], kind: str) -> None:
     if len(actual) != len(declared):
-        raise ValueError(f"{kind} {name!r} has shape {actual}, but model_desc declares {declared} "
-                         f"(rank {len(declared)})")
+        raise ValueError(
+            f"{kind} {name!r} has shape {actual}, but model_desc declares {declared} (rank {len(declared)})"
+        )
     for axis, (size, dim) in enumerate(zip(actual, declared, strict=True)):
         if isinstance(dim, str):
             bound = sizes.setdefault(dim, size)
             if bound != size and kind == "input":
-                raise ValueError(f"input {name!r} has size {size} on axis {axis} ({dim!r}), but another input bound "
-                                 f"{dim!r} to {bound}")
+                raise ValueError(
+                    f"input {name!r} has size {size} on axis {axis} ({dim!r}), but another input bound "
+                    f"{dim!r} to {bound}"
+                )
         elif size != dim:
             raise ValueError(f"{kind} {name!r} has shape {actual}, but model_desc declares {declared}")

@@ -41,12 +41,18 @@ class ORTTrainer(SessionBuilding):
     def __init__(self, model, model_desc, optim_config, loss_fn=None, options=None) -> None:
         _require(model is not None, "'model' is required and must be either a 'torch.nn.Module' or ONNX model")
         _require(isinstance(model_desc, dict), "'model_desc' must be a 'dict'")
-        _require(isinstance(optim_config, optim._OptimizerConfig),
-                 "'optim_config' is required and must be any of 'AdamConfig', 'LambConfig' or 'SGDConfig'")
-        _require(loss_fn is None or _takes_two_arguments(loss_fn),
-                 "'loss_fn' must be either 'None' or a callable with two parameters")
-        _require(options is None or isinstance(options, ORTTrainerOptions),
-                 "'options' must be either 'None' or 'ORTTrainerOptions'")
+        _require(
+            isinstance(optim_config, optim._OptimizerConfig),
+            "'optim_config' is required and must be any of 'AdamConfig', 'LambConfig' or 'SGDConfig'",
+        )
+        _require(
+            loss_fn is None or _takes_two_arguments(loss_fn),
+            "'loss_fn' must be either 'None' or a callable with two parameters",
+        )
+        _require(
+            options is None or isinstance(options, ORTTrainerOptions),
+            "'options' must be either 'None' or 'ORTTrainerOptions'",
+        )
         self._torch_model = None
         self._onnx_model = None
         if isinstance(model, torch.nn.Module):
@@ -108,8 +114,14 @@ class ORTTrainer(SessionBuilding):
         lr = self._learning_rate()
         scaler = self.options.mixed_precision.loss_scaler if self.options.mixed_precision.enabled else None
         statistics = self._activations.begin_step("train")
-        results, finite = self._training_session.train(data, lr, self._optimizer_updates + 1, names + statistics,
-                                                       optimizer_step, scaler.loss_scale if scaler else None)
+        results, finite = self._training_session.train(
+            data,
+            lr,
+            self._optimizer_updates + 1,
+            names + statistics,
+            optimizer_step,
+            scaler.loss_scale if scaler else None,
+        )
         self._activations.end_step(results)
         if optimizer_step:
             self._after_optimizer_step(finite, scaler)
@@ -148,8 +160,11 @@ class ORTTrainer(SessionBuilding):
     def save_as_onnx(self, path: str) -> None:
         """Write the forward (+loss) ONNX model with the current weights to `path`."""
         if self._training_session is None:
-            warnings.warn("Training session is not initialized yet. 'train_step' or 'eval_step' methods must be "
-                          "executed at least once before calling 'save_as_onnx()'.", stacklevel=2)
+            warnings.warn(
+                "Training session is not initialized yet. 'train_step' or 'eval_step' methods must be "
+                "executed at least once before calling 'save_as_onnx()'.",
+                stacklevel=2,
+            )
             return
         _require(isinstance(path, str), "'path' must be a valid path string")
         directory, filename = os.path.split(path)
@@ -171,8 +186,11 @@ class ORTTrainer(SessionBuilding):
         with `pytorch_format=True` a flat `{name: torch.Tensor}` that the original module's `load_state_dict`
         accepts."""
         if self._training_session is None:
-            warnings.warn("ONNX Runtime training session is not initialized yet. Please run train_step or eval_step at "
-                          "least once before calling ORTTrainer.state_dict().", stacklevel=2)
+            warnings.warn(
+                "ONNX Runtime training session is not initialized yet. Please run train_step or eval_step at "
+                "least once before calling ORTTrainer.state_dict().",
+                stacklevel=2,
+            )
             return self._pending_state[0] if self._pending_state is not None else {}
         if pytorch_format:
             if self.options.distributed.deepspeed_zero_optimization.stage > 0:

@@ -75,8 +75,13 @@ class GraphRunners:
     order), created on the first batch with that signature. `optimized_model_path` receives the first graph's
     optimized model (every later one would overwrite it)."""
 
-    def __init__(self, create: Callable[[onnx.ModelProto, str], object], graph, graph_for: Callable | None,
-                 optimized_model_path: str) -> None:
+    def __init__(
+        self,
+        create: Callable[[onnx.ModelProto, str], object],
+        graph,
+        graph_for: Callable | None,
+        optimized_model_path: str,
+    ) -> None:
         self.graph, self._create, self._graph_for = graph, create, graph_for
         self._path = optimized_model_path
         self._cache: ShapeKeyedCache[GraphRunner] = ShapeKeyedCache(MAX_TRAINING_GRAPHS)
@@ -104,9 +109,14 @@ class TrainingSession:
 
     `graph` is the (first) training graph and defines the state contract; `graph_for` see `GraphRunners`."""
 
-    def __init__(self, graph: TrainingGraph, eval_model: onnx.ModelProto, state: dict[str, np.ndarray],
-                 config: SessionConfig, graph_for: Callable[[list[torch.Tensor]], TrainingGraph] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        graph: TrainingGraph,
+        eval_model: onnx.ModelProto,
+        state: dict[str, np.ndarray],
+        config: SessionConfig,
+        graph_for: Callable[[list[torch.Tensor]], TrainingGraph] | None = None,
+    ) -> None:
         self._setup(eval_model, state, config)
         self.graph = graph
         self._runners = GraphRunners(self._session, graph, graph_for, config.optimized_model_path)
@@ -144,8 +154,15 @@ class TrainingSession:
         return _create_session(model, self._options, self._providers, self.config, optimized_model_path)
 
     # ---------------------------------------------------------------------------------------------------- running
-    def train(self, data: dict[str, torch.Tensor], lr: float, update_count: int, outputs: list[str],
-              optimizer_step: bool, loss_scale: float | None = None) -> tuple[dict[str, torch.Tensor], bool]:
+    def train(
+        self,
+        data: dict[str, torch.Tensor],
+        lr: float,
+        update_count: int,
+        outputs: list[str],
+        optimizer_step: bool,
+        loss_scale: float | None = None,
+    ) -> tuple[dict[str, torch.Tensor], bool]:
         """Run one micro-step (`optimizer_step=False`: accumulate gradients) or an optimizer step.
 
         Returns the requested forward outputs as torch tensors on the trainer's device, and whether the step's
@@ -159,13 +176,13 @@ class TrainingSession:
         feeds[g.update_count_input] = self._host_scalar(np.int64(update_count))
         if g.loss_scale_input:
             feeds[g.loss_scale_input] = self._host_scalar(np.float32(loss_scale))
-        state_outputs = ({**g.weight_updates, **g.optimizer_state} if optimizer_step else g.accumulation)
+        state_outputs = {**g.weight_updates, **g.optimizer_state} if optimizer_step else g.accumulation
         checks = [g.all_finite_output] if optimizer_step and g.all_finite_output else []
         fetched = self._run(runner.session, feeds, outputs + list(state_outputs.values()) + checks)
         results = dict(zip(outputs, fetched[: len(outputs)], strict=True))
         finite = bool(fetched[-1].numpy().all()) if checks else True
         if finite:
-            new_state = fetched[len(outputs): len(outputs) + len(state_outputs)]
+            new_state = fetched[len(outputs) : len(outputs) + len(state_outputs)]
             self._state.update(zip(state_outputs, new_state, strict=True))
         if optimizer_step:
             self._state.update(self._zeros)  # accumulation restarts from zero after every update (or skipped one)
@@ -220,9 +237,17 @@ class TrainingSession:
         return to_torch_view(value).to(self.config.device.torch_device)
 
 
-_NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-                 "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8,
-                 "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_, "tensor(int16)": np.int16}
+_NUMPY_DTYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(bool)": np.bool_,
+    "tensor(int16)": np.int16,
+}
 
 
 def _owned_ortvalue(array: np.ndarray, device_type: str, device_index: int):
@@ -265,8 +290,7 @@ def _from_torch(tensor: torch.Tensor):
     return C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False)
 
 
-def _create_session(model: onnx.ModelProto, options, providers: list, config: SessionConfig,
-                    optimized_model_path: str):
+def _create_session(model: onnx.ModelProto, options, providers: list, config: SessionConfig, optimized_model_path: str):
     import onnxruntime as ort
 
     saved_path = options.optimized_model_filepath
@@ -279,7 +303,8 @@ def _create_session(model: onnx.ModelProto, options, providers: list, config: Se
         raise RuntimeError(
             f"options device.id is cuda:{config.device.index} but ONNX Runtime's CUDAExecutionProvider could not "
             "be used on this machine (onnxruntime-training 1.19.2 needs CUDA 11.8 and cuDNN 8). Set options "
-            "{'device': {'id': 'cpu'}} to train on the CPU.")
+            "{'device': {'id': 'cpu'}} to train on the CPU."
+        )
     return session
 
 
@@ -308,7 +333,8 @@ def _providers(config: SessionConfig) -> list:
         if "CUDAExecutionProvider" not in ort.get_available_providers() or not torch.cuda.is_available():
             raise RuntimeError(
                 f"options device.id asks for CUDA ({device.type}:{device.index}) but CUDA is not available here. "
-                "Set options {'device': {'id': 'cpu'}} to train on the CPU.")
+                "Set options {'device': {'id': 'cpu'}} to train on the CPU."
+            )
         cuda = {"device_id": device.index}
         if config.mem_limit > 0:
             cuda["gpu_mem_limit"] = config.mem_limit
@@ -318,8 +344,10 @@ def _providers(config: SessionConfig) -> list:
     available = ort.get_available_providers()
     for name, opts in (config.provider_options or {}).items():
         if name not in available:  # ONNX Runtime would only log a warning and drop it
-            raise ValueError(f"options provider_options names {name!r}, which this onnxruntime build does not "
-                             f"provide; available: {available}")
+            raise ValueError(
+                f"options provider_options names {name!r}, which this onnxruntime build does not "
+                f"provide; available: {available}"
+            )
         names = [p[0] for p in providers]
         if name in names:
             i = names.index(name)

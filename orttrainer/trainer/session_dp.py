@@ -26,9 +26,20 @@ from .session import GraphRunners, SessionConfig, TrainingSession, from_torch, t
 
 
 class DataParallelSession(TrainingSession):
-    def __init__(self, graphs: DataParallelGraphs, eval_model: onnx.ModelProto, state: dict[str, np.ndarray],
-                 config: SessionConfig, comm: Communicator, *, accumulation_steps: int, adasum: bool,
-                 owners: dict[str, int] | None, rank: int, step_for: Callable | None = None) -> None:
+    def __init__(
+        self,
+        graphs: DataParallelGraphs,
+        eval_model: onnx.ModelProto,
+        state: dict[str, np.ndarray],
+        config: SessionConfig,
+        comm: Communicator,
+        *,
+        accumulation_steps: int,
+        adasum: bool,
+        owners: dict[str, int] | None,
+        rank: int,
+        step_for: Callable | None = None,
+    ) -> None:
         self._setup(eval_model, state, config)
         self.graphs, self.graph = graphs, graphs.optimizer
         self.comm = comm
@@ -40,8 +51,15 @@ class DataParallelSession(TrainingSession):
         self._buffers = [f"{p}_grad_accumulation_buffer" for p in graphs.step.gradients] if self._accumulating else []
         self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graphs.step.accumulation}
 
-    def train(self, data: dict[str, torch.Tensor], lr: float, update_count: int, outputs: list[str],
-              optimizer_step: bool, loss_scale: float | None = None) -> tuple[dict[str, torch.Tensor], bool]:
+    def train(
+        self,
+        data: dict[str, torch.Tensor],
+        lr: float,
+        update_count: int,
+        outputs: list[str],
+        optimizer_step: bool,
+        loss_scale: float | None = None,
+    ) -> tuple[dict[str, torch.Tensor], bool]:
         runner = self._runners.for_data(data)
         step = runner.graph
         feeds = self._feeds(data, runner.inputs)
@@ -50,11 +68,11 @@ class DataParallelSession(TrainingSession):
         in_graph = bool(step.accumulation)
         if in_graph and not optimizer_step:  # accumulate locally; nothing to communicate yet
             fetched = self._run(runner.session, feeds, outputs + list(step.accumulation.values()))
-            self._state.update(zip(step.accumulation, fetched[len(outputs):], strict=True))
+            self._state.update(zip(step.accumulation, fetched[len(outputs) :], strict=True))
             return self._results(outputs, fetched), True
         names = list(step.gradients)
         fetched = self._run(runner.session, feeds, outputs + [step.gradients[p] for p in names])
-        combined = self._combine([to_torch_view(v) for v in fetched[len(outputs):]])
+        combined = self._combine([to_torch_view(v) for v in fetched[len(outputs) :]])
         if self._accumulating and not in_graph:
             buffers = [to_torch_view(self._state[f"{p}_grad_accumulation_buffer"]) for p in names]
             for buffer, grad in zip(buffers, combined, strict=True):
@@ -78,12 +96,16 @@ class DataParallelSession(TrainingSession):
     def _combine(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.comm.adasum(grads) if self._adasum else self.comm.sum(grads)
 
-    def _optimize(self, grads: dict[str, torch.Tensor], lr: float, update_count: int,
-                  loss_scale: float | None) -> bool:
+    def _optimize(self, grads: dict[str, torch.Tensor], lr: float, update_count: int, loss_scale: float | None) -> bool:
         g = self.graph
         feeds = {name: self._state[name] for name in self._train_inputs if name in self._state}
-        feeds.update({self.graphs.reduced_inputs[p]: from_torch(t) for p, t in grads.items()
-                      if self.graphs.reduced_inputs[p] in self._train_inputs})
+        feeds.update(
+            {
+                self.graphs.reduced_inputs[p]: from_torch(t)
+                for p, t in grads.items()
+                if self.graphs.reduced_inputs[p] in self._train_inputs
+            }
+        )
         feeds[g.lr_input] = self._host_scalar(np.float32(lr))
         feeds[g.update_count_input] = self._host_scalar(np.int64(update_count))
         if g.loss_scale_input:
@@ -103,9 +125,15 @@ class DataParallelSession(TrainingSession):
         by_owner: dict[int, list[str]] = {r: [] for r in range(self.comm.world_size)}
         for name, owner in self._owners.items():
             by_owner[owner].append(name)
-        tensors = {r: [to_torch_view(self._state[n]).clone() if r == self._rank else
-                       torch.empty_like(to_torch_view(self._state[n])) for n in names]
-                   for r, names in by_owner.items()}
+        tensors = {
+            r: [
+                to_torch_view(self._state[n]).clone()
+                if r == self._rank
+                else torch.empty_like(to_torch_view(self._state[n]))
+                for n in names
+            ]
+            for r, names in by_owner.items()
+        }
         shared = self.comm.share(tensors)
         for r, names in by_owner.items():
             if r != self._rank:

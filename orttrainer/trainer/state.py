@@ -36,8 +36,10 @@ def build_state_dict(trainer, pytorch_format: bool = False) -> dict:
         "model": {FULL_PRECISION: model},
         "optimizer": _optimizer_state(trainer),
         "trainer_options": _trainer_options(trainer),
-        "train_step_info": {"optimization_step": trainer._train_step_info.optimization_step,
-                            "step": trainer._train_step_info.step},
+        "train_step_info": {
+            "optimization_step": trainer._train_step_info.optimization_step,
+            "step": trainer._train_step_info.step,
+        },
     }
     mid_window = trainer._train_step_info.step % trainer.options.batch.gradient_accumulation_steps
     if compiled.accumulation_buffers and mid_window:
@@ -45,7 +47,8 @@ def build_state_dict(trainer, pytorch_format: bool = False) -> dict:
             raise RuntimeError(
                 "a state_dict in the middle of a gradient-accumulation window cannot be taken with data parallelism: "
                 "each rank holds its own partial gradient sum. Save at an optimizer step (when "
-                "_train_step_info.step % batch.gradient_accumulation_steps == 0)")
+                "_train_step_info.step % batch.gradient_accumulation_steps == 0)"
+            )
         buffers = session.get_state(compiled.accumulation_buffers)
         state[ACCUMULATION] = {name[: -len("_grad_accumulation_buffer")]: value for name, value in buffers.items()}
     partition_info = _partition_info(trainer)
@@ -53,8 +56,10 @@ def build_state_dict(trainer, pytorch_format: bool = False) -> dict:
         state["partition_info"] = partition_info
     scaler = _loss_scaler(trainer)
     if scaler is not None:
-        state[LOSS_SCALER] = {"loss_scale": float(scaler.loss_scale),
-                              "stable_steps": int(getattr(scaler, "_stable_steps_count", 0))}
+        state[LOSS_SCALER] = {
+            "loss_scale": float(scaler.loss_scale),
+            "stable_steps": int(getattr(scaler, "_stable_steps_count", 0)),
+        }
     return state
 
 
@@ -73,8 +78,11 @@ def _partition_info(trainer) -> dict | None:
     if trainer.options.distributed.deepspeed_zero_optimization.stage == 0 or owners is None:
         return None
     shapes = trainer._compiled.shapes
-    return {p: {"original_dim": np.array(shapes[p], dtype=np.int64), "megatron_row_partition": np.int64(-1)}
-            for p, owner in owners.items() if owner == trainer._rank}
+    return {
+        p: {"original_dim": np.array(shapes[p], dtype=np.int64), "megatron_row_partition": np.int64(-1)}
+        for p, owner in owners.items()
+        if owner == trainer._rank
+    }
 
 
 def _loss_scaler(trainer):
@@ -118,19 +126,25 @@ def _optimizer_state(trainer) -> dict:
 def _trainer_options(trainer) -> dict:
     distributed = trainer.options.distributed
     world_size = trainer._world_size
-    return {"mixed_precision": bool(trainer.options.mixed_precision.enabled),
-            "zero_stage": int(distributed.deepspeed_zero_optimization.stage),
-            "world_rank": int(trainer._rank), "world_size": int(world_size),
-            "optimizer_name": trainer.optim_config.name,
-            "data_parallel_size": int(world_size // distributed.horizontal_parallel_size),
-            "horizontal_parallel_size": int(distributed.horizontal_parallel_size)}
+    return {
+        "mixed_precision": bool(trainer.options.mixed_precision.enabled),
+        "zero_stage": int(distributed.deepspeed_zero_optimization.stage),
+        "world_rank": int(trainer._rank),
+        "world_size": int(world_size),
+        "optimizer_name": trainer.optim_config.name,
+        "data_parallel_size": int(world_size // distributed.horizontal_parallel_size),
+        "horizontal_parallel_size": int(distributed.horizontal_parallel_size),
+    }
 
 
 # --------------------------------------------------------------------------------------------------------- loading
 def is_pytorch_state_dict(state_dict) -> bool:
     """A plain module state_dict: flat names -> tensors/arrays, none of the legacy top-level keys."""
-    return bool(state_dict) and not ({"model", "optimizer", "trainer_options"} & set(state_dict)) and all(
-        isinstance(v, (torch.Tensor, np.ndarray)) for v in state_dict.values())
+    return (
+        bool(state_dict)
+        and not ({"model", "optimizer", "trainer_options"} & set(state_dict))
+        and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in state_dict.values())
+    )
 
 
 def apply_state_dict(trainer, state_dict: dict, strict: bool) -> None:
@@ -196,8 +210,10 @@ def _optimizer_values(trainer, state_dict: dict) -> tuple[dict[str, np.ndarray],
         if "Update_Count" in entry:
             counts.add(int(np.asarray(entry["Update_Count"]).reshape(-1)[0]))
     if len(counts) > 1:
-        raise ValueError(f"the checkpoint's optimizer update counters differ between weights ({sorted(counts)}); "
-                         "orttrainer keeps one counter for all weights")
+        raise ValueError(
+            f"the checkpoint's optimizer update counters differ between weights ({sorted(counts)}); "
+            "orttrainer keeps one counter for all weights"
+        )
     return values, (counts.pop() - 1 if counts else None)
 
 
@@ -214,8 +230,11 @@ def _accumulation_values(trainer, buffers: dict) -> dict[str, np.ndarray]:
     values = {}
     for name in trainer._compiled.accumulation_buffers:
         weight = name[: -len("_grad_accumulation_buffer")]
-        values[name] = _as_array(buffers[weight]) if weight in buffers else np.zeros(
-            trainer._compiled.shapes[weight], dtype=np.float32)
+        values[name] = (
+            _as_array(buffers[weight])
+            if weight in buffers
+            else np.zeros(trainer._compiled.shapes[weight], dtype=np.float32)
+        )
     return values
 
 
@@ -253,15 +272,23 @@ def _check_keys(current: dict, loaded: dict, zero_stage: int) -> None:
     else:
         _compare(current["model"], loaded["model"], "state_dict[model]", allow_unexpected)
         for precision in current["model"]:
-            _compare(current["model"][precision], loaded["model"][precision], f"state_dict[model][{precision}]",
-                     allow_unexpected)
+            _compare(
+                current["model"][precision],
+                loaded["model"][precision],
+                f"state_dict[model][{precision}]",
+                allow_unexpected,
+            )
     if "optimizer" not in loaded:
         warnings.warn("Missing key: optimizer in state_dict", stacklevel=2)
         return
     _compare(current["optimizer"], loaded["optimizer"], "state_dict[optimizer]", allow_unexpected)
     for weight in current["optimizer"]:
-        _compare(current["optimizer"][weight], loaded["optimizer"][weight], f"state_dict[optimizer][{weight}]",
-                 allow_unexpected)
+        _compare(
+            current["optimizer"][weight],
+            loaded["optimizer"][weight],
+            f"state_dict[optimizer][{weight}]",
+            allow_unexpected,
+        )
 
 
 def _compare(current: dict, loaded: dict, where: str, allow_unexpected: bool) -> None:

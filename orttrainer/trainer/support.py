@@ -26,8 +26,7 @@ def check_supported_options(options) -> None:
     for path, (unsupported, instead) in _UNSUPPORTED.items():
         value = _lookup(options._validated_opts, path)
         if unsupported(value):
-            raise NotImplementedError(f"options {path}={value!r} is not supported by this orttrainer build; "
-                                      f"{instead}.")
+            raise NotImplementedError(f"options {path}={value!r} is not supported by this orttrainer build; {instead}.")
     recompute_plan(options)
 
 
@@ -37,8 +36,10 @@ def recompute_plan(options):
 
     gt = options.graph_transformer
     if gt.number_recompute_layers > 0 and not gt.transformer_layer_recompute:
-        raise ValueError(f"options graph_transformer.number_recompute_layers={gt.number_recompute_layers} only takes "
-                         "effect with graph_transformer.transformer_layer_recompute=True")
+        raise ValueError(
+            f"options graph_transformer.number_recompute_layers={gt.number_recompute_layers} only takes "
+            "effect with graph_transformer.transformer_layer_recompute=True"
+        )
     layers = gt.number_recompute_layers if gt.transformer_layer_recompute else None
     return RecomputePlan(gelu=gt.gelu_recompute, attention_dropout=gt.attn_dropout_recompute, layers=layers)
 
@@ -57,8 +58,10 @@ def check_data_parallel_options(options, world_size: int) -> None:
     """Distributed options that only make sense together (checked once the world size is known)."""
     dist = options.distributed
     if dist.data_parallel_size not in (1, world_size):
-        raise ValueError(f"options distributed.data_parallel_size={dist.data_parallel_size} must equal the world size "
-                         f"({world_size}): every rank is a data-parallel rank")
+        raise ValueError(
+            f"options distributed.data_parallel_size={dist.data_parallel_size} must equal the world size "
+            f"({world_size}): every rank is a data-parallel rank"
+        )
     if dist.enable_adasum:
         from .distributed import check_adasum_world_size
 
@@ -67,7 +70,8 @@ def check_data_parallel_options(options, world_size: int) -> None:
             raise NotImplementedError(
                 "options distributed.enable_adasum with allreduce_post_accumulation=False and gradient accumulation: "
                 "Adasum combines each rank's accumulated gradient once per optimizer step; set "
-                "distributed.allreduce_post_accumulation=True")
+                "distributed.allreduce_post_accumulation=True"
+            )
 
 
 def _lookup(tree: dict, path: str):
@@ -78,10 +82,18 @@ def _lookup(tree: dict, path: str):
 
 
 _ONNX_TO_TORCH = {
-    TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
-    TensorProto.BFLOAT16: torch.bfloat16, TensorProto.INT8: torch.int8, TensorProto.UINT8: torch.uint8,
-    TensorProto.INT16: torch.int16, TensorProto.INT32: torch.int32, TensorProto.INT64: torch.int64,
-    TensorProto.BOOL: torch.bool, TensorProto.COMPLEX64: torch.complex64, TensorProto.COMPLEX128: torch.complex128,
+    TensorProto.FLOAT: torch.float32,
+    TensorProto.DOUBLE: torch.float64,
+    TensorProto.FLOAT16: torch.float16,
+    TensorProto.BFLOAT16: torch.bfloat16,
+    TensorProto.INT8: torch.int8,
+    TensorProto.UINT8: torch.uint8,
+    TensorProto.INT16: torch.int16,
+    TensorProto.INT32: torch.int32,
+    TensorProto.INT64: torch.int64,
+    TensorProto.BOOL: torch.bool,
+    TensorProto.COMPLEX64: torch.complex64,
+    TensorProto.COMPLEX128: torch.complex128,
 }
 
 

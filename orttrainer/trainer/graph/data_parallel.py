@@ -46,9 +46,15 @@ class DataParallelGraphs:
     reduced_inputs: dict[str, str]  # trainable tensor -> optimizer graph input for its combined gradient
 
 
-def build_gradient_step_graph(gradient_model: onnx.ModelProto, *, data_inputs: list[str], outputs: list[str],
-                              trainable: list[str], accumulate: bool,
-                              loss_scale_input: str | None = None) -> GradientStepGraph:
+def build_gradient_step_graph(
+    gradient_model: onnx.ModelProto,
+    *,
+    data_inputs: list[str],
+    outputs: list[str],
+    trainable: list[str],
+    accumulate: bool,
+    loss_scale_input: str | None = None,
+) -> GradientStepGraph:
     """Rule: the gradient model's `<p>_grad` outputs become the step's gradient outputs; with `accumulate`, each is
     replaced by `Add(<p>_grad_accumulation_buffer, <p>_grad)` and the buffer becomes a graph input."""
     model = copy_model(gradient_model)
@@ -70,9 +76,17 @@ def build_gradient_step_graph(gradient_model: onnx.ModelProto, *, data_inputs: l
     return result
 
 
-def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], *, trainable: list[str], optimizer_name: str,
-                          groups: list[ParamGroup], gradient_divisor: int, clip_grad_norm: bool,
-                          loss_scale: bool, update_only: list[str] | None) -> tuple[TrainingGraph, dict[str, str]]:
+def build_optimizer_graph(
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    trainable: list[str],
+    optimizer_name: str,
+    groups: list[ParamGroup],
+    gradient_divisor: int,
+    clip_grad_norm: bool,
+    loss_scale: bool,
+    update_only: list[str] | None,
+) -> tuple[TrainingGraph, dict[str, str]]:
     """The optimizer update alone: inputs are the weights, the combined gradients `<p>_grad__reduced`, the optimizer
     state, the learning rate, the update number and (mixed precision) the loss scale."""
     reduced = {p: f"{p}_grad__reduced" for p in trainable}
@@ -87,8 +101,17 @@ def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], *, trainable: list
     graph = helper.make_graph(nodes, "optimizer", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
     model.ir_version = 8
-    optimizer = build_training_graph(model, data_inputs=[], outputs=[], trainable=trainable,
-                                     optimizer_name=optimizer_name, groups=groups, accumulation_steps=1,
-                                     clip_grad_norm=clip_grad_norm, loss_scale_input=loss_scale_input,
-                                     gradient_divisor=gradient_divisor, update_only=update_only)
+    optimizer = build_training_graph(
+        model,
+        data_inputs=[],
+        outputs=[],
+        trainable=trainable,
+        optimizer_name=optimizer_name,
+        groups=groups,
+        accumulation_steps=1,
+        clip_grad_norm=clip_grad_norm,
+        loss_scale_input=loss_scale_input,
+        gradient_divisor=gradient_divisor,
+        update_only=update_only,
+    )
     return optimizer, reduced

@@ -65,8 +65,15 @@ class GraphEditor:
         self._taken.add(name)
         return name
 
-    def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, outputs: int | Sequence[str] = 1,
-           domain: str = "", **attrs) -> str | list[str]:
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[str],
+        hint: str | None = None,
+        outputs: int | Sequence[str] = 1,
+        domain: str = "",
+        **attrs,
+    ) -> str | list[str]:
         """Append one node; returns its output name (or list of names when `outputs` is not 1).
 
         Explicit output names in `outputs` are reserved too, so no later fresh name repeats them.
@@ -77,8 +84,9 @@ class GraphEditor:
         else:
             out_names = list(outputs)
             self._taken.update(out_names)
-        node = helper.make_node(op_type, list(inputs), out_names, name=self.fresh(f"{hint}_node"), domain=domain,
-                                **attrs)
+        node = helper.make_node(
+            op_type, list(inputs), out_names, name=self.fresh(f"{hint}_node"), domain=domain, **attrs
+        )
         self.graph.node.append(node)
         return out_names[0] if isinstance(outputs, int) and outputs == 1 else out_names
 

@@ -94,8 +94,11 @@ def inference_dropout_to_identity(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _inference_dropouts(model: onnx.ModelProto) -> list[int]:
-    return [i for i, n in enumerate(model.graph.node) if n.op_type == "Dropout" and n.domain in ("", "ai.onnx")
-            and (len(n.input) < 3 or not n.input[2])]
+    return [
+        i
+        for i, n in enumerate(model.graph.node)
+        if n.op_type == "Dropout" and n.domain in ("", "ai.onnx") and (len(n.input) < 3 or not n.input[2])
+    ]
 
 
 def batchnorm_to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -160,10 +163,19 @@ def _append_affine(ed: GraphEditor, node: onnx.NodeProto) -> None:
     rank = ed.op("Size", [ed.op("Shape", [x], f"{hint}/x_shape")], f"{hint}/rank")
     spatial_rank = ed.op("Sub", [rank, ed.constant(2, np.int64, "two")], f"{hint}/spatial_rank")
     spatial_rank_1d = ed.op("Reshape", [spatial_rank, ed.constant([1], np.int64, "one_dim")], f"{hint}/spatial_1d")
-    ones = ed.op("ConstantOfShape", [spatial_rank_1d], f"{hint}/ones",
-                 value=helper.make_tensor("one", onnx.TensorProto.INT64, [1], [1]))
-    channel_shape = ed.op("Concat", [ed.op("Shape", [scale], f"{hint}/channels"), ones], f"{hint}/channel_shape",
-                          axis=0)
+    ones = ed.op(
+        "ConstantOfShape",
+        [spatial_rank_1d],
+        f"{hint}/ones",
+        value=helper.make_tensor("one", onnx.TensorProto.INT64, [1], [1]),
+    )
+    channel_shape = ed.op(
+        "Concat", [ed.op("Shape", [scale], f"{hint}/channels"), ones], f"{hint}/channel_shape", axis=0
+    )
     scaled = ed.op("Mul", [x, ed.op("Reshape", [a, channel_shape], f"{hint}/a_channels")], f"{hint}/scaled")
-    ed.op("Add", [scaled, ed.op("Reshape", [b, channel_shape], f"{hint}/b_channels")], f"{hint}/y",
-          outputs=[node.output[0]])
+    ed.op(
+        "Add",
+        [scaled, ed.op("Reshape", [b, channel_shape], f"{hint}/b_channels")],
+        f"{hint}/y",
+        outputs=[node.output[0]],
+    )

@@ -52,8 +52,13 @@ def move_initializers_to_inputs(model: onnx.ModelProto, names: Iterable[str]) ->
     return result
 
 
-def build_ort_gradient_graph(forward: onnx.ModelProto, loss_name: str, trainable: list[str],
-                             state: list[str], options: GradientOptions | None = None) -> onnx.ModelProto:
+def build_ort_gradient_graph(
+    forward: onnx.ModelProto,
+    loss_name: str,
+    trainable: list[str],
+    state: list[str],
+    options: GradientOptions | None = None,
+) -> onnx.ModelProto:
     """Forward model with `loss_name` -> model that also outputs `<p>_grad` for each `p` in `trainable`.
 
     `state` (trainable and frozen tensors) must be initializers of `forward`; they become graph inputs. ORT's
@@ -87,8 +92,10 @@ def _order_outputs(model: onnx.ModelProto, forward_outputs: list[str], trainable
     by_name = {o.name: o for o in model.graph.output}
     missing = [f"{p}_grad" for p in trainable if f"{p}_grad" not in by_name]
     if missing:
-        raise GradientBuildError(f"ONNX Runtime produced no gradient for {missing}: these parameters do not "
-                                 "influence the loss. Freeze them with options utils.frozen_weights.")
+        raise GradientBuildError(
+            f"ONNX Runtime produced no gradient for {missing}: these parameters do not "
+            "influence the loss. Freeze them with options utils.frozen_weights."
+        )
     ordered = [by_name[n] for n in forward_outputs] + [by_name[f"{p}_grad"] for p in trainable]
     del model.graph.output[:]
     model.graph.output.extend(ordered)
@@ -104,8 +111,11 @@ def _explain(err: Exception, forward: onnx.ModelProto) -> Exception:
     text = str(err)
     unreachable = _UNREACHABLE.findall(text)
     if unreachable:
-        return GradientBuildError(f"parameters {unreachable} have no differentiable path to the loss; freeze them "
-                                  "with options utils.frozen_weights", unreachable)
+        return GradientBuildError(
+            f"parameters {unreachable} have no differentiable path to the loss; freeze them "
+            "with options utils.frozen_weights",
+            unreachable,
+        )
     match = _NO_GRADIENT.search(text)
     if not match:
         return GradientBuildError(f"ONNX Runtime could not build the gradient graph: {text}")
@@ -116,4 +126,6 @@ def _explain(err: Exception, forward: onnx.ModelProto) -> Exception:
         f"{', '.join(repr(n) for n in nodes) or '?'}). Let PyTorch differentiate the model instead (options "
         "{'_internal_use': {'gradient_builder': 'torch'}}; the default 'auto' does so), rewrite that part of the "
         "model with differentiable ops, or freeze the parameters that lead only into it (options "
-        "utils.frozen_weights).", op_type=op)
+        "utils.frozen_weights).",
+        op_type=op,
+    )

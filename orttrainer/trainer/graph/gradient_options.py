@@ -65,8 +65,9 @@ class GradientOptions:
         return self.builtin_cast_propagation and not self.memory_efficient
 
 
-def build_configured_gradient_graph(model: onnx.ModelProto, loss_name: str, trainable: list[str], state: list[str],
-                                    options: GradientOptions) -> onnx.ModelProto:
+def build_configured_gradient_graph(
+    model: onnx.ModelProto, loss_name: str, trainable: list[str], state: list[str], options: GradientOptions
+) -> onnx.ModelProto:
     """`model` (state tensors already graph inputs) -> model with the forward outputs and `<p>_grad` outputs.
 
     Raises whatever `OrtModuleGraphBuilder` raises (the caller explains it) or `GradientBuildError`."""
@@ -81,8 +82,10 @@ def build_configured_gradient_graph(model: onnx.ModelProto, loss_name: str, trai
     produced = {out for node in graded.graph.node for out in node.output} | {i.name for i in graded.graph.input}
     missing = [o.name for o in model.graph.output if o.name not in produced]
     if missing:
-        raise GradientBuildError(f"outputs {missing} do not depend on the loss; ONNX Runtime's configured gradient "
-                                 "builder (cast propagation or memory-efficient gradient options) drops them")
+        raise GradientBuildError(
+            f"outputs {missing} do not depend on the loss; ONNX Runtime's configured gradient "
+            "builder (cast propagation or memory-efficient gradient options) drops them"
+        )
     forward_outputs = [o for o in model.graph.output]
     grads = list(graded.graph.output)
     del graded.graph.output[:]
@@ -90,8 +93,9 @@ def build_configured_gradient_graph(model: onnx.ModelProto, loss_name: str, trai
     return graded
 
 
-def _graph_builder(C, model: onnx.ModelProto, loss_name: str, trainable: list[str], state: list[str],
-                   memory_efficient: bool):
+def _graph_builder(
+    C, model: onnx.ModelProto, loss_name: str, trainable: list[str], state: list[str], memory_efficient: bool
+):
     """An `OrtModuleGraphBuilder` initialised with `model` reduced to its loss output (the builder differentiates
     every graph output), `state` as initializers and `trainable` as the tensors to differentiate for."""
     loss_only = copy_model(model)
@@ -137,8 +141,9 @@ def _elem_type(model: onnx.ModelProto, name: str) -> int:
     return onnx.TensorProto.FLOAT
 
 
-def pre_gradient_model(model: onnx.ModelProto, loss_name: str, trainable: list[str], state: list[str],
-                       options: GradientOptions) -> onnx.ModelProto:
+def pre_gradient_model(
+    model: onnx.ModelProto, loss_name: str, trainable: list[str], state: list[str], options: GradientOptions
+) -> onnx.ModelProto:
     """The forward model after ONNX Runtime's pre-training transformers under `options` (for tests and debugging:
     where cast propagation shows)."""
     from onnxruntime.capi import _pybind_state as C

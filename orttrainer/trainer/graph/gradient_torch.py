@@ -41,11 +41,17 @@ from . import torch_private
 from .gradient import GradientBuildError
 
 MAX_ORT_OPSET = 21  # the newest ONNX opset ONNX Runtime 1.19 runs
-_ONNX_DTYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
-                torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE,
-                torch.int64: onnx.TensorProto.INT64, torch.int32: onnx.TensorProto.INT32,
-                torch.int8: onnx.TensorProto.INT8, torch.uint8: onnx.TensorProto.UINT8,
-                torch.bool: onnx.TensorProto.BOOL}
+_ONNX_DTYPES = {
+    torch.float32: onnx.TensorProto.FLOAT,
+    torch.float16: onnx.TensorProto.FLOAT16,
+    torch.bfloat16: onnx.TensorProto.BFLOAT16,
+    torch.float64: onnx.TensorProto.DOUBLE,
+    torch.int64: onnx.TensorProto.INT64,
+    torch.int32: onnx.TensorProto.INT32,
+    torch.int8: onnx.TensorProto.INT8,
+    torch.uint8: onnx.TensorProto.UINT8,
+    torch.bool: onnx.TensorProto.BOOL,
+}
 
 ShapeSignature = tuple[tuple[tuple[int, ...], str], ...]
 T = TypeVar("T")
@@ -62,7 +68,8 @@ class UntraceableFunctionError(GradientBuildError):
             "once, with placeholder tensors that have no values, so it must compute with tensor operations only: "
             "no .item(), .tolist(), .numpy() or Python numbers read from tensors, no Python if/while on tensor "
             "values (use torch.where or masks), no outputs whose shape depends on values (torch.nonzero). Rewrite "
-            f"{function}.{phase} that way, or train this model with plain PyTorch.")
+            f"{function}.{phase} that way, or train this model with plain PyTorch."
+        )
 
 
 def shape_signature(inputs: Sequence[torch.Tensor]) -> ShapeSignature:
@@ -87,8 +94,10 @@ class TorchGradientGraph:
         """Raise ValueError unless `inputs` have the shapes and dtypes this graph was traced for."""
         got = shape_signature(inputs)
         if got != self.signature:
-            raise ValueError(f"this gradient graph was traced for inputs {self.signature}, got {got}: build (or "
-                             "look up in a ShapeKeyedCache) the graph for these shapes")
+            raise ValueError(
+                f"this gradient graph was traced for inputs {self.signature}, got {got}: build (or "
+                "look up in a ShapeKeyedCache) the graph for these shapes"
+            )
 
 
 class ShapeKeyedCache(Generic[T]):
@@ -121,10 +130,16 @@ class ShapeKeyedCache(Generic[T]):
         return len(self._values)
 
 
-def build_torch_gradient_graph(module: torch.nn.Module, loss_fn: Callable | None, input_names: Sequence[str],
-                               sample_inputs: Sequence[torch.Tensor], output_names: Sequence[str],
-                               trainable: Sequence[str], frozen: Sequence[str] = (),
-                               opset_version: int = torch_private.MIN_DYNAMO_OPSET) -> TorchGradientGraph:
+def build_torch_gradient_graph(
+    module: torch.nn.Module,
+    loss_fn: Callable | None,
+    input_names: Sequence[str],
+    sample_inputs: Sequence[torch.Tensor],
+    output_names: Sequence[str],
+    trainable: Sequence[str],
+    frozen: Sequence[str] = (),
+    opset_version: int = torch_private.MIN_DYNAMO_OPSET,
+) -> TorchGradientGraph:
     """Trace `module` (+ `loss_fn`) on `sample_inputs` and return its forward+backward ONNX graph.
 
     `input_names` name `sample_inputs` (with a loss_fn the last one is the label, as in `_ModelWithLoss`);
@@ -141,20 +156,35 @@ def build_torch_gradient_graph(module: torch.nn.Module, loss_fn: Callable | None
         graph, sig = _trace(wrapper, inputs, trainable)
     canonical = _canonical_names(module)
     state = {name: tensor.detach() for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
-    state_inputs, mutated = _rewrite_joint(graph, sig, _state_tensors(wrapper), canonical, trainable,
-                                           len(output_names), type(module).__name__)
+    state_inputs, mutated = _rewrite_joint(
+        graph, sig, _state_tensors(wrapper), canonical, trainable, len(output_names), type(module).__name__
+    )
     gradient_names = [f"{p}_grad" for p in trainable]
     try:
-        model = torch_private.export_graph_to_onnx(graph, [*(state[n] for n in state_inputs), *inputs],
-                                                   [*state_inputs, *input_names],
-                                                   [*output_names, *gradient_names], opset)
+        model = torch_private.export_graph_to_onnx(
+            graph,
+            [*(state[n] for n in state_inputs), *inputs],
+            [*state_inputs, *input_names],
+            [*output_names, *gradient_names],
+            opset,
+        )
     except Exception as err:
-        raise GradientBuildError(f"torch.onnx could not export the traced forward+backward graph of "
-                                 f"{type(module).__name__} to ONNX opset {opset}: {err}") from err
+        raise GradientBuildError(
+            f"torch.onnx could not export the traced forward+backward graph of "
+            f"{type(module).__name__} to ONNX opset {opset}: {err}"
+        ) from err
     state_names = list(canonical.values())
     model = _order_inputs(model, list(input_names), {n: state[n] for n in state_names})
-    return TorchGradientGraph(model, list(input_names), state_names, list(output_names), gradient_names,
-                              shape_signature(inputs), opset, mutated)
+    return TorchGradientGraph(
+        model,
+        list(input_names),
+        state_names,
+        list(output_names),
+        gradient_names,
+        shape_signature(inputs),
+        opset,
+        mutated,
+    )
 
 
 class _JointWrapper(torch.nn.Module):
@@ -178,17 +208,24 @@ def _flatten_tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def _check_arguments(module: torch.nn.Module, input_names: Sequence[str], sample_inputs: Sequence[torch.Tensor],
-                     trainable: Sequence[str], frozen: Sequence[str]) -> None:
+def _check_arguments(
+    module: torch.nn.Module,
+    input_names: Sequence[str],
+    sample_inputs: Sequence[torch.Tensor],
+    trainable: Sequence[str],
+    frozen: Sequence[str],
+) -> None:
     if len(input_names) != len(sample_inputs) or not all(isinstance(t, torch.Tensor) for t in sample_inputs):
-        raise ValueError(f"need one sample tensor per input {list(input_names)}, got "
-                         f"{[type(t).__name__ for t in sample_inputs]}")
+        raise ValueError(
+            f"need one sample tensor per input {list(input_names)}, got {[type(t).__name__ for t in sample_inputs]}"
+        )
     params = dict(module.named_parameters())
     unknown = [n for n in [*trainable, *frozen] if n not in params]
     both = sorted(set(trainable) & set(frozen))
     if unknown or both:
-        raise ValueError(f"trainable/frozen must name parameters of {type(module).__name__}: unknown {unknown}, "
-                         f"in both lists {both}")
+        raise ValueError(
+            f"trainable/frozen must name parameters of {type(module).__name__}: unknown {unknown}, in both lists {both}"
+        )
 
 
 def _effective_opset(opset_version: int) -> int:
@@ -225,22 +262,26 @@ def _trace(wrapper: _JointWrapper, inputs: Sequence[torch.Tensor], trainable: Se
         raise _explain_trace_error(err, wrapper, inputs, trainable) from err
 
 
-def _explain_trace_error(err: Exception, wrapper: _JointWrapper, inputs: Sequence[torch.Tensor],
-                         trainable: Sequence[str]) -> Exception:
+def _explain_trace_error(
+    err: Exception, wrapper: _JointWrapper, inputs: Sequence[torch.Tensor], trainable: Sequence[str]
+) -> Exception:
     """Name the custom Function, or the parameters without gradient, behind a failed trace."""
     found = _failing_function(err)
     if found is not None:
         cls, phase, location = found
-        return UntraceableFunctionError(cls.__qualname__, phase, location,
-                                        f"{type(err).__name__}: {_first_line(err)}")
+        return UntraceableFunctionError(cls.__qualname__, phase, location, f"{type(err).__name__}: {_first_line(err)}")
     model_name = type(wrapper.inner.model).__name__
     if torch_private.is_missing_gradient_error(err):
         unused = _parameters_without_gradient(wrapper, inputs, trainable)
-        return GradientBuildError(f"PyTorch produced no gradient for {unused or 'some trainable parameters'} of "
-                                  f"{model_name}: these parameters do not influence the loss. Freeze them with "
-                                  "options utils.frozen_weights.", unreachable=unused)
-    return GradientBuildError(f"PyTorch could not trace the forward and backward of {model_name} into a graph: "
-                              f"{type(err).__name__}: {err}")
+        return GradientBuildError(
+            f"PyTorch produced no gradient for {unused or 'some trainable parameters'} of "
+            f"{model_name}: these parameters do not influence the loss. Freeze them with "
+            "options utils.frozen_weights.",
+            unreachable=unused,
+        )
+    return GradientBuildError(
+        f"PyTorch could not trace the forward and backward of {model_name} into a graph: {type(err).__name__}: {err}"
+    )
 
 
 def _failing_function(err: BaseException) -> tuple[type, str, str] | None:
@@ -262,8 +303,9 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def _parameters_without_gradient(wrapper: _JointWrapper, inputs: Sequence[torch.Tensor],
-                                 trainable: Sequence[str]) -> list[str]:
+def _parameters_without_gradient(
+    wrapper: _JointWrapper, inputs: Sequence[torch.Tensor], trainable: Sequence[str]
+) -> list[str]:
     """Eager check on a copy (the forward may update buffers): trainable parameters whose gradient is None."""
     try:
         runner = copy.deepcopy(wrapper)
@@ -276,8 +318,10 @@ def _parameters_without_gradient(wrapper: _JointWrapper, inputs: Sequence[torch.
 
 
 def _state_tensors(wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(wrapper.named_parameters(remove_duplicate=False)),
-            **dict(wrapper.named_buffers(remove_duplicate=False))}
+    return {
+        **dict(wrapper.named_parameters(remove_duplicate=False)),
+        **dict(wrapper.named_buffers(remove_duplicate=False)),
+    }
 
 
 def _canonical_names(module: torch.nn.Module) -> dict[int, str]:
@@ -288,9 +332,15 @@ def _canonical_names(module: torch.nn.Module) -> dict[int, str]:
     return names
 
 
-def _rewrite_joint(graph: torch.fx.GraphModule, sig: torch_private.JointSignature, tensors: dict[str, torch.Tensor],
-                   canonical: dict[int, str], trainable: Sequence[str], n_outputs: int,
-                   model_name: str) -> tuple[list[str], list[str]]:
+def _rewrite_joint(
+    graph: torch.fx.GraphModule,
+    sig: torch_private.JointSignature,
+    tensors: dict[str, torch.Tensor],
+    canonical: dict[int, str],
+    trainable: Sequence[str],
+    n_outputs: int,
+    model_name: str,
+) -> tuple[list[str], list[str]]:
     """Put the traced graph into the contract's shape, in place. Returns (state placeholder names in graph
     order, mutated buffers).
 
@@ -315,8 +365,10 @@ def _rewrite_joint(graph: torch.fx.GraphModule, sig: torch_private.JointSignatur
     values = list(out.args[0])
     user = [v for v, (kind, _) in zip(values, sig.outputs, strict=True) if kind == "user"]
     if len(user) < n_outputs:
-        raise ValueError(f"output_names describe {n_outputs} outputs, but {model_name} (with its loss_fn) "
-                         f"returns {len(user)} tensors")
+        raise ValueError(
+            f"output_names describe {n_outputs} outputs, but {model_name} (with its loss_fn) "
+            f"returns {len(user)} tensors"
+        )
     grads: dict[str, list[torch.fx.Node]] = {}
     for value, (kind, name) in zip(values, sig.outputs, strict=True):
         if kind == "gradient":
@@ -325,8 +377,9 @@ def _rewrite_joint(graph: torch.fx.GraphModule, sig: torch_private.JointSignatur
         summed = [_sum_nodes(fx, grads[p]) for p in trainable]
     out.args = (tuple(user[:n_outputs] + summed),)
     graph.recompile()
-    mutated = sorted({canonical.get(id(tensors[name]), name) for kind, name in sig.outputs
-                      if kind == "mutation" and name in tensors})
+    mutated = sorted(
+        {canonical.get(id(tensors[name]), name) for kind, name in sig.outputs if kind == "mutation" and name in tensors}
+    )
     return list(first), mutated
 
 
@@ -356,8 +409,9 @@ def _order_inputs(model: onnx.ModelProto, data: list[str], state: dict[str, torc
     ordered = []
     for name in [*data, *state]:
         if name not in by_name:
-            by_name[name] = onnx.helper.make_tensor_value_info(name, _ONNX_DTYPES[state[name].dtype],
-                                                               list(state[name].shape))
+            by_name[name] = onnx.helper.make_tensor_value_info(
+                name, _ONNX_DTYPES[state[name].dtype], list(state[name].shape)
+            )
         ordered.append(by_name[name])
     del model.graph.input[:]
     model.graph.input.extend(ordered)

@@ -30,9 +30,20 @@ from onnx import TensorProto, helper
 from .editor import GraphEditor, copy_model, raise_opset, topologically_sorted
 
 FLOAT32_OPS = (
-    "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "LogSoftmax", "LayerNormalization",
-    "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp",
-    "ReduceProd", "Pow", "Sqrt",
+    "SoftmaxCrossEntropyLoss",
+    "NegativeLogLikelihoodLoss",
+    "LogSoftmax",
+    "LayerNormalization",
+    "ReduceMean",
+    "ReduceSum",
+    "ReduceSumSquare",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
+    "ReduceProd",
+    "Pow",
+    "Sqrt",
 )
 FP32_ONLY_CPU_KERNELS = ("SliceGrad",)  # data input 0 is the gradient
 LOSS_SCALE_INPUT = "loss_scale"
@@ -45,8 +56,9 @@ def to_float16(model: onnx.ModelProto, keep_float32: list[str]) -> onnx.ModelPro
     blocked = list(dict.fromkeys([*float16.DEFAULT_OP_BLOCK_LIST, *FLOAT32_OPS]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the converter warns about values clamped to the fp16 range
-        converted = float16.convert_float_to_float16(copy_model(model), keep_io_types=list(keep_float32),
-                                                     op_block_list=blocked)
+        converted = float16.convert_float_to_float16(
+            copy_model(model), keep_io_types=list(keep_float32), op_block_list=blocked
+        )
     return topologically_sorted(converted)
 
 
@@ -62,8 +74,9 @@ def append_loss_scale(model: onnx.ModelProto, loss: str) -> tuple[onnx.ModelProt
     return result, scaled, scale
 
 
-def cast_fp32_only_kernels(model: onnx.ModelProto, op_types: tuple[str, ...] = FP32_ONLY_CPU_KERNELS
-                           ) -> onnx.ModelProto:
+def cast_fp32_only_kernels(
+    model: onnx.ModelProto, op_types: tuple[str, ...] = FP32_ONLY_CPU_KERNELS
+) -> onnx.ModelProto:
     """Rule 3: `y = K(g, ...)` becomes `y = CastLike(K(Cast(g, float), ...), g)` for op types in `op_types`."""
     if not any(n.op_type in op_types for n in model.graph.node):
         return model
@@ -76,8 +89,9 @@ def cast_fp32_only_kernels(model: onnx.ModelProto, op_types: tuple[str, ...] = F
             continue
         grad, output = node.input[0], node.output[0]
         grad_f32, output_f32 = ed.fresh(f"{grad}_f32"), ed.fresh(f"{output}_f32")
-        nodes.append(helper.make_node("Cast", [grad], [grad_f32], name=ed.fresh(f"{node.name}_cast_in"),
-                                      to=TensorProto.FLOAT))
+        nodes.append(
+            helper.make_node("Cast", [grad], [grad_f32], name=ed.fresh(f"{node.name}_cast_in"), to=TensorProto.FLOAT)
+        )
         node.input[0], node.output[0] = grad_f32, output_f32
         nodes.append(node)
         nodes.append(helper.make_node("CastLike", [output_f32, grad], [output], name=ed.fresh(f"{node.name}_cast_out")))

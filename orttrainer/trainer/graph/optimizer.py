@@ -43,8 +43,9 @@ def moment_names(weight: str) -> tuple[str, str]:
     return f"Moment_1_{weight}", f"Moment_2_{weight}"
 
 
-def append_sgd(ed: GraphEditor, weights: list[str], grads: list[str], coef: Scalar, step: StepScalars,
-               hyper: dict) -> list[TensorUpdate]:
+def append_sgd(
+    ed: GraphEditor, weights: list[str], grads: list[str], coef: Scalar, step: StepScalars, hyper: dict
+) -> list[TensorUpdate]:
     """SGD: `w' = w - lr·g`."""
     rate = ed.scalar_product([step.lr, coef], "sgd/rate")
     updates = []
@@ -54,8 +55,9 @@ def append_sgd(ed: GraphEditor, weights: list[str], grads: list[str], coef: Scal
     return updates
 
 
-def append_adam(ed: GraphEditor, weights: list[str], grads: list[str], coef: Scalar, step: StepScalars,
-                hyper: dict) -> list[TensorUpdate]:
+def append_adam(
+    ed: GraphEditor, weights: list[str], grads: list[str], coef: Scalar, step: StepScalars, hyper: dict
+) -> list[TensorUpdate]:
     """Adam with the legacy AdamOptimizer's two weight-decay modes (λ = `lambda`, t = update number).
 
     `m̂ = m'/bc1`, `v̂ = v'/bc2` with `bc_i = 1 - beta_i^t` (1 when `do_bias_correction` is 0).
@@ -93,8 +95,9 @@ def append_adam(ed: GraphEditor, weights: list[str], grads: list[str], coef: Sca
     return updates
 
 
-def append_lamb(ed: GraphEditor, weights: list[str], grads: list[str], coef: Scalar, step: StepScalars,
-                hyper: dict) -> list[TensorUpdate]:
+def append_lamb(
+    ed: GraphEditor, weights: list[str], grads: list[str], coef: Scalar, step: StepScalars, hyper: dict
+) -> list[TensorUpdate]:
     """LAMB: Adam moments, `r = m̂/(√v̂ + ε) + λ·w`, trust ratio `‖w‖/‖r‖` clamped to [ratio_min, ratio_max]
     (1 when either norm is 0), `w' = w - lr·ratio·r`."""
     b1, b2, lam, eps = hyper["alpha"], hyper["beta"], hyper["lambda"], hyper["epsilon"]
@@ -117,10 +120,14 @@ def append_lamb(ed: GraphEditor, weights: list[str], grads: list[str], coef: Sca
             r = ed.op("Add", [r, ed.op("Mul", [w, ed.constant(lam, hint="lamb/lambda")], "lamb/decay")], "lamb/r")
         w_norm = _norm(ed, w, "lamb/w_norm")
         r_norm = _norm(ed, r, "lamb/r_norm")
-        both_nonzero = ed.op("And", [ed.op("Greater", [w_norm, zero], "lamb/w_pos"),
-                                     ed.op("Greater", [r_norm, zero], "lamb/r_pos")], "lamb/norms_pos")
-        clamped = ed.op("Max", [ed.op("Min", [ed.op("Div", [w_norm, r_norm], "lamb/trust"), hi], "lamb/min"), lo],
-                        "lamb/clamped")
+        both_nonzero = ed.op(
+            "And",
+            [ed.op("Greater", [w_norm, zero], "lamb/w_pos"), ed.op("Greater", [r_norm, zero], "lamb/r_pos")],
+            "lamb/norms_pos",
+        )
+        clamped = ed.op(
+            "Max", [ed.op("Min", [ed.op("Div", [w_norm, r_norm], "lamb/trust"), hi], "lamb/min"), lo], "lamb/clamped"
+        )
         ratio = ed.op("Where", [both_nonzero, clamped, one], "lamb/ratio")
         rate = ed.op("Mul", [ratio, step.lr], "lamb/rate")
         w_new = ed.op("Sub", [w, ed.op("Mul", [r, rate], "lamb/delta")], f"{w}.new")
@@ -132,11 +139,13 @@ OPTIMIZERS = {"SGDOptimizer": append_sgd, "AdamOptimizer": append_adam, "LambOpt
 
 
 def _moments(ed: GraphEditor, m: str, v: str, g: str, b1: float, b2: float, s1: Scalar, s2: Scalar):
-    m_new = ed.op("Add", [ed.op("Mul", [m, ed.constant(b1, hint="beta1")], "m_decay"), _scale(ed, g, s1, "m_grad")],
-                  f"{m}.new")
+    m_new = ed.op(
+        "Add", [ed.op("Mul", [m, ed.constant(b1, hint="beta1")], "m_decay"), _scale(ed, g, s1, "m_grad")], f"{m}.new"
+    )
     g2 = ed.op("Mul", [g, g], "grad_sq")
-    v_new = ed.op("Add", [ed.op("Mul", [v, ed.constant(b2, hint="beta2")], "v_decay"), _scale(ed, g2, s2, "v_grad")],
-                  f"{v}.new")
+    v_new = ed.op(
+        "Add", [ed.op("Mul", [v, ed.constant(b2, hint="beta2")], "v_decay"), _scale(ed, g2, s2, "v_grad")], f"{v}.new"
+    )
     return m_new, v_new
 
 
@@ -166,7 +175,7 @@ def _scale(ed: GraphEditor, x: str, factor: Scalar, hint: str) -> str:
 
 
 def _sqrt(ed: GraphEditor, x: Scalar) -> Scalar:
-    return x ** 0.5 if not isinstance(x, str) else ed.op("Sqrt", [x], "sqrt")
+    return x**0.5 if not isinstance(x, str) else ed.op("Sqrt", [x], "sqrt")
 
 
 def _reciprocal(ed: GraphEditor, x: Scalar) -> Scalar:

@@ -74,9 +74,12 @@ def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         fused = helper.make_node(
-            "SoftmaxCrossEntropyLoss", [log_softmax.input[0], *node.input[1:]], [node.output[0], log_softmax.output[0]],
+            "SoftmaxCrossEntropyLoss",
+            [log_softmax.input[0], *node.input[1:]],
+            [node.output[0], log_softmax.output[0]],
             name=f"{node.name or 'nll'}_fused_softmax_cross_entropy",
-            **{k: v for k, v in attrs.items() if k in ("reduction", "ignore_index")})
+            **{k: v for k, v in attrs.items() if k in ("reduction", "ignore_index")},
+        )
         replaced[id(node)] = [fused, *reversed(chain)]
         removed.update({id(log_softmax), *(id(n) for n in chain)})
     if not replaced:
@@ -98,16 +101,21 @@ def _identity_chain(name: str, producers: dict, consumers: dict[str, int]) -> li
     """The Identity nodes that lead to `name`, nearest first, while each output has exactly one consumer."""
     chain = []
     node = producers.get(name)
-    while node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx") \
-            and consumers.get(node.output[0], 0) == 1:
+    while (
+        node is not None
+        and node.op_type == "Identity"
+        and node.domain in ("", "ai.onnx")
+        and consumers.get(node.output[0], 0) == 1
+    ):
         chain.append(node)
         node = producers.get(node.input[0])
     return chain
 
 
 def _is_class_axis(log_softmax: onnx.NodeProto, graph: onnx.GraphProto, opset: int) -> bool:
-    axis = next((helper.get_attribute_value(a) for a in log_softmax.attribute if a.name == "axis"),
-                -1 if opset >= 13 else 1)
+    axis = next(
+        (helper.get_attribute_value(a) for a in log_softmax.attribute if a.name == "axis"), -1 if opset >= 13 else 1
+    )
     rank = _rank_of(log_softmax.input[0], graph)
     if opset < 13:  # LogSoftmax-1/11 normalises over all axes from `axis` on: the class axis alone only on 2-D x
         return axis in (1, -1) and rank == 2

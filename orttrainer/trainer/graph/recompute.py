@@ -46,8 +46,17 @@ RECOMPUTE_SUFFIX = "_recompute"
 GATE_PREFIX = "orttrainer/recompute_gate/"
 GELU_OPS = ("Gelu", "BiasGelu", "FastGelu")
 _SHAPE_READERS = ("Shape", "Size")
-_RANDOM_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli",
-               "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout")
+_RANDOM_OPS = (
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+    "BiasDropout",
+    "BitmaskDropout",
+    "BitmaskBiasDropout",
+)
 _MS_DOMAIN = "com.microsoft"
 
 
@@ -90,7 +99,8 @@ def attention_dropout_nodes(graph: onnx.GraphProto, forward: set[int]) -> list[i
         if node.op_type != "Dropout" or node.input[0] not in producer:
             continue
         if producer[node.input[0]].op_type == "Softmax" and any(
-                r.op_type in ("MatMul", "FusedMatMul") for r in readers.get(node.output[0], [])):
+            r.op_type in ("MatMul", "FusedMatMul") for r in readers.get(node.output[0], [])
+        ):
             found.append(i)
     return found
 
@@ -192,9 +202,13 @@ def _gated(group: list[onnx.NodeProto], dep: str | None, made: set[str], taken: 
         return group
     outer = list(dict.fromkeys(n for node in group for n in node.input if n and n not in made))
     gated = {n: fresh_name(f"{n}_gated", taken) for n in outer}
-    gate = helper.make_node("PassThrough", [dep, *outer], [fresh_name(f"{dep}_gated", taken), *gated.values()],
-                            name=fresh_name(f"{GATE_PREFIX}{group[0].name.removesuffix(RECOMPUTE_SUFFIX)}", taken),
-                            domain=_MS_DOMAIN)
+    gate = helper.make_node(
+        "PassThrough",
+        [dep, *outer],
+        [fresh_name(f"{dep}_gated", taken), *gated.values()],
+        name=fresh_name(f"{GATE_PREFIX}{group[0].name.removesuffix(RECOMPUTE_SUFFIX)}", taken),
+        domain=_MS_DOMAIN,
+    )
     for node in group:
         for k, name in enumerate(node.input):
             node.input[k] = gated.get(name, name)
@@ -205,16 +219,16 @@ def _latest_backward_input(nodes: list[onnx.NodeProto], forward: set[int], posit
     """The input of the node at `position` made last by a backward node (else the output of the last backward node
     before it): what the gate waits for."""
     producer = {out: i for i, node in enumerate(nodes[:position]) for out in node.output if out}
-    made_by_backward = [(producer[n], n) for n in nodes[position].input
-                        if n in producer and producer[n] not in forward]
+    made_by_backward = [(producer[n], n) for n in nodes[position].input if n in producer and producer[n] not in forward]
     if made_by_backward:
         return max(made_by_backward)[1]
     earlier = [i for i in range(position) if i not in forward and nodes[i].output and nodes[i].output[0]]
     return nodes[earlier[-1]].output[0] if earlier else None
 
 
-def _first_uses(graph: onnx.GraphProto, forward: set[int], copies: dict[int, list[str]],
-                producer: dict[str, int]) -> dict[int, int]:
+def _first_uses(
+    graph: onnx.GraphProto, forward: set[int], copies: dict[int, list[str]], producer: dict[str, int]
+) -> dict[int, int]:
     """For each copy some backward node needs: the position of the first backward node that needs it (directly or
     through copies that read it)."""
     first_use: dict[int, int] = {}
@@ -264,16 +278,22 @@ def _dropout_mode(node: onnx.NodeProto, constants: dict[str, object]) -> bool | 
     return training
 
 
-def _copy_node(node: onnx.NodeProto, renamed: dict[str, str], taken: set[str],
-               constants: dict[str, object]) -> onnx.NodeProto:
+def _copy_node(
+    node: onnx.NodeProto, renamed: dict[str, str], taken: set[str], constants: dict[str, object]
+) -> onnx.NodeProto:
     name = fresh_name(f"{node.name or node.op_type}{RECOMPUTE_SUFFIX}", taken)
     inputs = [renamed.get(n, n) for n in node.input]
     if node.op_type == "Dropout":
         output = renamed[node.output[0]]
         if not _dropout_mode(node, constants):
             return helper.make_node("Identity", [inputs[0]], [output], name=name)
-        return helper.make_node("DropoutGrad", [inputs[0], node.output[1], node.input[1], node.input[2]], [output],
-                                name=name, domain=_MS_DOMAIN)
+        return helper.make_node(
+            "DropoutGrad",
+            [inputs[0], node.output[1], node.input[1], node.input[2]],
+            [output],
+            name=name,
+            domain=_MS_DOMAIN,
+        )
     copy = onnx.NodeProto()
     copy.CopyFrom(node)
     copy.name = name
@@ -303,8 +323,10 @@ def _check_sorted(graph: onnx.GraphProto) -> None:
     for node in graph.node:
         missing = [n for n in node.input if n not in available]
         if missing:
-            raise ValueError(f"recompute needs a topologically sorted graph: node {node.name or node.op_type!r} "
-                             f"reads {missing[0]!r} before it is produced")
+            raise ValueError(
+                f"recompute needs a topologically sorted graph: node {node.name or node.op_type!r} "
+                f"reads {missing[0]!r} before it is produced"
+            )
         available.update(node.output)
 
 
@@ -334,8 +356,9 @@ class RecomputePlan:
         return self.gelu or self.attention_dropout or self.layers is not None
 
 
-def apply_plan(model: onnx.ModelProto, forward_outputs: list[str], plan: RecomputePlan
-               ) -> tuple[onnx.ModelProto, list[str]]:
+def apply_plan(
+    model: onnx.ModelProto, forward_outputs: list[str], plan: RecomputePlan
+) -> tuple[onnx.ModelProto, list[str]]:
     """Select nodes per `plan` and recompute them. Returns the model and a message for each option that recomputes
     nothing in this graph, or whose layer count was clipped (the caller warns)."""
     graph = model.graph
@@ -350,19 +373,25 @@ def apply_plan(model: onnx.ModelProto, forward_outputs: list[str], plan: Recompu
     if plan.attention_dropout:
         chosen["attn_dropout_recompute"] = attention_dropout_nodes(graph, forward)
         if not chosen["attn_dropout_recompute"]:
-            notes.append("graph_transformer.attn_dropout_recompute: the graph has no Dropout between a Softmax and a "
-                         f"MatMul (attention dropout with p > 0 in training mode); {nothing}")
+            notes.append(
+                "graph_transformer.attn_dropout_recompute: the graph has no Dropout between a Softmax and a "
+                f"MatMul (attention dropout with p > 0 in training mode); {nothing}"
+            )
     if plan.layers is not None:
         layers = transformer_layers(graph, forward)
         count = len(layers) - 1 if plan.layers == 0 else min(plan.layers, len(layers) - 1)
         if count < 1:
-            notes.append(f"graph_transformer.transformer_layer_recompute: found {len(layers)} transformer layer(s) "
-                         f"(node-name scopes like '/model/encoder/layers.0/'), and the last is never recomputed; "
-                         f"{nothing}")
+            notes.append(
+                f"graph_transformer.transformer_layer_recompute: found {len(layers)} transformer layer(s) "
+                f"(node-name scopes like '/model/encoder/layers.0/'), and the last is never recomputed; "
+                f"{nothing}"
+            )
         elif plan.layers > count:
-            notes.append(f"graph_transformer.number_recompute_layers={plan.layers} is more than the "
-                         f"{len(layers) - 1} layers that can be recomputed (all but the last); using {count}")
-        chosen["transformer_layer_recompute"] = [i for layer in layers[:max(count, 0)] for i in layer.interior]
+            notes.append(
+                f"graph_transformer.number_recompute_layers={plan.layers} is more than the "
+                f"{len(layers) - 1} layers that can be recomputed (all but the last); using {count}"
+            )
+        chosen["transformer_layer_recompute"] = [i for layer in layers[: max(count, 0)] for i in layer.interior]
     selected = {i for found in chosen.values() for i in found}
     result = recompute(model, forward_outputs, selected) if selected else model
     copied = {n.name.removesuffix(RECOMPUTE_SUFFIX) for n in result.graph.node if n.name.endswith(RECOMPUTE_SUFFIX)}
@@ -371,6 +400,8 @@ def apply_plan(model: onnx.ModelProto, forward_outputs: list[str], plan: Recompu
             why = ""
             if option == "gelu_recompute":
                 why = " (a dropout follows each GELU: its output is what the backward pass keeps)"
-            notes.append(f"graph_transformer.{option}: the backward pass reads none of the {len(found)} activations "
-                         f"it selects{why}; {nothing}")
+            notes.append(
+                f"graph_transformer.{option}: the backward pass reads none of the {len(found)} activations "
+                f"it selects{why}; {nothing}"
+            )
     return result, notes

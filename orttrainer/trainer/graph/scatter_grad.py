@@ -50,10 +50,14 @@ def _scatter_add_nodes(ed: GraphEditor, node: onnx.NodeProto) -> list[onnx.NodeP
     start = len(ed.graph.node)
     zeros = ed.op("ConstantOfShape", [shape], "zeros", value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
     flat_indices = ed.op("Reshape", [indices, ed.constant([-1, 1], dtype="int64", hint="index_shape")], "indices")
-    row_shape = ed.op("Slice", [shape, ed.constant([1], dtype="int64", hint="one"),
-                                ed.constant([2**62], dtype="int64", hint="end")], "row_shape")
-    update_shape = ed.op("Concat", [ed.constant([-1], dtype="int64", hint="minus_one"), row_shape], "update_shape",
-                         axis=0)
+    row_shape = ed.op(
+        "Slice",
+        [shape, ed.constant([1], dtype="int64", hint="one"), ed.constant([2**62], dtype="int64", hint="end")],
+        "row_shape",
+    )
+    update_shape = ed.op(
+        "Concat", [ed.constant([-1], dtype="int64", hint="minus_one"), row_shape], "update_shape", axis=0
+    )
     updates = ed.op("Reshape", [ed.op("Cast", [grad], "grad_f32", to=TensorProto.FLOAT), update_shape], "updates")
     summed = ed.op("ScatterND", [zeros, flat_indices, updates], "scatter_add", reduction="add")
     ed.op("CastLike", [summed, grad], "scatter_add_typed", outputs=[node.output[0]])

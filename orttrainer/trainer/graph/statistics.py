@@ -70,11 +70,19 @@ def marks_to_identity(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tup
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         name = attrs.get(MARK_ATTRIBUTE)
         if len(node.input) != 1 or len(node.output) != 1 or not isinstance(name, bytes):
-            raise ValueError(f"activation marker {node.name!r} must have one input, one output and a string "
-                             f"'{MARK_ATTRIBUTE}' attribute")
+            raise ValueError(
+                f"activation marker {node.name!r} must have one input, one output and a string "
+                f"'{MARK_ATTRIBUTE}' attribute"
+            )
         activation = name.decode("utf-8")
-        node.CopyFrom(helper.make_node("Identity", list(node.input), list(node.output),
-                                       name=fresh_name(f"orttrainer/activation/{activation}", taken)))
+        node.CopyFrom(
+            helper.make_node(
+                "Identity",
+                list(node.input),
+                list(node.output),
+                name=fresh_name(f"orttrainer/activation/{activation}", taken),
+            )
+        )
         marks.append((activation, node.output[0]))
     kept = [o for o in result.opset_import if o.domain != MARK_DOMAIN]
     del result.opset_import[:]
@@ -89,8 +97,9 @@ def gradient_tensor(model: onnx.ModelProto, tensor: str) -> str | None:
     return name if any(name in node.output for node in model.graph.node) else None
 
 
-def append_statistics(model: onnx.ModelProto, targets: dict[str, StatisticsTarget]
-                      ) -> tuple[onnx.ModelProto, dict[str, StatisticsOutputs]]:
+def append_statistics(
+    model: onnx.ModelProto, targets: dict[str, StatisticsTarget]
+) -> tuple[onnx.ModelProto, dict[str, StatisticsOutputs]]:
     """Rule: for each `label -> target`, append nodes computing the target's statistics and three graph outputs
     (see `StatisticsOutputs`). Reductions run in float64 on the flattened tensor (every other element type is cast,
     exactly for floats and for integers below 2**53); min/max sit behind an `If` on a non-empty tensor (ONNX
@@ -113,8 +122,11 @@ def append_statistics(model: onnx.ModelProto, targets: dict[str, StatisticsTarge
 def _append_one(ed: GraphEditor, label: str, target: StatisticsTarget) -> StatisticsOutputs:
     hint = f"{label}/"
     flat = ed.op("Reshape", [target.tensor, ed.constant([-1], np.int64, hint="minus_one")], hint + "flat")
-    x = flat if target.elem_type == TensorProto.DOUBLE else ed.op("Cast", [flat], hint + "double",
-                                                                  to=TensorProto.DOUBLE)
+    x = (
+        flat
+        if target.elem_type == TensorProto.DOUBLE
+        else ed.op("Cast", [flat], hint + "double", to=TensorProto.DOUBLE)
+    )
     size = ed.op("Size", [x], hint + "size")
     total = ed.op("ReduceSum", [x], hint + "sum")
     mean = ed.op("Div", [total, ed.op("Cast", [size], hint + "n", to=TensorProto.DOUBLE)], hint + "mean")
@@ -122,14 +134,22 @@ def _append_one(ed: GraphEditor, label: str, target: StatisticsTarget) -> Statis
     min_max = _min_max(ed, hint, x, size)
     values = ed.op("Concat", [min_max, total, m2], hint + "values", axis=0)
     zero = ed.constant(0.0, np.float64, hint="zero_d")
-    flags = [ed.op("IsNaN", [x], hint + "isnan"), ed.op("IsInf", [x], hint + "isinf"),
-             ed.op("Less", [x, zero], hint + "neg"), ed.op("Greater", [x, zero], hint + "pos"),
-             ed.op("Equal", [x, zero], hint + "zero")]
-    counts = [ed.op("ReduceSum", [ed.op("Cast", [f], hint + "flag", to=TensorProto.INT64)], hint + "count")
-              for f in flags]
+    flags = [
+        ed.op("IsNaN", [x], hint + "isnan"),
+        ed.op("IsInf", [x], hint + "isinf"),
+        ed.op("Less", [x, zero], hint + "neg"),
+        ed.op("Greater", [x, zero], hint + "pos"),
+        ed.op("Equal", [x, zero], hint + "zero"),
+    ]
+    counts = [
+        ed.op("ReduceSum", [ed.op("Cast", [f], hint + "flag", to=TensorProto.INT64)], hint + "count") for f in flags
+    ]
     counts = ed.op("Concat", [*counts, ed.op("Shape", [target.tensor], hint + "shape")], hint + "counts", axis=0)
-    samples = ed.op("Slice", [flat, ed.constant([0], np.int64, hint="zero_i"),
-                              ed.constant([NUM_SAMPLES], np.int64, hint="num_samples")], hint + "samples")
+    samples = ed.op(
+        "Slice",
+        [flat, ed.constant([0], np.int64, hint="zero_i"), ed.constant([NUM_SAMPLES], np.int64, hint="num_samples")],
+        hint + "samples",
+    )
     sample_type = target.elem_type
     if target.elem_type == TensorProto.BFLOAT16:  # numpy has no bfloat16
         samples, sample_type = ed.op("Cast", [samples], hint + "samples_f", to=TensorProto.FLOAT), TensorProto.FLOAT
@@ -148,13 +168,25 @@ def _min_max(ed: GraphEditor, hint: str, x: str, size: str) -> str:
     """double[2] (min, max), or (nan, nan) for an empty tensor."""
     lo, hi, both, nan = (ed.fresh(hint + part) for part in ("min", "max", "min_max_then", "nan_nan"))
     then_graph = helper.make_graph(
-        [helper.make_node("ReduceMin", [x], [lo]), helper.make_node("ReduceMax", [x], [hi]),
-         helper.make_node("Concat", [lo, hi], [both], axis=0)],
-        "non_empty", [], [helper.make_tensor_value_info(both, TensorProto.DOUBLE, [2])])
+        [
+            helper.make_node("ReduceMin", [x], [lo]),
+            helper.make_node("ReduceMax", [x], [hi]),
+            helper.make_node("Concat", [lo, hi], [both], axis=0),
+        ],
+        "non_empty",
+        [],
+        [helper.make_tensor_value_info(both, TensorProto.DOUBLE, [2])],
+    )
     else_graph = helper.make_graph(
-        [helper.make_node("Constant", [], [nan], value=helper.make_tensor("nan", TensorProto.DOUBLE, [2],
-                                                                           [math.nan, math.nan]))],
-        "empty", [], [helper.make_tensor_value_info(nan, TensorProto.DOUBLE, [2])])
+        [
+            helper.make_node(
+                "Constant", [], [nan], value=helper.make_tensor("nan", TensorProto.DOUBLE, [2], [math.nan, math.nan])
+            )
+        ],
+        "empty",
+        [],
+        [helper.make_tensor_value_info(nan, TensorProto.DOUBLE, [2])],
+    )
     non_empty = ed.op("Greater", [size, ed.constant(0, np.int64, hint="zero_count")], hint + "non_empty")
     return ed.op("If", [non_empty], hint + "min_max", then_branch=then_graph, else_branch=else_graph)
 
@@ -178,8 +210,20 @@ def decode_statistics(values: Any, counts: Any, samples: Any, *, dtype: torch.dt
             lo = hi = math.nan
         mean = total / size
         std = math.sqrt(m2 / (size - 1)) if size > 1 else math.nan
-    return statistics_from_reductions(shape=shape, dtype=dtype, min=lo, max=hi, mean=mean, std=std, nan=nan,
-                                      inf=inf, neg=neg, pos=pos, zero=zero, samples=_host(samples))
+    return statistics_from_reductions(
+        shape=shape,
+        dtype=dtype,
+        min=lo,
+        max=hi,
+        mean=mean,
+        std=std,
+        nan=nan,
+        inf=inf,
+        neg=neg,
+        pos=pos,
+        zero=zero,
+        samples=_host(samples),
+    )
 
 
 def _host(value: Any) -> np.ndarray:

@@ -42,8 +42,16 @@ def training_decompositions() -> dict:
 
     aten = torch.ops.aten
     table = core_aten_decompositions()
-    table.update(get_decompositions([aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit,
-                                     aten._native_batch_norm_legit_no_training, aten.native_batch_norm]))
+    table.update(
+        get_decompositions(
+            [
+                aten._native_batch_norm_legit_functional,
+                aten._native_batch_norm_legit,
+                aten._native_batch_norm_legit_no_training,
+                aten.native_batch_norm,
+            ]
+        )
+    )
     return table
 
 
@@ -74,8 +82,9 @@ class JointSignature:
     outputs: tuple[tuple[str, str], ...]
 
 
-def aot_export_joint(module: torch.nn.Module, args: Sequence[Any],
-                     loss_index: int = 0) -> tuple[torch.fx.GraphModule, JointSignature]:
+def aot_export_joint(
+    module: torch.nn.Module, args: Sequence[Any], loss_index: int = 0
+) -> tuple[torch.fx.GraphModule, JointSignature]:
     """Trace `module(*args)` and PyTorch's backward of its output `loss_index` into one functional aten graph.
 
     Decompositions: `training_decompositions()`. Placeholders are (parameters, buffers, user inputs); outputs
@@ -88,15 +97,18 @@ def aot_export_joint(module: torch.nn.Module, args: Sequence[Any],
     with torch.enable_grad(), warnings.catch_warnings():
         # anomaly-mode and pytree deprecation warnings fire on every trace; failures raise instead
         warnings.simplefilter("ignore")
-        graph, sig = aot_export_module(module, list(args), trace_joint=True, output_loss_index=loss_index,
-                                       decompositions=training_decompositions())
+        graph, sig = aot_export_module(
+            module, list(args), trace_joint=True, output_loss_index=loss_index, decompositions=training_decompositions()
+        )
     return graph, _joint_signature(graph, sig)
 
 
 def _joint_signature(graph: torch.fx.GraphModule, sig: Any) -> JointSignature:
     if sig.input_tokens or sig.output_tokens:
-        raise NotImplementedError("the traced graph threads effect tokens (side-effecting ops such as print or "
-                                  "custom ops with effects); the torch gradient builder does not support them")
+        raise NotImplementedError(
+            "the traced graph threads effect tokens (side-effecting ops such as print or "
+            "custom ops with effects); the torch gradient builder does not support them"
+        )
     placeholders = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
     inputs = []
     for name in placeholders:
@@ -112,8 +124,8 @@ def _joint_signature(graph: torch.fx.GraphModule, sig: Any) -> JointSignature:
     names = [n.name if isinstance(n, torch.fx.Node) else str(n) for n in graph.graph.output_node().args[0]]
     n_mut, n_user = len(mutations), len(sig.user_outputs)
     outputs = [("mutation", mutations[n]) for n in names[:n_mut]]
-    outputs += [("user", n) for n in names[n_mut:n_mut + n_user]]
-    outputs += [("gradient", gradients[n]) for n in names[n_mut + n_user:]]
+    outputs += [("user", n) for n in names[n_mut : n_mut + n_user]]
+    outputs += [("gradient", gradients[n]) for n in names[n_mut + n_user :]]
     return JointSignature(tuple(inputs), tuple(outputs))
 
 
@@ -136,8 +148,13 @@ def autograd_function_of_frame(frame: Any) -> tuple[type, str] | None:
     return cls, frame.f_code.co_name
 
 
-def export_graph_to_onnx(graph: torch.fx.GraphModule, args: Sequence[torch.Tensor], input_names: list[str],
-                         output_names: list[str], opset_version: int) -> onnx.ModelProto:
+def export_graph_to_onnx(
+    graph: torch.fx.GraphModule,
+    args: Sequence[torch.Tensor],
+    input_names: list[str],
+    output_names: list[str],
+    opset_version: int,
+) -> onnx.ModelProto:
     """ONNX model of an aten-level `graph` through `torch.onnx.export(dynamo=True)` (needs onnxscript).
 
     Rules: input shapes stay static (the graph was traced for them); opset_version must be >= MIN_DYNAMO_OPSET;
@@ -146,9 +163,18 @@ def export_graph_to_onnx(graph: torch.fx.GraphModule, args: Sequence[torch.Tenso
         raise ValueError(f"torch.onnx's dynamo exporter writes opset >= {MIN_DYNAMO_OPSET}, got {opset_version}")
     graph.eval()  # an aten graph has no train/eval behaviour; this only silences the exporter's training warning
     with _quiet_exporter():
-        program = torch.onnx.export(graph, tuple(args), input_names=input_names, output_names=output_names,
-                                    opset_version=opset_version, dynamo=True, optimize=True, verify=False,
-                                    report=False, verbose=False)
+        program = torch.onnx.export(
+            graph,
+            tuple(args),
+            input_names=input_names,
+            output_names=output_names,
+            opset_version=opset_version,
+            dynamo=True,
+            optimize=True,
+            verify=False,
+            report=False,
+            verbose=False,
+        )
     model = program.model_proto
     model.ir_version = min(model.ir_version, 10)
     return model

@@ -61,11 +61,20 @@ def accumulation_buffer_name(weight: str) -> str:
     return f"{weight}_grad_accumulation_buffer"
 
 
-def build_training_graph(gradient_model: onnx.ModelProto, *, data_inputs: list[str], outputs: list[str],
-                         trainable: list[str], optimizer_name: str, groups: list[ParamGroup],
-                         accumulation_steps: int, clip_grad_norm: bool,
-                         loss_scale_input: str | None = None, gradient_divisor: int | None = None,
-                         update_only: list[str] | None = None) -> TrainingGraph:
+def build_training_graph(
+    gradient_model: onnx.ModelProto,
+    *,
+    data_inputs: list[str],
+    outputs: list[str],
+    trainable: list[str],
+    optimizer_name: str,
+    groups: list[ParamGroup],
+    accumulation_steps: int,
+    clip_grad_norm: bool,
+    loss_scale_input: str | None = None,
+    gradient_divisor: int | None = None,
+    update_only: list[str] | None = None,
+) -> TrainingGraph:
     """Append accumulation, clipping and the optimizer update to `gradient_model` (which is not modified).
 
     `gradient_divisor` (default: `accumulation_steps`) is the number of micro-batch gradients summed into `G` — data
@@ -99,9 +108,16 @@ def build_training_graph(gradient_model: onnx.ModelProto, *, data_inputs: list[s
         params = [p for p in group.params if p in updated]
         if params:
             updates += OPTIMIZERS[optimizer_name](ed, params, [grads[p] for p in params], group_coef, step, group.hyper)
-    result = TrainingGraph(model, list(data_inputs), list(outputs), LEARNING_RATE_INPUT, UPDATE_COUNT_INPUT,
-                           {u.weight: u.new_weight for u in updates},
-                           {m_in: m_out for u in updates for m_in, m_out in u.moments}, accumulation)
+    result = TrainingGraph(
+        model,
+        list(data_inputs),
+        list(outputs),
+        LEARNING_RATE_INPUT,
+        UPDATE_COUNT_INPUT,
+        {u.weight: u.new_weight for u in updates},
+        {m_in: m_out for u in updates for m_in, m_out in u.moments},
+        accumulation,
+    )
     state_shapes.update({m_in: shapes[u.weight] for u in updates for m_in, _ in u.moments})
     result.state_shapes = state_shapes
     _declare_state(ed, result, {**shapes, **state_shapes})
@@ -141,8 +157,9 @@ def _clip_coefficients(ed: GraphEditor, total: str, groups: list[ParamGroup], co
     one = ed.constant(1.0, hint="clip/one")
     coefs: list[str | float] = []
     for group in groups:
-        ratio = ed.op("Div", [ed.constant(float(group.hyper["max_norm_clip"]), hint="clip/max_norm"), shifted],
-                      "clip/ratio")
+        ratio = ed.op(
+            "Div", [ed.constant(float(group.hyper["max_norm_clip"]), hint="clip/max_norm"), shifted], "clip/ratio"
+        )
         coefs.append(ed.scalar_product([ed.op("Min", [ratio, one], "clip/factor"), coef], "clip/coef"))
     return coefs
 
