@@ -95,7 +95,7 @@ def worker(config: str, dropout: float, steps: int, threads: int, arena: bool) -
         "rss_before_mib": before,
         "step_peak_mib": peak - before,
         "step_s": seconds,
-        "recompute_nodes": sum(count_recompute_nodes(trainer._compiled.training.model).values()),
+        "recompute_nodes": sum(count_recompute_nodes(trainer._built.compiled.training.model).values()),
         "notes": notes,
     }
 

@@ -83,19 +83,19 @@ def run(cfg: dict) -> dict:
     session = trainer._training_session
     return {
         "weights": {k: v.tolist() for k, v in state["model"]["full_precision"].items()},
-        "all_weights": {k: v.tolist() for k, v in session.get_state(trainer._compiled.trainable).items()},
+        "all_weights": {k: v.tolist() for k, v in session.get_state(trainer._built.compiled.trainable).items()},
         "optimizer": {w: {k: np.asarray(v).tolist() for k, v in e.items()} for w, e in state["optimizer"].items()},
         "counters": [
             trainer._train_step_info.step,
             trainer._train_step_info.optimization_step,
-            trainer._optimizer_updates,
+            trainer._counters.optimizer_updates,
         ],
         "calls": dict(getattr(session, "comm", None).calls) if hasattr(session, "comm") else {},
         "moment_elements": sum(
-            int(np.prod(session.get_state([m])[m].shape)) for m in trainer._compiled.training.optimizer_state
+            int(np.prod(session.get_state([m])[m].shape)) for m in trainer._built.compiled.training.optimizer_state
         ),
         "partition_info": sorted(state.get("partition_info", {})),
-        "gradient_builder": trainer._gradient_builder,
+        "gradient_builder": trainer.gradient_builder,
         "graphs": session.training_graph_count,
     }
 

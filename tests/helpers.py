@@ -26,7 +26,7 @@ def make_trainer(model, desc, config, loss_fn=None, extra: dict | None = None) -
 
 
 def trainer_weights(trainer: ORTTrainer) -> dict[str, np.ndarray]:
-    return trainer._training_session.get_state(list(trainer._compiled.trainable))
+    return trainer._training_session.get_state(list(trainer._built.compiled.trainable))
 
 
 def torch_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:

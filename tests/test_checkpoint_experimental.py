@@ -30,17 +30,24 @@ class FakeTrainer:
         self._training_session = None
         self._torch_state_dict_keys = torch_keys
         self._state = dict(state or {})
+        self._state_dict = None  # parked before the session exists, as ORTTrainer parks it
+        self._load_state_dict_strict = False
         self.loads: list[tuple[dict, bool]] = []
 
     def start(self):
         self._training_session = object()
-        checkpoint._apply_pending_state_dict(self)
+        if self._state_dict is not None:
+            parked, self._state_dict = self._state_dict, None
+            self._load_flat_state(parked, self._load_state_dict_strict)
         return self
 
     def _flat_state(self):
         return {name: value.clone() for name, value in self._state.items()}
 
     def _load_flat_state(self, state, strict):
+        if self._training_session is None:
+            self._state_dict, self._load_state_dict_strict = state, strict
+            return
         self.loads.append((state, strict))
         self._state.update(state)
 

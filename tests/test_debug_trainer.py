@@ -304,10 +304,10 @@ def test_mixed_precision_dumps_float16_activations_and_scaled_gradients(tmp_path
 # ------------------------------------------------------------------------------------------ without subscribers
 def test_without_subscribers_the_graphs_and_steps_are_unchanged():
     trainer = trainer_run(make_model(), None, "te")  # inspect_activation is a no-op while nothing is subscribed
-    for model in (trainer._compiled.training.model, trainer._compiled.eval_model, trainer._onnx_model):
+    for model in (trainer._built.compiled.training.model, trainer._built.compiled.eval_model, trainer._onnx_model):
         names = [n.name for n in model.graph.node] + [o.name for o in model.graph.output]
         assert not any(name.startswith(("orttrainer/activation", "orttrainer/statistics")) for name in names)
-    assert [o.name for o in trainer._compiled.eval_model.graph.output] == ["loss", "out"]
+    assert [o.name for o in trainer._built.compiled.eval_model.graph.output] == ["loss", "out"]
     assert not trainer._activations.instrumented and trainer._activations.begin_step("train") == []
 
 
@@ -406,7 +406,7 @@ def test_no_warning_for_a_plain_subscribed_run(tmp_path):
 def test_statistics_need_the_ort_gradient_builder(tmp_path):
     """The statistics are outputs of the exported graph's marked tensors, which only the 'ort' builder trains."""
     subscribe(make_model(), tmp_path / "auto")
-    assert trainer_run(GlobalSubscriberManager._module, None, "t")._gradient_builder == "ort"  # 'auto' stays
+    assert trainer_run(GlobalSubscriberManager._module, None, "t").gradient_builder == "ort"  # 'auto' stays
     GlobalSubscriberManager.unsubscribe()
     model = make_model()
     subscribe(model, tmp_path / "torch")

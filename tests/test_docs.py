@@ -6,7 +6,7 @@ import os
 
 from orttrainer import ORTTrainerOptions
 from orttrainer.schema import doc
-from orttrainer.trainer.support import _UNSUPPORTED
+from orttrainer.trainer.config import _UNSUPPORTED
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 

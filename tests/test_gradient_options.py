@@ -72,7 +72,7 @@ def test_cast_propagation_reaches_the_graph_and_training_stays_within_the_float1
         ref_opt.step()
     forward_casts = [
         n
-        for n in trainer._compiled.training.model.graph.node
+        for n in trainer._built.compiled.training.model.graph.node
         if n.op_type == "Cast" and "_Grad" not in n.name and not n.name.startswith("orttrainer/")
     ]
     assert len(forward_casts) == casts
@@ -118,9 +118,11 @@ def test_memory_efficient_gradient_uses_the_invertible_layer_norm_gradient_and_t
         return trainer
 
     plain, efficient = train(False), train(True)
-    kinds = [n.op_type for n in efficient._compiled.training.model.graph.node]
+    kinds = [n.op_type for n in efficient._built.compiled.training.model.graph.node]
     assert kinds.count("InvertibleLayerNormalizationGrad") == 4 and kinds.count("LayerNormalizationGrad") == 1
-    assert "InvertibleLayerNormalizationGrad" not in [n.op_type for n in plain._compiled.training.model.graph.node]
+    assert "InvertibleLayerNormalizationGrad" not in [
+        n.op_type for n in plain._built.compiled.training.model.graph.node
+    ]
     assert max_difference(trainer_weights(efficient), trainer_weights(plain)) < 1e-5
     tokens = torch.randint(0, 50, (4, 16))
     np.testing.assert_allclose(
@@ -131,7 +133,7 @@ def test_memory_efficient_gradient_uses_the_invertible_layer_norm_gradient_and_t
 def test_these_options_need_the_ort_gradient_builder():
     from helpers import cpu_options
 
-    from orttrainer.trainer.builders import ort_only_options
+    from orttrainer.trainer.gradient.choice import ort_only_options
 
     extra = {
         "graph_transformer": {"gelu_recompute": True, "propagate_cast_ops_config": {"level": 2}},

@@ -15,8 +15,8 @@ from models import ScalarAndTupleFunction, StraightThrough
 from torch import nn
 
 from orttrainer.trainer.export import _ModelWithLoss
-from orttrainer.trainer.graph.gradient import GradientBuildError
-from orttrainer.trainer.graph.gradient_torch import (
+from orttrainer.trainer.gradient.errors import GradientBuildError
+from orttrainer.trainer.gradient.torch_builder import (
     ShapeKeyedCache,
     TorchGradientGraph,
     UntraceableFunctionError,

@@ -9,13 +9,13 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from orttrainer.trainer.graph.fixups import name_optional_outputs
-from orttrainer.trainer.graph.gradient import (
+from orttrainer.trainer.gradient.ort_builder import (
     GradientBuildError,
     _order_outputs,
     build_ort_gradient_graph,
     move_initializers_to_inputs,
 )
+from orttrainer.trainer.graph.fixups import name_optional_outputs
 
 RNG = np.random.default_rng(0)
 W0 = RNG.standard_normal((3, 2)).astype(np.float32)

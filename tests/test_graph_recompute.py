@@ -7,7 +7,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from orttrainer.trainer.graph.gradient import build_ort_gradient_graph
+from orttrainer.trainer.gradient.ort_builder import build_ort_gradient_graph
 from orttrainer.trainer.graph.recompute import (
     GATE_PREFIX,
     RecomputePlan,

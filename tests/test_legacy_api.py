@@ -74,7 +74,7 @@ def test_arguments_reach_the_new_trainer(tmp_path):
     x, y = batches(1)[0]
     trainer.train_step(x, y, torch.tensor([0.01]))
     assert trainer.onnx_model_.opset_import[0].version == 13 and (tmp_path / "opt.onnx").exists()
-    assert "fc1.bias" not in trainer.ort_trainer._compiled.training.weight_updates
+    assert "fc1.bias" not in trainer.ort_trainer._built.compiled.training.weight_updates
 
 
 def test_use_memory_efficient_gradient_reaches_the_option():

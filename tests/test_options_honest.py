@@ -22,9 +22,9 @@ from models import MLP, mlp_desc
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer.schema.options import _ORTTRAINER_OPTIONS_SCHEMA
-from orttrainer.trainer import orttrainer as orttrainer_module
+from orttrainer.trainer import config as config_module
+from orttrainer.trainer.config import Device
 from orttrainer.trainer.distributed import DistributedContext
-from orttrainer.trainer.session import Device
 
 CE = torch.nn.functional.cross_entropy
 
@@ -195,12 +195,12 @@ def test_local_rank_picks_the_cuda_device_of_a_rank(monkeypatch):
         seen["local_rank"] = options.distributed.local_rank
         return DistributedContext(1, 2, options.distributed.local_rank)
 
-    monkeypatch.setattr(orttrainer_module, "resolve_context", fake_context)
+    monkeypatch.setattr(config_module, "resolve_context", fake_context)
     options = ORTTrainerOptions(
         {"device": {"id": "cuda"}, "distributed": {"world_rank": 1, "world_size": 2, "local_rank": 3}}
     )
     trainer = ORTTrainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, options=options)
-    assert seen == {"local_rank": 3} and trainer._device == Device("cuda", 3)
+    assert seen == {"local_rank": 3} and trainer._config.device == Device("cuda", 3)
 
 
 def test_data_parallel_size_must_be_the_world_size():

@@ -78,7 +78,7 @@ def reference():
 def _copied_layers(trainer) -> set[str]:
     """The `/model/layers.<k>/` scope of every recompute copy (by its name or, for fused nodes, its output)."""
     found = set()
-    for node in trainer._compiled.training.model.graph.node:
+    for node in trainer._built.compiled.training.model.graph.node:
         if RECOMPUTE_SUFFIX in node.name and not node.name.startswith("orttrainer/"):
             text = node.name if node.name.startswith("/model/layers.") else node.output[0]
             found.add(text.split("/")[2] if text.startswith("/model/layers.") else text)
@@ -87,19 +87,21 @@ def _copied_layers(trainer) -> set[str]:
 
 def test_gelu_recompute_copies_each_gelu_and_trains_identically(reference):
     trainer = _train({"gelu_recompute": True})
-    assert count_recompute_nodes(trainer._compiled.training.model) == {"BiasGelu": 2}  # one per layer, nothing else
+    assert count_recompute_nodes(trainer._built.compiled.training.model) == {
+        "BiasGelu": 2
+    }  # one per layer, nothing else
     assert max_difference(trainer_weights(trainer), reference) <= 1e-6
 
 
 def test_attn_dropout_recompute_copies_each_attention_dropout_and_trains_identically(reference):
     trainer = _train({"attn_dropout_recompute": True})
-    assert count_recompute_nodes(trainer._compiled.training.model) == {"DropoutGrad": 2}  # from the kept masks
+    assert count_recompute_nodes(trainer._built.compiled.training.model) == {"DropoutGrad": 2}  # from the kept masks
     assert max_difference(trainer_weights(trainer), reference) <= 1e-6  # dropout is on: the same masks are reused
 
 
 def test_transformer_layer_recompute_copies_every_layer_but_the_last_and_trains_identically(reference):
     trainer = _train({"transformer_layer_recompute": True})
-    counts = count_recompute_nodes(trainer._compiled.training.model)
+    counts = count_recompute_nodes(trainer._built.compiled.training.model)
     assert _copied_layers(trainer) == {"layers.0"}
     # layer 0's activations the backward reads: both layer norms, the attention (softmax, both dropouts from their
     # masks), the GELU, and the matmuls, transposes and reshapes in between
@@ -141,7 +143,7 @@ def test_a_recompute_option_that_finds_nothing_warns():
     )
     with pytest.warns(UserWarning, match="attn_dropout_recompute: the graph has no Dropout between a Softmax"):
         trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
-    assert count_recompute_nodes(trainer._compiled.training.model) == {}
+    assert count_recompute_nodes(trainer._built.compiled.training.model) == {}
 
 
 def test_nn_multihead_attention_dropout_is_recomputed_and_a_gelu_before_a_dropout_is_not():
@@ -163,4 +165,4 @@ def test_nn_multihead_attention_dropout_is_recomputed_and_a_gelu_before_a_dropou
     ):
         trainer.train_step(tokens, tokens)
     # PyTorch's exporter drops scaled_dot_product_attention's training flag; the trainer restores it (fixups.py)
-    assert count_recompute_nodes(trainer._compiled.training.model) == {"DropoutGrad": 2}
+    assert count_recompute_nodes(trainer._built.compiled.training.model) == {"DropoutGrad": 2}

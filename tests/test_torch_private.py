@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from models import StraightThrough
 from torch import nn
 
-from orttrainer.trainer.graph import torch_private
+from orttrainer.trainer.gradient import torch_private
 
 aten = torch.ops.aten
 

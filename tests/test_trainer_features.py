@@ -86,7 +86,7 @@ def test_two_parameter_groups_use_their_own_hyper_parameters():
         ref_opt.zero_grad()
         CE(reference(x), y).backward()
         ref_opt.step()
-    assert len(trainer._compiled.training.weight_updates) == 4
+    assert len(trainer._built.compiled.training.weight_updates) == 4
     assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
 
 
@@ -109,7 +109,7 @@ def test_frozen_weights_and_requires_grad_false_parameters_stay_unchanged():
     state = trainer._training_session.get_state()
     assert np.array_equal(state["fc1.weight"], initial["fc1.weight"])
     assert np.array_equal(state["fc2.bias"], initial["fc2.bias"])
-    assert sorted(trainer._compiled.training.weight_updates) == ["fc1.bias", "fc2.weight"]
+    assert sorted(trainer._built.compiled.training.weight_updates) == ["fc1.bias", "fc2.weight"]
     assert max_difference({k: state[k] for k in initial}, torch_weights(reference)) < 1e-6
 
 
@@ -424,7 +424,8 @@ def test_internal_postprocess_fuses_log_softmax_and_nll_so_the_model_trains():
 
 
 def test_provider_options_are_merged_into_the_provider_list_given_to_onnxruntime():
-    from orttrainer.trainer.session import Device, SessionConfig, _providers
+    from orttrainer.trainer.config import Device
+    from orttrainer.trainer.session import SessionConfig, _providers
 
     config = SessionConfig(
         Device("cpu"), provider_options={"CPUExecutionProvider": {"a": "1"}, "CUDAExecutionProvider": {"b": "2"}}

@@ -94,7 +94,7 @@ def train_both(case, opt_name: str, clip: bool, builder: str = "ort"):
         if clip and opt_name != "sgd":
             torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         ref_opt.step()
-    assert trainer._gradient_builder == builder
+    assert trainer.gradient_builder == builder
     assert math.isclose(loss.item(), ref_loss.item(), rel_tol=1e-4)
     return trainer, reference
 

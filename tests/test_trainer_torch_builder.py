@@ -17,9 +17,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from orttrainer import optim
-from orttrainer.trainer.builders import ort_only_options
-from orttrainer.trainer.graph.gradient import GradientBuildError
-from orttrainer.trainer.graph.gradient_torch import UntraceableFunctionError
+from orttrainer.trainer.gradient.choice import ort_only_options
+from orttrainer.trainer.gradient.errors import GradientBuildError
+from orttrainer.trainer.gradient.torch_builder import UntraceableFunctionError
 
 CE = F.cross_entropy
 TORCH = {"_internal_use": {"gradient_builder": "torch"}}
@@ -82,7 +82,7 @@ def test_scalar_and_tuple_function_trains_like_pytorch(config, reference, caplog
     model = WithActivation(lambda h: ScalarAndTupleFunction.apply(h, 2, (1.5, True), 0.5))
     with caplog.at_level(logging.INFO, logger="orttrainer"):
         trainer, ref = train_with_reference(model, mlp_desc(), config, reference, CE, batches(10), NO_CLIP)
-    assert trainer._gradient_builder == "torch"  # chosen by 'auto' (the default)
+    assert trainer.gradient_builder == "torch"  # chosen by 'auto' (the default)
     assert (
         "gradient builder 'torch' (auto: the model uses custom torch.autograd.Function(s) "
         "['ScalarAndTupleFunction']" in caplog.text
@@ -100,7 +100,7 @@ def test_straight_through_estimator_trains_with_the_users_backward():
     trainer, with_backward = train_with_reference(model, mlp_desc(), optim.SGDConfig(lr=0.1), sgd, CE, data)
     derivative_of_forward = torch_weights(train_pytorch(plain_round, sgd, CE, data))
     got = trainer_weights(trainer)
-    assert trainer._gradient_builder == "torch"
+    assert trainer.gradient_builder == "torch"
     assert max_difference(got, torch_weights(with_backward)) < 1e-5
     assert np.abs(got["fc1.weight"] - derivative_of_forward["fc1.weight"]).max() > 1e-2
     assert np.abs(got["fc2.weight"] - derivative_of_forward["fc2.weight"]).max() > 1e-3
@@ -155,7 +155,7 @@ def test_a_parameter_the_users_backward_gives_no_gradient_is_frozen_as_in_pytorc
             batches(3),
             NO_CLIP,
         )
-    assert "b" in trainer._frozen and "b" not in trainer._compiled.training.weight_updates
+    assert "b" in trainer._built.compiled.frozen and "b" not in trainer._built.compiled.training.weight_updates
     assert max_difference(trainer_weights(trainer), {k: v for k, v in torch_weights(ref).items() if k != "b"}) < 1e-5
 
 
@@ -171,7 +171,7 @@ def test_auto_picks_ort_for_a_plain_model(caplog):
     with caplog.at_level(logging.INFO, logger="orttrainer"):
         trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE)
         trainer.train_step(*batches(1)[0])
-    assert trainer._gradient_builder == "ort"
+    assert trainer.gradient_builder == "ort"
     assert (
         "gradient builder 'ort' (auto: no custom torch.autograd.Function, and ONNX Runtime differentiates "
         "every op)" in caplog.text
@@ -189,7 +189,7 @@ def test_auto_falls_back_to_torch_for_an_op_without_an_ort_gradient(caplog):
             CE,
             batches(3),
         )
-    assert trainer._gradient_builder == "torch"
+    assert trainer.gradient_builder == "torch"
     assert (
         "gradient builder 'torch' (auto: ONNX Runtime's gradient builder cannot differentiate op 'CumSum')"
         in caplog.text
@@ -232,7 +232,7 @@ def test_onnx_models_use_the_ort_builder_and_refuse_torch():
         match="gradient_builder='torch' needs a torch.nn.Module .* the model is an ONNX model; use 'ort' or 'auto'",
     ):
         make_trainer(model, desc, optim.SGDConfig(), extra=TORCH)
-    assert make_trainer(model, desc, optim.SGDConfig())._gradient_builder == "ort"
+    assert make_trainer(model, desc, optim.SGDConfig()).gradient_builder == "ort"
 
 
 def test_options_that_transform_the_exported_graph_keep_the_ort_builder():
@@ -387,9 +387,12 @@ def test_checkpoint_resume_is_exact(tmp_path):
     resumed.load_checkpoint(str(tmp_path / "half.ortcp"))  # before the first step: applied once compiled
     for x, y in data[3:]:
         resumed.train_step(x, y)
-    assert resumed._gradient_builder == straight._gradient_builder == "torch"
+    assert resumed.gradient_builder == straight.gradient_builder == "torch"
     assert max_difference(resumed._training_session.get_state(), straight._training_session.get_state()) < 1e-7
-    assert resumed._train_step_info.step == 6 and resumed._optimizer_updates == straight._optimizer_updates == 3
+    assert (
+        resumed._train_step_info.step == 6
+        and resumed._counters.optimizer_updates == straight._counters.optimizer_updates == 3
+    )
 
 
 class DropoutProbe(nn.Module):
@@ -426,7 +429,7 @@ def test_dropout_backward_uses_the_forward_mask_and_eval_is_deterministic(builde
         np.testing.assert_allclose(forward_mask, np.round(forward_mask), atol=1e-4)
         np.testing.assert_allclose(backward_mask, forward_mask, atol=1e-4)
         masks.append(np.round(forward_mask))
-    assert 0.3 < masks[0].mean() < 0.7 and trainer._gradient_builder == builder
+    assert 0.3 < masks[0].mean() < 0.7 and trainer.gradient_builder == builder
     assert not np.array_equal(masks[0], masks[1]) and not np.array_equal(masks[1], masks[2])  # fresh every step
     first, second = trainer.eval_step(x, c)[1], trainer.eval_step(x, c)[1]
     model.w.data = torch.from_numpy(trainer_weights(trainer)["w"])

@@ -31,7 +31,6 @@ from .aggregate import (
     aggregate_checkpoints,
 )
 from .experimental import (
-    _apply_pending_state_dict,
     _CombineZeroCheckpoint,
     _get_checkpoint_name,
     _list_checkpoint_files,

@@ -3,12 +3,11 @@
 Behaviour of legacy ``onnxruntime.training.checkpoint`` (research/legacy_api.md §9.3); every public function warns
 ``DeprecationWarning("experimental_X() will be deprecated soon. Please use ORTTrainer.X() instead.")``.
 
-Trainer contract (what these functions use):
-  ``trainer._training_session`` (None before the first step), ``trainer._flat_state()`` -> ``{name: Tensor}`` (weights
-  and optimizer tensors ``Moment_1_<w>``, ``Moment_2_<w>``, ``Update_Count_<w>``, ``Step``),
-  ``trainer._load_flat_state(state, strict)``, ``trainer._torch_state_dict_keys`` (optional), ``trainer.options``.
-  Before the session exists a loaded state is parked in ``trainer._state_dict`` / ``trainer._load_state_dict_strict``
-  (the legacy attributes); the trainer applies it with ``_apply_pending_state_dict(trainer)`` once it has a session.
+Trainer contract (``FlatStateTrainer`` below; ``ORTTrainer`` implements it): ``_training_session`` (None before
+the first step), ``_flat_state()`` -> ``{name: Tensor}`` (weights and optimizer tensors ``Moment_1_<w>``,
+``Moment_2_<w>``, ``Update_Count_<w>``, ``Step``), ``_load_flat_state(state, strict)`` — which, before the session
+exists, parks the state and applies it once the session exists —, ``_state_dict`` (the parked state, the legacy
+attribute), ``_torch_state_dict_keys`` (None when unknown) and ``options``.
 
 Each public function is a deprecation warning around a quiet implementation (``_flat_state_dict``,
 ``_load_flat_state_dict``, ``_save_flat_checkpoint``, ``_load_flat_checkpoint``); the older API
@@ -23,14 +22,35 @@ import os
 import re
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from ..schema.options import ORTTrainerOptions
 from ._atomic import atomic_write
 
 _OPTIMIZER_PREFIXES = ("Moment_1_", "Moment_2_", "Update_Count_", "Step")
 _ZERO_NAME = re.compile(r"\.ZeRO\.(\d+)\.(\d+)\.ort\.pt$")
+
+
+class FlatStateTrainer(Protocol):
+    """What the experimental API needs from a trainer."""
+
+    @property
+    def options(self) -> ORTTrainerOptions: ...
+
+    @property
+    def _training_session(self) -> object | None: ...
+
+    @property
+    def _state_dict(self) -> dict[str, Any] | None: ...
+
+    @property
+    def _torch_state_dict_keys(self) -> list[str] | None: ...
+
+    def _flat_state(self) -> dict[str, torch.Tensor]: ...
+
+    def _load_flat_state(self, state: dict[str, Any], strict: bool) -> None: ...
 
 
 def _deprecated(name: str) -> None:
@@ -48,7 +68,7 @@ def _zero_stage(trainer: Any) -> int:
 # --- state dict ---------------------------------------------------------------------------------------------------
 
 
-def experimental_state_dict(ort_trainer: Any, include_optimizer_state: bool = True) -> dict[str, Any]:
+def experimental_state_dict(ort_trainer: FlatStateTrainer, include_optimizer_state: bool = True) -> dict[str, Any]:
     """Flat ``{name: torch.Tensor}`` of the trainer's weights and (by default) optimizer tensors.
 
     Rules: before the first step it warns and returns the state parked by ``experimental_load_state_dict`` (or
@@ -59,7 +79,7 @@ def experimental_state_dict(ort_trainer: Any, include_optimizer_state: bool = Tr
     return _flat_state_dict(ort_trainer, include_optimizer_state)
 
 
-def _flat_state_dict(ort_trainer: Any, include_optimizer_state: bool = True) -> dict[str, Any]:
+def _flat_state_dict(ort_trainer: FlatStateTrainer, include_optimizer_state: bool = True) -> dict[str, Any]:
     """``experimental_state_dict`` without the deprecation warning."""
     if not ort_trainer._training_session:
         warnings.warn(
@@ -67,18 +87,20 @@ def _flat_state_dict(ort_trainer: Any, include_optimizer_state: bool = True) -> 
             "Please run train_step or eval_step at least once before calling state_dict().",
             stacklevel=2,
         )
-        return getattr(ort_trainer, "_state_dict", None) or {}
+        return ort_trainer._state_dict or {}
     state = dict(ort_trainer._flat_state())
     if include_optimizer_state:
         return state
-    torch_keys = getattr(ort_trainer, "_torch_state_dict_keys", None)
+    torch_keys = ort_trainer._torch_state_dict_keys
     if torch_keys:
         return {key: state[key] for key in torch_keys if key in state}
     split = _split_state_dict(state)
     return {**split["fp32_param"], **split["fp16_param"]}
 
 
-def experimental_load_state_dict(ort_trainer: Any, state_dict: dict[str, Any], strict: bool = False) -> None:
+def experimental_load_state_dict(
+    ort_trainer: FlatStateTrainer, state_dict: dict[str, Any], strict: bool = False
+) -> None:
     """Load a flat state (as from ``experimental_state_dict``) into the trainer.
 
     Rules: before the first step the state is parked and applied when the session is created. With ``strict``, a
@@ -88,37 +110,21 @@ def experimental_load_state_dict(ort_trainer: Any, state_dict: dict[str, Any], s
     _load_flat_state_dict(ort_trainer, state_dict, strict)
 
 
-def _load_flat_state_dict(ort_trainer: Any, state_dict: dict[str, Any], strict: bool = False) -> None:
+def _load_flat_state_dict(ort_trainer: FlatStateTrainer, state_dict: dict[str, Any], strict: bool = False) -> None:
     """``experimental_load_state_dict`` without the deprecation warning."""
-    if not ort_trainer._training_session:
-        ort_trainer._state_dict = state_dict
-        ort_trainer._load_state_dict_strict = strict
-        return
-    if strict:
+    if strict and ort_trainer._training_session:
         known = ort_trainer._flat_state()
         for name in state_dict:
             if name not in known:
                 raise RuntimeError(f"Checkpoint tensor: {name} is not present in the model.")
-    ort_trainer._state_dict = None
-    ort_trainer._load_flat_state(state_dict, strict)
-
-
-def _apply_pending_state_dict(ort_trainer: Any) -> bool:
-    """Apply a state parked before the session existed; returns whether there was one. Called by the trainer."""
-    pending = getattr(ort_trainer, "_state_dict", None)
-    if not pending:
-        return False
-    strict = getattr(ort_trainer, "_load_state_dict_strict", False)
-    ort_trainer._state_dict = None
-    ort_trainer._load_flat_state(pending, strict)
-    return True
+    ort_trainer._load_flat_state(state_dict, strict)  # before the first step: parked, applied at the first step
 
 
 # --- checkpoint files ---------------------------------------------------------------------------------------------
 
 
 def experimental_save_checkpoint(
-    ort_trainer: Any,
+    ort_trainer: FlatStateTrainer,
     checkpoint_dir: str,
     checkpoint_prefix: str = "ORT_checkpoint",
     checkpoint_state_dict: dict[str, Any] | None = None,
@@ -137,7 +143,7 @@ def experimental_save_checkpoint(
 
 
 def _save_flat_checkpoint(
-    ort_trainer: Any,
+    ort_trainer: FlatStateTrainer,
     checkpoint_dir: str,
     checkpoint_prefix: str = "ORT_checkpoint",
     checkpoint_state_dict: dict[str, Any] | None = None,
@@ -159,7 +165,7 @@ def _save_flat_checkpoint(
 
 
 def experimental_load_checkpoint(
-    ort_trainer: Any, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint", strict: bool = False
+    ort_trainer: FlatStateTrainer, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint", strict: bool = False
 ) -> dict[str, Any]:
     """Load the ``<prefix>*.ort.pt`` checkpoint(s) of ``checkpoint_dir``; return the saved dict without ``'model'``.
 
@@ -172,7 +178,7 @@ def experimental_load_checkpoint(
 
 
 def _load_flat_checkpoint(
-    ort_trainer: Any, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint", strict: bool = False
+    ort_trainer: FlatStateTrainer, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint", strict: bool = False
 ) -> dict[str, Any]:
     """``experimental_load_checkpoint`` without the deprecation warning."""
     checkpoint_files = _list_checkpoint_files(checkpoint_dir, checkpoint_prefix)
@@ -194,7 +200,7 @@ def _torch_load(path: str) -> Any:
 
 
 def _load_single_checkpoint(
-    ort_trainer: Any, checkpoint_dir: str, checkpoint_prefix: str, is_partitioned: bool, strict: bool
+    ort_trainer: FlatStateTrainer, checkpoint_dir: str, checkpoint_prefix: str, is_partitioned: bool, strict: bool
 ) -> dict[str, Any]:
     distributed = ort_trainer.options.distributed
     name = _get_checkpoint_name(checkpoint_prefix, is_partitioned, distributed.world_rank, distributed.world_size)
@@ -213,7 +219,7 @@ def _load_single_checkpoint(
 
 
 def _load_multi_checkpoint(
-    ort_trainer: Any, checkpoint_dir: str, checkpoint_prefix: str, strict: bool
+    ort_trainer: FlatStateTrainer, checkpoint_dir: str, checkpoint_prefix: str, strict: bool
 ) -> dict[str, Any]:
     checkpoint_files = _list_checkpoint_files(checkpoint_dir, checkpoint_prefix)
     aggregate_state_dict = _CombineZeroCheckpoint(checkpoint_files)._aggregate_files()

@@ -109,7 +109,7 @@ class ActivationStatistics:
 
     @property
     def instrumented(self) -> bool:
-        """Whether the compiled graphs carry activation statistics."""
+        """Whether the graphs compiled from the last export get activation statistics (it marked activations)."""
         return self._order is not None
 
     # ------------------------------------------------------------------------------------------------- compile
@@ -139,42 +139,39 @@ class ActivationStatistics:
         self._order = trace_order(self._model, loss_fn, model_desc, inputs)
         return model
 
-    def instrument(self, compiled) -> None:
-        """Append the statistics outputs to the graph that runs forward and backward — `compiled.training` in one
-        process, the gradient-step graph `compiled.step` with data parallelism — and to `compiled.eval_model`."""
+    def instrument(self, model: onnx.ModelProto, kind: str) -> onnx.ModelProto:
+        """A pass: `model` with the statistics outputs appended. `kind` 'train': the gradient model (forward
+        activations and their gradients; a tensor the graph lacks is named in a warning); 'eval': the eval model
+        (forward activations only)."""
         if self._order is None:
-            return
-        backward_graph = compiled.step if compiled.step is not None else compiled.training
-        training, evaluation, lost = backward_graph.model, compiled.eval_model, []
-        train_targets, eval_targets, records = {}, {}, {}
-        train_names, eval_names = graph_value_names(training.graph), graph_value_names(evaluation.graph)
+            return model
+        names, targets, records, lost = graph_value_names(model.graph), {}, {}, []
         for record in self._order:
+            if kind == "eval" and record.direction != "forward":
+                continue
             tensor = self._marks.get(record.name)
             if tensor is not None and record.direction == "backward":
-                tensor = gradient_tensor(training, tensor)
-            if tensor is None or tensor not in train_names:
+                tensor = gradient_tensor(model, tensor)
+            if tensor is None or tensor not in names:
                 lost.append(record.file_name)
                 continue
-            train_targets[record.file_name] = StatisticsTarget(tensor, _elem_type(training, tensor))
-            if record.direction == "forward" and tensor in eval_names:
-                eval_targets[record.file_name] = StatisticsTarget(tensor, _elem_type(evaluation, tensor))
+            targets[record.file_name] = StatisticsTarget(tensor, _elem_type(model, tensor))
             records[record.file_name] = record
-        if lost:
+        if lost and kind == "train":
             warnings.warn(
                 f"ORTTrainer cannot collect statistics for {lost}: the exported graph has no such tensor "
                 "or no gradient for it (e.g. unused outputs, or log-probabilities fused into "
                 "SoftmaxCrossEntropyLoss); those files are missing from its dumps",
-                stacklevel=5,
+                stacklevel=2,
             )
-        backward_graph.model, train_outputs = append_statistics(training, train_targets)
-        compiled.eval_model, eval_outputs = append_statistics(evaluation, eval_targets)
-        for kind, targets, outputs in (("train", train_targets, train_outputs), ("eval", eval_targets, eval_outputs)):
-            # The graph's element type (float16 under mixed precision), else PyTorch's from the trace.
-            self._dumps[kind] = [
-                _Dump(r.name, r.direction, r.depth, _torch_dtype(targets[f].elem_type, r.dtype), outputs[f])
-                for f, r in records.items()
-                if f in outputs
-            ]
+        model, outputs = append_statistics(model, targets)
+        # The graph's element type (float16 under mixed precision), else PyTorch's from the trace.
+        self._dumps[kind] = [
+            _Dump(r.name, r.direction, r.depth, _torch_dtype(targets[f].elem_type, r.dtype), outputs[f])
+            for f, r in records.items()
+            if f in outputs
+        ]
+        return model
 
     # ---------------------------------------------------------------------------------------------------- steps
     def begin_step(self, kind: str) -> list[str]:
@@ -217,7 +214,7 @@ class ActivationStatistics:
 
 def trace_order(model: torch.nn.Module, loss_fn, model_desc, inputs: list) -> list[ActivationRecord]:
     """The dumps of one PyTorch train step of `model` on `inputs` with the trainer's loss, in order.txt order."""
-    from .export import _ModelWithLoss
+    from .export import _ModelWithLoss, flatten_outputs
 
     wrapper = _ModelWithLoss(model, loss_fn, [d.name for d in model_desc.inputs])
     if loss_fn is not None:
@@ -228,7 +225,7 @@ def trace_order(model: torch.nn.Module, loss_fn, model_desc, inputs: list) -> li
         index = [d.is_loss for d in model_desc.outputs].index(True)
 
         def loss(preds):
-            return _flatten(preds)[index]
+            return flatten_outputs(preds)[index]
 
     with torch.enable_grad():  # the first step may be an eval_step under torch.no_grad()
         return trace_activations(model, (), wrapper.model_kwargs(inputs), loss_fn=loss)
@@ -246,12 +243,6 @@ def _torch_dtype(elem_type: int | None, fallback: torch.dtype) -> torch.dtype:
         return to_torch_dtype(elem_type) if elem_type is not None else fallback
     except ValueError:
         return fallback
-
-
-def _flatten(outputs) -> list:
-    if isinstance(outputs, (tuple, list)):
-        return [leaf for item in outputs for leaf in _flatten(item)]
-    return [outputs]
 
 
 def _warn_unserved(model: torch.nn.Module) -> None:

@@ -1,59 +1,48 @@
 """The compile pipeline: forward ONNX model -> training graph, eval graph and initial state.
 
-Order (DESIGN.md § Data flow): fix-ups the gradient builder needs -> gradient graph (the `ort` builder on the
-forward model, or the `torch` builder on the PyTorch module, see `builders.py`) -> graph passes on the gradient model
--> accumulation, clipping and optimizer update (with data parallelism: the gradient-step and optimizer graphs).
-Everything after the gradient graph is the same for both builders and, with the torch builder, for every input-shape
-signature (`shape_dependent_graph`). The debug option `graph_save_paths` writes the intermediate stages (with the
-torch builder: of the first signature's graphs).
+The pipeline is three lists of passes (`forward_passes`, the gradient builder, `gradient_passes`) and the training
+tail (accumulation, clipping and optimizer update; with data parallelism the gradient-step and optimizer graphs),
+in the order of docs/design.md § Data flow. Everything after the gradient builder is the same for both builders
+and, with the torch builder, for every input-shape signature (`TorchShapeGraphs`). The debug option
+`graph_save_paths` names the stage after which a model is written (with the torch builder: the first signature's).
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 import onnx
 import torch
-from onnx import numpy_helper
 
-from .builders import BuilderChoice, TorchGraphs, TorchSource, torch_gradient_model
+from ..optim.config import _OptimizerConfig
+from .gradient.choice import BuilderChoice
+from .gradient.differentiate import GradientRequest, differentiate
+from .gradient.ort_builder import move_initializers_to_inputs
+from .gradient.ort_options import GradientOptions
+from .gradient.torch_builder import shape_signature
+from .gradient.torch_graphs import TorchSource, torch_gradient_model
 from .graph import fixups, mixed_precision
 from .graph.data_parallel import GradientStepGraph, build_gradient_step_graph, build_optimizer_graph
-from .graph.editor import FLOAT_TYPES
-from .graph.gradient import GradientBuildError, build_ort_gradient_graph, move_initializers_to_inputs
-from .graph.gradient_options import GradientOptions
 from .graph.recompute import RecomputePlan, apply_plan
 from .graph.scatter_grad import gather_grad_to_scatter_add
-from .graph.training import ParamGroup, TrainingGraph, accumulation_buffer_name, build_training_graph, zero_state
+from .graph.training import TrainingGraph, accumulation_buffer_name, build_training_graph, zero_state
+from .parameters import initializer_values, param_groups
+
+_logger = logging.getLogger(__name__)
+
+Pass = Callable[[onnx.ModelProto], onnx.ModelProto]
+Stage = tuple[str, Pass]  # (name, pass); `graph_save_paths` keys name the stages after which a model is saved
 
 
-@dataclass
-class CompileRequest:
-    """What the trainer knows when it compiles: names from model_desc, the parameter split and the options."""
+class StatisticsInstrument(Protocol):
+    """Appends activation-statistics outputs to a gradient model ('train') or an eval model ('eval')."""
 
-    forward: onnx.ModelProto  # after post-processing
-    loss_name: str
-    data_inputs: list[str]
-    outputs: list[str]
-    trainable: list[str]
-    frozen: list[str]
-    optim_config: object
-    accumulation_steps: int
-    clip_grad_norm: bool
-    dropout_off: bool  # the torch model was in eval mode: train without dropout, BatchNorm on running statistics
-    graph_save_paths: dict[str, str]
-    mixed_precision: bool = False
-    cpu: bool = True  # CPU kernels need float32 fall-backs under mixed precision
-    data_parallel: DataParallelPlan | None = None
-    builder: BuilderChoice = BuilderChoice("ort", "")  # see builders.choose_builder
-    torch_source: TorchSource | None = None  # what the torch builder traces (None: an ONNX model)
-    sample_inputs: list[torch.Tensor] | None = None  # the first batch: the torch builder's first signature
-    recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder only (builders.ort_only_options)
-    gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients ('ort' only)
+    def instrument(self, model: onnx.ModelProto, kind: str) -> onnx.ModelProto: ...
 
 
 @dataclass(frozen=True)
@@ -67,100 +56,156 @@ class DataParallelPlan:
     owned: list[str] | None  # None: every rank updates every tensor
 
 
+@dataclass(frozen=True)
+class CompileRequest:
+    """What the trainer knows when it compiles: names from model_desc, the parameter split and the options."""
+
+    forward: onnx.ModelProto  # after post-processing
+    loss_name: str
+    data_inputs: list[str]
+    outputs: list[str]
+    trainable: list[str]
+    frozen: list[str]
+    optim_config: _OptimizerConfig
+    accumulation_steps: int
+    clip_grad_norm: bool
+    dropout_off: bool  # the torch model was in eval mode: train without dropout, BatchNorm on running statistics
+    graph_save_paths: dict[str, str]
+    mixed_precision: bool = False
+    cpu: bool = True  # CPU kernels need float32 fall-backs under mixed precision
+    data_parallel: DataParallelPlan | None = None
+    builder: BuilderChoice = BuilderChoice("ort", "")  # see gradient/choice.py
+    torch_source: TorchSource | None = None  # what the torch builder traces (None: an ONNX model)
+    sample_inputs: Sequence[torch.Tensor] | None = None  # the first batch: the torch builder's first signature
+    recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder only (gradient/choice.ort_only_options)
+    gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients ('ort' only)
+    statistics: StatisticsInstrument | None = None  # orttrainer.debug statistics ('ort' builder only)
+
+
+ShapeGraph = TrainingGraph | GradientStepGraph
+
+
 @dataclass
 class CompiledModel:
     """`training` is the whole step in one process; with data parallelism it is the optimizer graph and `step` the
-    gradient graph. `trainable` lists every trained tensor, `accumulation_buffers` the gradient sums kept as state."""
+    gradient graph. `trainable` lists every trained tensor and `frozen` the state that is fed but not trained (the
+    gradient builder may have frozen parameters that do not reach the loss); `accumulation_buffers` are the
+    gradient sums kept as state."""
 
     training: TrainingGraph
     eval_model: onnx.ModelProto
     initial_state: dict[str, np.ndarray]
     trainable: list[str]
+    frozen: list[str]
     accumulation_buffers: list[str]
     shapes: dict[str, tuple[int, ...]]  # of the trainable tensors
+    builder: BuilderChoice
     step: GradientStepGraph | None = None
     reduced_inputs: dict[str, str] | None = None
-    builder: BuilderChoice = BuilderChoice("ort", "")  # the builder that made the gradient graph, and why
     # torch builder: inputs -> the training graph (data parallel: the gradient-step graph) for their shapes
-    graph_for: Callable[[list[torch.Tensor]], TrainingGraph | GradientStepGraph] | None = None
+    graph_for: Callable[[Sequence[torch.Tensor]], ShapeGraph] | None = None
 
 
 def compile_model(request: CompileRequest) -> CompiledModel:
-    forward = fixups.name_optional_outputs(request.forward)
-    # eval-mode model: no dropout; otherwise a Dropout without training_mode is the identity it computes
-    forward = (fixups.dropout_to_identity if request.dropout_off else fixups.inference_dropout_to_identity)(forward)
-    if request.dropout_off:  # an eval-mode module: PyTorch trains its BatchNorm on the running statistics
-        forward = fixups.batchnorm_to_inference(forward)
-    forward = fixups.inference_batchnorm_to_affine(forward)  # ORT's gradient of inference BatchNorm is wrong
+    """Run the pipeline on `request` (which is not modified)."""
     state = request.trainable + request.frozen
+    save = request.graph_save_paths
+    forward = run_stages(request.forward, forward_passes(request, state))
     loss, loss_scale = request.loss_name, None
-    eval_forward = request.forward
-    if request.mixed_precision:  # the 'ort' builder only (builders.choose_builder)
-        forward = mixed_precision.to_float16(
-            move_initializers_to_inputs(forward, state), keep_float32=[*request.data_inputs, *state, request.loss_name]
-        )
-        eval_forward = mixed_precision.to_float16(
-            move_initializers_to_inputs(request.forward, state),
-            keep_float32=[*request.data_inputs, *state, request.loss_name],
-        )
+    if request.mixed_precision:  # the 'ort' builder only (gradient/choice.choose_builder)
         forward, loss, loss_scale = mixed_precision.append_loss_scale(forward, request.loss_name)
-    _save(forward, request.graph_save_paths.get("model_after_graph_transforms_path"))
-    raw_gradient_model, builder = _gradient_graph(forward, request, loss)
-    gradient_model = gradient_model_passes(raw_gradient_model, request, loss)
-    if request.recompute:  # the 'ort' builder only: builders.ort_only_options keeps the torch builder away
-        gradient_model, notes = apply_plan(gradient_model, request.outputs, request.recompute)
-        for note in notes:
-            warnings.warn(f"options {note}", stacklevel=2)
-    _save(gradient_model, request.graph_save_paths.get("model_with_gradient_graph_path"))
+    _save(forward, save.get("model_after_graph_transforms_path"))
+    gradient = differentiate(_gradient_request(request, forward, loss))
+    request = replace(request, trainable=gradient.trainable, frozen=gradient.frozen, builder=gradient.builder)
+    gradient_model = run_stages(gradient.model, gradient_passes(request, loss))
+    _save(gradient_model, save.get("model_with_gradient_graph_path"))
     weights = initializer_values(request.forward, state)
-    eval_model = build_eval_model(eval_forward, state, request.outputs)
+    eval_model = build_eval_model(_eval_forward(request, state), state, request.outputs)
+    if request.statistics is not None:
+        eval_model = request.statistics.instrument(eval_model, "eval")
+    shapes = {p: tuple(weights[p].shape) for p in request.trainable}
     if request.data_parallel is not None:
-        compiled = _compile_data_parallel(request, gradient_model, loss_scale, weights, eval_model)
+        compiled = _compile_data_parallel(request, gradient_model, loss_scale, weights, eval_model, shapes)
     else:
         training = _training_graph(gradient_model, request, loss_scale)
-        _save(training.model, request.graph_save_paths.get("model_with_training_graph_path"))
+        _save(training.model, save.get("model_with_training_graph_path"))
+        initial = {**weights, **zero_state(training.state_shapes)}
+        accumulation = list(training.accumulation)
         compiled = CompiledModel(
-            training,
-            eval_model,
-            {**weights, **zero_state(training.state_shapes)},
-            list(request.trainable),
-            list(training.accumulation),
-            {p: tuple(weights[p].shape) for p in request.trainable},
+            training, eval_model, initial, request.trainable, request.frozen, accumulation, shapes, request.builder
         )
-    compiled.builder = builder
-    if builder.builder == "torch":
-        tail = replace(request, forward=onnx.ModelProto(), sample_inputs=None)  # keeps no batch, no forward model
-        compiled.graph_for = TorchGraphs(
-            request.torch_source,
-            compiled.step or compiled.training,
-            request.sample_inputs,
-            lambda model: shape_dependent_graph(model, tail),
-            request.trainable,
-            state,
-        )
+    if gradient.builder.builder == "torch":
+        compiled.graph_for = TorchShapeGraphs(request, compiled.step or compiled.training)
     return compiled
 
 
-def gradient_model_passes(model: onnx.ModelProto, request: CompileRequest, scaled_loss: str) -> onnx.ModelProto:
-    """Graph-level passes on the gradient model (forward outputs + `<p>_grad`), the same for both builders and every
-    input-shape signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only
-    kernels get casts; embedding gradients become scatter-adds."""
+def run_stages(model: onnx.ModelProto, stages: list[Stage]) -> onnx.ModelProto:
+    """Apply each pass in order."""
+    for _name, apply in stages:
+        model = apply(model)
+    return model
+
+
+def forward_passes(request: CompileRequest, state: list[str]) -> list[Stage]:
+    """Fix-ups the gradient builder needs, then (mixed precision) the float16 conversion."""
+    stages: list[Stage] = [("name_optional_outputs", fixups.name_optional_outputs)]
+    if request.dropout_off:  # an eval-mode module: no dropout, and BatchNorm trains on the running statistics
+        stages += [("dropout_to_identity", fixups.dropout_to_identity)]
+        stages += [("batchnorm_to_inference", fixups.batchnorm_to_inference)]
+    else:  # a Dropout without training_mode is the identity it computes
+        stages += [("inference_dropout_to_identity", fixups.inference_dropout_to_identity)]
+    stages += [("inference_batchnorm_to_affine", fixups.inference_batchnorm_to_affine)]  # ORT's gradient is wrong
     if request.mixed_precision:
-        model = _without_outputs(model, {scaled_loss})
+        stages += [("to_float16", _float16(request, state))]
+    return stages
+
+
+def _float16(request: CompileRequest, state: list[str]) -> Pass:
+    keep = [*request.data_inputs, *state, request.loss_name]
+    return lambda model: mixed_precision.to_float16(move_initializers_to_inputs(model, state), keep_float32=keep)
+
+
+def _eval_forward(request: CompileRequest, state: list[str]) -> onnx.ModelProto:
+    return _float16(request, state)(request.forward) if request.mixed_precision else request.forward
+
+
+def gradient_passes(request: CompileRequest, scaled_loss: str) -> list[Stage]:
+    """Passes on the gradient model (forward outputs + `<p>_grad`), the same for both builders and every input-shape
+    signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels get
+    casts; embedding gradients become scatter-adds; recompute and statistics (the 'ort' builder only)."""
+    stages: list[Stage] = []
+    if request.mixed_precision:
+        stages += [("drop_scaled_loss_output", lambda model: _without_outputs(model, {scaled_loss}))]
         if request.cpu:
-            model = mixed_precision.cast_fp32_only_kernels(model)
-    return gather_grad_to_scatter_add(model)
+            stages += [("cast_fp32_only_kernels", mixed_precision.cast_fp32_only_kernels)]
+    stages += [("gather_grad_to_scatter_add", gather_grad_to_scatter_add)]
+    if request.recompute:
+        stages += [("recompute", lambda model: _recompute(model, request))]
+    if request.statistics is not None:
+        statistics = request.statistics
+        stages += [("statistics", lambda model: statistics.instrument(model, "train"))]
+    return stages
 
 
-def shape_dependent_graph(
-    raw_gradient_model: onnx.ModelProto, request: CompileRequest
-) -> TrainingGraph | GradientStepGraph:
-    """The torch builder's graph for one more input-shape signature, from its gradient model: the training graph,
-    or with data parallelism the gradient-step graph (the optimizer graph does not depend on shapes)."""
-    gradient_model = gradient_model_passes(raw_gradient_model, request, request.loss_name)
-    if request.data_parallel is not None:
-        return _gradient_step_graph(gradient_model, request, None)
-    return _training_graph(gradient_model, request, None)
+def _recompute(model: onnx.ModelProto, request: CompileRequest) -> onnx.ModelProto:
+    model, notes = apply_plan(model, request.outputs, request.recompute)
+    for note in notes:
+        warnings.warn(f"options {note}", stacklevel=2)
+    return model
+
+
+def _gradient_request(request: CompileRequest, forward: onnx.ModelProto, loss: str) -> GradientRequest:
+    return GradientRequest(
+        forward,
+        loss,
+        request.outputs,
+        request.trainable,
+        request.frozen,
+        request.builder,
+        request.gradient_options,
+        request.torch_source,
+        request.sample_inputs,
+    )
 
 
 def _training_graph(gradient_model: onnx.ModelProto, request: CompileRequest, loss_scale: str | None) -> TrainingGraph:
@@ -178,15 +223,15 @@ def _training_graph(gradient_model: onnx.ModelProto, request: CompileRequest, lo
 
 
 def _gradient_step_graph(
-    gradient_model: onnx.ModelProto, request: CompileRequest, loss_scale: str | None
+    gradient_model: onnx.ModelProto, request: CompileRequest, plan: DataParallelPlan, loss_scale: str | None
 ) -> GradientStepGraph:
-    plan, k = request.data_parallel, request.accumulation_steps
+    accumulate = request.accumulation_steps > 1 and plan.post_accumulation
     return build_gradient_step_graph(
         gradient_model,
         data_inputs=request.data_inputs,
         outputs=request.outputs,
         trainable=request.trainable,
-        accumulate=k > 1 and plan.post_accumulation,
+        accumulate=accumulate,
         loss_scale_input=loss_scale,
     )
 
@@ -197,10 +242,11 @@ def _compile_data_parallel(
     loss_scale: str | None,
     weights: dict[str, np.ndarray],
     eval_model: onnx.ModelProto,
+    shapes: dict[str, tuple[int, ...]],
 ) -> CompiledModel:
     plan, k = request.data_parallel, request.accumulation_steps
-    step = _gradient_step_graph(gradient_model, request, loss_scale)
-    shapes = {p: tuple(weights[p].shape) for p in request.trainable}
+    assert plan is not None  # the caller checked
+    step = _gradient_step_graph(gradient_model, request, plan, loss_scale)
     optimizer, reduced = build_optimizer_graph(
         shapes,
         trainable=request.trainable,
@@ -214,70 +260,86 @@ def _compile_data_parallel(
     _save(optimizer.model, request.graph_save_paths.get("model_with_training_graph_path"))
     buffers = {accumulation_buffer_name(p): shapes[p] for p in request.trainable} if k > 1 else {}
     initial = {**weights, **zero_state(optimizer.state_shapes), **zero_state(buffers)}
-    return CompiledModel(optimizer, eval_model, initial, list(request.trainable), list(buffers), shapes, step, reduced)
-
-
-def _gradient_graph(
-    forward: onnx.ModelProto, request: CompileRequest, loss: str
-) -> tuple[onnx.ModelProto, BuilderChoice]:
-    """The gradient model (of `loss`, for the 'ort' builder) from the requested builder. 'auto' tries 'ort' and, when
-    ONNX Runtime has no gradient for an op, falls back to 'torch' (with the parameter lists as they were before the
-    'ort' attempt)."""
-    choice = request.builder
-    if choice.builder == "torch":
-        return _freezing_unreachable(request, lambda: _torch_gradient_graph(request)), choice
-    before = (list(request.trainable), list(request.frozen))
-    try:
-        model = _freezing_unreachable(
-            request,
-            lambda: build_ort_gradient_graph(
-                forward, loss, request.trainable, request.trainable + request.frozen, request.gradient_options
-            ),
-        )
-    except GradientBuildError as err:
-        if choice.builder != "auto" or err.op_type is None or request.torch_source is None:
-            raise
-        request.trainable, request.frozen = before
-        logging.getLogger(__name__).info(
-            "ONNX Runtime has no gradient for op '%s'; building the gradient graph with the torch builder", err.op_type
-        )
-        model = _freezing_unreachable(request, lambda: _torch_gradient_graph(request))
-        return model, BuilderChoice(
-            "torch", f"auto: ONNX Runtime's gradient builder cannot differentiate op '{err.op_type}'"
-        )
-    if choice.builder == "auto":
-        choice = BuilderChoice(
-            "ort", "auto: no custom torch.autograd.Function, and ONNX Runtime differentiates every op"
-        )
-    return model, choice
-
-
-def _torch_gradient_graph(request: CompileRequest) -> onnx.ModelProto:
-    return torch_gradient_model(
-        request.torch_source,
-        request.sample_inputs,
-        request.outputs,
+    return CompiledModel(
+        optimizer,
+        eval_model,
+        initial,
         request.trainable,
-        request.trainable + request.frozen,
+        request.frozen,
+        list(buffers),
+        shapes,
+        request.builder,
+        step,
+        reduced,
     )
 
 
-def _freezing_unreachable(request: CompileRequest, build: Callable[[], onnx.ModelProto]) -> onnx.ModelProto:
-    """`build()`; parameters without a differentiable path to the loss are frozen, with a warning, and `build()`
-    retried — PyTorch leaves their `.grad` None and its optimizers skip them. The request's lists are updated."""
-    while True:
-        try:
-            return build()
-        except GradientBuildError as err:
-            if not err.unreachable or not set(err.unreachable) <= set(request.trainable):
-                raise
-            warnings.warn(
-                f"parameters {err.unreachable} do not influence the loss; they are not trained "
-                "(as PyTorch leaves their gradient None)",
-                stacklevel=2,
+class TorchShapeGraphs:
+    """The torch builder's graph for a batch's input-shape signature: `self(inputs)` is the training graph (data
+    parallel: the gradient-step graph) for `inputs` (the data, in model_desc order).
+
+    Why: a traced graph bakes its input shapes in (gradient/torch_builder.py). `first` was compiled for the first
+    batch and is returned for its signature; another signature is traced and run through `gradient_passes` and the
+    training tail, and must have `first`'s state contract (checked). The session caches the results."""
+
+    def __init__(self, request: CompileRequest, first: ShapeGraph) -> None:
+        if request.torch_source is None or request.sample_inputs is None:
+            raise ValueError("per-shape graphs need the torch builder's module and first batch")
+        self.first = first
+        self._signature = shape_signature(request.sample_inputs)
+        self._source = request.torch_source
+        # keeps no batch and no forward model alive
+        self._request = replace(request, forward=onnx.ModelProto(), sample_inputs=None)
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> ShapeGraph:
+        signature = shape_signature(inputs)
+        if signature == self._signature:
+            return self.first
+        request = self._request
+        _logger.info(
+            "tracing and compiling a training graph for the new input shapes %s (torch gradient builder: one "
+            "graph per input-shape signature)",
+            [list(shape) for shape, _ in signature],
+        )
+        model = torch_gradient_model(
+            self._source, inputs, request.outputs, request.trainable, request.trainable + request.frozen
+        )
+        model = run_stages(model, gradient_passes(request, request.loss_name))
+        plan = request.data_parallel
+        graph = (
+            _training_graph(model, request, None) if plan is None else _gradient_step_graph(model, request, plan, None)
+        )
+        check_same_state_contract(self.first, graph)
+        return graph
+
+
+_CONTRACT = (
+    "data_inputs",
+    "outputs",
+    "lr_input",
+    "update_count_input",
+    "loss_scale_input",
+    "all_finite_output",
+    "state_shapes",
+    "weight_updates",
+    "optimizer_state",
+    "accumulation",
+    "gradients",
+)
+
+
+def check_same_state_contract(first: ShapeGraph, other: ShapeGraph) -> None:
+    """Rule: graphs sharing one state (TrainingGraphs, or GradientStepGraphs) must name the same data inputs,
+    outputs, step inputs, weights, optimizer moments, accumulation buffers and gradients, with the same shapes;
+    raise RuntimeError naming the first difference."""
+    for field in _CONTRACT:
+        mine, theirs = getattr(first, field, None), getattr(other, field, None)
+        if isinstance(mine, dict) and isinstance(theirs, dict) and field != "state_shapes":
+            mine, theirs = list(mine.items()), list(theirs.items())
+        if mine != theirs:
+            raise RuntimeError(
+                f"the training graph for new input shapes differs from the first one in {field}: {theirs} != {mine}"
             )
-            request.trainable = [p for p in request.trainable if p not in err.unreachable]
-            request.frozen = request.frozen + err.unreachable
 
 
 def _without_outputs(model: onnx.ModelProto, names: set[str]) -> onnx.ModelProto:
@@ -297,49 +359,7 @@ def build_eval_model(forward: onnx.ModelProto, state: list[str], outputs: list[s
     model_desc outputs."""
     model = move_initializers_to_inputs(forward, state)
     model = fixups.batchnorm_to_inference(fixups.dropout_to_identity(model))
-    kept = [o for o in model.graph.output if o.name in outputs]
-    del model.graph.output[:]
-    model.graph.output.extend(kept)
-    return model
-
-
-def param_groups(optim_config, trainable: list[str]) -> list[ParamGroup]:
-    """Group trainable tensors by their resolved hyper-parameters (legacy per-weight attribute rules)."""
-    groups: dict[tuple, ParamGroup] = {}
-    for name in trainable:
-        floats, ints = optim_config.hyper_parameters(name)
-        hyper = {**floats, **ints}
-        key = tuple(sorted(hyper.items()))
-        groups.setdefault(key, ParamGroup(hyper, []))
-        groups[key].params.append(name)
-    return list(groups.values())
-
-
-def split_parameters(
-    model: onnx.ModelProto, frozen_weights: list[str], torch_params: list[str] | None, torch_state: list[str] | None
-) -> tuple[list[str], list[str]]:
-    """(trainable, frozen) initializer names.
-
-    PyTorch model: its `requires_grad` parameters minus `utils.frozen_weights` are trained; buffers, other
-    parameters and the listed frozen weights are frozen state. ONNX model: every floating-point initializer not in
-    `frozen_weights` is trained; other initializers stay constants of the graph.
-    """
-    initializers = {i.name: i for i in model.graph.initializer}
-    unknown = [name for name in frozen_weights if name not in initializers]
-    if unknown:
-        raise RuntimeError(f"{unknown} params from 'frozen_weights' not found in the ONNX model.")
-    frozen_set = set(frozen_weights)
-    if torch_params is not None:
-        trainable = [n for n in torch_params if n not in frozen_set]
-        frozen = [n for n in (torch_state or []) if n in initializers] + [n for n in torch_params if n in frozen_set]
-        return trainable, frozen
-    trainable = [n for n, i in initializers.items() if n not in frozen_set and i.data_type in FLOAT_TYPES]
-    return trainable, [n for n in frozen_weights]
-
-
-def initializer_values(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
-    wanted = set(names)
-    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if i.name in wanted}
+    return _without_outputs(model, {o.name for o in model.graph.output if o.name not in outputs})
 
 
 def _save(model: onnx.ModelProto, path: str | None) -> None:

@@ -79,7 +79,7 @@ def custom_autograd_functions(outputs) -> list[str]:
     """Names of the custom `torch.autograd.Function`s in the autograd graph behind `outputs`."""
     found: set[str] = set()
     seen: set[int] = set()
-    stack = [t.grad_fn for t in _flatten(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    stack = [t.grad_fn for t in flatten_outputs(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -232,12 +232,13 @@ def _dry_run(wrapper: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[list
     finally:
         runner.train(was_training)
     functions = custom_autograd_functions(outputs)
-    return [t.detach() if isinstance(t, torch.Tensor) else t for t in _flatten(outputs)], functions
+    return [t.detach() if isinstance(t, torch.Tensor) else t for t in flatten_outputs(outputs)], functions
 
 
-def _flatten(outputs) -> list:
+def flatten_outputs(outputs: object) -> list:
+    """Nested tuples/lists of outputs as one flat list, in order."""
     if isinstance(outputs, (tuple, list)):
-        return [leaf for item in outputs for leaf in _flatten(item)]
+        return [leaf for item in outputs for leaf in flatten_outputs(item)]
     return [outputs]
 
 

@@ -13,41 +13,22 @@ backward pass). Data and outputs cross between torch and ONNX Runtime through DL
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import onnx
 import torch
 
-from .graph.gradient_torch import ShapeKeyedCache
+from ..dtypes import ort_to_numpy
+from . import ort_private
+from .config import Device
+from .gradient.torch_builder import ShapeKeyedCache
 from .graph.training import TrainingGraph
 
 MAX_TRAINING_GRAPHS = 16  # torch builder: input-shape signatures kept compiled at once
-
-
-@dataclass(frozen=True)
-class Device:
-    """`device.id` parsed: 'cpu', or 'cuda' with an index."""
-
-    type: str
-    index: int = 0
-
-    @classmethod
-    def parse(cls, device_id: str) -> Device:
-        text = device_id.strip().lower()
-        if text == "cpu":
-            return cls("cpu")
-        if text == "cuda" or text.startswith("cuda:"):
-            index = text.partition(":")[2]
-            if index and not index.isdigit():
-                raise ValueError(f"options device.id {device_id!r}: expected 'cpu', 'cuda' or 'cuda:<index>'")
-            return cls("cuda", int(index or 0))
-        raise ValueError(f"options device.id {device_id!r}: expected 'cpu', 'cuda' or 'cuda:<index>'")
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.type, self.index) if self.type == "cuda" else torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -57,19 +38,35 @@ class SessionConfig:
     device: Device
     mem_limit: int = 0
     provider_options: dict | None = None
-    session_options: object | None = None  # onnxruntime.SessionOptions given by the user
+    session_options: Any = None  # onnxruntime.SessionOptions given by the user
     deterministic: bool = False
     optimized_model_path: str = ""
 
 
+class RunnableGraph(Protocol):
+    """What `GraphRunners` needs of a graph: its model and its data inputs (a TrainingGraph or GradientStepGraph)."""
+
+    @property
+    def model(self) -> onnx.ModelProto: ...
+
+    @property
+    def data_inputs(self) -> list[str]: ...
+
+
+G = TypeVar("G", bound=RunnableGraph)
+
+
 @dataclass(frozen=True)
-class GraphRunner:
-    graph: object  # a TrainingGraph, or with data parallelism a GradientStepGraph
-    session: object  # its onnxruntime.InferenceSession
+class GraphRunner(Generic[G]):
+    """A graph, its onnxruntime.InferenceSession, and the inputs the session kept (ONNX Runtime prunes unused
+    ones)."""
+
+    graph: G
+    session: Any
     inputs: frozenset[str]
 
 
-class GraphRunners:
+class GraphRunners(Generic[G]):
     """The graph (and ONNX Runtime session) that runs a batch: `graph` for every batch, or — given `graph_for`
     (torch builder) — `graph_for(inputs)` for the shape signature of `inputs` (the data in `graph.data_inputs`
     order), created on the first batch with that signature. `optimized_model_path` receives the first graph's
@@ -77,24 +74,24 @@ class GraphRunners:
 
     def __init__(
         self,
-        create: Callable[[onnx.ModelProto, str], object],
-        graph,
-        graph_for: Callable | None,
+        create: Callable[[onnx.ModelProto, str], Any],
+        graph: G,
+        graph_for: Callable[[Sequence[torch.Tensor]], G] | None,
         optimized_model_path: str,
     ) -> None:
         self.graph, self._create, self._graph_for = graph, create, graph_for
         self._path = optimized_model_path
-        self._cache: ShapeKeyedCache[GraphRunner] = ShapeKeyedCache(MAX_TRAINING_GRAPHS)
-        self.latest: GraphRunner | None = None
+        self._cache: ShapeKeyedCache[GraphRunner[G]] = ShapeKeyedCache(MAX_TRAINING_GRAPHS)
+        self.latest: GraphRunner[G] | None = None
         if graph_for is None:
             self.for_data({})  # the only graph: create its session now
 
-    def for_data(self, data: dict[str, torch.Tensor]) -> GraphRunner:
+    def for_data(self, data: dict[str, torch.Tensor]) -> GraphRunner[G]:
         inputs = [data[n] for n in self.graph.data_inputs] if self._graph_for is not None else []
         self.latest = self._cache.get_or_build(inputs, lambda: self._new(inputs))
         return self.latest
 
-    def _new(self, inputs: list[torch.Tensor]) -> GraphRunner:
+    def _new(self, inputs: list[torch.Tensor]) -> GraphRunner[G]:
         graph = self._graph_for(inputs) if self._graph_for is not None else self.graph
         path, self._path = self._path, ""
         session = self._create(graph.model, path)
@@ -104,7 +101,103 @@ class GraphRunners:
         return len(self._cache)
 
 
-class TrainingSession:
+class SessionBase(ABC):
+    """What every session kind shares: ONNX Runtime options and providers, the eval graph's session, and the state
+    (`OrtValue`s by name) that every graph reads and replaces. Subclasses run training steps."""
+
+    def __init__(self, eval_model: onnx.ModelProto, state: dict[str, np.ndarray], config: SessionConfig) -> None:
+        import onnxruntime as ort
+
+        self.config = config
+        self._options = _session_options(config)
+        self._providers = _providers(config)
+        self._eval = self._session(eval_model, "")
+        self._eval_inputs = {i.name for i in self._eval.get_inputs()}
+        self._state: dict[str, Any] = {name: self._to_device(value) for name, value in state.items()}
+        self._partial_run = ort.RunOptions()
+        self._partial_run.only_execute_path_to_fetches = True
+
+    def _session(self, model: onnx.ModelProto, optimized_model_path: str) -> Any:
+        return _create_session(model, self._options, self._providers, self.config, optimized_model_path)
+
+    @abstractmethod
+    def prepare(self, data: dict[str, torch.Tensor]) -> None:
+        """Build (if needed) the training graph and session for this batch's shapes, without running anything."""
+
+    @abstractmethod
+    def train(
+        self,
+        data: dict[str, torch.Tensor],
+        lr: float,
+        update_count: int,
+        outputs: list[str],
+        optimizer_step: bool,
+        loss_scale: float | None = None,
+    ) -> tuple[dict[str, torch.Tensor], bool]:
+        """Run one micro-step (`optimizer_step=False`: accumulate gradients) or an optimizer step; returns the
+        requested outputs and whether the step's gradients were all finite."""
+
+    @property
+    @abstractmethod
+    def train_session(self) -> Any:
+        """The onnxruntime.InferenceSession that ran the last update."""
+
+    @property
+    @abstractmethod
+    def training_graph_count(self) -> int:
+        """How many training graphs are compiled and kept (torch builder: one per input-shape signature)."""
+
+    def evaluate(self, data: dict[str, torch.Tensor], outputs: list[str]) -> dict[str, torch.Tensor]:
+        """Run the eval graph on `data`; returns the requested outputs."""
+        feeds = self._feeds(data, self._eval_inputs)
+        fetched = self._run(self._eval, feeds, outputs)
+        return {name: self._to_torch(value) for name, value in zip(outputs, fetched, strict=True)}
+
+    # ------------------------------------------------------------------------------------------------------ state
+    def state_names(self) -> list[str]:
+        return list(self._state)
+
+    def get_state(self, names: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Copies of the state tensors (never views: the caller must not alias the session's buffers)."""
+        return {n: np.array(self._state[n].numpy(), copy=True) for n in (names or self._state)}
+
+    def set_state(self, values: dict[str, np.ndarray]) -> None:
+        """Replace state tensors; each value must match the current shape. All are checked before any is replaced,
+        so a bad value leaves the state as it was."""
+        arrays: dict[str, np.ndarray] = {}
+        for name, value in values.items():
+            if name not in self._state:
+                raise KeyError(f"{name!r} is not a state tensor of this training session")
+            current, array = self._state[name], np.asarray(value)
+            if tuple(array.shape) != tuple(current.shape()):
+                raise ValueError(f"state {name!r}: shape {tuple(array.shape)} does not match {tuple(current.shape())}")
+            arrays[name] = array.astype(ort_to_numpy(current.data_type()), copy=False)
+        self._state.update({name: self._to_device(array) for name, array in arrays.items()})
+
+    # --------------------------------------------------------------------------------------------------- plumbing
+    def _feeds(self, data: dict[str, torch.Tensor], wanted: set[str] | frozenset[str]) -> dict[str, Any]:
+        feeds = {name: self._state[name] for name in wanted if name in self._state}
+        for name, tensor in data.items():
+            if name in wanted:  # inputs the graph does not use were pruned by ORT
+                feeds[name] = _from_torch(tensor)
+        return feeds
+
+    def _run(self, session: Any, feeds: dict[str, Any], fetch: list[str]) -> list:
+        # Only what the fetched outputs need runs: accumulation steps skip the optimizer, eval skips unfetched
+        # statistics (the legacy eval_step ran with only_execute_path_to_fetches too).
+        return ort_private.run_with_ort_values(session, feeds, fetch, self._partial_run)
+
+    def _to_device(self, array: np.ndarray):
+        return ort_private.owned_ortvalue(array, self.config.device.type, self.config.device.index)
+
+    def _host_scalar(self, value: np.generic):
+        return ort_private.owned_ortvalue(np.array(value), "cpu", 0)
+
+    def _to_torch(self, value) -> torch.Tensor:
+        return to_torch_view(value).to(self.config.device.torch_device)
+
+
+class TrainingSession(SessionBase):
     """ONNX Runtime sessions for the training graph(s) and the eval graph, sharing the state.
 
     `graph` is the (first) training graph and defines the state contract; `graph_for` see `GraphRunners`."""
@@ -115,45 +208,25 @@ class TrainingSession:
         eval_model: onnx.ModelProto,
         state: dict[str, np.ndarray],
         config: SessionConfig,
-        graph_for: Callable[[list[torch.Tensor]], TrainingGraph] | None = None,
+        graph_for: Callable[[Sequence[torch.Tensor]], TrainingGraph] | None = None,
     ) -> None:
-        self._setup(eval_model, state, config)
+        super().__init__(eval_model, state, config)
         self.graph = graph
         self._runners = GraphRunners(self._session, graph, graph_for, config.optimized_model_path)
         self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
 
     def prepare(self, data: dict[str, torch.Tensor]) -> None:
-        """Build (if needed) the training graph and session for this batch's shapes, without running anything."""
         self._runners.for_data(data)
 
     @property
-    def train_session(self):
+    def train_session(self) -> Any:
         """The onnxruntime.InferenceSession of the training graph run last (None before the first one exists)."""
         return self._runners.latest.session if self._runners.latest is not None else None
 
     @property
     def training_graph_count(self) -> int:
-        """How many training graphs are compiled and kept (torch builder: one per input-shape signature)."""
         return len(self._runners)
 
-    def _setup(self, eval_model: onnx.ModelProto, state: dict[str, np.ndarray], config: SessionConfig) -> None:
-        """What every session kind shares: options, providers, the eval session and the state."""
-        import onnxruntime as ort
-
-        self.config = config
-        self._ort = ort
-        self._options = _session_options(config)
-        self._providers = _providers(config)
-        self._eval = self._session(eval_model, "")
-        self._eval_inputs = {i.name for i in self._eval.get_inputs()}
-        self._state: dict[str, object] = {name: self._to_device(value) for name, value in state.items()}
-        self._partial_run = ort.RunOptions()
-        self._partial_run.only_execute_path_to_fetches = True
-
-    def _session(self, model: onnx.ModelProto, optimized_model_path: str):
-        return _create_session(model, self._options, self._providers, self.config, optimized_model_path)
-
-    # ---------------------------------------------------------------------------------------------------- running
     def train(
         self,
         data: dict[str, torch.Tensor],
@@ -188,81 +261,6 @@ class TrainingSession:
             self._state.update(self._zeros)  # accumulation restarts from zero after every update (or skipped one)
         return {name: self._to_torch(value) for name, value in results.items()}, finite
 
-    def evaluate(self, data: dict[str, torch.Tensor], outputs: list[str]) -> dict[str, torch.Tensor]:
-        feeds = self._feeds(data, self._eval_inputs)
-        fetched = self._run(self._eval, feeds, outputs)
-        return {name: self._to_torch(value) for name, value in zip(outputs, fetched, strict=True)}
-
-    # ------------------------------------------------------------------------------------------------------ state
-    def state_names(self) -> list[str]:
-        return list(self._state)
-
-    def get_state(self, names: list[str] | None = None) -> dict[str, np.ndarray]:
-        """Copies of the state tensors (never views: the caller must not alias the session's buffers)."""
-        return {n: np.array(self._state[n].numpy(), copy=True) for n in (names or self._state)}
-
-    def set_state(self, values: dict[str, np.ndarray]) -> None:
-        """Replace state tensors; each value must match the current shape. All are checked before any is replaced,
-        so a bad value leaves the state as it was."""
-        arrays = {}
-        for name, value in values.items():
-            if name not in self._state:
-                raise KeyError(f"{name!r} is not a state tensor of this training session")
-            current, array = self._state[name], np.asarray(value)
-            if tuple(array.shape) != tuple(current.shape()):
-                raise ValueError(f"state {name!r}: shape {tuple(array.shape)} does not match {tuple(current.shape())}")
-            arrays[name] = array.astype(_NUMPY_DTYPES[current.data_type()], copy=False)
-        self._state.update({name: self._to_device(array) for name, array in arrays.items()})
-
-    # --------------------------------------------------------------------------------------------------- plumbing
-    def _feeds(self, data: dict[str, torch.Tensor], wanted: set[str] | frozenset[str]) -> dict[str, object]:
-        feeds = {name: self._state[name] for name in wanted if name in self._state}
-        for name, tensor in data.items():
-            if name in wanted:  # inputs the graph does not use were pruned by ORT
-                feeds[name] = _from_torch(tensor)
-        return feeds
-
-    def _run(self, session, feeds: dict[str, object], fetch: list[str]) -> list:
-        # Only what the fetched outputs need runs: accumulation steps skip the optimizer, eval skips unfetched
-        # statistics (the legacy eval_step ran with only_execute_path_to_fetches too).
-        return list(session._sess.run_with_ort_values(feeds, fetch, self._partial_run))
-
-    def _to_device(self, array: np.ndarray):
-        return _owned_ortvalue(array, self.config.device.type, self.config.device.index)
-
-    def _host_scalar(self, value: np.generic):
-        return _owned_ortvalue(np.array(value), "cpu", 0)
-
-    def _to_torch(self, value) -> torch.Tensor:
-        return to_torch_view(value).to(self.config.device.torch_device)
-
-
-_NUMPY_DTYPES = {
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-    "tensor(int8)": np.int8,
-    "tensor(uint8)": np.uint8,
-    "tensor(bool)": np.bool_,
-    "tensor(int16)": np.int16,
-}
-
-
-def _owned_ortvalue(array: np.ndarray, device_type: str, device_index: int):
-    """An OrtValue that owns a copy of `array` on the device.
-
-    `OrtValue.ortvalue_from_numpy` would share the numpy buffer (and only the Python wrapper keeps it alive), so
-    the value is allocated by ONNX Runtime and the data copied in.
-    """
-    import onnxruntime as ort
-
-    array = np.ascontiguousarray(array)
-    value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype, device_type, device_index)
-    value.update_inplace(array)
-    return value._get_c_value()
-
 
 def to_torch_view(value) -> torch.Tensor:
     """A torch tensor sharing the OrtValue's memory (DLPack), on the value's own device."""
@@ -278,16 +276,14 @@ def from_torch(tensor: torch.Tensor):
 
 
 def _from_torch(tensor: torch.Tensor):
-    from onnxruntime.capi import _pybind_state as C
-
     tensor = tensor.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     if tensor.dtype == torch.bool:
         # torch exports bool as DLPack's kDLBool, which onnxruntime 1.19 rejects ("Unsupported code 6"); a uint8 view
         # of the same memory, flagged as bool, is what it accepts.
-        return C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor.view(torch.uint8)), True)
-    return C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False)
+        return ort_private.ortvalue_from_dlpack(torch.utils.dlpack.to_dlpack(tensor.view(torch.uint8)), True)
+    return ort_private.ortvalue_from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False)
 
 
 def _create_session(model: onnx.ModelProto, options, providers: list, config: SessionConfig, optimized_model_path: str):

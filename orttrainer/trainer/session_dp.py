@@ -14,18 +14,21 @@ signature (`GraphRunners`); the optimizer graph does not.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
 import torch
 
 from .distributed import Communicator
-from .graph.data_parallel import DataParallelGraphs
-from .session import GraphRunners, SessionConfig, TrainingSession, from_torch, to_torch_view
+from .graph.data_parallel import DataParallelGraphs, GradientStepGraph
+from .session import GraphRunners, SessionBase, SessionConfig, from_torch, to_torch_view
 
 
-class DataParallelSession(TrainingSession):
+class DataParallelSession(SessionBase):
+    """One rank's sessions: the gradient-step graph(s), the optimizer graph and the eval graph (module docstring)."""
+
     def __init__(
         self,
         graphs: DataParallelGraphs,
@@ -38,9 +41,9 @@ class DataParallelSession(TrainingSession):
         adasum: bool,
         owners: dict[str, int] | None,
         rank: int,
-        step_for: Callable | None = None,
+        step_for: Callable[[Sequence[torch.Tensor]], GradientStepGraph] | None = None,
     ) -> None:
-        self._setup(eval_model, state, config)
+        super().__init__(eval_model, state, config)
         self.graphs, self.graph = graphs, graphs.optimizer
         self.comm = comm
         self._runners = GraphRunners(self._session, graphs.step, step_for, "")
@@ -88,8 +91,15 @@ class DataParallelSession(TrainingSession):
                 to_torch_view(self._state[name]).zero_()
         return self._results(outputs, fetched), finite
 
+    def prepare(self, data: dict[str, torch.Tensor]) -> None:
+        self._runners.for_data(data)
+
     @property
-    def train_session(self):
+    def training_graph_count(self) -> int:
+        return len(self._runners)
+
+    @property
+    def train_session(self) -> Any:
         """The optimizer graph's onnxruntime.InferenceSession."""
         return self._train
 

@@ -36,22 +36,12 @@ from typing import Generic, TypeVar
 import onnx
 import torch
 
+from ...dtypes import torch_to_onnx
 from ..export import _ModelWithLoss
 from . import torch_private
-from .gradient import GradientBuildError
+from .errors import GradientBuildError
 
 MAX_ORT_OPSET = 21  # the newest ONNX opset ONNX Runtime 1.19 runs
-_ONNX_DTYPES = {
-    torch.float32: onnx.TensorProto.FLOAT,
-    torch.float16: onnx.TensorProto.FLOAT16,
-    torch.bfloat16: onnx.TensorProto.BFLOAT16,
-    torch.float64: onnx.TensorProto.DOUBLE,
-    torch.int64: onnx.TensorProto.INT64,
-    torch.int32: onnx.TensorProto.INT32,
-    torch.int8: onnx.TensorProto.INT8,
-    torch.uint8: onnx.TensorProto.UINT8,
-    torch.bool: onnx.TensorProto.BOOL,
-}
 
 ShapeSignature = tuple[tuple[tuple[int, ...], str], ...]
 T = TypeVar("T")
@@ -410,7 +400,7 @@ def _order_inputs(model: onnx.ModelProto, data: list[str], state: dict[str, torc
     for name in [*data, *state]:
         if name not in by_name:
             by_name[name] = onnx.helper.make_tensor_value_info(
-                name, _ONNX_DTYPES[state[name].dtype], list(state[name].shape)
+                name, torch_to_onnx(state[name].dtype), list(state[name].shape)
             )
         ordered.append(by_name[name])
     del model.graph.input[:]

@@ -31,12 +31,18 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .editor import copy_model
+from .. import ort_private
+from ..graph.editor import copy_model
+from .errors import GradientBuildError
+
+if TYPE_CHECKING:
+    from ...schema.options import ORTTrainerOptions
 
 STRATEGIES = ("NONE", "INSERT_AND_REDUCE", "FLOOD_FILL")
 
@@ -53,6 +59,14 @@ class GradientOptions:
     def __post_init__(self) -> None:
         if self.cast_strategy not in STRATEGIES:
             raise ValueError(f"unknown cast propagation strategy {self.cast_strategy!r}; expected one of {STRATEGIES}")
+
+    @classmethod
+    def from_options(cls, options: ORTTrainerOptions) -> GradientOptions:
+        """`graph_transformer.propagate_cast_ops_config` and `utils.memory_efficient_gradient` of `options`. A
+        strategy of None is NONE (no cast propagation)."""
+        cast = options.graph_transformer.propagate_cast_ops_config
+        strategy = "NONE" if cast.strategy is None else type(cast.strategy)(cast.strategy).name
+        return cls(strategy, cast.level, tuple(cast.allow), options.utils.memory_efficient_gradient)
 
     @property
     def builtin_cast_propagation(self) -> bool:
@@ -71,12 +85,8 @@ def build_configured_gradient_graph(
     """`model` (state tensors already graph inputs) -> model with the forward outputs and `<p>_grad` outputs.
 
     Raises whatever `OrtModuleGraphBuilder` raises (the caller explains it) or `GradientBuildError`."""
-    from onnxruntime.capi import _pybind_state as C
-
-    from .gradient import GradientBuildError
-
-    builder = _graph_builder(C, model, loss_name, trainable, state, options.memory_efficient)
-    builder.build(_transformer_configuration(C, options))
+    builder = _graph_builder(model, loss_name, trainable, state, options.memory_efficient)
+    builder.build(_transformer_configuration(options))
     graded = onnx.load_from_string(builder.get_gradient_model())
     _seed_loss_gradient(graded, loss_name, _elem_type(model, loss_name))
     produced = {out for node in graded.graph.node for out in node.output} | {i.name for i in graded.graph.input}
@@ -94,33 +104,19 @@ def build_configured_gradient_graph(
 
 
 def _graph_builder(
-    C, model: onnx.ModelProto, loss_name: str, trainable: list[str], state: list[str], memory_efficient: bool
-):
+    model: onnx.ModelProto, loss_name: str, trainable: list[str], state: list[str], memory_efficient: bool
+) -> Any:
     """An `OrtModuleGraphBuilder` initialised with `model` reduced to its loss output (the builder differentiates
     every graph output), `state` as initializers and `trainable` as the tensors to differentiate for."""
     loss_only = copy_model(model)
     del loss_only.graph.output[:]
     loss_only.graph.output.extend(o for o in model.graph.output if o.name == loss_name)
-    config = C.OrtModuleGraphBuilderConfiguration()
-    config.initializer_names = list(state)
-    config.initializer_names_to_train = list(trainable)
-    config.input_names_require_grad = []
-    config.build_gradient_graph = True
-    config.use_memory_efficient_gradient = memory_efficient
-    config.loglevel = C.Severity.ERROR
-    builder = C.OrtModuleGraphBuilder()
-    builder.initialize(loss_only.SerializeToString(), config)
-    return builder
+    return ort_private.module_graph_builder(loss_only.SerializeToString(), state, trainable, memory_efficient)
 
 
-def _transformer_configuration(C, options: GradientOptions):
-    cast = C.PropagateCastOpsConfiguration()
-    cast.strategy = getattr(C.PropagateCastOpsStrategy, options.cast_strategy)
-    cast.level = options.cast_level if options.cast_strategy != "NONE" else -1
-    cast.allow = list(options.cast_allow)
-    config = C.TrainingGraphTransformerConfiguration()
-    config.propagate_cast_ops_config = cast
-    return config
+def _transformer_configuration(options: GradientOptions, pre_grad_path: str = "") -> Any:
+    level = options.cast_level if options.cast_strategy != "NONE" else -1
+    return ort_private.transformer_configuration(options.cast_strategy, level, options.cast_allow, pre_grad_path)
 
 
 def _seed_loss_gradient(model: onnx.ModelProto, loss_name: str, elem_type: int) -> None:
@@ -146,12 +142,8 @@ def pre_gradient_model(
 ) -> onnx.ModelProto:
     """The forward model after ONNX Runtime's pre-training transformers under `options` (for tests and debugging:
     where cast propagation shows)."""
-    from onnxruntime.capi import _pybind_state as C
-
-    builder = _graph_builder(C, model, loss_name, trainable, state, memory_efficient=False)
-    transformers = _transformer_configuration(C, options)
+    builder = _graph_builder(model, loss_name, trainable, state, memory_efficient=False)
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "pre_gradient.onnx")
-        transformers.optimized_pre_grad_filepath = path
-        builder.build(transformers)
+        builder.build(_transformer_configuration(options, path))
         return onnx.load(path)

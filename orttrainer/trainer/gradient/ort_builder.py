@@ -4,8 +4,8 @@ Contract shared by every gradient builder: given a forward model whose output `l
 model that additionally outputs `<param>_grad` for every trainable parameter, with every state tensor (trainable
 and frozen) as a graph input, so that weights are fed per step instead of baked into the session.
 
-This is the only module that touches ONNX Runtime's private training-graph API (`get_optimized_model`,
-`GradientGraphBuilder` in `onnxruntime.capi._pybind_state`), so an ORT upgrade breaks one place.
+ONNX Runtime's private training-graph API (`get_optimized_model`, `GradientGraphBuilder`) is reached through
+`trainer/ort_private.py`.
 """
 
 from __future__ import annotations
@@ -16,21 +16,10 @@ from collections.abc import Iterable
 import onnx
 from onnx import helper
 
-from .editor import copy_model
-from .gradient_options import GradientOptions, build_configured_gradient_graph
-
-
-class GradientBuildError(RuntimeError):
-    """A gradient builder could not differentiate the model; the message names the op and node.
-
-    `unreachable` lists the parameters without a differentiable path to the loss (the caller may freeze them);
-    `op_type` names the op ONNX Runtime has no gradient for (the caller may switch to the torch builder).
-    """
-
-    def __init__(self, message: str, unreachable: list[str] | None = None, op_type: str | None = None) -> None:
-        super().__init__(message)
-        self.unreachable = unreachable or []
-        self.op_type = op_type
+from .. import ort_private
+from ..graph.editor import copy_model
+from .errors import GradientBuildError
+from .ort_options import GradientOptions, build_configured_gradient_graph
 
 
 def move_initializers_to_inputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
@@ -67,7 +56,6 @@ def build_ort_gradient_graph(
     defaults (cast propagation, memory-efficient gradients) go through `gradient_options.py`.
     """
     from onnxruntime import SessionOptions
-    from onnxruntime.capi import _pybind_state as C
 
     model = move_initializers_to_inputs(forward, state)
     session_options = SessionOptions()
@@ -77,10 +65,12 @@ def build_ort_gradient_graph(
         if options is not None and not options.builtin:
             graded = build_configured_gradient_graph(model, loss_name, trainable, state, options)
         else:
-            optimized = C.get_optimized_model(model.SerializeToString(), requires_grad, session_options)
-            builder = C.GradientGraphBuilder(optimized, {loss_name}, requires_grad, loss_name, session_options)
-            builder.build()
-            graded = onnx.load_from_string(builder.get_model())
+            optimized = ort_private.pre_training_optimized_model(
+                model.SerializeToString(), requires_grad, session_options
+            )
+            graded = onnx.load_from_string(
+                ort_private.gradient_graph(optimized, loss_name, requires_grad, session_options)
+            )
     except GradientBuildError:
         raise
     except Exception as err:  # the pybind layer raises plain RuntimeError/Fail with the C++ message

@@ -1,0 +1,199 @@
+"""The trainer's validated configuration: what the user handed to `ORTTrainer(...)`, checked once, at construction.
+
+`make_config` raises the legacy errors for bad arguments (docs/legacy_api.md §3.1) and refuses option values this
+build cannot honour: an option is never accepted and then silently ignored — a value the trainer cannot honour
+raises `NotImplementedError` naming the option and what to do instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+import torch
+
+from .. import amp
+from .._require import require
+from ..optim.config import _OptimizerConfig
+from ..schema.model_desc import _ORTTrainerModelDesc
+from ..schema.options import ORTTrainerOptions
+from .distributed import DistributedContext, check_adasum_world_size, resolve_context
+from .graph.recompute import RecomputePlan
+
+
+@dataclass(frozen=True)
+class Device:
+    """`device.id` parsed: 'cpu', or 'cuda' with an index."""
+
+    type: str
+    index: int = 0
+
+    @classmethod
+    def parse(cls, device_id: str) -> Device:
+        """'cpu', 'cuda' or 'cuda:<index>' (case and surrounding spaces ignored); ValueError otherwise."""
+        text = device_id.strip().lower()
+        if text == "cpu":
+            return cls("cpu")
+        if text == "cuda" or text.startswith("cuda:"):
+            index = text.partition(":")[2]
+            if index and not index.isdigit():
+                raise ValueError(f"options device.id {device_id!r}: expected 'cpu', 'cuda' or 'cuda:<index>'")
+            return cls("cuda", int(index or 0))
+        raise ValueError(f"options device.id {device_id!r}: expected 'cpu', 'cuda' or 'cuda:<index>'")
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The same device as a `torch.device`."""
+        return torch.device(self.type, self.index) if self.type == "cuda" else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Everything `ORTTrainer` was configured with, validated. `model_desc` is the one mutable part: the trainer
+    records input and output dtypes in it once they are known (as the original did, docs/legacy_api.md §3.4)."""
+
+    model_desc: _ORTTrainerModelDesc
+    optim_config: _OptimizerConfig
+    options: ORTTrainerOptions
+    loss_fn: Callable[..., Any] | None
+    device: Device
+    distributed: DistributedContext | None  # None: one process
+
+    @property
+    def rank(self) -> int:
+        return self.distributed.rank if self.distributed else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.distributed.world_size if self.distributed else 1
+
+    @property
+    def accumulation_steps(self) -> int:
+        return int(self.options.batch.gradient_accumulation_steps)
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.options.distributed.deepspeed_zero_optimization.stage)
+
+    @property
+    def loss_scaler(self) -> amp.LossScaler | None:
+        """The loss scaler under mixed precision (a DynamicLossScaler unless the options name one), else None."""
+        mixed_precision = self.options.mixed_precision
+        return mixed_precision.loss_scaler if mixed_precision.enabled else None
+
+
+def make_config(
+    model: object,
+    model_desc: object,
+    optim_config: object,
+    loss_fn: object,
+    options: object,
+) -> TrainerConfig:
+    """Check `ORTTrainer`'s arguments (legacy errors first) and return the configuration; may initialise
+    `torch.distributed` (see `distributed.resolve_context`)."""
+    require(model is not None, "'model' is required and must be either a 'torch.nn.Module' or ONNX model")
+    require(isinstance(model_desc, dict), "'model_desc' must be a 'dict'")
+    require(
+        isinstance(optim_config, _OptimizerConfig),
+        "'optim_config' is required and must be any of 'AdamConfig', 'LambConfig' or 'SGDConfig'",
+    )
+    require(
+        loss_fn is None or _takes_two_arguments(loss_fn),
+        "'loss_fn' must be either 'None' or a callable with two parameters",
+    )
+    require(
+        options is None or isinstance(options, ORTTrainerOptions),
+        "'options' must be either 'None' or 'ORTTrainerOptions'",
+    )
+    if isinstance(model, onnx.ModelProto):
+        require(loss_fn is None, "'loss_fn' must not be specified when 'model' is an ONNX model")
+    elif not isinstance(model, torch.nn.Module):
+        raise ValueError("'model' must be either 'torch.nn.Module' or 'onnx.ModelProto'")
+    assert isinstance(model_desc, dict) and isinstance(optim_config, _OptimizerConfig)  # checked above
+    checked_options = options if isinstance(options, ORTTrainerOptions) else ORTTrainerOptions()
+    description = _ORTTrainerModelDesc(model_desc)
+    if checked_options.mixed_precision.enabled and not checked_options.mixed_precision.loss_scaler:
+        checked_options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
+    check_supported_options(checked_options)
+    device = Device.parse(checked_options.device.id)
+    distributed = resolve_context(checked_options, device.type)
+    if distributed and device.type == "cuda" and checked_options.device.id.strip().lower() == "cuda":
+        device = Device("cuda", distributed.local_rank)  # one GPU per local rank
+    check_data_parallel_options(checked_options, distributed.world_size if distributed else 1)
+    function = loss_fn if callable(loss_fn) else None
+    return TrainerConfig(description, optim_config, checked_options, function, device, distributed)
+
+
+def _takes_two_arguments(fn: object) -> bool:
+    """A loss function must accept `(predictions, label)`. Legacy demanded exactly two parameters, which rejected
+    `torch.nn.functional.cross_entropy`; any callable that can bind two positional arguments is accepted."""
+    if not callable(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature available (some builtins): trust the caller
+        return True
+    return True
+
+
+# option path -> (predicate on the value that means "cannot be honoured", what to do instead)
+_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "distributed.horizontal_parallel_size": (lambda v: v > 1, "use data parallelism or a single process"),
+    "distributed.pipeline_parallel.pipeline_parallel_size": (lambda v: v > 1, "use a single pipeline stage"),
+    "distributed.pipeline_parallel.num_pipeline_micro_batches": (lambda v: v > 1, "use gradient accumulation"),
+    "distributed.pipeline_parallel.pipeline_cut_info_string": (bool, "leave it empty (no pipeline parallelism)"),
+    "distributed.pipeline_parallel.sliced_schema": (bool, "leave it empty (no pipeline parallelism)"),
+    "distributed.pipeline_parallel.sliced_axes": (bool, "leave it empty (no pipeline parallelism)"),
+    "distributed.pipeline_parallel.sliced_tensor_names": (bool, "leave it empty (no pipeline parallelism)"),
+}
+
+
+def check_supported_options(options: ORTTrainerOptions) -> None:
+    """Raise NotImplementedError for the first option value this build cannot honour."""
+    for path, (unsupported, instead) in _UNSUPPORTED.items():
+        value = _lookup(options._validated_opts, path)
+        if unsupported(value):
+            raise NotImplementedError(f"options {path}={value!r} is not supported by this orttrainer build; {instead}.")
+    recompute_plan(options)
+
+
+def recompute_plan(options: ORTTrainerOptions) -> RecomputePlan:
+    """`graph_transformer`'s recompute flags as a `RecomputePlan` (graph/recompute.py)."""
+    gt = options.graph_transformer
+    if gt.number_recompute_layers > 0 and not gt.transformer_layer_recompute:
+        raise ValueError(
+            f"options graph_transformer.number_recompute_layers={gt.number_recompute_layers} only takes "
+            "effect with graph_transformer.transformer_layer_recompute=True"
+        )
+    layers = gt.number_recompute_layers if gt.transformer_layer_recompute else None
+    return RecomputePlan(gelu=gt.gelu_recompute, attention_dropout=gt.attn_dropout_recompute, layers=layers)
+
+
+def check_data_parallel_options(options: ORTTrainerOptions, world_size: int) -> None:
+    """Distributed options that only make sense together (checked once the world size is known)."""
+    dist = options.distributed
+    if dist.data_parallel_size not in (1, world_size):
+        raise ValueError(
+            f"options distributed.data_parallel_size={dist.data_parallel_size} must equal the world size "
+            f"({world_size}): every rank is a data-parallel rank"
+        )
+    if dist.enable_adasum:
+        check_adasum_world_size(world_size)
+        if not dist.allreduce_post_accumulation and options.batch.gradient_accumulation_steps > 1:
+            raise NotImplementedError(
+                "options distributed.enable_adasum with allreduce_post_accumulation=False and gradient accumulation: "
+                "Adasum combines each rank's accumulated gradient once per optimizer step; set "
+                "distributed.allreduce_post_accumulation=True"
+            )
+
+
+def _lookup(tree: dict, path: str) -> Any:
+    value: Any = tree
+    for key in path.split("."):
+        value = value[key]
+    return value

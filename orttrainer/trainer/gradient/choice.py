@@ -1,0 +1,96 @@
+"""Which gradient builder differentiates a model (option `_internal_use.gradient_builder`).
+
+'ort' is ONNX Runtime's C++ builder on the exported ONNX graph (`ort_builder.py`); 'torch' traces PyTorch's own
+autograd (`torch_builder.py`); 'auto' (the default) takes 'torch' for a model with a custom
+`torch.autograd.Function` (the exporter inlines its forward, so only the torch builder keeps the user's backward)
+and otherwise tries 'ort', falling back to 'torch' when ONNX Runtime has no gradient for an op
+(`differentiate.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .ort_options import GradientOptions
+
+if TYPE_CHECKING:
+    from ...schema.options import ORTTrainerOptions
+
+OPTION = "_internal_use.gradient_builder"
+
+
+@dataclass(frozen=True)
+class BuilderChoice:
+    """`builder`: 'ort', 'torch', or 'auto' before compiling (try 'ort', fall back to 'torch' on an op without an
+    ORT gradient); after compiling, the builder that made the graph. `reason`: why, for the log."""
+
+    builder: str
+    reason: str
+
+
+def ort_only_options(options: ORTTrainerOptions) -> list[str]:
+    """The options set in `options` (an ORTTrainerOptions) that transform the exported ONNX graph, which only the
+    'ort' builder trains from; recompute, cast propagation other than ONNX Runtime's default and memory-efficient
+    gradients act on ONNX Runtime's gradient graph. (The trainer adds 'orttrainer.debug statistics' when a
+    StatisticsSubscriber's manager is subscribed to the model: the statistics are outputs of the exported graph's
+    marked tensors.)"""
+    graph = options.graph_transformer
+    cast_propagation = not GradientOptions.from_options(options).builtin_cast_propagation
+    checks = (
+        ("_internal_use.extra_postprocess", options._internal_use.extra_postprocess is not None),
+        ("mixed_precision.enabled", bool(options.mixed_precision.enabled)),
+        ("graph_transformer.gelu_recompute", graph.gelu_recompute),
+        ("graph_transformer.attn_dropout_recompute", graph.attn_dropout_recompute),
+        ("graph_transformer.transformer_layer_recompute", graph.transformer_layer_recompute),
+        ("graph_transformer.propagate_cast_ops_config", cast_propagation),
+        ("utils.memory_efficient_gradient", options.utils.memory_efficient_gradient),
+    )
+    return [name for name, is_set in checks if is_set]
+
+
+def choose_builder(
+    option: str, *, onnx_model: bool = False, custom_functions: Sequence[str] = (), ort_only: Sequence[str] = ()
+) -> BuilderChoice:
+    """Rules, in order:
+    - an ONNX model uses 'ort' ('torch' is a ValueError: the torch builder traces a `torch.nn.Module`);
+    - `ort_only` features (see `ort_only_options`) need 'ort': with them 'torch' is a NotImplementedError (so is
+      'auto' with custom Functions), and 'auto' means 'ort';
+    - 'ort' with custom Functions is a NotImplementedError naming them (their backward would be ignored);
+    - 'torch', and 'auto' with custom Functions, mean 'torch'; 'auto' otherwise stays 'auto'."""
+    functions, ort_only = list(custom_functions), list(ort_only)
+    if onnx_model:
+        if option == "torch":
+            raise ValueError(
+                f"options {OPTION}='torch' needs a torch.nn.Module (it traces PyTorch's autograd), but "
+                "the model is an ONNX model; use 'ort' or 'auto' (ONNX models always use 'ort')"
+            )
+        return BuilderChoice("ort", "the model is an ONNX model")
+    wants_torch = option == "torch" or (option == "auto" and functions)
+    if ort_only and wants_torch:
+        why = f"the model uses custom torch.autograd.Function(s) {functions}, which need " if option == "auto" else ""
+        raise NotImplementedError(
+            f"{ort_only} transform the exported ONNX graph, which only the 'ort' gradient builder trains "
+            f"from, but {why}the 'torch' gradient builder (it traces the PyTorch module and would ignore them). "
+            f"Turn {ort_only} off" + ("." if functions else f", or set {OPTION}='ort'.")
+        )
+    if option == "ort" and functions:
+        raise NotImplementedError(
+            f"the model uses custom torch.autograd.Function(s) {functions}: the ONNX exporter inlines their forward "
+            "and ONNX Runtime's gradient builder would ignore their backward (a silently wrong gradient). Set "
+            f"options {OPTION} to 'torch' or 'auto' (the default) to train it with PyTorch's autograd."
+        )
+    if option == "torch":
+        return BuilderChoice("torch", f"options {OPTION}='torch'")
+    if option == "ort":
+        return BuilderChoice("ort", f"options {OPTION}='ort'")
+    if functions:
+        return BuilderChoice(
+            "torch",
+            f"auto: the model uses custom torch.autograd.Function(s) {functions}, whose "
+            "backward only the torch builder keeps",
+        )
+    if ort_only:
+        return BuilderChoice("ort", f"auto: {ort_only} need the 'ort' builder")
+    return BuilderChoice("auto", "auto: no custom torch.autograd.Function")

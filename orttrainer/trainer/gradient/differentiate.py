@@ -1,0 +1,110 @@
+"""Run the chosen gradient builder on a forward model: 'auto''s fallback, and parameters that do not reach the loss.
+
+Rules:
+- 'ort' runs ONNX Runtime's builder on the forward model; 'torch' traces the PyTorch module; 'auto' tries 'ort' and,
+  when ONNX Runtime has no gradient for an op (a `GradientBuildError` naming it) and the model is a PyTorch module,
+  builds with 'torch' from the parameter lists as they were before the 'ort' attempt.
+- A parameter without a differentiable path to the loss is frozen, with a warning naming it, and the builder runs
+  again without it — PyTorch leaves its `.grad` None and its optimizers skip it.
+Nothing passed in is modified: the result carries the final trainable and frozen lists.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import onnx
+import torch
+
+from .choice import BuilderChoice
+from .errors import GradientBuildError
+from .ort_builder import build_ort_gradient_graph
+from .ort_options import GradientOptions
+from .torch_graphs import TorchSource, torch_gradient_model
+
+_logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GradientRequest:
+    """What a gradient builder needs: the forward model ('ort'), or the module and a first batch ('torch')."""
+
+    forward: onnx.ModelProto
+    loss_name: str  # the loss 'ort' differentiates (under mixed precision: the scaled loss)
+    outputs: list[str]  # model_desc outputs, loss first
+    trainable: list[str]
+    frozen: list[str]
+    choice: BuilderChoice
+    gradient_options: GradientOptions | None = None
+    torch_source: TorchSource | None = None
+    sample_inputs: Sequence[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class Differentiated:
+    """The gradient model, the builder that made it (and why), and the final parameter lists."""
+
+    model: onnx.ModelProto
+    builder: BuilderChoice
+    trainable: list[str]
+    frozen: list[str]
+
+
+def differentiate(request: GradientRequest) -> Differentiated:
+    """The gradient model of `request` by the rules above."""
+    if request.choice.builder == "torch":
+        return _freezing_unreachable(request, _torch_builder, request.choice)
+    try:
+        return _freezing_unreachable(request, _ort_builder, _ort_choice(request.choice))
+    except GradientBuildError as err:
+        if request.choice.builder != "auto" or err.op_type is None or request.torch_source is None:
+            raise
+        _logger.info(
+            "ONNX Runtime has no gradient for op '%s'; building the gradient graph with the torch builder",
+            err.op_type,
+        )
+        reason = f"auto: ONNX Runtime's gradient builder cannot differentiate op '{err.op_type}'"
+        return _freezing_unreachable(request, _torch_builder, BuilderChoice("torch", reason))
+
+
+def _ort_choice(choice: BuilderChoice) -> BuilderChoice:
+    if choice.builder == "auto":
+        return BuilderChoice("ort", "auto: no custom torch.autograd.Function, and ONNX Runtime differentiates every op")
+    return choice
+
+
+def _ort_builder(request: GradientRequest, trainable: list[str], frozen: list[str]) -> onnx.ModelProto:
+    return build_ort_gradient_graph(
+        request.forward, request.loss_name, trainable, trainable + frozen, request.gradient_options
+    )
+
+
+def _torch_builder(request: GradientRequest, trainable: list[str], frozen: list[str]) -> onnx.ModelProto:
+    if request.torch_source is None or request.sample_inputs is None:
+        raise ValueError("the torch gradient builder needs the PyTorch module and a first batch")
+    return torch_gradient_model(
+        request.torch_source, request.sample_inputs, request.outputs, trainable, trainable + frozen
+    )
+
+
+Builder = Callable[[GradientRequest, list[str], list[str]], onnx.ModelProto]
+
+
+def _freezing_unreachable(request: GradientRequest, build: Builder, choice: BuilderChoice) -> Differentiated:
+    trainable, frozen = list(request.trainable), list(request.frozen)
+    while True:
+        try:
+            return Differentiated(build(request, trainable, frozen), choice, trainable, frozen)
+        except GradientBuildError as err:
+            if not err.unreachable or not set(err.unreachable) <= set(trainable):
+                raise
+            warnings.warn(
+                f"parameters {err.unreachable} do not influence the loss; they are not trained "
+                "(as PyTorch leaves their gradient None)",
+                stacklevel=2,
+            )
+            trainable = [p for p in trainable if p not in err.unreachable]
+            frozen = frozen + err.unreachable

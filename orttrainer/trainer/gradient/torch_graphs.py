@@ -1,0 +1,88 @@
+"""The torch builder as the compiler uses it: what it traces (`TorchSource`) and the gradient model for one batch's
+input shapes, with the trainer's state as its only state inputs.
+
+Rules:
+- State: the traced graph takes every parameter and buffer of the module; the session feeds the trainer's state
+  (the tensors the forward uses). Other state inputs become constants or disappear (`bind_foreign_state`).
+- Shapes: a traced graph is valid only for the input shapes and dtypes it was traced with (see `torch_builder.py`);
+  the compiler keeps one per shape signature.
+- Mode: the module is traced in the train/eval mode it had when the trainer first saw it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import onnx
+import torch
+from onnx import numpy_helper
+
+from ...debug.subscriber import no_increase_global_step
+from .torch_builder import build_torch_gradient_graph
+
+
+@dataclass(frozen=True)
+class TorchSource:
+    """What the torch builder traces: `_ModelWithLoss(module, loss_fn, input_names)` in mode `training`."""
+
+    module: torch.nn.Module
+    loss_fn: Callable | None
+    input_names: list[str]
+    opset_version: int
+    training: bool
+
+
+def torch_gradient_model(
+    source: TorchSource, inputs: Sequence[torch.Tensor], outputs: list[str], trainable: list[str], state: list[str]
+) -> onnx.ModelProto:
+    """The gradient model for `inputs`' shapes: the data and the trainer's `state` tensors (trainable and frozen)
+    as graph inputs; `outputs` (loss first), then `<p>_grad` for each of `trainable`, as graph outputs."""
+    params = {name for name, _ in source.module.named_parameters()}
+    frozen = [n for n in state if n in params and n not in set(trainable)]
+    # orttrainer.debug hooks pass values through while tracing: no step counted, no file written from fake tensors
+    with _mode(source.module, source.training), no_increase_global_step():
+        graph = build_torch_gradient_graph(
+            source.module,
+            source.loss_fn,
+            source.input_names,
+            list(inputs),
+            outputs,
+            trainable,
+            frozen,
+            source.opset_version,
+        )
+    values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
+    return bind_foreign_state(graph.model, len(source.input_names), state, values)
+
+
+@contextlib.contextmanager
+def _mode(module: torch.nn.Module, training: bool) -> Iterator[None]:
+    was_training = module.training
+    module.train(training)
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def bind_foreign_state(
+    model: onnx.ModelProto, data_count: int, state: Sequence[str], values: dict[str, torch.Tensor]
+) -> onnx.ModelProto:
+    """Rule: every graph input after the first `data_count` (the data) that is not in `state` becomes an initializer
+    holding `values[name]` when a node reads it, and is removed when none does. `model` is modified and returned.
+
+    Why: the torch builder's graph takes all module state; the trainer feeds only its own state, which leaves out
+    tensors the exported forward does not use (BatchNorm's `num_batches_tracked`, unused parameters)."""
+    kept = set(state)
+    read = {name for node in model.graph.node for name in node.input}
+    foreign = [i for i in list(model.graph.input)[data_count:] if i.name not in kept]
+    missing = [i.name for i in foreign if i.name in read and i.name not in values]
+    if missing:
+        raise ValueError(f"graph inputs {missing} are neither trainer state nor module state with a value")
+    for value in foreign:
+        model.graph.input.remove(value)
+        if value.name in read:
+            model.graph.initializer.append(numpy_helper.from_array(values[value.name].cpu().numpy(), value.name))
+    return model

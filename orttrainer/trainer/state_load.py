@@ -1,0 +1,203 @@
+"""Loading a state into the live session: the legacy layout of `state.py`, a plain PyTorch module state_dict, or
+the experimental API's flat `{name: tensor}`. Every value is checked before any is applied (`set_state`), so a bad
+state leaves the trainer as it was."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from .build import Built
+from .config import TrainerConfig
+from .progress import StepCounters
+from .state import (
+    ACCUMULATION,
+    BUFFER_SUFFIX,
+    FULL_PRECISION,
+    LEGACY_FULL_PRECISION,
+    LOSS_SCALER,
+    SHARED,
+    build_state_dict,
+)
+
+
+def is_pytorch_state_dict(state_dict: dict[str, Any]) -> bool:
+    """A plain module state_dict: flat names -> tensors/arrays, none of the legacy top-level keys."""
+    return (
+        bool(state_dict)
+        and not ({"model", "optimizer", "trainer_options"} & set(state_dict))
+        and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in state_dict.values())
+    )
+
+
+def apply_state_dict(
+    built: Built, config: TrainerConfig, counters: StepCounters, state_dict: dict[str, Any], strict: bool
+) -> None:
+    """Load `state_dict` (legacy layout, or a plain PyTorch module state_dict) into the live session."""
+    if is_pytorch_state_dict(state_dict):
+        _load_pytorch_weights(built, state_dict, strict)
+        return
+    state_dict = _normalise_precision_key(state_dict)
+    if state_dict.get("optimizer"):  # before the key checks: a different optimizer explains every key difference
+        _check_optimizer_name(config, state_dict)
+    if strict:
+        _check_keys(build_state_dict(built, config, counters), state_dict, config.zero_stage)
+    values: dict[str, np.ndarray] = {}
+    if "model" in state_dict:
+        values.update(_model_values(built, state_dict["model"], strict))
+    updates = None
+    if "optimizer" in state_dict:
+        moments, updates = _optimizer_values(built, state_dict["optimizer"])
+        values.update(moments)
+    values.update(_accumulation_values(built, state_dict.get(ACCUMULATION, {})))
+    built.session.set_state(values)  # validates every shape before anything changes
+    if updates is not None:
+        counters.optimizer_updates = updates
+    _load_loss_scaler(config, state_dict.get(LOSS_SCALER))
+    _load_train_step_info(counters, state_dict)
+
+
+def load_flat_state(built: Built, counters: StepCounters, flat: dict[str, Any], strict: bool) -> None:
+    """Inverse of `state.flat_state`; unknown names are an error under `strict`."""
+    graph = built.compiled.training
+    known = set(built.state_names) | set(graph.optimizer_state)
+    update_counts = {k: v for k, v in flat.items() if k.startswith("Update_Count_") or k == "Step"}
+    unknown = sorted(set(flat) - known - set(update_counts))
+    if strict and unknown:
+        raise RuntimeError(f"Checkpoint tensor: {unknown[0]} is not present in the model.")
+    built.session.set_state({k: _as_array(v) for k, v in flat.items() if k in known})
+    if update_counts:
+        values = {int(_as_array(v).reshape(-1)[0]) for v in update_counts.values()}
+        if len(values) > 1:
+            raise ValueError(f"the checkpoint's optimizer update counters differ ({sorted(values)})")
+        counters.optimizer_updates = values.pop() - 1
+
+
+def _load_loss_scaler(config: TrainerConfig, saved: dict[str, Any] | None) -> None:
+    """A checkpoint from a mixed-precision run carries its loss scale; an fp32 trainer has no use for it."""
+    scaler = config.loss_scaler
+    if saved is None or scaler is None:
+        return
+    scaler.loss_scale = float(saved["loss_scale"])
+    if hasattr(scaler, "_stable_steps_count"):
+        scaler._stable_steps_count = int(saved["stable_steps"])
+
+
+def _model_values(built: Built, model: dict[str, Any], strict: bool) -> dict[str, np.ndarray]:
+    known = set(built.state_names)
+    values = {}
+    for precision, weights in model.items():
+        for name, value in weights.items():
+            if name in known:
+                values[name] = _as_array(value)
+            elif strict:
+                raise RuntimeError(f"Unexpected key: {name} in state_dict[model][{precision}]")
+    return values
+
+
+def _optimizer_values(built: Built, optimizer: dict[str, Any]) -> tuple[dict[str, np.ndarray], int | None]:
+    if not optimizer:
+        return {}, None
+    values, counts = {}, set()
+    moments = built.compiled.training.optimizer_state
+    for weight, entry in optimizer.items():
+        if weight == SHARED:
+            counts.update(int(np.asarray(v).reshape(-1)[0]) for k, v in entry.items() if k in ("Step", "step"))
+            continue
+        for key in ("Moment_1", "Moment_2"):
+            if key in entry and f"{key}_{weight}" in moments:
+                values[f"{key}_{weight}"] = _as_array(entry[key])
+        if "Update_Count" in entry:
+            counts.add(int(np.asarray(entry["Update_Count"]).reshape(-1)[0]))
+    if len(counts) > 1:
+        raise ValueError(
+            f"the checkpoint's optimizer update counters differ between weights ({sorted(counts)}); "
+            "orttrainer keeps one counter for all weights"
+        )
+    return values, (counts.pop() - 1 if counts else None)
+
+
+def _check_optimizer_name(config: TrainerConfig, state_dict: dict[str, Any]) -> None:
+    theirs = state_dict["trainer_options"]["optimizer_name"]
+    theirs = theirs.decode() if isinstance(theirs, bytes) else str(theirs)
+    mine = config.optim_config.name
+    if theirs != mine:
+        raise AssertionError(f"Optimizer mismatch: expected {mine}, got {theirs}")
+
+
+def _accumulation_values(built: Built, buffers: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The saved partial sums, or zeros for every buffer (a checkpoint saved at a window boundary has none)."""
+    values = {}
+    for name in built.compiled.accumulation_buffers:
+        weight = name.removesuffix(BUFFER_SUFFIX)
+        saved = buffers.get(weight)
+        values[name] = _as_array(saved) if saved is not None else np.zeros(built.compiled.shapes[weight], np.float32)
+    return values
+
+
+def _load_pytorch_weights(built: Built, state_dict: dict[str, Any], strict: bool) -> None:
+    known = set(built.state_names)
+    info = built.torch
+    ignorable = set(info.aliases) | set(info.unused_state) if info is not None else set()
+    if strict:
+        missing = sorted(known - set(state_dict))
+        unexpected = sorted(set(state_dict) - known - ignorable)
+        if missing:
+            raise RuntimeError(f"Missing keys: {missing} in state_dict")
+        if unexpected:
+            raise RuntimeError(f"Unexpected keys: {unexpected} in state_dict")
+    built.session.set_state({k: _as_array(v) for k, v in state_dict.items() if k in known})
+
+
+def _load_train_step_info(counters: StepCounters, state_dict: dict[str, Any]) -> None:
+    info = state_dict.get("train_step_info")
+    if info is None:
+        warnings.warn("Missing key: train_step_info in state_dict", stacklevel=2)
+        return
+    counters.info.optimization_step = int(info["optimization_step"])
+    counters.info.step = int(info["step"])
+
+
+def _check_keys(current: dict[str, Any], loaded: dict[str, Any], zero_stage: int) -> None:
+    """Strict mode: the legacy key checks, missing keys reported before unexpected ones."""
+    allow_unexpected = zero_stage > 0
+    if "model" not in loaded:
+        warnings.warn("Missing key: model in state_dict", stacklevel=2)
+    else:
+        _compare(current["model"], loaded["model"], "state_dict[model]", allow_unexpected)
+        for precision in current["model"]:
+            where = f"state_dict[model][{precision}]"
+            _compare(current["model"][precision], loaded["model"][precision], where, allow_unexpected)
+    if "optimizer" not in loaded:
+        warnings.warn("Missing key: optimizer in state_dict", stacklevel=2)
+        return
+    _compare(current["optimizer"], loaded["optimizer"], "state_dict[optimizer]", allow_unexpected)
+    for weight in current["optimizer"]:
+        where = f"state_dict[optimizer][{weight}]"
+        _compare(current["optimizer"][weight], loaded["optimizer"][weight], where, allow_unexpected)
+
+
+def _compare(current: dict[str, Any], loaded: dict[str, Any], where: str, allow_unexpected: bool) -> None:
+    missing = [k for k in current if k not in loaded]
+    if missing:
+        raise RuntimeError(f"Missing keys: {missing} in {where}")
+    unexpected = [k for k in loaded if k not in current]
+    if unexpected and not allow_unexpected:
+        raise RuntimeError(f"Unexpected keys: {unexpected} in {where}")
+
+
+def _normalise_precision_key(state_dict: dict[str, Any]) -> dict[str, Any]:
+    model = state_dict.get("model")
+    if isinstance(model, dict) and LEGACY_FULL_PRECISION in model and FULL_PRECISION not in model:
+        model = {FULL_PRECISION if k == LEGACY_FULL_PRECISION else k: v for k, v in model.items()}
+        return {**state_dict, "model": model}
+    return state_dict
+
+
+def _as_array(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
