@@ -17,12 +17,11 @@ from torch import nn
 from orttrainer.trainer.export import _ModelWithLoss
 from orttrainer.trainer.gradient.errors import GradientBuildError
 from orttrainer.trainer.gradient.torch_builder import (
-    ShapeKeyedCache,
     TorchGradientGraph,
     UntraceableFunctionError,
     build_torch_gradient_graph,
-    shape_signature,
 )
+from orttrainer.trainer.shapes import ShapeKeyedCache, shape_signature
 
 ATOL = 1e-5
 

@@ -132,7 +132,7 @@ class ActivationStatistics:
 
     def prepare(self, model: onnx.ModelProto, loss_fn, model_desc, inputs: list) -> onnx.ModelProto:
         """The exported model with its markers made Identity nodes; traces the dump order when it has marks."""
-        if not self._marked:
+        if not self._marked or self._model is None:
             return model
         model, marks = marks_to_identity(model)
         self._marks = dict(marks)

@@ -6,8 +6,9 @@ post-processed, compiled into the training graph (`compile.py`) and opened on ON
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import onnx
 import torch
@@ -22,8 +23,9 @@ from .distributed import Communicator, partition_parameters
 from .gradient.choice import BuilderChoice, choose_builder, ort_only_options
 from .gradient.ort_options import GradientOptions
 from .gradient.torch_graphs import TorchSource
-from .graph.data_parallel import DataParallelGraphs
+from .graph.data_parallel import DataParallelGraphs, GradientStepGraph
 from .graph.postprocess import run_postprocess
+from .graph.training import TrainingGraph
 from .inputs import check_inputs
 from .model_types import describe_mixed_precision, record_export_types, record_graph_types
 from .parameters import split_parameters
@@ -53,7 +55,7 @@ class Built:
     compiled: CompiledModel
     session: SessionBase
     zero_owners: dict[str, int] | None  # ZeRO stage 1: which rank updates each trainable tensor
-    torch: TorchExportInfo | None
+    torch_export: TorchExportInfo | None
 
     @property
     def builder(self) -> BuilderChoice:
@@ -138,7 +140,7 @@ class _Parts:
     trainable: list[str]
     frozen: list[str]
     choice: BuilderChoice
-    torch: TorchExportInfo | None = None
+    torch_export: TorchExportInfo | None = None
     source: TorchSource | None = None
     sample_inputs: Sequence[torch.Tensor] | None = None
     activations: ActivationStatistics | None = None
@@ -153,7 +155,7 @@ def _open(config: TrainerConfig, parts: _Parts) -> Built:
     describe_mixed_precision(config, compiled)
     _seed_onnxruntime()
     session = _create_session(config, compiled, owners)
-    return Built(parts.forward, compiled, session, owners, parts.torch)
+    return Built(parts.forward, compiled, session, owners, parts.torch_export)
 
 
 def _compile_request(config: TrainerConfig, parts: _Parts, loss: str, plan: DataParallelPlan | None) -> CompileRequest:
@@ -169,7 +171,7 @@ def _compile_request(config: TrainerConfig, parts: _Parts, loss: str, plan: Data
         optim_config=config.optim_config,
         accumulation_steps=config.accumulation_steps,
         clip_grad_norm=opts.utils.grad_norm_clip,
-        dropout_off=bool(parts.torch and parts.torch.dropout_off),
+        dropout_off=bool(parts.torch_export and parts.torch_export.dropout_off),
         graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts),
         mixed_precision=opts.mixed_precision.enabled,
         cpu=config.device.type == "cpu",
@@ -209,7 +211,8 @@ def _create_session(config: TrainerConfig, compiled: CompiledModel, owners: dict
     )
     state = compiled.initial_state
     if compiled.step is None:
-        return TrainingSession(compiled.training, compiled.eval_model, state, session_config, compiled.graph_for)
+        graph_for = cast(Callable[[Sequence[torch.Tensor]], TrainingGraph] | None, compiled.graph_for)  # one process
+        return TrainingSession(compiled.training, compiled.eval_model, state, session_config, graph_for)
     graphs = DataParallelGraphs(compiled.step, compiled.training, compiled.reduced_inputs or {})
     return DataParallelSession(
         graphs,
@@ -221,7 +224,7 @@ def _create_session(config: TrainerConfig, compiled: CompiledModel, owners: dict
         adasum=opts.distributed.enable_adasum,
         owners=owners,
         rank=config.rank,
-        step_for=compiled.graph_for,
+        step_for=cast(Callable[[Sequence[torch.Tensor]], GradientStepGraph] | None, compiled.graph_for),
     )
 
 

@@ -24,7 +24,6 @@ from .gradient.choice import BuilderChoice
 from .gradient.differentiate import GradientRequest, differentiate
 from .gradient.ort_builder import move_initializers_to_inputs
 from .gradient.ort_options import GradientOptions
-from .gradient.torch_builder import shape_signature
 from .gradient.torch_graphs import TorchSource, torch_gradient_model
 from .graph import fixups, mixed_precision
 from .graph.data_parallel import GradientStepGraph, build_gradient_step_graph, build_optimizer_graph
@@ -32,6 +31,7 @@ from .graph.recompute import RecomputePlan, apply_plan
 from .graph.scatter_grad import gather_grad_to_scatter_add
 from .graph.training import TrainingGraph, accumulation_buffer_name, build_training_graph, zero_state
 from .parameters import initializer_values, param_groups
+from .shapes import shape_signature
 
 _logger = logging.getLogger(__name__)
 

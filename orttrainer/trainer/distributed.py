@@ -104,7 +104,7 @@ class Communicator:
 
     def share(self, tensors_by_owner: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
         """Every rank receives each rank's tensors (ZeRO: the weights each owner updated), one broadcast per rank."""
-        shared = {}
+        shared: dict[int, list[torch.Tensor]] = {}
         for owner in range(self.world_size):
             tensors = tensors_by_owner[owner]
             if not tensors:

@@ -88,7 +88,7 @@ def custom_autograd_functions(outputs) -> list[str]:
         forward_cls = getattr(node, "_forward_cls", None)  # only Python-defined Functions have one
         if forward_cls is not None:
             found.add(forward_cls.__qualname__)
-        stack.extend(fn for fn, _ in node.next_functions)
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
     return sorted(found)
 
 
@@ -119,12 +119,12 @@ def export_model(
     try:
         with warnings.catch_warnings():
             # torch deprecates the TorchScript exporter and its `training` argument; both are chosen on purpose
-            # (DESIGN.md: dynamo=False, TrainingMode.TRAINING), so their notices are not the user's concern.
+            # (docs/design.md: dynamo=False, TrainingMode.TRAINING), so their notices are not the user's concern.
             warnings.simplefilter("ignore", DeprecationWarning)
             torch.onnx.export(
                 wrapper,
                 tuple(sample_inputs),
-                buffer,
+                buffer,  # type: ignore[arg-type]  # the TorchScript exporter writes to file objects too
                 input_names=input_names,
                 output_names=output_names,
                 opset_version=opset_version,

@@ -92,7 +92,7 @@ class ORTTrainer:
     @property
     def torch_sample_outputs(self) -> list[torch.Tensor] | None:
         """PyTorch's outputs for the first batch (a PyTorch model, after the first step)."""
-        return self._built.torch.sample_outputs if self._built and self._built.torch else None
+        return self._built.torch_export.sample_outputs if self._built and self._built.torch_export else None
 
     # ------------------------------------------------------------------------------------------- progress and build
     @property
@@ -184,9 +184,11 @@ class ORTTrainer:
         built = build_from_torch(self._config, self._torch_model, inputs, self._activations)
         self._built = built
         self._apply_pending(built)
-        if check_export and built.torch is not None:
+        if check_export and built.torch_export is not None:
             outputs = [d.name for d in self.model_desc.outputs]
-            check_model_export(outputs, built.session.evaluate(self._data(inputs), outputs), built.torch.sample_outputs)
+            check_model_export(
+                outputs, built.session.evaluate(self._data(inputs), outputs), built.torch_export.sample_outputs
+            )
         return built
 
     def _data(self, inputs: list) -> dict[str, torch.Tensor]:
@@ -281,7 +283,7 @@ class ORTTrainer:
     @property
     def _torch_state_dict_keys(self) -> list[str] | None:
         """The PyTorch module's state_dict keys (known once exported)."""
-        return self._built.torch.state_dict_keys if self._built and self._built.torch else None
+        return self._built.torch_export.state_dict_keys if self._built and self._built.torch_export else None
 
     @property
     def _state_dict(self) -> dict[str, Any] | None:

@@ -25,8 +25,8 @@ import torch
 from ..dtypes import ort_to_numpy
 from . import ort_private
 from .config import Device
-from .gradient.torch_builder import ShapeKeyedCache
 from .graph.training import TrainingGraph
+from .shapes import ShapeKeyedCache
 
 MAX_TRAINING_GRAPHS = 16  # torch builder: input-shape signatures kept compiled at once
 

@@ -133,7 +133,7 @@ class DataParallelSession(SessionBase):
     def _share_weights(self) -> None:
         """ZeRO: every rank receives the weights their owners just updated."""
         by_owner: dict[int, list[str]] = {r: [] for r in range(self.comm.world_size)}
-        for name, owner in self._owners.items():
+        for name, owner in (self._owners or {}).items():
             by_owner[owner].append(name)
         tensors = {
             r: [

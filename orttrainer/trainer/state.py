@@ -101,7 +101,7 @@ def _pytorch_state_dict(built: Built, model: dict[str, np.ndarray]) -> dict[str,
     """Flat {name: tensor} for `torch.nn.Module.load_state_dict`: tied names and tensors the graph does not use
     (they never change in training) are included, so the original module accepts it with strict=True."""
     flat = {name: torch.from_numpy(value) for name, value in model.items()}
-    info = built.torch
+    info = built.torch_export
     if info is None:
         return flat
     for alias, canonical in info.aliases.items():

@@ -101,7 +101,8 @@ def _model_values(built: Built, model: dict[str, Any], strict: bool) -> dict[str
 def _optimizer_values(built: Built, optimizer: dict[str, Any]) -> tuple[dict[str, np.ndarray], int | None]:
     if not optimizer:
         return {}, None
-    values, counts = {}, set()
+    values: dict[str, np.ndarray] = {}
+    counts: set[int] = set()
     moments = built.compiled.training.optimizer_state
     for weight, entry in optimizer.items():
         if weight == SHARED:
@@ -140,7 +141,7 @@ def _accumulation_values(built: Built, buffers: dict[str, Any]) -> dict[str, np.
 
 def _load_pytorch_weights(built: Built, state_dict: dict[str, Any], strict: bool) -> None:
     known = set(built.state_names)
-    info = built.torch
+    info = built.torch_export
     ignorable = set(info.aliases) | set(info.unused_state) if info is not None else set()
     if strict:
         missing = sorted(known - set(state_dict))

@@ -28,23 +28,19 @@ from __future__ import annotations
 
 import copy
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import onnx
 import torch
 
 from ...dtypes import torch_to_onnx
 from ..export import _ModelWithLoss
+from ..shapes import ShapeSignature, shape_signature
 from . import torch_private
 from .errors import GradientBuildError
 
 MAX_ORT_OPSET = 21  # the newest ONNX opset ONNX Runtime 1.19 runs
-
-ShapeSignature = tuple[tuple[tuple[int, ...], str], ...]
-T = TypeVar("T")
 
 
 class UntraceableFunctionError(GradientBuildError):
@@ -60,11 +56,6 @@ class UntraceableFunctionError(GradientBuildError):
             "values (use torch.where or masks), no outputs whose shape depends on values (torch.nonzero). Rewrite "
             f"{function}.{phase} that way, or train this model with plain PyTorch."
         )
-
-
-def shape_signature(inputs: Sequence[torch.Tensor]) -> ShapeSignature:
-    """The key a traced graph is valid for: each input's shape and dtype, in order."""
-    return tuple((tuple(int(d) for d in t.shape), str(t.dtype)) for t in inputs)
 
 
 @dataclass(frozen=True)
@@ -88,36 +79,6 @@ class TorchGradientGraph:
                 f"this gradient graph was traced for inputs {self.signature}, got {got}: build (or "
                 "look up in a ShapeKeyedCache) the graph for these shapes"
             )
-
-
-class ShapeKeyedCache(Generic[T]):
-    """One value (a gradient graph, a compiled session) per input-shape signature, least recently used evicted.
-
-    Rule: `get_or_build(inputs, build)` returns the value stored for `shape_signature(inputs)`, calling `build()`
-    only on a miss; at most `max_entries` values are kept."""
-
-    def __init__(self, max_entries: int = 16) -> None:
-        if max_entries < 1:
-            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
-        self.max_entries = max_entries
-        self._values: OrderedDict[ShapeSignature, T] = OrderedDict()
-
-    def get_or_build(self, inputs: Sequence[torch.Tensor], build: Callable[[], T]) -> T:
-        key = shape_signature(inputs)
-        if key in self._values:
-            self._values.move_to_end(key)
-            return self._values[key]
-        value = build()
-        self._values[key] = value
-        if len(self._values) > self.max_entries:
-            self._values.popitem(last=False)
-        return value
-
-    def __contains__(self, inputs: Sequence[torch.Tensor]) -> bool:
-        return shape_signature(inputs) in self._values
-
-    def __len__(self) -> int:
-        return len(self._values)
 
 
 def build_torch_gradient_graph(
@@ -278,13 +239,14 @@ def _failing_function(err: BaseException) -> tuple[type, str, str] | None:
     """(class, phase, "file:line") of the innermost custom Function forward/backward on the failing stack,
     following chained exceptions."""
     seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        for frame, line in reversed(list(traceback.walk_tb(err.__traceback__))):
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for frame, line in reversed(list(traceback.walk_tb(current.__traceback__))):
             found = torch_private.autograd_function_of_frame(frame)
             if found is not None:
                 return (*found, f"{frame.f_code.co_filename}:{line}")
-        err = err.__cause__ or err.__context__
+        current = current.__cause__ or current.__context__
     return None
 
 
@@ -352,7 +314,7 @@ def _rewrite_joint(
         else:
             first[module_name] = node
     out = fx.output_node()
-    values = list(out.args[0])
+    values = torch_private.output_values(fx)
     user = [v for v, (kind, _) in zip(values, sig.outputs, strict=True) if kind == "user"]
     if len(user) < n_outputs:
         raise ValueError(

@@ -100,6 +100,8 @@ def aot_export_joint(
         graph, sig = aot_export_module(
             module, list(args), trace_joint=True, output_loss_index=loss_index, decompositions=training_decompositions()
         )
+    if not isinstance(graph, torch.fx.GraphModule):  # the joint trace always returns one
+        raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
     return graph, _joint_signature(graph, sig)
 
 
@@ -121,12 +123,20 @@ def _joint_signature(graph: torch.fx.GraphModule, sig: Any) -> JointSignature:
     # outputs are positional: (mutated inputs, user outputs, gradients of the parameters that require grad)
     mutations = {**sig.buffers_to_mutate, **sig.user_inputs_to_mutate, **sig.parameters_to_mutate}
     gradients = sig.backward_signature.gradients_to_parameters
-    names = [n.name if isinstance(n, torch.fx.Node) else str(n) for n in graph.graph.output_node().args[0]]
+    names = [n.name if isinstance(n, torch.fx.Node) else str(n) for n in output_values(graph.graph)]
     n_mut, n_user = len(mutations), len(sig.user_outputs)
     outputs = [("mutation", mutations[n]) for n in names[:n_mut]]
     outputs += [("user", n) for n in names[n_mut : n_mut + n_user]]
     outputs += [("gradient", gradients[n]) for n in names[n_mut + n_user :]]
     return JointSignature(tuple(inputs), tuple(outputs))
+
+
+def output_values(graph: torch.fx.Graph) -> list:
+    """The values the graph's output node returns (an fx graph returns one tuple)."""
+    values = graph.output_node().args[0]
+    if not isinstance(values, (tuple, list)):
+        raise TypeError(f"the traced graph returns {type(values).__name__}, not a tuple")
+    return list(values)
 
 
 def is_missing_gradient_error(err: BaseException) -> bool:
@@ -175,6 +185,8 @@ def export_graph_to_onnx(
             report=False,
             verbose=False,
         )
+    if program is None:  # dynamo=True always returns a program
+        raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNX program")
     model = program.model_proto
     model.ir_version = min(model.ir_version, 10)
     return model

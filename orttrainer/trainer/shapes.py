@@ -1,0 +1,51 @@
+"""Input-shape signatures, and a cache of one value per signature.
+
+Why: a graph traced by the torch gradient builder is valid only for the input shapes and dtypes it was traced with
+(gradient/torch_builder.py), so the trainer keeps one compiled graph per signature.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+import torch
+
+ShapeSignature = tuple[tuple[tuple[int, ...], str], ...]
+T = TypeVar("T")
+
+
+def shape_signature(inputs: Sequence[torch.Tensor]) -> ShapeSignature:
+    """The key a traced graph is valid for: each input's shape and dtype, in order."""
+    return tuple((tuple(int(d) for d in t.shape), str(t.dtype)) for t in inputs)
+
+
+class ShapeKeyedCache(Generic[T]):
+    """One value (a gradient graph, a compiled session) per input-shape signature, least recently used evicted.
+
+    Rule: `get_or_build(inputs, build)` returns the value stored for `shape_signature(inputs)`, calling `build()`
+    only on a miss; at most `max_entries` values are kept."""
+
+    def __init__(self, max_entries: int = 16) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._values: OrderedDict[ShapeSignature, T] = OrderedDict()
+
+    def get_or_build(self, inputs: Sequence[torch.Tensor], build: Callable[[], T]) -> T:
+        key = shape_signature(inputs)
+        if key in self._values:
+            self._values.move_to_end(key)
+            return self._values[key]
+        value = build()
+        self._values[key] = value
+        if len(self._values) > self.max_entries:
+            self._values.popitem(last=False)
+        return value
+
+    def __contains__(self, inputs: Sequence[torch.Tensor]) -> bool:
+        return shape_signature(inputs) in self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
