@@ -1,7 +1,7 @@
 """Shared pieces of the benchmarks: the benchmark models, batches, and running each measurement in its own process.
 
 Each runner is measured in a fresh Python process: ONNX Runtime's thread pool spins after a run and steals cores
-from whatever runs next in the same process (engine.md §3.3), so interleaving would distort both numbers.
+from whatever runs next in the same process (docs/engine.md §3.3), so interleaving would distort both numbers.
 """
 
 from __future__ import annotations

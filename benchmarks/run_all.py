@@ -130,7 +130,7 @@ def _training_api(workload, threads: int):
         dynamo=False,
     )
     # onnxblock's gradient builder needs the optional outputs of LayerNormalization/SoftmaxCrossEntropyLoss named
-    # (research/engine.md §3.3); orttrainer's own fix-up pass does exactly that.
+    # (docs/engine.md §3.3); orttrainer's own fix-up pass does exactly that.
     forward = name_optional_outputs(onnx.load(exported))
     float_inits = [i.name for i in forward.graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
     trainable = [n for n in float_inits if n.startswith("model.")]  # the exporter prefixes the wrapped module

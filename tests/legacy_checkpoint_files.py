@@ -1,7 +1,7 @@
 """Write checkpoint files exactly as legacy ORTTrainer.save_checkpoint did, with h5py directly.
 
 Legacy walked the state dict depth first: a dict became ``create_group(key)``, anything else ``group[key] = value``
-(research/legacy_api.md §9.2). So a Python str became a scalar variable-length string, a bool a scalar bool, an int
+(docs/legacy_api.md §9.2). So a Python str became a scalar variable-length string, a bool a scalar bool, an int
 a scalar int64, and the user dict a hex string at the root. These helpers do the same, without our storage code,
 so that the tests read files that the original would have produced.
 """
@@ -100,7 +100,7 @@ def lamb_state(weights: dict[str, np.ndarray], step: int = 7) -> dict[str, dict[
 
 
 def write_zero_example(directory: Any, *, mixed_precision: bool = False, prefix: str = "zero") -> list[str]:
-    """The two ZeRO-1 rank files of the legacy unit test (research/legacy_api.md §9.4 worked example).
+    """The two ZeRO-1 rank files of the legacy unit test (docs/legacy_api.md §9.4 worked example).
 
     Full precision: weight ``optimizer_sharded`` is [1,2,3] on both ranks; its Moment_1 shards are [9,8,7] and
     [6,5,4] with original_dim [2,3]. Mixed precision: the weight itself is sharded, [1,2,3] and [4,5,6].

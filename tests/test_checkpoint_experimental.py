@@ -1,4 +1,4 @@
-"""The deprecated torch.save-based checkpoint API (research/legacy_api.md §9.3), against a small fake trainer that
+"""The deprecated torch.save-based checkpoint API (docs/legacy_api.md §9.3), against a small fake trainer that
 honours the trainer contract documented in orttrainer.checkpoint.experimental."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""merge_activation_summary: the legacy merged layout (research/debug_and_pythonop.md §3, §4.4) and the new
+"""merge_activation_summary: the legacy merged layout (docs/debugging.md §3, §4.4) and the new
 comparison of two runs (first divergent activation per step, largest relative differences)."""
 
 from __future__ import annotations

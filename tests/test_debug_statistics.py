@@ -1,4 +1,4 @@
-"""Statistics: the legacy six-line format (research/debug_and_pythonop.md §2.4, §4.3), the corrected std, bucketing,
+"""Statistics: the legacy six-line format (docs/debugging.md §2.4, §4.3), the corrected std, bucketing,
 dtypes the legacy code crashed on, the in-graph hand-over (statistics_from_reductions) and the writer."""
 
 from __future__ import annotations

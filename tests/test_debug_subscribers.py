@@ -1,4 +1,4 @@
-"""Subscribers on plain PyTorch models: names, layout and order (research/debug_and_pythonop.md §1, §2, §4.1-4.3),
+"""Subscribers on plain PyTorch models: names, layout and order (docs/debugging.md §1, §2, §4.1-4.3),
 step counting and ranges, output_dir rules, re-subscribing, inspect_activation and the activation trace."""
 
 from __future__ import annotations

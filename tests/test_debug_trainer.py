@@ -46,7 +46,7 @@ class Block(nn.Module):
         return torch.relu(inspect_activation("block_pre_act", self.lin(x)))
 
 
-class DebugMLP(nn.Module):  # the sample model of research/debug_and_pythonop.md §4
+class DebugMLP(nn.Module):  # the sample model of docs/debugging.md §4
     def __init__(self):
         super().__init__()
         self.fc1, self.act, self.block, self.fc2 = nn.Linear(3, 4), nn.GELU(), Block(), nn.Linear(4, 2)

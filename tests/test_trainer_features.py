@@ -1,5 +1,5 @@
 """ORTTrainer features: accumulation, parameter groups, frozen weights, ONNX-model input, fetches, save_as_onnx,
-LR schedulers, eval semantics and the input conventions of legacy_api.md §3.5–§3.9."""
+LR schedulers, eval semantics and the input conventions of docs/legacy_api.md §3.5–§3.9."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The deprecated ``checkpoint.experimental_*`` API: flat ``{name: torch.Tensor}`` state saved with ``torch.save``.
 
-Behaviour of legacy ``onnxruntime.training.checkpoint`` (research/legacy_api.md §9.3); every public function warns
+Behaviour of legacy ``onnxruntime.training.checkpoint`` (docs/legacy_api.md §9.3); every public function warns
 ``DeprecationWarning("experimental_X() will be deprecated soon. Please use ORTTrainer.X() instead.")``.
 
 Trainer contract (``FlatStateTrainer`` below; ``ORTTrainer`` implements it): ``_training_session`` (None before

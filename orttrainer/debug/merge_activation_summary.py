@@ -3,7 +3,7 @@
 ``python -m orttrainer.debug.merge_activation_summary --pt_dir A --ort_dir B --output_dir C [--overwrite]
 [--rtol R] [--atol T] [--top N]``
 
-Merge (legacy layout, ``research/debug_and_pythonop.md`` §3): for every sub-directory ``D`` of each tree, write
+Merge (legacy layout, ``docs/debugging.md`` §3): for every sub-directory ``D`` of each tree, write
 ``C/merge_pt/D_.txt`` (from A) and ``C/merge_ort/D_.txt`` (from B): the files named by the lines of
 ``A/step_0/order.txt``, in that order, each followed by one blank line; a missing file is skipped with a warning
 ``tensor <D>/<line> not exist``. Both trees use A's order, so ``diff merge_pt/step_3_.txt merge_ort/step_3_.txt``

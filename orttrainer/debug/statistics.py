@@ -5,7 +5,7 @@ This module is the shared core of both collection paths: the PyTorch hooks (``St
 reductions inside the graph and builds one with :func:`statistics_from_reductions`. Both are turned into text by
 :func:`format_statistics`, so the files of the two paths are comparable line by line.
 
-Rules (legacy ORT ``_summarize_tensor`` format, ``research/debug_and_pythonop.md`` §2.4; decisions marked *):
+Rules (legacy ORT ``_summarize_tensor`` format, ``docs/debugging.md`` §2.4; decisions marked *):
 
 * ``size`` is the flattened element count; ``shape``/``size`` print as ``torch.Size([...])``.
 * min/max are element values (NaN propagates), printed as Python reprs of the value widened to a Python scalar

@@ -1,6 +1,6 @@
 """``StatisticsSubscriber``: one statistics file per activation, forward and backward, per step.
 
-Layout (legacy, ``research/debug_and_pythonop.md`` §2.3): ``<dir>/step_<N>/<name>_forward``,
+Layout (legacy, ``docs/debugging.md`` §2.3): ``<dir>/step_<N>/<name>_forward``,
 ``<dir>/step_<N>/<name>_backward`` and ``<dir>/step_<N>/order.txt``, which gets one line (the file name) appended
 per dump, so it lists dumps in execution order: forward in post-hook order (children before parents), backward in
 autograd order. Module outputs are named ``{ClassName}_{module_index}_{k}th_output`` (``0th``, ``1th``, ... as

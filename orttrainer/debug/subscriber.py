@@ -6,7 +6,7 @@ a forward hook on each; with it, every subscriber sees every module's outputs. O
 forward of the root module (train or eval, with or without grad; backward never counts). The step counter starts
 at 0 and is shared by all subscribers of a manager.
 
-Decisions that differ from the legacy ORT manager (``research/debug_and_pythonop.md`` §1):
+Decisions that differ from the legacy ORT manager (``docs/debugging.md`` §1):
 
 * ``subscribe()`` first removes every hook this manager registered before, so subscribing the same model twice
   replaces the hooks instead of doubling them (legacy: duplicated dumps and a step counter moving by 2); subscribing

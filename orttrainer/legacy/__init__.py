@@ -1,4 +1,4 @@
-"""The older ONNX Runtime training API, ``onnxruntime.capi.ort_trainer`` (legacy_api.md §14), on orttrainer.
+"""The older ONNX Runtime training API, ``onnxruntime.capi.ort_trainer`` (docs/legacy_api.md §14), on orttrainer.
 
 ``ORTTrainer(model, loss_fn, model_desc, training_optimizer_name, map_optimizer_attributes,
 learning_rate_description, device, ...)`` with ``IODescription``/``ModelDescription``, the legacy ``LossScaler``,

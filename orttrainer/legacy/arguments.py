@@ -1,4 +1,4 @@
-"""Map the older ORTTrainer's constructor arguments (legacy_api.md §14.3) onto the new trainer's inputs.
+"""Map the older ORTTrainer's constructor arguments (docs/legacy_api.md §14.3) onto the new trainer's inputs.
 
 Rules:
 - Every argument becomes an `ORTTrainerOptions` entry (table `OPTION_OF_ARGUMENT`) or part of the optimizer

@@ -1,4 +1,4 @@
-"""The older API's checkpoint helpers (legacy_api.md §14.4 module functions, §9.5 `checkpointing_utils`).
+"""The older API's checkpoint helpers (docs/legacy_api.md §14.4 module functions, §9.5 `checkpointing_utils`).
 
 Files are `torch.save` pickles of `{'model': trainer.state_dict(), **checkpoint_state_dict}` named by
 `get_checkpoint_name`: `<prefix>.ort.pt`, or `<prefix>.ZeRO.<rank>.<world_size-1>.ort.pt` with ZeRO. They are the

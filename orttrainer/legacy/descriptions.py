@@ -1,4 +1,4 @@
-"""The older API's model description: `IODescription`, `ModelDescription`, `generate_sample` (legacy_api.md §14.1).
+"""The older API's model description: `IODescription`, `ModelDescription`, `generate_sample` (docs/legacy_api.md §14.1).
 
 Rules:
 - `IODescription(name, shape, dtype=None, num_classes=None)` keeps the legacy attribute names `name_`, `shape_`,

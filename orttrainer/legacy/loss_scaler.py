@@ -1,4 +1,4 @@
-"""The older API's `LossScaler` (legacy_api.md §14.2) and its bridge to the new trainer's `amp.LossScaler`.
+"""The older API's `LossScaler` (docs/legacy_api.md §14.2) and its bridge to the new trainer's `amp.LossScaler`.
 
 Rules:
 - `LossScaler(loss_scale_input_name, is_dynamic_scale, loss_scale=2**16, up_scale_window=2000, min_loss_scale=1.0,

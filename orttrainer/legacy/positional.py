@@ -1,4 +1,4 @@
-"""How the older API fed model_desc inputs to `model.forward`: mostly by position (legacy_api.md §14.4).
+"""How the older API fed model_desc inputs to `model.forward`: mostly by position (docs/legacy_api.md §14.4).
 
 Rule (1.13.1 `wrap_for_input_match`), with `names` the model_desc input names and `keys` the parameters of
 `forward` followed, with a loss_fn, by the loss_fn's label parameter:

@@ -1,4 +1,4 @@
-"""The older `onnxruntime.capi.ort_trainer.ORTTrainer` (legacy_api.md §14.3–§14.4), running on the new trainer.
+"""The older `onnxruntime.capi.ort_trainer.ORTTrainer` (docs/legacy_api.md §14.3–§14.4), running on the new trainer.
 
 There is no second engine: the constructor maps its arguments onto `ORTTrainerOptions` and an optimizer config
 (`arguments.py`) and builds an `orttrainer.ORTTrainer` (`ort_trainer`); steps, state and checkpoints go through it.

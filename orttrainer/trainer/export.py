@@ -1,9 +1,9 @@
 """Export a PyTorch model (plus loss function) to the forward ONNX model the training graph is compiled from.
 
-Contract (legacy_api.md §3.2): `_ModelWithLoss(model, loss_fn)` takes the model_desc inputs positionally, passes them
+Contract (docs/legacy_api.md §3.2): `_ModelWithLoss(model, loss_fn)` takes model_desc inputs positionally, passes them
 to `model.forward` by parameter name, and — with a loss function — uses the last input as the label and returns
 `(loss, *model_outputs)`. The export runs in `TrainingMode.TRAINING` (EVAL exports merge equal-valued parameters,
-engine.md §1.3), without constant folding, with dynamic axes named by the string dims of model_desc.
+docs/engine.md §1.3), without constant folding, with dynamic axes named by the string dims of model_desc.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Turn `train_step(*args, **kwargs)` into the ordered input list the graph takes, and check it before anything runs.
 
-Ordering follows the legacy `_prepare_model_input` (legacy_api.md §3.5): a single list argument is unpacked;
+Ordering follows the legacy `_prepare_model_input` (docs/legacy_api.md §3.5): a single list argument is unpacked;
 positional inputs come first, then keyword inputs in model_desc order. Unlike the original, an unknown keyword or an
 input given twice is an error instead of being silently dropped or shifting every later input.
 """

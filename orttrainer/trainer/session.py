@@ -7,7 +7,7 @@ has the same state contract, so all of them read and replace the same state valu
 
 State (weights, frozen tensors, optimizer moments, gradient-accumulation buffers) lives in `OrtValue`s on the
 device between steps. A step feeds them as inputs and receives the updated values as new, owned `OrtValue`s that
-replace them — outputs are never bound onto input buffers (engine.md §3.2: that corrupts weights still read by the
+replace them — outputs are never bound onto input buffers (docs/engine.md §3.2: that corrupts weights still read by the
 backward pass). Data and outputs cross between torch and ONNX Runtime through DLPack, without host copies.
 """
 

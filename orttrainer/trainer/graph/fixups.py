@@ -12,7 +12,7 @@ from onnx import helper
 
 from .editor import GraphEditor, copy_model, fresh_name, graph_value_names, topologically_sorted
 
-# Optional outputs the ORT gradient builders read (engine.md §0.2): without them the builder fails with
+# Optional outputs the ORT gradient builders read (docs/engine.md §0.2): without them the builder fails with
 # "GradientBuilderBase::O(size_t, bool) const i < node_->OutputDefs().size() was false".
 _REQUIRED_OUTPUT_COUNT = {"SoftmaxCrossEntropyLoss": 2, "LayerNormalization": 3, "Dropout": 2}
 
@@ -46,7 +46,7 @@ def dropout_to_identity(model: onnx.ModelProto, only: set[int] | None = None) ->
     Rule: `Dropout(x, ratio, training_mode) -> (y, mask)` becomes `Identity(x) -> y`. A Dropout whose mask output is
     consumed by another node cannot be rewritten and raises ValueError.
 
-    Why not `training_mode=False`: ORT's DropoutGrad still scales by 1/(1-p) when training mode is off (engine.md
+    Why not `training_mode=False`: ORT's DropoutGrad still scales by 1/(1-p) when training mode is off (docs/engine.md
     §1.4), a silently wrong gradient. Identity is exact, and it is what eval-mode dropout means.
     """
     result = copy_model(model)
@@ -70,7 +70,7 @@ def restore_dropout_training_mode(model: onnx.ModelProto) -> onnx.ModelProto:
     Why: PyTorch's TorchScript exporter writes the dropout of `scaled_dot_product_attention` (used by
     `nn.MultiheadAttention`, so by every `nn.TransformerEncoderLayer`) as `Dropout(x, ratio)` without the flag, which
     ONNX runs as the identity — while PyTorch applies that dropout in training, and ORT's DropoutGrad still scales
-    its gradient by 1/(1-ratio) (engine.md §1.4). With the flag the graph does what PyTorch does. Dropouts the
+    its gradient by 1/(1-ratio) (docs/engine.md §1.4). With the flag the graph does what PyTorch does. Dropouts the
     exporter writes for `nn.Dropout` carry the flag already; eval-mode dropout is not exported at all.
     """
     missing = _inference_dropouts(model)
@@ -88,7 +88,7 @@ def restore_dropout_training_mode(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def inference_dropout_to_identity(model: onnx.ModelProto) -> onnx.ModelProto:
     """Rule: a Dropout without a `training_mode` input (the ONNX default: off) becomes an Identity, which is what it
-    computes; ORT's DropoutGrad would still scale its gradient by 1/(1-ratio) (engine.md §1.4)."""
+    computes; ORT's DropoutGrad would still scale its gradient by 1/(1-ratio) (docs/engine.md §1.4)."""
     missing = _inference_dropouts(model)
     return dropout_to_identity(model, only=set(missing)) if missing else model
 
@@ -128,7 +128,7 @@ def inference_batchnorm_to_affine(model: onnx.ModelProto) -> onnx.ModelProto:
     Training-mode nodes are left alone.
 
     Why: ONNX Runtime differentiates an inference-mode BatchNormalization with `BatchNormalizationGrad`, which uses
-    the batch statistics, so the gradients are wrong (by 0.1-0.3, engine.md §1.4); the affine form has exact
+    the batch statistics, so the gradients are wrong (by 0.1-0.3, docs/engine.md §1.4); the affine form has exact
     gradients for `scale` and `B` (and `X`), and the running statistics are constants of the step, as in PyTorch.
     """
     if not any(_is_inference_batchnorm(n) for n in model.graph.node):

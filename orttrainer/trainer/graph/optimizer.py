@@ -1,7 +1,7 @@
 """Optimizer update subgraphs (SGD, Adam, LAMB) built from plain ONNX ops.
 
 Plain ops rather than ORT's contrib optimizer kernels: they run on every provider (LambOptimizer has no CPU kernel),
-never update an input in place (the CPU AdamOptimizer increments its step input in place, engine.md §2.3), and make
+never update an input in place (the CPU AdamOptimizer increments its step input in place, docs/engine.md §2.3), and make
 the semantics explicit. Every scalar that is the same for all tensors of a parameter group (bias corrections, step
 size, decay) is computed once per group as a 0-d tensor, so the per-tensor work is the elementwise update only.
 

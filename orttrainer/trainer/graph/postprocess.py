@@ -1,6 +1,6 @@
 """The legacy "internal post-processing" of an exported model (`_internal_use.enable_internal_postprocess`).
 
-The original ran four passes (legacy_api.md §11). Two of them matter for training with current exporters and ORT:
+The original ran four passes (docs/legacy_api.md §11). Two of them matter for training with current exporters and ORT:
 
 * `name_nodes`: every node gets a unique name, so gradient nodes and error messages can refer to it. The original
   renamed *every* node to `<op_type>_<i>`; this one only names unnamed nodes, because the exporter's names carry the

@@ -6,7 +6,7 @@ update number; and as graph outputs, the forward outputs, the accumulated gradie
 weights and optimizer moments (optimizer steps). The session fetches one set or the other per step and runs with
 `only_execute_path_to_fetches`, so an accumulation step never executes optimizer nodes.
 
-Gradient semantics (DESIGN.md): with k accumulation steps the update uses the mean of the k micro-batch gradients.
+docs/design.md § Gradient semantics: with k accumulation steps the update uses the mean of the k micro-batch gradients.
 The mean, the loss-scale unscaling and the clipping coefficient are one scalar `coef` per parameter group, folded
 into the optimizer's moment updates, so no pass over the gradients materialises them.
 
