@@ -27,8 +27,10 @@ from .graph.data_parallel import DataParallelGraphs, GradientStepGraph
 from .graph.postprocess import run_postprocess
 from .graph.training import TrainingGraph
 from .inputs import check_inputs
+from .locks import TRACING
 from .model_types import describe_mixed_precision, record_export_types, record_graph_types
 from .parameters import split_parameters
+from .rng import DropoutStreams
 from .session import SessionBase, SessionConfig, TrainingSession
 from .session_dp import DataParallelSession
 
@@ -56,6 +58,7 @@ class Built:
     session: SessionBase
     zero_owners: dict[str, int] | None  # ZeRO stage 1: which rank updates each trainable tensor
     torch_export: TorchExportInfo | None
+    streams: DropoutStreams  # the trainer's dropout stream and its position (rng.py)
 
     @property
     def builder(self) -> BuilderChoice:
@@ -71,7 +74,15 @@ class Built:
 def build_from_torch(
     config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, activations: ActivationStatistics
 ) -> Built:
-    """Export `module` (+ loss) with the first batch, post-process, compile and open the session."""
+    """Export `module` (+ loss) with the first batch, post-process, compile and open the session (one thread at a
+    time: locks.TRACING)."""
+    with TRACING:
+        return _build_from_torch(config, module, sample_inputs, activations)
+
+
+def _build_from_torch(
+    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, activations: ActivationStatistics
+) -> Built:
     desc, options = config.model_desc, config.options
     check_inputs(sample_inputs, desc.inputs)
     internal = options._internal_use
@@ -153,9 +164,10 @@ def _open(config: TrainerConfig, parts: _Parts) -> Built:
     compiled = compile_model(_compile_request(config, parts, losses[0], plan))
     _logger.info("gradient builder '%s' (%s)", compiled.builder.builder, compiled.builder.reason)
     describe_mixed_precision(config, compiled)
-    _seed_onnxruntime()
-    session = _create_session(config, compiled, owners)
-    return Built(parts.forward, compiled, session, owners, parts.torch_export)
+    streams = DropoutStreams()
+    ort_private.set_seed(streams.base)  # random ops other than Dropout draw from ONNX Runtime's global generator
+    session = _create_session(config, compiled, owners, streams)
+    return Built(parts.forward, compiled, session, owners, parts.torch_export, streams)
 
 
 def _compile_request(config: TrainerConfig, parts: _Parts, loss: str, plan: DataParallelPlan | None) -> CompileRequest:
@@ -199,7 +211,9 @@ def _data_parallel_plan(
     return plan, owners
 
 
-def _create_session(config: TrainerConfig, compiled: CompiledModel, owners: dict[str, int] | None) -> SessionBase:
+def _create_session(
+    config: TrainerConfig, compiled: CompiledModel, owners: dict[str, int] | None, streams: DropoutStreams
+) -> SessionBase:
     opts = config.options
     session_config = SessionConfig(
         device=config.device,
@@ -212,7 +226,7 @@ def _create_session(config: TrainerConfig, compiled: CompiledModel, owners: dict
     state = compiled.initial_state
     if compiled.step is None:
         graph_for = cast(Callable[[Sequence[torch.Tensor]], TrainingGraph] | None, compiled.graph_for)  # one process
-        return TrainingSession(compiled.training, compiled.eval_model, state, session_config, graph_for)
+        return TrainingSession(compiled.training, compiled.eval_model, state, session_config, streams, graph_for)
     graphs = DataParallelGraphs(compiled.step, compiled.training, compiled.reduced_inputs or {})
     return DataParallelSession(
         graphs,
@@ -224,14 +238,6 @@ def _create_session(config: TrainerConfig, compiled: CompiledModel, owners: dict
         adasum=opts.distributed.enable_adasum,
         owners=owners,
         rank=config.rank,
+        streams=streams,
         step_for=cast(Callable[[Sequence[torch.Tensor]], GradientStepGraph] | None, compiled.graph_for),
     )
-
-
-def _seed_onnxruntime() -> None:
-    """Seed ONNX Runtime's RNG (dropout masks) from torch's seed, so `torch.manual_seed` makes runs repeatable.
-
-    Rule: the ONNX Runtime seed is `1 + torch.initial_seed() mod 2**30`. Why: the k-th Dropout computation seeds
-    its engine (minstd_rand0) with `seed + k - 1`, and that engine treats a seed ≡ 0 mod 2**31 - 1 as 1, so seed 0
-    (`torch.manual_seed(0)`) drew the same mask in the first two steps (verified on 1.19.2)."""
-    ort_private.set_seed(1 + torch.initial_seed() % (1 << 30))

@@ -30,6 +30,7 @@ from .graph.data_parallel import GradientStepGraph, build_gradient_step_graph, b
 from .graph.recompute import RecomputePlan, apply_plan
 from .graph.scatter_grad import gather_grad_to_scatter_add
 from .graph.training import TrainingGraph, accumulation_buffer_name, build_training_graph, zero_state
+from .locks import TRACING
 from .parameters import initializer_values, param_groups
 from .shapes import shape_signature
 
@@ -301,9 +302,10 @@ class TorchShapeGraphs:
             "graph per input-shape signature)",
             [list(shape) for shape, _ in signature],
         )
-        model = torch_gradient_model(
-            self._source, inputs, request.outputs, request.trainable, request.trainable + request.frozen
-        )
+        with TRACING:
+            model = torch_gradient_model(
+                self._source, inputs, request.outputs, request.trainable, request.trainable + request.frozen
+            )
         model = run_stages(model, gradient_passes(request, request.loss_name))
         plan = request.data_parallel
         graph = (

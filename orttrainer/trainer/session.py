@@ -26,7 +26,8 @@ from ..dtypes import ort_to_numpy
 from . import ort_private
 from .config import Device
 from .graph.training import TrainingGraph
-from .shapes import ShapeKeyedCache
+from .rng import ALL_SHAPES, DropoutStreams, signature_key
+from .shapes import ShapeKeyedCache, shape_signature
 
 MAX_TRAINING_GRAPHS = 16  # torch builder: input-shape signatures kept compiled at once
 
@@ -64,13 +65,15 @@ class GraphRunner(Generic[G]):
     graph: G
     session: Any
     inputs: frozenset[str]
+    key: str  # the dropout stream key of the graph (rng.py)
 
 
 class GraphRunners(Generic[G]):
     """The graph (and ONNX Runtime session) that runs a batch: `graph` for every batch, or — given `graph_for`
     (torch builder) — `graph_for(inputs)` for the shape signature of `inputs` (the data in `graph.data_inputs`
     order), created on the first batch with that signature. `optimized_model_path` receives the first graph's
-    optimized model (every later one would overwrite it)."""
+    optimized model (every later one would overwrite it). Each session is created with its graph's Dropout nodes
+    seeded at the position `streams` has reached for it (rng.py)."""
 
     def __init__(
         self,
@@ -78,8 +81,10 @@ class GraphRunners(Generic[G]):
         graph: G,
         graph_for: Callable[[Sequence[torch.Tensor]], G] | None,
         optimized_model_path: str,
+        streams: DropoutStreams,
     ) -> None:
         self.graph, self._create, self._graph_for = graph, create, graph_for
+        self.streams = streams
         self._path = optimized_model_path
         self._cache: ShapeKeyedCache[GraphRunner[G]] = ShapeKeyedCache(MAX_TRAINING_GRAPHS)
         self.latest: GraphRunner[G] | None = None
@@ -93,9 +98,19 @@ class GraphRunners(Generic[G]):
 
     def _new(self, inputs: list[torch.Tensor]) -> GraphRunner[G]:
         graph = self._graph_for(inputs) if self._graph_for is not None else self.graph
+        key = signature_key(shape_signature(inputs)) if self._graph_for is not None else ALL_SHAPES
+        return self._open(graph, key)
+
+    def _open(self, graph: G, key: str) -> GraphRunner[G]:
         path, self._path = self._path, ""
-        session = self._create(graph.model, path)
-        return GraphRunner(graph, session, frozenset(i.name for i in session.get_inputs()))
+        session = self._create(self.streams.seeded(graph.model, key), path)
+        return GraphRunner(graph, session, frozenset(i.name for i in session.get_inputs()), key)
+
+    def reopen(self) -> None:
+        """Create every kept graph's session again, seeded at the streams' current positions (after a load, or a
+        failed run whose draws the positions did not count)."""
+        self._cache.replace_all(lambda runner: self._open(runner.graph, runner.key))
+        self.latest = None
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -105,10 +120,15 @@ class SessionBase(ABC):
     """What every session kind shares: ONNX Runtime options and providers, the eval graph's session, and the state
     (`OrtValue`s by name) that every graph reads and replaces. Subclasses run training steps."""
 
-    def __init__(self, eval_model: onnx.ModelProto, state: dict[str, np.ndarray], config: SessionConfig) -> None:
+    _runners: GraphRunners[Any]  # the training (or gradient-step) graphs, set by the subclass
+
+    def __init__(
+        self, eval_model: onnx.ModelProto, state: dict[str, np.ndarray], config: SessionConfig, streams: DropoutStreams
+    ) -> None:
         import onnxruntime as ort
 
         self.config = config
+        self.streams = streams
         self._options = _session_options(config)
         self._providers = _providers(config)
         self._eval = self._session(eval_model, "")
@@ -120,9 +140,24 @@ class SessionBase(ABC):
     def _session(self, model: onnx.ModelProto, optimized_model_path: str) -> Any:
         return _create_session(model, self._options, self._providers, self.config, optimized_model_path)
 
-    @abstractmethod
     def prepare(self, data: dict[str, torch.Tensor]) -> None:
         """Build (if needed) the training graph and session for this batch's shapes, without running anything."""
+        self._runners.for_data(data)
+
+    def reopen_graphs(self) -> None:
+        """Create the training graphs' sessions again at the dropout streams' current positions (rng.py)."""
+        self._runners.reopen()
+
+    def _run_training(self, runner: GraphRunner, feeds: dict[str, Any], fetch: list[str]) -> list:
+        """Run a training graph and count its dropout draws; a failed run may have drawn without being counted,
+        so its sessions start again where the count says."""
+        try:
+            fetched = self._run(runner.session, feeds, fetch)
+        except BaseException:
+            self.reopen_graphs()
+            raise
+        self.streams.advance(runner.key)
+        return fetched
 
     @abstractmethod
     def train(
@@ -143,9 +178,9 @@ class SessionBase(ABC):
         """The onnxruntime.InferenceSession that ran the last update."""
 
     @property
-    @abstractmethod
     def training_graph_count(self) -> int:
         """How many training graphs are compiled and kept (torch builder: one per input-shape signature)."""
+        return len(self._runners)
 
     def evaluate(self, data: dict[str, torch.Tensor], outputs: list[str]) -> dict[str, torch.Tensor]:
         """Run the eval graph on `data`; returns the requested outputs."""
@@ -208,24 +243,18 @@ class TrainingSession(SessionBase):
         eval_model: onnx.ModelProto,
         state: dict[str, np.ndarray],
         config: SessionConfig,
+        streams: DropoutStreams,
         graph_for: Callable[[Sequence[torch.Tensor]], TrainingGraph] | None = None,
     ) -> None:
-        super().__init__(eval_model, state, config)
+        super().__init__(eval_model, state, config, streams)
         self.graph = graph
-        self._runners = GraphRunners(self._session, graph, graph_for, config.optimized_model_path)
+        self._runners = GraphRunners(self._session, graph, graph_for, config.optimized_model_path, streams)
         self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
-
-    def prepare(self, data: dict[str, torch.Tensor]) -> None:
-        self._runners.for_data(data)
 
     @property
     def train_session(self) -> Any:
         """The onnxruntime.InferenceSession of the training graph run last (None before the first one exists)."""
         return self._runners.latest.session if self._runners.latest is not None else None
-
-    @property
-    def training_graph_count(self) -> int:
-        return len(self._runners)
 
     def train(
         self,
@@ -251,7 +280,7 @@ class TrainingSession(SessionBase):
             feeds[g.loss_scale_input] = self._host_scalar(np.float32(loss_scale))
         state_outputs = {**g.weight_updates, **g.optimizer_state} if optimizer_step else g.accumulation
         checks = [g.all_finite_output] if optimizer_step and g.all_finite_output else []
-        fetched = self._run(runner.session, feeds, outputs + list(state_outputs.values()) + checks)
+        fetched = self._run_training(runner, feeds, outputs + list(state_outputs.values()) + checks)
         results = dict(zip(outputs, fetched[: len(outputs)], strict=True))
         finite = bool(fetched[-1].numpy().all()) if checks else True
         if finite:

@@ -23,6 +23,7 @@ import torch
 
 from .distributed import Communicator
 from .graph.data_parallel import DataParallelGraphs, GradientStepGraph
+from .rng import DropoutStreams
 from .session import GraphRunners, SessionBase, SessionConfig, from_torch, to_torch_view
 
 
@@ -41,12 +42,13 @@ class DataParallelSession(SessionBase):
         adasum: bool,
         owners: dict[str, int] | None,
         rank: int,
+        streams: DropoutStreams,
         step_for: Callable[[Sequence[torch.Tensor]], GradientStepGraph] | None = None,
     ) -> None:
-        super().__init__(eval_model, state, config)
+        super().__init__(eval_model, state, config, streams)
         self.graphs, self.graph = graphs, graphs.optimizer
         self.comm = comm
-        self._runners = GraphRunners(self._session, graphs.step, step_for, "")
+        self._runners = GraphRunners(self._session, graphs.step, step_for, "", streams)
         self._train = self._session(graphs.optimizer.model, config.optimized_model_path)
         self._train_inputs = {i.name for i in self._train.get_inputs()}
         self._accumulating = accumulation_steps > 1
@@ -70,11 +72,11 @@ class DataParallelSession(SessionBase):
             feeds[step.loss_scale_input] = self._host_scalar(np.float32(loss_scale))
         in_graph = bool(step.accumulation)
         if in_graph and not optimizer_step:  # accumulate locally; nothing to communicate yet
-            fetched = self._run(runner.session, feeds, outputs + list(step.accumulation.values()))
+            fetched = self._run_training(runner, feeds, outputs + list(step.accumulation.values()))
             self._state.update(zip(step.accumulation, fetched[len(outputs) :], strict=True))
             return self._results(outputs, fetched), True
         names = list(step.gradients)
-        fetched = self._run(runner.session, feeds, outputs + [step.gradients[p] for p in names])
+        fetched = self._run_training(runner, feeds, outputs + [step.gradients[p] for p in names])
         combined = self._combine([to_torch_view(v) for v in fetched[len(outputs) :]])
         if self._accumulating and not in_graph:
             buffers = [to_torch_view(self._state[f"{p}_grad_accumulation_buffer"]) for p in names]
@@ -90,13 +92,6 @@ class DataParallelSession(SessionBase):
             for name in self._buffers:  # accumulated here, in place: clear in place too
                 to_torch_view(self._state[name]).zero_()
         return self._results(outputs, fetched), finite
-
-    def prepare(self, data: dict[str, torch.Tensor]) -> None:
-        self._runners.for_data(data)
-
-    @property
-    def training_graph_count(self) -> int:
-        return len(self._runners)
 
     @property
     def train_session(self) -> Any:

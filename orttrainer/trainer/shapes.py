@@ -44,6 +44,11 @@ class ShapeKeyedCache(Generic[T]):
             self._values.popitem(last=False)
         return value
 
+    def replace_all(self, rebuild: Callable[[T], T]) -> None:
+        """Replace every stored value `v` by `rebuild(v)`, keeping keys and their order."""
+        for key, value in list(self._values.items()):
+            self._values[key] = rebuild(value)
+
     def __contains__(self, inputs: Sequence[torch.Tensor]) -> bool:
         return shape_signature(inputs) in self._values
 

@@ -12,6 +12,8 @@ Layout (pytorch_format=False):
                                               run continues the window exactly (the original lost them)
   loss_scaler/loss_scale, stable_steps        mixed precision only: the loss scaler's state, so a resumed run
                                               continues with the same scale (the original restarted from 2^16)
+  rng/seed, rng/positions/<graph key>         the trainer's dropout stream (trainer/rng.py), so a resumed run
+                                              draws the masks the uninterrupted run would have drawn
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ LEGACY_FULL_PRECISION = "fp32"  # checkpoints written before ≈1.7
 SHARED = "shared_optimizer_state"
 ACCUMULATION = "gradient_accumulation"
 LOSS_SCALER = "loss_scaler"
+RNG = "rng"
 BUFFER_SUFFIX = accumulation_buffer_name("")  # buffer of weight w: f"{w}{BUFFER_SUFFIX}"
 
 
@@ -53,6 +56,7 @@ def build_state_dict(
     partition_info = _partition_info(built, config)
     if partition_info is not None:
         state["partition_info"] = partition_info
+    state[RNG] = built.streams.state()
     scaler = config.loss_scaler
     if scaler is not None:
         stable_steps = int(getattr(scaler, "_stable_steps_count", 0))  # only DynamicLossScaler counts them

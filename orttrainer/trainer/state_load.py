@@ -19,6 +19,7 @@ from .state import (
     FULL_PRECISION,
     LEGACY_FULL_PRECISION,
     LOSS_SCALER,
+    RNG,
     SHARED,
     build_state_dict,
 )
@@ -57,6 +58,8 @@ def apply_state_dict(
     if updates is not None:
         counters.optimizer_updates = updates
     _load_loss_scaler(config, state_dict.get(LOSS_SCALER))
+    if RNG in state_dict and built.streams.load(state_dict[RNG]):
+        built.session.reopen_graphs()  # the sessions' Dropout seeds follow the loaded positions
     _load_train_step_info(counters, state_dict)
 
 
