@@ -425,20 +425,31 @@ def test_internal_postprocess_fuses_log_softmax_and_nll_so_the_model_trains():
 
 def test_provider_options_are_merged_into_the_provider_list_given_to_onnxruntime():
     from orttrainer.trainer.config import Device
-    from orttrainer.trainer.session import SessionConfig, _providers
+    from orttrainer.trainer.ort_session import providers_for
 
-    config = SessionConfig(
-        Device("cpu"), provider_options={"CPUExecutionProvider": {"a": "1"}, "CUDAExecutionProvider": {"b": "2"}}
-    )
-    assert _providers(config) == [("CUDAExecutionProvider", {"b": "2"}), ("CPUExecutionProvider", {"a": "1"})]
-    trainer = make_trainer(
-        MLP(), mlp_desc(), optim.SGDConfig(), CE, {"provider_options": {"NoSuchExecutionProvider": {}}}
-    )
+    assert providers_for(Device("cpu"), 0, {"CUDAExecutionProvider": {"b": 2}}) == [
+        ("CUDAExecutionProvider", {"b": "2"}),
+        ("CPUExecutionProvider", {}),
+    ]
     with pytest.raises(
         ValueError,
         match="provider_options names 'NoSuchExecutionProvider', which this onnxruntime build does not provide",
-    ):  # ONNX Runtime itself would drop it silently
-        trainer.train_step(*_batches(1)[0])
+    ):  # ONNX Runtime itself would drop it silently; refused at construction
+        make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, {"provider_options": {"NoSuchExecutionProvider": {}}})
+
+
+@pytest.mark.parametrize(
+    ("provider_options", "message"),
+    [
+        ({"CPUExecutionProvider": {"arena_extend_strategy": "1"}}, "CPU provider takes no options from Python"),
+        ({"CUDAExecutionProvider": {3: "1"}}, r"option names must be str .* these are not: \[3\]"),
+        ({"CUDAExecutionProvider": {"device_id": None}}, r"these are not: \['device_id'\]"),
+        ({"CUDAExecutionProvider": ["device_id"]}, "must be a dict of option names to values, got list"),
+    ],
+)
+def test_provider_options_that_onnxruntime_would_drop_are_refused_at_construction(provider_options, message):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, {"provider_options": provider_options})
 
 
 def test_parameters_without_a_path_to_the_loss_are_left_alone_like_pytorch():

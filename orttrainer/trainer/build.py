@@ -29,6 +29,7 @@ from .graph.training import TrainingGraph
 from .inputs import check_inputs
 from .locks import TRACING
 from .model_types import describe_mixed_precision, record_export_types, record_graph_types
+from .ort_session import writable_debug_path
 from .parameters import split_parameters
 from .rng import DropoutStreams
 from .session import SessionBase, SessionConfig, TrainingSession
@@ -221,7 +222,10 @@ def _create_session(
         provider_options=dict(opts._validated_opts["provider_options"]),
         session_options=opts.session_options,
         deterministic=opts.debug.deterministic_compute,
-        optimized_model_path=opts.debug.graph_save_paths.model_with_training_graph_after_optimization_path,
+        optimized_model_path=writable_debug_path(
+            opts.debug.graph_save_paths.model_with_training_graph_after_optimization_path,
+            "debug.graph_save_paths.model_with_training_graph_after_optimization_path",
+        ),
     )
     state = compiled.initial_state
     if compiled.step is None:

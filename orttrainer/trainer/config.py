@@ -118,6 +118,7 @@ def make_config(
     if checked_options.mixed_precision.enabled and not checked_options.mixed_precision.loss_scaler:
         checked_options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
     check_supported_options(checked_options)
+    check_provider_options(checked_options)
     device = Device.parse(checked_options.device.id)
     distributed = resolve_context(checked_options, device.type)
     if distributed and device.type == "cuda" and checked_options.device.id.strip().lower() == "cuda":
@@ -140,6 +141,8 @@ def _takes_two_arguments(fn: object) -> bool:
         return True
     return True
 
+
+CPU_PROVIDER = "CPUExecutionProvider"
 
 # option path -> (predicate on the value that means "cannot be honoured", what to do instead)
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -190,6 +193,42 @@ def check_data_parallel_options(options: ORTTrainerOptions, world_size: int) -> 
                 "Adasum combines each rank's accumulated gradient once per optimizer step; set "
                 "distributed.allreduce_post_accumulation=True"
             )
+
+
+def checked_provider_options(name: object, opts: object, available: list[str]) -> dict[str, str]:
+    """Rules: the provider is a str this onnxruntime build provides (ONNX Runtime would only log a warning and drop
+    it); its options are a dict of str keys to str, int, float or bool values; the CPU provider takes none from
+    Python (its arena is `device.mem_limit` / SessionOptions)."""
+    if not isinstance(name, str) or name not in available:
+        raise ValueError(
+            f"options provider_options names {name!r}, which this onnxruntime build does not provide; "
+            f"available: {available}"
+        )
+    if not isinstance(opts, dict):
+        raise ValueError(
+            f"options provider_options.{name} must be a dict of option names to values, got {type(opts).__name__}"
+        )
+    bad = [k for k, v in opts.items() if not isinstance(k, str) or not isinstance(v, (str, int, float, bool))]
+    if bad:
+        raise ValueError(
+            f"options provider_options.{name}: option names must be str and values str, int, float or "
+            f"bool; these are not: {bad}"
+        )
+    if name == CPU_PROVIDER and opts:
+        raise ValueError(
+            f"options provider_options.{CPU_PROVIDER}={opts!r}: ONNX Runtime's CPU provider takes no options "
+            "from Python and would ignore them; cap its memory with options device.mem_limit"
+        )
+    return {k: str(v) for k, v in opts.items()}
+
+
+def check_provider_options(options: ORTTrainerOptions) -> None:
+    """`provider_options` by the rules of `checked_provider_options`, at construction."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    for name, opts in options._validated_opts["provider_options"].items():
+        checked_provider_options(name, opts, available)
 
 
 def _lookup(tree: dict, path: str) -> Any:

@@ -26,6 +26,7 @@ from ..dtypes import ort_to_numpy
 from . import ort_private
 from .config import Device
 from .graph.training import TrainingGraph
+from .ort_session import create_session, providers_for, session_options
 from .rng import ALL_SHAPES, DropoutStreams, signature_key
 from .shapes import ShapeKeyedCache, shape_signature
 
@@ -129,8 +130,8 @@ class SessionBase(ABC):
 
         self.config = config
         self.streams = streams
-        self._options = _session_options(config)
-        self._providers = _providers(config)
+        self._options = session_options(config.session_options, config.deterministic, config.device, config.mem_limit)
+        self._providers = providers_for(config.device, config.mem_limit, config.provider_options or {})
         self._eval = self._session(eval_model, "")
         self._eval_inputs = {i.name for i in self._eval.get_inputs()}
         self._state: dict[str, Any] = {name: self._to_device(value) for name, value in state.items()}
@@ -138,7 +139,7 @@ class SessionBase(ABC):
         self._partial_run.only_execute_path_to_fetches = True
 
     def _session(self, model: onnx.ModelProto, optimized_model_path: str) -> Any:
-        return _create_session(model, self._options, self._providers, self.config, optimized_model_path)
+        return create_session(model, self._options, self._providers, self.config.device, optimized_model_path)
 
     def prepare(self, data: dict[str, torch.Tensor]) -> None:
         """Build (if needed) the training graph and session for this batch's shapes, without running anything."""
@@ -313,70 +314,3 @@ def _from_torch(tensor: torch.Tensor):
         # of the same memory, flagged as bool, is what it accepts.
         return ort_private.ortvalue_from_dlpack(torch.utils.dlpack.to_dlpack(tensor.view(torch.uint8)), True)
     return ort_private.ortvalue_from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False)
-
-
-def _create_session(model: onnx.ModelProto, options, providers: list, config: SessionConfig, optimized_model_path: str):
-    import onnxruntime as ort
-
-    saved_path = options.optimized_model_filepath
-    options.optimized_model_filepath = optimized_model_path  # read once, at session creation
-    try:
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
-    finally:
-        options.optimized_model_filepath = saved_path
-    if config.device.type == "cuda" and session.get_providers()[0] != "CUDAExecutionProvider":
-        raise RuntimeError(
-            f"options device.id is cuda:{config.device.index} but ONNX Runtime's CUDAExecutionProvider could not "
-            "be used on this machine (onnxruntime-training 1.19.2 needs CUDA 11.8 and cuDNN 8). Set options "
-            "{'device': {'id': 'cpu'}} to train on the CPU."
-        )
-    return session
-
-
-def _session_options(config: SessionConfig):
-    """The user's SessionOptions (modified in place, as the legacy trainer did) or new ones."""
-    import onnxruntime as ort
-
-    options = config.session_options
-    if options is None:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3  # ORT warns about every unused initializer otherwise
-    options.use_deterministic_compute = config.deterministic
-    if config.device.type == "cpu" and config.mem_limit > 0:
-        from .cpu_memory import cap_cpu_arena
-
-        cap_cpu_arena(options, config.mem_limit)
-    return options
-
-
-def _providers(config: SessionConfig) -> list:
-    """Providers for `device.id`, then `provider_options` (EP name -> options) merged in or put first."""
-    import onnxruntime as ort
-
-    device = config.device
-    if device.type == "cuda":
-        if "CUDAExecutionProvider" not in ort.get_available_providers() or not torch.cuda.is_available():
-            raise RuntimeError(
-                f"options device.id asks for CUDA ({device.type}:{device.index}) but CUDA is not available here. "
-                "Set options {'device': {'id': 'cpu'}} to train on the CPU."
-            )
-        cuda = {"device_id": device.index}
-        if config.mem_limit > 0:
-            cuda["gpu_mem_limit"] = config.mem_limit
-        providers: list = [("CUDAExecutionProvider", cuda), ("CPUExecutionProvider", {})]
-    else:
-        providers = [("CPUExecutionProvider", {})]
-    available = ort.get_available_providers()
-    for name, opts in (config.provider_options or {}).items():
-        if name not in available:  # ONNX Runtime would only log a warning and drop it
-            raise ValueError(
-                f"options provider_options names {name!r}, which this onnxruntime build does not "
-                f"provide; available: {available}"
-            )
-        names = [p[0] for p in providers]
-        if name in names:
-            i = names.index(name)
-            providers[i] = (name, {**providers[i][1], **dict(opts)})
-        else:
-            providers.insert(0, (name, dict(opts)))
-    return providers
