@@ -1,4 +1,4 @@
-"""The older `onnxruntime.capi.ort_trainer.ORTTrainer` API (orttrainer.legacy) on the new trainer: constructor
+"""The older `onnxruntime.capi.ort_trainer.ORTTrainer` API (orttrainer.capi) on the new trainer: constructor
 arguments, the learning rate as an input or from get_lr_this_step, fetches, __call__, state and checkpoints, and a
 transformer trained with the older conventions matching the new API."""
 
@@ -17,7 +17,7 @@ from models import MLP, TinyTransformer, transformer_loss
 
 from orttrainer import ORTTrainer as NewORTTrainer
 from orttrainer import ORTTrainerOptions, amp, optim
-from orttrainer.legacy import (
+from orttrainer.capi import (
     IODescription,
     LossScaler,
     ModelDescription,
@@ -273,7 +273,7 @@ def test_checkpoint_helper_errors(tmp_path):
         save_checkpoint(trainer, "/nonexistent")
     with pytest.raises(AssertionError, match=f'No checkpoint files found with prefix "ck" in directory {tmp_path}.'):
         list_checkpoint_files(str(tmp_path), "ck")
-    with pytest.raises(TypeError, match="orttrainer.legacy.ORTTrainer"):
+    with pytest.raises(TypeError, match="orttrainer.capi.ORTTrainer"):
         save_checkpoint(trainer.ort_trainer, str(tmp_path))
     assert get_checkpoint_name("ck", True, 1, 4) == "ck.ZeRO.1.3.ort.pt"
 
