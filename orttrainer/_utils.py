@@ -1,6 +1,6 @@
 """Legacy ``onnxruntime.training._utils``: state-dict key names, device and dtype helpers.
 
-The key functions name the levels of a trainer state dict and of a checkpoint file (research/legacy_api.md §9.1);
+The key functions name the levels of a trainer state dict and of a checkpoint file (docs/legacy_api.md §9.1);
 the checkpoint code and the trainer both spell keys through them so that the layout lives in one place.
 ``dtype_onnx_to_torch`` is fixed: legacy mapped UINT8 to ``torch.int8`` and BFLOAT16 to the nonexistent
 ``torch.bfloat`` (an ``AttributeError``); here they map to ``torch.uint8`` and ``torch.bfloat16``.
@@ -144,7 +144,7 @@ _TORCH_TO_NUMPY: dict[torch.dtype, type] = {
 
 
 def dtype_torch_to_numpy(torch_dtype: torch.dtype) -> type:
-    """numpy scalar type for a torch dtype (legacy table, research/legacy_api.md §10); others raise ValueError."""
+    """numpy scalar type for a torch dtype (legacy table, docs/legacy_api.md §10); others raise ValueError."""
     try:
         return _TORCH_TO_NUMPY[torch_dtype]
     except (KeyError, TypeError):

@@ -1,4 +1,4 @@
-"""aggregate_checkpoints over per-rank HDF5 files (research/legacy_api.md §9.4): the worked example, Megatron and
+"""aggregate_checkpoints over per-rank HDF5 files (docs/legacy_api.md §9.4): the worked example, Megatron and
 ZeRO+Megatron grouping, and every mismatch with a message that names the file."""
 
 from __future__ import annotations

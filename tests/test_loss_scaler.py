@@ -215,7 +215,7 @@ def test_all_finite_with_several_values_is_rejected(flag):
 
 
 class _LegacyCapiLossScaler:
-    """The legacy capi ``LossScaler.update_loss_scale`` (research/legacy_api.md §14.2), written out for comparison."""
+    """The legacy capi ``LossScaler.update_loss_scale`` (docs/legacy_api.md §14.2), written out for comparison."""
 
     def __init__(self, loss_scale, up_scale_window, min_loss_scale, max_loss_scale):
         self.loss_scale_ = loss_scale

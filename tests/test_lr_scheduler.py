@@ -28,7 +28,7 @@ def _lrs(scheduler, steps, lr0=1.0):
     return values
 
 
-# Reference values of research/legacy_api.md §7.2 (verified on 1.13.1), lr0 = 1, steps 0..9.
+# Reference values of docs/legacy_api.md §7.2 (verified on 1.13.1), lr0 = 1, steps 0..9.
 POSITIONAL_REFERENCE = [
     (CONSTANT, [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 1.0, 1.0, 1.0]),
     (LINEAR, [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 0.8, 0.6, 0.4, 0.2]),

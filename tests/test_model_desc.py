@@ -1,4 +1,4 @@
-"""Model description validation and representation against legacy 1.13.1 (research/legacy_api.md §4)."""
+"""Model description validation and representation against legacy 1.13.1 (docs/legacy_api.md §4)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ SIMPLE = {
     "outputs": [("loss", [], True), ("logits", ["batch", 2])],
 }
 
-# Every row of legacy_api.md §4.2, verbatim; rows written with "..." or "or" are spelled out.
+# Every row of docs/legacy_api.md §4.2, verbatim; rows written with "..." or "or" are spelled out.
 ERROR_TABLE = [
     (
         {"inputs": [(True, [])], "outputs": [(True, [])]},

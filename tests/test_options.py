@@ -1,4 +1,4 @@
-"""ORTTrainerOptions against the legacy 1.13.1 behaviour (research/legacy_api.md §5)."""
+"""ORTTrainerOptions against the legacy 1.13.1 behaviour (docs/legacy_api.md §5)."""
 
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def test_repr_lists_attributes_like_a_dict():
     assert repr(opts.device) == "{'id': 'cpu', 'mem_limit': 0}"
 
 
-# Every row of legacy_api.md §5.3, verbatim.
+# Every row of docs/legacy_api.md §5.3, verbatim.
 ERROR_TABLE = [
     (
         {"mixed_precision": {"enabled": 1}},

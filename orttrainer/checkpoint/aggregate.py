@@ -1,6 +1,6 @@
 """``aggregate_checkpoints``: merge the per-rank HDF5 checkpoints of a ZeRO and/or Megatron run into one state dict.
 
-Algorithm of legacy ``checkpoint.aggregate_checkpoints`` (research/legacy_api.md §9.4). Files are read one at a time
+Algorithm of legacy ``checkpoint.aggregate_checkpoints`` (docs/legacy_api.md §9.4). Files are read one at a time
 through ``orttrainer._checkpoint_storage.load`` (the legacy mock point), ordered by their saved ``world_rank``:
 
 - ZeRO: optimizer moments of partitioned weights are concatenated in rank order and reshaped to ``original_dim``;

@@ -1,6 +1,6 @@
 """Checkpoint storage: nested dicts <-> HDF5 files, in the legacy ``_checkpoint_storage`` layout.
 
-Layout (research/legacy_api.md §9.2): every Mapping becomes an HDF5 group, every other value a dataset; a key with
+Layout (docs/legacy_api.md §9.2): every Mapping becomes an HDF5 group, every other value a dataset; a key with
 ``/`` creates nested groups. Loading turns groups back into dicts and datasets into ``dataset[()]``, so types come
 back as numpy types: int -> ``numpy.int64``, float -> ``numpy.float64``, bool -> ``numpy.bool_``, a list of
 numbers or a tensor -> ``numpy.ndarray`` (dtype and shape kept), ``str`` -> ``bytes``, ``{}`` -> ``{}``.

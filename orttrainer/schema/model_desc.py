@@ -1,6 +1,6 @@
 """Model description (``model_desc``): validation and the normalised, namedtuple-based representation.
 
-Behaviour follows ``onnxruntime.training.model_desc_validation`` of release 1.13.1 (research/legacy_api.md §4):
+Behaviour follows ``onnxruntime.training.model_desc_validation`` of release 1.13.1 (docs/legacy_api.md §4):
 same cerberus schema, same error strings (``"only one is_loss can bet set to True"`` keeps its typo), same
 attributes. Two legacy crashes are turned into ``ValueError("Invalid model_desc: ...")``: a tuple that is too short
 (``IndexError`` before) and ``inputs``/``outputs`` given as a tuple instead of a list (``IndexError``/``TypeError``).

@@ -1,6 +1,6 @@
 """``ORTTrainerOptions``: the legacy option tree, validated and normalised by cerberus.
 
-Behaviour follows ``onnxruntime.training.orttrainer_options`` of release 1.13.1 (research/legacy_api.md §5): the
+Behaviour follows ``onnxruntime.training.orttrainer_options`` of release 1.13.1 (docs/legacy_api.md §5): the
 same schema and defaults, the same ``ValueError("Invalid options: {...}")`` carrying cerberus's error dict, and the
 same attribute-access wrappers. This module never imports onnxruntime; types owned by other packages are checked
 lazily, at validation time.
@@ -169,7 +169,7 @@ _DISTRIBUTED_SCHEMA = {
 # Source choice: the seed document (001_*.txt) is garbled here. It names the keys `propagate_cast_ops_strategy`,
 # `propagate_cast_ops_level` and `propagate_cast_ops_allow`, places `allow_layer_norm_mod_precision` inside this
 # group, and nests `utils`/`debug`/`_internal_use` under `graph_transformer` with a second, conflicting
-# `_internal_use` (opset 12-13, default 12). We follow legacy_api.md §5.2 (release 1.13.1) instead: keys
+# `_internal_use` (opset 12-13, default 12). We follow docs/legacy_api.md §5.2 (release 1.13.1) instead: keys
 # `strategy`/`level`/`allow`, level >= -1, no `allow_layer_norm_mod_precision`, every group at the top level,
 # opset 12-14 with default 14. The seed's own prose ("propagate_cast_ops_config.strategy ... default FLOOD_FILL")
 # agrees with §5.2.
@@ -250,7 +250,7 @@ class ORTTrainerOptions:
 
     Options are grouped by feature (``batch``, ``device``, ``distributed``, ``lr_scheduler``, ``mixed_precision``,
     ``graph_transformer``, ``utils``, ``debug``, ``_internal_use``, ``provider_options``, ``session_options``); the
-    full tree with types and defaults is ``_ORTTRAINER_OPTIONS_SCHEMA`` (research/legacy_api.md §5.2). Every group
+    full tree with types and defaults is ``_ORTTRAINER_OPTIONS_SCHEMA`` (docs/legacy_api.md §5.2). Every group
     and leaf is optional: omitted ones get their defaults, so ``ORTTrainerOptions({})`` is a complete configuration.
 
     Validation happens in the constructor; invalid input raises ``ValueError("Invalid options: {errors}")`` where
