@@ -1,7 +1,7 @@
 """Legacy ``onnxruntime.training._utils``: state-dict key names, device and dtype helpers.
 
-The key functions name the levels of a trainer state dict and of a checkpoint file (docs/legacy_api.md §9.1);
-the checkpoint code and the trainer both spell keys through them so that the layout lives in one place.
+The key functions name the levels of a trainer state dict and of a checkpoint file (docs/legacy_api.md §9.1); they
+return the constants of :mod:`orttrainer.checkpoint.layout`, where the layout is described once.
 ``dtype_onnx_to_torch`` is fixed: legacy mapped UINT8 to ``torch.int8`` and BFLOAT16 to the nonexistent
 ``torch.bfloat`` (an ``AttributeError``); here they map to ``torch.uint8`` and ``torch.bfloat16``.
 This module never imports onnxruntime (nor onnx: the ONNX ``DataType`` numbering is spelled out below).
@@ -19,88 +19,99 @@ from typing import Any
 import numpy as np
 import torch
 
-# --- state-dict key names (§9.1) ---------------------------------------------------------------------------------
+from .checkpoint import layout
+
+# --- state-dict key names (§9.1): the legacy accessors of checkpoint.layout ---------------------------------------
 
 
 def state_dict_model_key() -> str:
     """Key of the model states: ``state_dict['model'][precision][weight]``."""
-    return "model"
+    return layout.MODEL
 
 
 def state_dict_optimizer_key() -> str:
     """Key of the optimizer states: ``state_dict['optimizer'][weight][state]``."""
-    return "optimizer"
+    return layout.OPTIMIZER
 
 
 def state_dict_partition_info_key() -> str:
     """Key of the ZeRO/Megatron partition map: ``state_dict['partition_info'][weight]``."""
-    return "partition_info"
+    return layout.PARTITION_INFO
 
 
 def state_dict_trainer_options_key() -> str:
     """Key of the trainer options saved with the states."""
-    return "trainer_options"
+    return layout.TRAINER_OPTIONS
 
 
 def state_dict_full_precision_key() -> str:
     """Precision key of the fp32 master weights (``'fp32'`` before ≈1.7)."""
-    return "full_precision"
+    return layout.FULL_PRECISION
 
 
 def state_dict_original_dimension_key() -> str:
     """Key of a partitioned weight's original shape inside ``partition_info[weight]``."""
-    return "original_dim"
+    return layout.ORIGINAL_DIM
 
 
 def state_dict_sharded_optimizer_keys() -> set[str]:
-    """Optimizer states that ZeRO partitions (concatenated again on aggregation)."""
-    return {"Moment_1", "Moment_2"}
+    """Optimizer states that ZeRO partitions (concatenated again on aggregation); a new set on every call."""
+    return set(layout.SHARDED_OPTIMIZER_KEYS)
 
 
 def state_dict_user_dict_key() -> str:
     """Key of the pickled (hex string) user dict inside a checkpoint file."""
-    return "user_dict"
+    return layout.USER_DICT
 
 
 def state_dict_trainer_options_mixed_precision_key() -> str:
-    return "mixed_precision"
+    """``trainer_options`` key: whether the run used mixed precision."""
+    return layout.MIXED_PRECISION
 
 
 def state_dict_trainer_options_zero_stage_key() -> str:
-    return "zero_stage"
+    """``trainer_options`` key: the DeepSpeed ZeRO stage (0: no partitioning)."""
+    return layout.ZERO_STAGE
 
 
 def state_dict_trainer_options_world_rank_key() -> str:
-    return "world_rank"
+    """``trainer_options`` key: the rank that saved the states."""
+    return layout.WORLD_RANK
 
 
 def state_dict_trainer_options_world_size_key() -> str:
-    return "world_size"
+    """``trainer_options`` key: the number of ranks of the run."""
+    return layout.WORLD_SIZE
 
 
 def state_dict_trainer_options_data_parallel_size_key() -> str:
-    return "data_parallel_size"
+    """``trainer_options`` key: the data-parallel group size (absent before ≈1.7)."""
+    return layout.DATA_PARALLEL_SIZE
 
 
 def state_dict_trainer_options_horizontal_parallel_size_key() -> str:
-    return "horizontal_parallel_size"
+    """``trainer_options`` key: the Megatron (horizontal) group size (absent before ≈1.7)."""
+    return layout.HORIZONTAL_PARALLEL_SIZE
 
 
 def state_dict_trainer_options_optimizer_name_key() -> str:
-    return "optimizer_name"
+    """``trainer_options`` key: the optimizer's name (``'AdamOptimizer'``, ...)."""
+    return layout.OPTIMIZER_NAME
 
 
 def state_dict_train_step_info_key() -> str:
     """Key of the saved ``TrainStepInfo`` counters."""
-    return "train_step_info"
+    return layout.TRAIN_STEP_INFO
 
 
 def state_dict_train_step_info_optimization_step_key() -> str:
-    return "optimization_step"
+    """``train_step_info`` key: the number of optimizer updates."""
+    return layout.OPTIMIZATION_STEP
 
 
 def state_dict_train_step_info_step_key() -> str:
-    return "step"
+    """``train_step_info`` key: the number of ``train_step`` calls."""
+    return layout.TRAIN_STEP
 
 
 # --- devices ------------------------------------------------------------------------------------------------------
