@@ -4,7 +4,8 @@ The key functions name the levels of a trainer state dict and of a checkpoint fi
 return the constants of :mod:`orttrainer.checkpoint.layout`, where the layout is described once.
 ``dtype_onnx_to_torch`` is fixed: legacy mapped UINT8 to ``torch.int8`` and BFLOAT16 to the nonexistent
 ``torch.bfloat`` (an ``AttributeError``); here they map to ``torch.uint8`` and ``torch.bfloat16``.
-This module never imports onnxruntime (nor onnx: the ONNX ``DataType`` numbering is spelled out below).
+The dtype tables start from :mod:`orttrainer.dtypes` and list where legacy departs from it. This module never
+imports onnxruntime.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from onnx import TensorProto
 
 from .checkpoint import layout
+from .dtypes import ELEMENT_TYPES
 
 # --- state-dict key names (§9.1): the legacy accessors of checkpoint.layout ---------------------------------------
 
@@ -135,22 +138,13 @@ def get_device_index_from_input(input: Any) -> int:
 
 # --- dtypes -------------------------------------------------------------------------------------------------------
 
-# numpy has no bfloat16 and no complex32: legacy mapped them to the nearest type numpy and ORT's
-# NumpyTypeToOnnxRuntimeType both accept.
-_TORCH_TO_NUMPY: dict[torch.dtype, type] = {
-    torch.float64: np.float64,
-    torch.float32: np.float32,
-    torch.float16: np.float16,
+# The element-type table (orttrainer.dtypes) plus legacy's departures from it, which user code relies on: numpy has
+# no bfloat16 and no complex32, so legacy mapped them to the nearest type that numpy and ORT's
+# NumpyTypeToOnnxRuntimeType both accept; and it gave int64 as `np.longlong` (the same width, a distinct type object).
+_TORCH_TO_NUMPY: dict[torch.dtype, type] = {t.torch: t.numpy for t in ELEMENT_TYPES if t.numpy is not None} | {
     torch.bfloat16: np.float16,
-    torch.int64: np.longlong,
-    torch.int32: np.int32,
-    torch.int16: np.int16,
-    torch.int8: np.int8,
-    torch.uint8: np.uint8,
     torch.complex32: np.complex64,
-    torch.complex64: np.complex64,
-    torch.complex128: np.complex128,
-    torch.bool: np.bool_,
+    torch.int64: np.longlong,
 }
 
 
@@ -162,31 +156,17 @@ def dtype_torch_to_numpy(torch_dtype: torch.dtype) -> type:
         raise ValueError(f"torch_dtype ({torch_dtype}) type is not supported by Numpy") from None
 
 
-# The ONNX TensorProto.DataType enum, in number order, as legacy listed it (it stops at BFLOAT16 = 16).
-_ONNX_TYPES = (
-    "UNDEFINED", "FLOAT", "UINT8", "INT8", "UINT16", "INT16", "INT32", "INT64", "STRING",
-    "BOOL", "FLOAT16", "DOUBLE", "UINT32", "UINT64", "COMPLEX64", "COMPLEX128", "BFLOAT16",
-)  # fmt: skip
+# The ONNX TensorProto.DataType names in number order, as legacy listed them (it stops at BFLOAT16 = 16).
+_ONNX_TYPES = tuple(TensorProto.DataType.Name(number) for number in range(TensorProto.BFLOAT16 + 1))
 
-# torch lacked uint16/32/64 when this table was written; those keep legacy's signed mapping.
-_ONNX_TO_TORCH: dict[str, Any] = {
+# The element-type table plus legacy's entries outside it: UNDEFINED and STRING have no torch dtype, and torch lacked
+# uint16/32/64 when legacy wrote its table, so those keep its signed mapping.
+_ONNX_TO_TORCH: dict[str, Any] = {TensorProto.DataType.Name(t.onnx): t.torch for t in ELEMENT_TYPES} | {
     "UNDEFINED": None,
-    "FLOAT": torch.float32,
-    "UINT8": torch.uint8,
-    "INT8": torch.int8,
-    "UINT16": torch.int16,
-    "INT16": torch.int16,
-    "INT32": torch.int32,
-    "UINT32": torch.int32,
-    "INT64": torch.int64,
-    "UINT64": torch.int64,
     "STRING": str,
-    "BOOL": torch.bool,
-    "FLOAT16": torch.float16,
-    "DOUBLE": torch.float64,
-    "COMPLEX64": torch.complex64,
-    "COMPLEX128": torch.complex128,
-    "BFLOAT16": torch.bfloat16,
+    "UINT16": torch.int16,
+    "UINT32": torch.int32,
+    "UINT64": torch.int64,
 }
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-import numpy as np
 import torch
+
+from ..dtypes import ELEMENT_TYPES
 
 
 class IODescription:
@@ -102,15 +103,12 @@ def resolve_symbolic_dimensions(
     return resolved
 
 
-_TORCH_TO_NUMPY = {
-    torch.float64: np.float64,
-    torch.float32: np.float32,
-    torch.float16: np.float16,
-    torch.int64: np.int64,
-    torch.int32: np.int32,
-    torch.int16: np.int16,
-    torch.bool: bool,
-}
+# The older API's subset of the element-type table (orttrainer.dtypes), with its one departure: bool maps to Python's
+# `bool`, not `np.bool_`.
+_LEGACY_TORCH_DTYPES = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16)
+_TORCH_TO_NUMPY: dict[torch.dtype, type] = {
+    t.torch: t.numpy for t in ELEMENT_TYPES if t.torch in _LEGACY_TORCH_DTYPES and t.numpy is not None
+} | {torch.bool: bool}
 
 
 def dtype_torch_to_numpy(torch_dtype: torch.dtype) -> type:
