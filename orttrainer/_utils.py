@@ -208,7 +208,8 @@ def import_module_from_file(file_path: str, module_name: str | None = None) -> M
     """Import a Python file as a module, register it in ``sys.modules`` and return it.
 
     The module name defaults to the file's base name up to its first dot. Bad arguments raise AssertionError
-    (legacy messages).
+    (legacy messages); a file Python cannot import (no ``.py``-like suffix) raises ImportError (legacy crashed with an
+    AttributeError).
     """
     if not (isinstance(file_path, str) and os.path.exists(file_path)):
         raise AssertionError("'file_path' must be a full path string with the python file to load")
@@ -216,6 +217,8 @@ def import_module_from_file(file_path: str, module_name: str | None = None) -> M
         raise AssertionError("'module_name' must be a string with the python module name to load")
     module_name = module_name or os.path.basename(file_path).split(".")[0]
     spec = importlib.util.spec_from_file_location(module_name, file_path)
+    if spec is None or spec.loader is None:  # a file name without a Python source or extension-module suffix
+        raise ImportError(f"{file_path} cannot be imported as a Python module", path=file_path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import inspect
 import keyword
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
-def legacy_input_model(model: torch.nn.Module, loss_fn, input_names: list[str]) -> torch.nn.Module:
+def legacy_input_model(
+    model: torch.nn.Module, loss_fn: Callable[..., Any] | None, input_names: list[str]
+) -> torch.nn.Module:
     """`model`, or the positional adapter when the older API would feed `forward` differently than by name."""
     params = inspect.signature(model.forward).parameters
     model_names = input_names[:-1] if loss_fn is not None else list(input_names)
@@ -51,7 +55,7 @@ def legacy_input_model(model: torch.nn.Module, loss_fn, input_names: list[str]) 
     return _adapter(model, model_names)
 
 
-def _positional(params: list[str], loss_fn, input_names: list[str]) -> bool:
+def _positional(params: list[str], loss_fn: Callable[..., Any] | None, input_names: list[str]) -> bool:
     if loss_fn is None:
         return True
     try:
@@ -67,17 +71,19 @@ def _positional(params: list[str], loss_fn, input_names: list[str]) -> bool:
 def _adapter(model: torch.nn.Module, names: list[str]) -> torch.nn.Module:
     base = type(model)
 
-    def forward(self, *args, **kwargs):
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(self, *args, **kwargs)
         return base.forward(self, *[bound.arguments[n] for n in names])
 
     signature = inspect.Signature(
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ["self", *names]]
     )
-    forward.__signature__ = signature
+    # typeshed gives functions no __signature__ attribute; inspect.signature() reads it by design, so it is set here.
+    forward.__signature__ = signature  # type: ignore[attr-defined]
     adapter_class = type(
         base.__name__, (base,), {"forward": forward, "__module__": base.__module__, "__qualname__": base.__qualname__}
     )
-    adapter = object.__new__(adapter_class)
+    # type() with three arguments is typed as returning a plain `type`; the class built here subclasses `base`.
+    adapter = object.__new__(cast("type[torch.nn.Module]", adapter_class))
     object.__setattr__(adapter, "__dict__", model.__dict__)  # one state: the user's model
     return adapter

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import namedtuple
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import onnx
@@ -51,13 +51,13 @@ class ORTTrainer:
 
     def __init__(
         self,
-        model,
-        loss_fn,
+        model: torch.nn.Module | onnx.ModelProto,
+        loss_fn: Callable[..., Any] | None,
         model_desc: ModelDescription,
         training_optimizer_name: str,
         map_optimizer_attributes: Callable[[str], dict] | None,
         learning_rate_description: IODescription,
-        device,
+        device: torch.device | str,
         gradient_accumulation_steps: int = 1,
         world_rank: int = 0,
         world_size: int = 1,
@@ -68,17 +68,17 @@ class ORTTrainer:
         loss_scaler: LossScaler | None = None,
         deepspeed_zero_stage: int = 0,
         enable_grad_norm_clip: bool = True,
-        frozen_weights=(),
+        frozen_weights: Sequence[str] | None = (),
         _opset_version: int = args_mod.DEFAULT_OPSET_VERSION,
         _enable_internal_postprocess: bool = True,
-        _extra_postprocess: Callable | None = None,
+        _extra_postprocess: Callable[[onnx.ModelProto], Any] | None = None,
         _use_deterministic_compute: bool = False,
         use_memory_efficient_gradient: bool = False,
         run_symbolic_shape_infer: bool = False,
         enable_adasum: bool = False,
         optimized_model_filepath: str = "",
         *,
-        postprocess_model: Callable | None = None,
+        postprocess_model: Callable[[onnx.ModelProto], Any] | None = None,
     ) -> None:
         if not isinstance(learning_rate_description, IODescription):
             raise TypeError(
@@ -95,13 +95,15 @@ class ORTTrainer:
         if loss_scaler is not None and not use_mixed_precision:
             warnings.warn("loss_scaler is ignored: it is only used with use_mixed_precision=True", stacklevel=2)
         new_desc = to_model_desc(model_desc)
-        arguments = {
-            "device": args_mod.device_id(device),
+        device_id = args_mod.device_id(device)
+        fed_loss_scale = as_new_loss_scaler(loss_scaler) if use_mixed_precision else None
+        arguments: dict[str, Any] = {
+            "device": device_id,
             "gradient_accumulation_steps": gradient_accumulation_steps,
             "world_rank": world_rank,
             "world_size": world_size,
             "use_mixed_precision": use_mixed_precision,
-            "loss_scaler": as_new_loss_scaler(loss_scaler) if use_mixed_precision else None,
+            "loss_scaler": fed_loss_scale,
             "allreduce_post_accumulation": allreduce_post_accumulation,
             "deepspeed_zero_stage": deepspeed_zero_stage,
             "enable_adasum": enable_adasum,
@@ -118,7 +120,7 @@ class ORTTrainer:
         config = args_mod.optimizer_config(
             training_optimizer_name, map_optimizer_attributes, args_mod.trainable_weight_names(model)
         )
-        fed_model = model
+        fed_model: torch.nn.Module | onnx.ModelProto = model
         if isinstance(model, torch.nn.Module):
             fed_model = legacy_input_model(model, loss_fn, [d.name_ for d in model_desc.inputs_])
         try:
@@ -139,7 +141,7 @@ class ORTTrainer:
         self.learning_rate_description_ = learning_rate_description
         self.training_optimizer_name_ = training_optimizer_name
         self.map_optimizer_attributes_ = map_optimizer_attributes
-        self.device_ = torch.device(arguments["device"])
+        self.device_ = torch.device(device_id)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.world_rank, self.world_size = world_rank, world_size
         self.use_mixed_precision = use_mixed_precision
@@ -148,9 +150,9 @@ class ORTTrainer:
         self.global_step_ = global_step
         self.get_lr_this_step_ = get_lr_this_step
         self.loss_scaler_ = loss_scaler if use_mixed_precision else None
-        self._fed_loss_scale = arguments["loss_scaler"]  # the new trainer's view of the loss scale
+        self._fed_loss_scale = fed_loss_scale  # the new trainer's view of the loss scale
         self.loss_scale_input_name = (
-            loss_scaler.loss_scale_input_name_ if self.loss_scaler_ is not None else DEFAULT_LOSS_SCALE_INPUT_NAME
+            self.loss_scaler_.loss_scale_input_name_ if self.loss_scaler_ is not None else DEFAULT_LOSS_SCALE_INPUT_NAME
         )
         self.input_desc_with_lr = [*model_desc.inputs_, learning_rate_description]
 
@@ -166,27 +168,32 @@ class ORTTrainer:
         return self._trainer._onnx_model
 
     @property
-    def session(self):
+    def session(self) -> Any:
         """orttrainer's `TrainingSession` (not ONNX Runtime's legacy TrainingSession); None before the first step."""
         return self._trainer._training_session
 
     # ------------------------------------------------------------------------------------------------------ steps
     def train(self) -> None:
+        """Make `__call__` run `train_step`."""
         self.is_train = True
 
     def eval(self) -> None:
+        """Make `__call__` run `eval_step`."""
         self.is_train = False
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`train_step` or `eval_step` (per `train()`/`eval()`) with the same arguments."""
         return self.train_step(*args, **kwargs) if self.is_train else self.eval_step(*args, **kwargs)
 
-    def train_step(self, *args, **kwargs):
+    def train_step(self, *args: Any, **kwargs: Any) -> Any:
         """One micro-step: `(*model_inputs[, lr][, loss_scale], fetches=None)`; see the module docstring."""
         fetches = _check_fetches(kwargs.pop("fetches", None))
         inputs, lr, loss_scale = self._split_inputs(args, kwargs, training=True)
         if self.get_lr_this_step_ is not None:
             lr = self.get_lr_this_step_(self.global_step_)
+        assert lr is not None  # _split_inputs requires the learning-rate input when get_lr_this_step is not set
         if loss_scale is not None:
+            assert self._fed_loss_scale is not None  # a loss-scale input is only taken under mixed precision
             self._fed_loss_scale.loss_scale = loss_scale
         info = self._trainer._train_step_info
         updates_before = info.optimization_step
@@ -199,7 +206,7 @@ class ORTTrainer:
             results.append(_all_finite_tensor(info.all_finite))
         return results[0] if len(results) == 1 else results
 
-    def eval_step(self, *args, **kwargs):
+    def eval_step(self, *args: Any, **kwargs: Any) -> Any:
         """Forward pass on the model inputs (dropout off); `fetches` selects outputs, returned in fetches order."""
         fetches = _check_fetches(kwargs.pop("fetches", None))
         inputs, _, _ = self._split_inputs(args, kwargs, training=False)
@@ -212,7 +219,7 @@ class ORTTrainer:
         return results[0] if len(results) == 1 else results
 
     def _extra_input_names(self, training: bool) -> list[str]:
-        names = []
+        names: list[str] = []
         if self.get_lr_this_step_ is None or not training:
             names.append(self.learning_rate_description_.name_)
         if self.use_mixed_precision and (self.loss_scaler_ is None or not training):
@@ -265,7 +272,7 @@ class ORTTrainer:
         )
 
     @contextlib.contextmanager
-    def _fetches(self, fetches: list[str] | None):
+    def _fetches(self, fetches: list[str] | None) -> Iterator[None]:
         info = self._trainer._train_step_info
         saved, info.fetches = info.fetches, list(fetches or [])
         try:
@@ -289,7 +296,7 @@ class ORTTrainer:
         self._trainer.save_as_onnx(path)
 
 
-def _check_fetches(fetches) -> list[str] | None:
+def _check_fetches(fetches: Any) -> list[str] | None:
     if fetches is None:
         return None
     if not (isinstance(fetches, (list, tuple)) and all(isinstance(f, str) for f in fetches)):
@@ -297,7 +304,7 @@ def _check_fetches(fetches) -> list[str] | None:
     return list(fetches)
 
 
-def _scalar(value, what: str) -> float:
+def _scalar(value: Any, what: str) -> float:
     """A learning rate or loss scale given as a one-element tensor (legacy: shape [1]) or a number."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -308,11 +315,11 @@ def _scalar(value, what: str) -> float:
     raise TypeError(f"the {what} input must be a one-element tensor or a number, got {type(value).__name__}")
 
 
-def _as_list(outputs) -> list:
+def _as_list(outputs: Any) -> list[Any]:
     return list(outputs) if isinstance(outputs, list) else [outputs]
 
 
-def _all_finite_tensor(all_finite) -> torch.Tensor:
+def _all_finite_tensor(all_finite: Any) -> torch.Tensor:
     """The older API returned the all-finite flag as a bool tensor of shape [1]."""
     if isinstance(all_finite, torch.Tensor):
         return all_finite.reshape(1).to(torch.bool)

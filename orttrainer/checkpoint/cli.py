@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import h5py
 import numpy as np
@@ -38,7 +38,7 @@ _KNOWN_KEYS = {
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, like every other error of this command
+    def error(self, message: str) -> NoReturn:  # one line, like every other error of this command
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 

@@ -32,8 +32,8 @@ import dataclasses
 import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -374,14 +374,18 @@ def map_tensors(value: Any, fn: Callable[[int, torch.Tensor], torch.Tensor], cou
             return items
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, Mapping):
-        items = {key: map_tensors(item, fn, counter) for key, item in value.items()}
-        if all(items[key] is item for key, item in value.items()):
+        mapped = {key: map_tensors(item, fn, counter) for key, item in value.items()}
+        if all(mapped[key] is item for key, item in value.items()):
             return value
-        if type(value) in (dict, OrderedDict):
-            return type(value)(items)
-        for key, item in items.items():  # e.g. transformers' ModelOutput: keep the object, swap its values
-            value[key] = item
-        return value
+        if type(value) is dict:
+            return mapped
+        if type(value) is OrderedDict:
+            return OrderedDict(mapped)
+        # e.g. transformers' ModelOutput: keep the object, swap its values (a read-only Mapping raises TypeError here)
+        target = cast("MutableMapping[Any, Any]", value)
+        for key, item in mapped.items():
+            target[key] = item
+        return target
     return value
 
 

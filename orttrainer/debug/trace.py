@@ -134,7 +134,7 @@ def _sum_outputs(outputs: Any) -> torch.Tensor | None:
 def _differentiate(loss: torch.Tensor | None, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
     if loss is None or not loss.requires_grad:
         return
-    leaves = [p for p in model.parameters() if p.requires_grad]
+    leaves: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
     leaves += [t for t in _tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
     if leaves:
         torch.autograd.grad(loss, leaves, allow_unused=True)
