@@ -109,7 +109,7 @@ def test_onnx_model_extra_postprocess_in_place_and_loss_fn_warning(tmp_path):
     def touch(model):
         model.doc_string = "post-processed in place"
 
-    with pytest.warns(UserWarning, match="loss_fn is not used when creating ORTTrainer because an ONNX model"):
+    with pytest.warns(UserWarning, match="loss_fn is not used when creating ORTTrainer because an ONNX model") as seen:
         trainer = ORTTrainer(
             onnx.load(str(tmp_path / "forward.onnx")),
             ce,
@@ -120,6 +120,7 @@ def test_onnx_model_extra_postprocess_in_place_and_loss_fn_warning(tmp_path):
             torch.device("cpu"),
             _extra_postprocess=touch,
         )
+    assert seen[0].filename == __file__  # the warning points at the constructor call
     assert trainer.session is not None and trainer.onnx_model_.doc_string == "post-processed in place"
     loss, probs = trainer.train_step(*batches(1)[0], torch.tensor([0.1]))
     assert loss.shape == () and probs.shape == (8, 10)

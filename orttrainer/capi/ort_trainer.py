@@ -28,6 +28,7 @@ from typing import Any
 import onnx
 import torch
 
+from ..amp import loss_scaler as amp_scaler
 from ..checkpoint import experimental as flat
 from ..schema.options import ORTTrainerOptions
 from ..trainer import ORTTrainer as _NewORTTrainer
@@ -80,81 +81,42 @@ class ORTTrainer:
         *,
         postprocess_model: Callable[[onnx.ModelProto], Any] | None = None,
     ) -> None:
-        if not isinstance(learning_rate_description, IODescription):
-            raise TypeError(
-                "learning_rate_description must be an IODescription (e.g. IODescription('Learning_Rate', "
-                f"[1], torch.float32)), got {type(learning_rate_description).__name__}"
-            )
-        if postprocess_model is not None and _extra_postprocess is not None:
-            raise TypeError("give either postprocess_model (its older name) or _extra_postprocess, not both")
-        if isinstance(model, onnx.ModelProto) and loss_fn is not None:
-            warnings.warn(
-                "loss_fn is not used when creating ORTTrainer because an ONNX model is provided.", stacklevel=2
-            )
-            loss_fn = None
-        if loss_scaler is not None and not use_mixed_precision:
-            warnings.warn("loss_scaler is ignored: it is only used with use_mixed_precision=True", stacklevel=2)
+        given = dict(locals())  # every argument by name: nothing else is bound yet
+        del given["self"]
+        loss_fn = _checked_loss_fn(given)
         new_desc = to_model_desc(model_desc)
-        device_id = args_mod.device_id(device)
-        fed_loss_scale = as_new_loss_scaler(loss_scaler) if use_mixed_precision else None
-        arguments: dict[str, Any] = {
-            "device": device_id,
-            "gradient_accumulation_steps": gradient_accumulation_steps,
-            "world_rank": world_rank,
-            "world_size": world_size,
-            "use_mixed_precision": use_mixed_precision,
-            "loss_scaler": fed_loss_scale,
-            "allreduce_post_accumulation": allreduce_post_accumulation,
-            "deepspeed_zero_stage": deepspeed_zero_stage,
-            "enable_adasum": enable_adasum,
-            "enable_grad_norm_clip": enable_grad_norm_clip,
-            "frozen_weights": list(frozen_weights or []),
-            "use_memory_efficient_gradient": use_memory_efficient_gradient,
-            "run_symbolic_shape_infer": run_symbolic_shape_infer,
-            "_use_deterministic_compute": _use_deterministic_compute,
-            "optimized_model_filepath": optimized_model_filepath,
-            "_opset_version": _opset_version,
-            "_enable_internal_postprocess": _enable_internal_postprocess,
-            "_extra_postprocess": args_mod.in_place_postprocess(_extra_postprocess or postprocess_model),
-        }
+        arguments = _option_arguments(given)
         config = args_mod.optimizer_config(
             training_optimizer_name, map_optimizer_attributes, args_mod.trainable_weight_names(model)
         )
-        fed_model: torch.nn.Module | onnx.ModelProto = model
-        if isinstance(model, torch.nn.Module):
-            fed_model = legacy_input_model(model, loss_fn, [d.name_ for d in model_desc.inputs_])
-        try:
-            self._trainer = _NewORTTrainer(
-                fed_model,
-                new_desc,
-                config,
-                loss_fn=loss_fn,
-                options=ORTTrainerOptions(args_mod.options_dict(arguments)),
-            )
-        except NotImplementedError as error:
-            raise args_mod.name_the_argument(error, arguments) from error
+        self._trainer = _new_trainer(model, loss_fn, model_desc, new_desc, config, arguments)
+        self._keep_arguments(given, loss_fn, arguments)
 
+    def _keep_arguments(self, given: dict[str, Any], loss_fn: Callable[..., Any] | None, arguments: dict) -> None:
+        """The older API's public attributes (trailing underscores as there) and the step bookkeeping."""
+        model, model_desc = given["model"], given["model_desc"]
         self.is_train = True
         self.torch_model_ = model if isinstance(model, torch.nn.Module) else None
         self.loss_fn_ = loss_fn
-        self.model_desc_ = model_desc
-        self.learning_rate_description_ = learning_rate_description
-        self.training_optimizer_name_ = training_optimizer_name
-        self.map_optimizer_attributes_ = map_optimizer_attributes
-        self.device_ = torch.device(device_id)
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.world_rank, self.world_size = world_rank, world_size
-        self.use_mixed_precision = use_mixed_precision
-        self.deepspeed_zero_stage_ = deepspeed_zero_stage
+        self.model_desc_: ModelDescription = model_desc
+        self.learning_rate_description_: IODescription = given["learning_rate_description"]
+        self.training_optimizer_name_: str = given["training_optimizer_name"]
+        self.map_optimizer_attributes_ = given["map_optimizer_attributes"]
+        self.device_ = torch.device(arguments["device"])
+        self.gradient_accumulation_steps: int = given["gradient_accumulation_steps"]
+        self.world_rank: int = given["world_rank"]
+        self.world_size: int = given["world_size"]
+        self.use_mixed_precision: bool = given["use_mixed_precision"]
+        self.deepspeed_zero_stage_: int = given["deepspeed_zero_stage"]
         self.current_step = 0
-        self.global_step_ = global_step
-        self.get_lr_this_step_ = get_lr_this_step
-        self.loss_scaler_ = loss_scaler if use_mixed_precision else None
-        self._fed_loss_scale = fed_loss_scale  # the new trainer's view of the loss scale
+        self.global_step_: int = given["global_step"]
+        self.get_lr_this_step_: Callable[[int], float] | None = given["get_lr_this_step"]
+        self.loss_scaler_: LossScaler | None = given["loss_scaler"] if self.use_mixed_precision else None
+        self._fed_loss_scale: amp_scaler.LossScaler | None = arguments["loss_scaler"]  # the new trainer's view
         self.loss_scale_input_name = (
             self.loss_scaler_.loss_scale_input_name_ if self.loss_scaler_ is not None else DEFAULT_LOSS_SCALE_INPUT_NAME
         )
-        self.input_desc_with_lr = [*model_desc.inputs_, learning_rate_description]
+        self.input_desc_with_lr = [*model_desc.inputs_, self.learning_rate_description_]
 
     # ------------------------------------------------------------------------------------------------- properties
     @property
@@ -294,6 +256,58 @@ class ORTTrainer:
     def save_as_onnx(self, path: str) -> None:
         """The forward (+loss) ONNX model with the current weights; warns and writes nothing before the first step."""
         self._trainer.save_as_onnx(path)
+
+
+def _checked_loss_fn(given: dict[str, Any]) -> Callable[..., Any] | None:
+    """Check the calling convention and warn about ignored arguments; the loss_fn to use (None for an ONNX model)."""
+    description = given["learning_rate_description"]
+    if not isinstance(description, IODescription):
+        raise TypeError(
+            "learning_rate_description must be an IODescription (e.g. IODescription('Learning_Rate', "
+            f"[1], torch.float32)), got {type(description).__name__}"
+        )
+    if given["postprocess_model"] is not None and given["_extra_postprocess"] is not None:
+        raise TypeError("give either postprocess_model (its older name) or _extra_postprocess, not both")
+    loss_fn = given["loss_fn"]
+    # stacklevel 3: the warnings point at the line that constructs the trainer
+    if isinstance(given["model"], onnx.ModelProto) and loss_fn is not None:
+        warnings.warn("loss_fn is not used when creating ORTTrainer because an ONNX model is provided.", stacklevel=3)
+        loss_fn = None
+    if given["loss_scaler"] is not None and not given["use_mixed_precision"]:
+        warnings.warn("loss_scaler is ignored: it is only used with use_mixed_precision=True", stacklevel=3)
+    return loss_fn
+
+
+def _option_arguments(given: dict[str, Any]) -> dict[str, Any]:
+    """The arguments `argument_mapping.options_dict` turns into options, as given except: the device as its id, the
+    loss scaler as the new trainer's view of it (mixed precision only), frozen weights as a list and the
+    postprocess hook (either name) applied in place."""
+    arguments = {name: given[name] for name in args_mod.OPTION_OF_ARGUMENT}
+    arguments["device"] = args_mod.device_id(given["device"])
+    arguments["loss_scaler"] = as_new_loss_scaler(given["loss_scaler"]) if given["use_mixed_precision"] else None
+    arguments["frozen_weights"] = list(given["frozen_weights"] or [])
+    hook = given["_extra_postprocess"] or given["postprocess_model"]
+    arguments["_extra_postprocess"] = args_mod.in_place_postprocess(hook)
+    return arguments
+
+
+def _new_trainer(
+    model: torch.nn.Module | onnx.ModelProto,
+    loss_fn: Callable[..., Any] | None,
+    model_desc: ModelDescription,
+    new_desc: dict,
+    config: Any,
+    arguments: dict[str, Any],
+) -> _NewORTTrainer:
+    """The `orttrainer.ORTTrainer` for the older API's arguments; its NotImplementedError names our argument."""
+    fed_model = model
+    if isinstance(model, torch.nn.Module):
+        fed_model = legacy_input_model(model, loss_fn, [d.name_ for d in model_desc.inputs_])
+    try:
+        options = ORTTrainerOptions(args_mod.options_dict(arguments))
+        return _NewORTTrainer(fed_model, new_desc, config, loss_fn=loss_fn, options=options)
+    except NotImplementedError as error:
+        raise args_mod.name_the_argument(error, arguments) from error
 
 
 def _check_fetches(fetches: Any) -> list[str] | None:
