@@ -22,6 +22,7 @@ import onnx
 import torch
 
 from .. import optim
+from ..dtypes import FLOAT_ONNX_TYPES
 
 DEFAULT_OPSET_VERSION = 14
 
@@ -74,7 +75,9 @@ def device_id(device: torch.device | str) -> str:
     raise ValueError(f"device {device}: the older ORTTrainer trains on 'cpu' or 'cuda[:index]'")
 
 
-def in_place_postprocess(fn: Callable | None) -> Callable | None:
+def in_place_postprocess(
+    fn: Callable[[onnx.ModelProto], Any] | None,
+) -> Callable[[onnx.ModelProto], onnx.ModelProto] | None:
     """Wrap `_extra_postprocess`/`postprocess_model` (legacy: called for its side effect on the model)."""
     if fn is None:
         return None
@@ -86,7 +89,9 @@ def in_place_postprocess(fn: Callable | None) -> Callable | None:
     return postprocess
 
 
-def optimizer_config(name: str, map_optimizer_attributes: Callable | None, weights: list[str]):
+def optimizer_config(
+    name: str, map_optimizer_attributes: Callable[[str], dict] | None, weights: list[str]
+) -> optim._OptimizerConfig:
     """`SGDConfig`/`AdamConfig`/`LambConfig` with one parameter group per distinct attribute dict."""
     if name not in _CONFIGS:
         raise ValueError(f"training_optimizer_name {name!r}: expected one of {sorted(_CONFIGS)}")
@@ -118,13 +123,12 @@ def _check_attributes(name: str, weight: str, attributes: dict, known: set[str])
             raise ValueError(f"Optimizer attributes must be either float or int. ({where}[{key!r}] = {value!r})")
 
 
-def trainable_weight_names(model) -> list[str]:
+def trainable_weight_names(model: torch.nn.Module | onnx.ModelProto) -> list[str]:
     """Names `map_optimizer_attributes` is asked about: the torch model's parameters, or an ONNX model's floating
     initializers (the new trainer freezes the ones that cannot reach the loss; their attributes are unused)."""
     if isinstance(model, torch.nn.Module):
         return [name for name, _ in model.named_parameters()]
-    floating = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
-    return [i.name for i in model.graph.initializer if i.data_type in floating]
+    return [i.name for i in model.graph.initializer if i.data_type in FLOAT_ONNX_TYPES]
 
 
 _OPTION_IN_MESSAGE = re.compile(r"options ([\w.]+)=")

@@ -9,9 +9,13 @@ same files as the new API's `checkpoint.experimental_*` functions write, and the
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import experimental as flat
+
+if TYPE_CHECKING:  # both import onnxruntime; the functions here import the trainer when called
+    from ..trainer import ORTTrainer as NewORTTrainer
+    from .ort_trainer import ORTTrainer
 
 
 def get_checkpoint_name(
@@ -35,11 +39,12 @@ class CombineZeroCheckpoint(flat._CombineZeroCheckpoint):
     """Merge the per-rank ZeRO files into one flat state (`_CombineZeroCheckpoint`, without its deprecation)."""
 
     def aggregate_checkpoints(self) -> dict[str, Any]:
+        """Load every rank's file and return the combined flat ``{name: tensor}`` state."""
         return self._aggregate_files()
 
 
 def save_checkpoint(
-    model,
+    model: ORTTrainer,
     checkpoint_dir: str,
     checkpoint_prefix: str = "ORT_checkpoint",
     checkpoint_state_dict: dict | None = None,
@@ -55,14 +60,14 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    model, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint", strict: bool = False
+    model: ORTTrainer, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint", strict: bool = False
 ) -> dict[str, Any]:
     """Load the prefix's checkpoint (several ZeRO files are combined) into `model`; returns the saved extra state
     (everything but `'model'`)."""
     return flat._load_flat_checkpoint(_new_trainer(model), checkpoint_dir, checkpoint_prefix, strict)
 
 
-def _new_trainer(model):
+def _new_trainer(model: Any) -> NewORTTrainer:
     from .ort_trainer import ORTTrainer
 
     if not isinstance(model, ORTTrainer):

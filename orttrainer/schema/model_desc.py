@@ -254,6 +254,7 @@ class _ORTTrainerModelDesc:
 
     @property
     def gradient_accumulation(self) -> OutputDescriptionTyped | None:
+        """The graph output telling whether gradients were accumulated (bool ``[1]``); set by output name."""
         return getattr(self, GRADIENT_ACCUMULATION_IO_DESCRIPTION_NAME, None)
 
     @gradient_accumulation.setter
@@ -264,6 +265,7 @@ class _ORTTrainerModelDesc:
 
     @property
     def all_finite(self) -> OutputDescriptionTyped | None:
+        """The mixed-precision graph output telling whether all gradients are finite (bool ``[1]``); set by name."""
         return getattr(self, ALL_FINITE_IO_DESCRIPTION_NAME, None)
 
     @all_finite.setter
@@ -274,6 +276,7 @@ class _ORTTrainerModelDesc:
 
     @property
     def loss_scale_input(self) -> InputDescriptionTyped | None:
+        """The mixed-precision graph input fed with the loss scale (float32 scalar); set by input name."""
         return getattr(self, LOSS_SCALE_INPUT_IO_DESCRIPTION_NAME, None)
 
     @loss_scale_input.setter
