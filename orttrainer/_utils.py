@@ -1,10 +1,11 @@
 """Legacy ``onnxruntime.training._utils``: state-dict key names, device and dtype helpers.
 
-The key functions name the levels of a trainer state dict and of a checkpoint file (docs/legacy_api.md §9.1);
-the checkpoint code and the trainer both spell keys through them so that the layout lives in one place.
+The key functions name the levels of a trainer state dict and of a checkpoint file (docs/legacy_api.md §9.1); they
+return the constants of :mod:`orttrainer.checkpoint.layout`, where the layout is described once.
 ``dtype_onnx_to_torch`` is fixed: legacy mapped UINT8 to ``torch.int8`` and BFLOAT16 to the nonexistent
 ``torch.bfloat`` (an ``AttributeError``); here they map to ``torch.uint8`` and ``torch.bfloat16``.
-This module never imports onnxruntime (nor onnx: the ONNX ``DataType`` numbering is spelled out below).
+The dtype tables start from :mod:`orttrainer.dtypes` and list where legacy departs from it. This module never
+imports onnxruntime.
 """
 
 from __future__ import annotations
@@ -18,89 +19,102 @@ from typing import Any
 
 import numpy as np
 import torch
+from onnx import TensorProto
 
-# --- state-dict key names (§9.1) ---------------------------------------------------------------------------------
+from .checkpoint import layout
+from .dtypes import ELEMENT_TYPES
+
+# --- state-dict key names (§9.1): the legacy accessors of checkpoint.layout ---------------------------------------
 
 
 def state_dict_model_key() -> str:
     """Key of the model states: ``state_dict['model'][precision][weight]``."""
-    return "model"
+    return layout.MODEL
 
 
 def state_dict_optimizer_key() -> str:
     """Key of the optimizer states: ``state_dict['optimizer'][weight][state]``."""
-    return "optimizer"
+    return layout.OPTIMIZER
 
 
 def state_dict_partition_info_key() -> str:
     """Key of the ZeRO/Megatron partition map: ``state_dict['partition_info'][weight]``."""
-    return "partition_info"
+    return layout.PARTITION_INFO
 
 
 def state_dict_trainer_options_key() -> str:
     """Key of the trainer options saved with the states."""
-    return "trainer_options"
+    return layout.TRAINER_OPTIONS
 
 
 def state_dict_full_precision_key() -> str:
     """Precision key of the fp32 master weights (``'fp32'`` before ≈1.7)."""
-    return "full_precision"
+    return layout.FULL_PRECISION
 
 
 def state_dict_original_dimension_key() -> str:
     """Key of a partitioned weight's original shape inside ``partition_info[weight]``."""
-    return "original_dim"
+    return layout.ORIGINAL_DIM
 
 
 def state_dict_sharded_optimizer_keys() -> set[str]:
-    """Optimizer states that ZeRO partitions (concatenated again on aggregation)."""
-    return {"Moment_1", "Moment_2"}
+    """Optimizer states that ZeRO partitions (concatenated again on aggregation); a new set on every call."""
+    return set(layout.SHARDED_OPTIMIZER_KEYS)
 
 
 def state_dict_user_dict_key() -> str:
     """Key of the pickled (hex string) user dict inside a checkpoint file."""
-    return "user_dict"
+    return layout.USER_DICT
 
 
 def state_dict_trainer_options_mixed_precision_key() -> str:
-    return "mixed_precision"
+    """``trainer_options`` key: whether the run used mixed precision."""
+    return layout.MIXED_PRECISION
 
 
 def state_dict_trainer_options_zero_stage_key() -> str:
-    return "zero_stage"
+    """``trainer_options`` key: the DeepSpeed ZeRO stage (0: no partitioning)."""
+    return layout.ZERO_STAGE
 
 
 def state_dict_trainer_options_world_rank_key() -> str:
-    return "world_rank"
+    """``trainer_options`` key: the rank that saved the states."""
+    return layout.WORLD_RANK
 
 
 def state_dict_trainer_options_world_size_key() -> str:
-    return "world_size"
+    """``trainer_options`` key: the number of ranks of the run."""
+    return layout.WORLD_SIZE
 
 
 def state_dict_trainer_options_data_parallel_size_key() -> str:
-    return "data_parallel_size"
+    """``trainer_options`` key: the data-parallel group size (absent before ≈1.7)."""
+    return layout.DATA_PARALLEL_SIZE
 
 
 def state_dict_trainer_options_horizontal_parallel_size_key() -> str:
-    return "horizontal_parallel_size"
+    """``trainer_options`` key: the Megatron (horizontal) group size (absent before ≈1.7)."""
+    return layout.HORIZONTAL_PARALLEL_SIZE
 
 
 def state_dict_trainer_options_optimizer_name_key() -> str:
-    return "optimizer_name"
+    """``trainer_options`` key: the optimizer's name (``'AdamOptimizer'``, ...)."""
+    return layout.OPTIMIZER_NAME
 
 
 def state_dict_train_step_info_key() -> str:
     """Key of the saved ``TrainStepInfo`` counters."""
-    return "train_step_info"
+    return layout.TRAIN_STEP_INFO
 
 
 def state_dict_train_step_info_optimization_step_key() -> str:
-    return "optimization_step"
+    """``train_step_info`` key: the number of optimizer updates."""
+    return layout.OPTIMIZATION_STEP
 
 
 def state_dict_train_step_info_step_key() -> str:
-    return "step"
+    """``train_step_info`` key: the number of ``train_step`` calls."""
+    return layout.TRAIN_STEP
 
 
 # --- devices ------------------------------------------------------------------------------------------------------
@@ -124,22 +138,13 @@ def get_device_index_from_input(input: Any) -> int:
 
 # --- dtypes -------------------------------------------------------------------------------------------------------
 
-# numpy has no bfloat16 and no complex32: legacy mapped them to the nearest type numpy and ORT's
-# NumpyTypeToOnnxRuntimeType both accept.
-_TORCH_TO_NUMPY: dict[torch.dtype, type] = {
-    torch.float64: np.float64,
-    torch.float32: np.float32,
-    torch.float16: np.float16,
+# The element-type table (orttrainer.dtypes) plus legacy's departures from it, which user code relies on: numpy has
+# no bfloat16 and no complex32, so legacy mapped them to the nearest type that numpy and ORT's
+# NumpyTypeToOnnxRuntimeType both accept; and it gave int64 as `np.longlong` (the same width, a distinct type object).
+_TORCH_TO_NUMPY: dict[torch.dtype, type] = {t.torch: t.numpy for t in ELEMENT_TYPES if t.numpy is not None} | {
     torch.bfloat16: np.float16,
-    torch.int64: np.longlong,
-    torch.int32: np.int32,
-    torch.int16: np.int16,
-    torch.int8: np.int8,
-    torch.uint8: np.uint8,
     torch.complex32: np.complex64,
-    torch.complex64: np.complex64,
-    torch.complex128: np.complex128,
-    torch.bool: np.bool_,
+    torch.int64: np.longlong,
 }
 
 
@@ -151,31 +156,17 @@ def dtype_torch_to_numpy(torch_dtype: torch.dtype) -> type:
         raise ValueError(f"torch_dtype ({torch_dtype}) type is not supported by Numpy") from None
 
 
-# The ONNX TensorProto.DataType enum, in number order, as legacy listed it (it stops at BFLOAT16 = 16).
-_ONNX_TYPES = (
-    "UNDEFINED", "FLOAT", "UINT8", "INT8", "UINT16", "INT16", "INT32", "INT64", "STRING",
-    "BOOL", "FLOAT16", "DOUBLE", "UINT32", "UINT64", "COMPLEX64", "COMPLEX128", "BFLOAT16",
-)  # fmt: skip
+# The ONNX TensorProto.DataType names in number order, as legacy listed them (it stops at BFLOAT16 = 16).
+_ONNX_TYPES = tuple(TensorProto.DataType.Name(number) for number in range(TensorProto.BFLOAT16 + 1))
 
-# torch lacked uint16/32/64 when this table was written; those keep legacy's signed mapping.
-_ONNX_TO_TORCH: dict[str, Any] = {
+# The element-type table plus legacy's entries outside it: UNDEFINED and STRING have no torch dtype, and torch lacked
+# uint16/32/64 when legacy wrote its table, so those keep its signed mapping.
+_ONNX_TO_TORCH: dict[str, Any] = {TensorProto.DataType.Name(t.onnx): t.torch for t in ELEMENT_TYPES} | {
     "UNDEFINED": None,
-    "FLOAT": torch.float32,
-    "UINT8": torch.uint8,
-    "INT8": torch.int8,
-    "UINT16": torch.int16,
-    "INT16": torch.int16,
-    "INT32": torch.int32,
-    "UINT32": torch.int32,
-    "INT64": torch.int64,
-    "UINT64": torch.int64,
     "STRING": str,
-    "BOOL": torch.bool,
-    "FLOAT16": torch.float16,
-    "DOUBLE": torch.float64,
-    "COMPLEX64": torch.complex64,
-    "COMPLEX128": torch.complex128,
-    "BFLOAT16": torch.bfloat16,
+    "UINT16": torch.int16,
+    "UINT32": torch.int32,
+    "UINT64": torch.int64,
 }
 
 
@@ -217,7 +208,8 @@ def import_module_from_file(file_path: str, module_name: str | None = None) -> M
     """Import a Python file as a module, register it in ``sys.modules`` and return it.
 
     The module name defaults to the file's base name up to its first dot. Bad arguments raise AssertionError
-    (legacy messages).
+    (legacy messages); a file Python cannot import (no ``.py``-like suffix) raises ImportError (legacy crashed with an
+    AttributeError).
     """
     if not (isinstance(file_path, str) and os.path.exists(file_path)):
         raise AssertionError("'file_path' must be a full path string with the python file to load")
@@ -225,6 +217,8 @@ def import_module_from_file(file_path: str, module_name: str | None = None) -> M
         raise AssertionError("'module_name' must be a string with the python module name to load")
     module_name = module_name or os.path.basename(file_path).split(".")[0]
     spec = importlib.util.spec_from_file_location(module_name, file_path)
+    if spec is None or spec.loader is None:  # a file name without a Python source or extension-module suffix
+        raise ImportError(f"{file_path} cannot be imported as a Python module", path=file_path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)

@@ -36,8 +36,8 @@ ALIASES = {
     "onnxruntime.training.optim.config": "orttrainer.optim.config",
     "onnxruntime.training.optim.lr_scheduler": "orttrainer.optim.lr_scheduler",
     "onnxruntime.training.amp.loss_scaler": "orttrainer.amp.loss_scaler",
-    "onnxruntime.capi.ort_trainer": "orttrainer.legacy",
-    "onnxruntime.capi.checkpointing_utils": "orttrainer.legacy.checkpointing",
+    "onnxruntime.capi.ort_trainer": "orttrainer.capi",
+    "onnxruntime.capi.checkpointing_utils": "orttrainer.capi.checkpointing",
 }
 OVERLAYS = {
     "onnxruntime.training.optim": "orttrainer.optim",

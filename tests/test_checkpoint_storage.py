@@ -1,5 +1,6 @@
 """HDF5 checkpoint storage: legacy layout and loaded types (§9.2), atomic no-clobber saves, file objects, clear
-errors for missing / truncated / foreign files; and the ``_utils`` key and dtype helpers (§9.1, §10)."""
+errors for missing / truncated / foreign files; the ``checkpoint.layout`` key names and helpers and the ``_utils``
+key and dtype helpers (§9.1, §10)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import io
 import os
 import pickle
 import stat
+import subprocess
 import sys
 
 import h5py
@@ -16,7 +18,7 @@ import torch
 from legacy_checkpoint_files import adam_state, linear_weights, trainer_options, write_checkpoint
 
 from orttrainer import _checkpoint_storage, _utils
-from orttrainer.checkpoint import _atomic, storage
+from orttrainer.checkpoint import _atomic, layout, storage
 from orttrainer.checkpoint.storage import CheckpointNotFoundError
 
 
@@ -390,6 +392,72 @@ def test_state_dict_key_names():
         _utils.state_dict_trainer_options_horizontal_parallel_size_key(),
     ]
     assert sorted(names) == sorted(options)
+
+
+# --- checkpoint.layout ----------------------------------------------------------------------------------------------
+
+
+def test_layout_constants_are_the_legacy_key_names():
+    assert (layout.MODEL, layout.FULL_PRECISION, layout.LEGACY_FULL_PRECISION) == ("model", "full_precision", "fp32")
+    assert (layout.OPTIMIZER, layout.SHARED_OPTIMIZER_STATE) == ("optimizer", "shared_optimizer_state")
+    assert (layout.MOMENT_1, layout.MOMENT_2, layout.UPDATE_COUNT, layout.STEP) == (
+        "Moment_1",
+        "Moment_2",
+        "Update_Count",
+        "Step",
+    )
+    assert (layout.TRAIN_STEP_INFO, layout.OPTIMIZATION_STEP, layout.TRAIN_STEP) == (
+        "train_step_info",
+        "optimization_step",
+        "step",
+    )
+    assert (layout.PARTITION_INFO, layout.ORIGINAL_DIM, layout.MEGATRON_ROW_PARTITION) == (
+        "partition_info",
+        "original_dim",
+        "megatron_row_partition",
+    )
+    assert (layout.GRADIENT_ACCUMULATION, layout.LOSS_SCALER, layout.LOSS_SCALE, layout.STABLE_STEPS) == (
+        "gradient_accumulation",
+        "loss_scaler",
+        "loss_scale",
+        "stable_steps",
+    )
+    assert (layout.TRAINER_OPTIONS, layout.USER_DICT) == ("trainer_options", "user_dict")
+    written = layout.trainer_options(
+        mixed_precision=False,
+        zero_stage=0,
+        world_rank=0,
+        world_size=1,
+        optimizer_name="AdamOptimizer",
+        data_parallel_size=1,
+        horizontal_parallel_size=1,
+    )
+    assert list(written.items()) == list(trainer_options().items())  # the legacy keys, in the legacy order
+
+
+def test_layout_helpers():
+    assert layout.optimizer_name_of({"trainer_options": {"optimizer_name": b"LambOptimizer"}}) == "LambOptimizer"
+    assert layout.optimizer_name_of({"trainer_options": {"optimizer_name": "SGDOptimizer"}}) == "SGDOptimizer"
+    old = {"model": {"fp32": {"w": 1}}, "optimizer": {}}
+    assert layout.normalise_precision_key(old) == {"model": {"full_precision": {"w": 1}}, "optimizer": {}}
+    assert old == {"model": {"fp32": {"w": 1}}, "optimizer": {}}  # the caller's dicts are left alone
+    current = {"model": {"full_precision": {"w": 1}}}
+    assert layout.normalise_precision_key(current) is current
+    assert not layout.is_partitioned({}) and not layout.is_partitioned(trainer_options(world_size=4))
+    assert layout.is_partitioned(trainer_options(zero_stage=1, world_size=2))
+    assert layout.is_partitioned({"horizontal_parallel_size": np.int64(2)})
+
+
+def test_layout_imports_neither_torch_nor_onnxruntime():
+    # The module file on its own (its package imports torch): `sys.modules[name] = None` makes an import fail.
+    code = (
+        "import importlib.util, sys\n"
+        "sys.modules['torch'] = sys.modules['onnxruntime'] = None\n"
+        f"spec = importlib.util.spec_from_file_location('layout', {layout.__file__!r})\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 def test_device_index():

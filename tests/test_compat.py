@@ -34,7 +34,7 @@ def test_legacy_names_resolve_to_orttrainer(installed):
     from onnxruntime.capi.ort_trainer import ORTTrainer as OlderORTTrainer
     from onnxruntime.training import ORTTrainer, ORTTrainerOptions, TrainStepInfo, amp, checkpoint, optim
 
-    import orttrainer.legacy
+    import orttrainer.capi
 
     assert (ORTTrainer, ORTTrainerOptions, TrainStepInfo) == (
         orttrainer.ORTTrainer,
@@ -43,9 +43,9 @@ def test_legacy_names_resolve_to_orttrainer(installed):
     )
     assert onnxruntime.training.ORTTrainer is ORTTrainer and checkpoint is orttrainer.checkpoint
     assert (OlderORTTrainer, IODescription, ModelDescription) == (
-        orttrainer.legacy.ORTTrainer,
-        orttrainer.legacy.IODescription,
-        orttrainer.legacy.ModelDescription,
+        orttrainer.capi.ORTTrainer,
+        orttrainer.capi.IODescription,
+        orttrainer.capi.ModelDescription,
     )
     assert optim.LambConfig is orttrainer.optim.LambConfig and amp.DynamicLossScaler is orttrainer.amp.DynamicLossScaler
     for name, target in compat.ALIASES.items():
@@ -236,7 +236,7 @@ def test_run_sets_argv_path_and_exit_status(tmp_path):
         "argv": [str(script), "--flag", "value"],
         "path0": str(script.parent),
         "name": "__main__",
-        "trainer": "orttrainer.legacy.trainer",
+        "trainer": "orttrainer.capi.ort_trainer",
     }
     (tmp_path / "showmod.py").write_text(ARGV_SCRIPT)
     result = _run(["-m", "orttrainer.run", "-m", "showmod", "a"], cwd=str(tmp_path))

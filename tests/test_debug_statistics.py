@@ -4,6 +4,8 @@ dtypes the legacy code crashed on, the in-graph hand-over (statistics_from_reduc
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -205,6 +207,16 @@ def test_to_torch_dtype():
     assert to_torch_dtype(np.dtype("int64")) is torch.int64 and to_torch_dtype(16) is torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         to_torch_dtype("float128x")
+    assert to_torch_dtype(1) is torch.float32 and to_torch_dtype(2) is torch.uint8  # ONNX element types
+    with pytest.raises(ValueError, match="unsupported ONNX element type 14"):  # complex64: never accepted here
+        to_torch_dtype(14)
+
+
+def test_debug_imports_without_onnxruntime():
+    # sys.modules[name] = None makes any `import onnxruntime` raise ImportError in that process.
+    code = "import sys\nsys.modules['onnxruntime'] = None\nimport orttrainer.debug, orttrainer.debug.statistics\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_parse_statistics_round_trip():

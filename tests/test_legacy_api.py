@@ -1,4 +1,4 @@
-"""The older `onnxruntime.capi.ort_trainer.ORTTrainer` API (orttrainer.legacy) on the new trainer: constructor
+"""The older `onnxruntime.capi.ort_trainer.ORTTrainer` API (orttrainer.capi) on the new trainer: constructor
 arguments, the learning rate as an input or from get_lr_this_step, fetches, __call__, state and checkpoints, and a
 transformer trained with the older conventions matching the new API."""
 
@@ -17,7 +17,7 @@ from models import MLP, TinyTransformer, transformer_loss
 
 from orttrainer import ORTTrainer as NewORTTrainer
 from orttrainer import ORTTrainerOptions, amp, optim
-from orttrainer.legacy import (
+from orttrainer.capi import (
     IODescription,
     LossScaler,
     ModelDescription,
@@ -109,7 +109,7 @@ def test_onnx_model_extra_postprocess_in_place_and_loss_fn_warning(tmp_path):
     def touch(model):
         model.doc_string = "post-processed in place"
 
-    with pytest.warns(UserWarning, match="loss_fn is not used when creating ORTTrainer because an ONNX model"):
+    with pytest.warns(UserWarning, match="loss_fn is not used when creating ORTTrainer because an ONNX model") as seen:
         trainer = ORTTrainer(
             onnx.load(str(tmp_path / "forward.onnx")),
             ce,
@@ -120,6 +120,7 @@ def test_onnx_model_extra_postprocess_in_place_and_loss_fn_warning(tmp_path):
             torch.device("cpu"),
             _extra_postprocess=touch,
         )
+    assert seen[0].filename == __file__  # the warning points at the constructor call
     assert trainer.session is not None and trainer.onnx_model_.doc_string == "post-processed in place"
     loss, probs = trainer.train_step(*batches(1)[0], torch.tensor([0.1]))
     assert loss.shape == () and probs.shape == (8, 10)
@@ -273,7 +274,7 @@ def test_checkpoint_helper_errors(tmp_path):
         save_checkpoint(trainer, "/nonexistent")
     with pytest.raises(AssertionError, match=f'No checkpoint files found with prefix "ck" in directory {tmp_path}.'):
         list_checkpoint_files(str(tmp_path), "ck")
-    with pytest.raises(TypeError, match="orttrainer.legacy.ORTTrainer"):
+    with pytest.raises(TypeError, match="orttrainer.capi.ORTTrainer"):
         save_checkpoint(trainer.ort_trainer, str(tmp_path))
     assert get_checkpoint_name("ck", True, 1, 4) == "ck.ZeRO.1.3.ort.pt"
 

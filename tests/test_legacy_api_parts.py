@@ -11,7 +11,7 @@ import torch
 from models import MLP
 
 from orttrainer import TrainStepInfo, amp, optim
-from orttrainer.legacy import (
+from orttrainer.capi import (
     IODescription,
     LossScaler,
     ModelDescription,
@@ -19,10 +19,10 @@ from orttrainer.legacy import (
     generate_sample,
     resolve_symbolic_dimensions,
 )
-from orttrainer.legacy import arguments as args_mod
-from orttrainer.legacy.descriptions import to_model_desc
-from orttrainer.legacy.loss_scaler import CallerFedLossScale, as_new_loss_scaler
-from orttrainer.legacy.positional import legacy_input_model
+from orttrainer.capi import argument_mapping as args_mod
+from orttrainer.capi.descriptions import to_model_desc
+from orttrainer.capi.input_matching import legacy_input_model
+from orttrainer.capi.loss_scaler import CallerFedLossScale, as_new_loss_scaler
 
 
 # --- descriptions -------------------------------------------------------------------------------------------------
@@ -219,3 +219,24 @@ def test_positional_adapter_shares_the_model_state():
         legacy_input_model(model, None, ["a", "b", "c"])
     with pytest.raises(ValueError, match="must be Python identifiers"):
         legacy_input_model(MLP(), None, ["input:0"])
+
+
+# --- the former package name --------------------------------------------------------------------------------------
+def test_former_orttrainer_legacy_path_still_imports_the_same_objects():
+    import importlib
+
+    import orttrainer.capi
+    import orttrainer.legacy
+    from orttrainer.legacy import IODescription as OldIODescription
+    from orttrainer.legacy import ORTTrainer as OldORTTrainer
+    from orttrainer.legacy import arguments, positional
+    from orttrainer.legacy.loss_scaler import CallerFedLossScale as OldCallerFedLossScale
+
+    assert OldIODescription is IODescription and OldCallerFedLossScale is CallerFedLossScale
+    assert OldORTTrainer is orttrainer.capi.ORTTrainer and OldORTTrainer.__module__ == "orttrainer.capi.ort_trainer"
+    assert arguments is args_mod and positional.legacy_input_model is legacy_input_model
+    renamed = {"trainer": "ort_trainer", "arguments": "argument_mapping", "positional": "input_matching"}
+    for old in ("trainer", "arguments", "positional", "checkpointing", "descriptions", "loss_scaler"):
+        new = importlib.import_module(f"orttrainer.capi.{renamed.get(old, old)}")
+        assert importlib.import_module(f"orttrainer.legacy.{old}") is new, old
+    assert orttrainer.legacy.__all__ == orttrainer.capi.__all__

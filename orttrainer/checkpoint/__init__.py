@@ -5,6 +5,7 @@
   experimental_load_checkpoint``: the deprecated torch.save-based API (each warns DeprecationWarning).
 - ``storage``: ``save``/``load`` of nested dicts as HDF5 (atomic, never overwrites), ``to_serialized_hex``,
   ``from_serialized_hex``; also importable as ``orttrainer._checkpoint_storage``.
+- ``layout``: the legacy state_dict / checkpoint tree, described once, and a constant for every key in it.
 - ``python -m orttrainer.checkpoint info PATH`` / ``to-pytorch PATH... OUT.pt``: inspect and convert checkpoints.
 """
 
@@ -12,7 +13,7 @@
 
 from __future__ import annotations
 
-from . import storage
+from . import layout, storage
 from .aggregate import (
     _AGGREGATION_MODE,
     CheckpointAggregationError,
@@ -52,5 +53,6 @@ __all__ = [
     "experimental_load_state_dict",
     "experimental_save_checkpoint",
     "experimental_state_dict",
+    "layout",
     "storage",
 ]

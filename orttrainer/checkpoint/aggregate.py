@@ -23,27 +23,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _utils
+from . import layout
 
-_MODEL = _utils.state_dict_model_key()
-_OPTIMIZER = _utils.state_dict_optimizer_key()
-_FULL_PRECISION = _utils.state_dict_full_precision_key()
-_PARTITION_INFO = _utils.state_dict_partition_info_key()
-_OPTIONS = _utils.state_dict_trainer_options_key()
-_ORIGINAL_DIM = _utils.state_dict_original_dimension_key()
-_USER_DICT = _utils.state_dict_user_dict_key()
-_SHARDED_OPTIMIZER_KEYS = _utils.state_dict_sharded_optimizer_keys()
-_RANK = _utils.state_dict_trainer_options_world_rank_key()
-_MEGATRON_ROW = "megatron_row_partition"
 # Replicated groups orttrainer adds to the legacy layout: identical on every rank, carried over once.
-_REPLICATED_GROUPS = (_utils.state_dict_train_step_info_key(), "loss_scaler")
+_REPLICATED_GROUPS = (layout.TRAIN_STEP_INFO, layout.LOSS_SCALER)
 
 # (trainer option, name used in the mismatch message) checked to agree across the files of one aggregation.
 _MUST_AGREE = (
-    (_utils.state_dict_trainer_options_mixed_precision_key(), "Mixed precision state"),
-    (_utils.state_dict_trainer_options_world_size_key(), "World size state"),
-    (_utils.state_dict_trainer_options_zero_stage_key(), "Zero stage"),
-    (_utils.state_dict_trainer_options_optimizer_name_key(), "Optimizer name"),
+    (layout.MIXED_PRECISION, "Mixed precision state"),
+    (layout.WORLD_SIZE, "World size state"),
+    (layout.ZERO_STAGE, "Zero stage"),
+    (layout.OPTIMIZER_NAME, "Optimizer name"),
 )
 
 
@@ -83,10 +73,10 @@ def aggregate_checkpoints(paths: Sequence[Any], pytorch_format: bool = True) -> 
     """
     paths = list(paths)
     _require(paths, "aggregate_checkpoints needs at least one checkpoint file")
-    options = _load(paths[0], key=_OPTIONS)
+    options = _load(paths[0], key=layout.TRAINER_OPTIONS)
     data_size, horizontal_size, world_size = _parallel_sizes(options, paths[0])
     data_groups, horizontal_groups = _get_parallellism_groups(data_size, horizontal_size, world_size)
-    combine_zero = int(options[_utils.state_dict_trainer_options_zero_stage_key()]) > 0
+    combine_zero = int(options[layout.ZERO_STAGE]) > 0
     combine_megatron = len(horizontal_groups[0]) > 1
     _require(
         combine_zero or combine_megatron,
@@ -104,11 +94,11 @@ def aggregate_checkpoints(paths: Sequence[Any], pytorch_format: bool = True) -> 
 
 
 def _parallel_sizes(options: Mapping[str, Any], path: Any) -> tuple[int, int, int]:
-    world_size = int(options[_utils.state_dict_trainer_options_world_size_key()])
+    world_size = int(options[layout.WORLD_SIZE])
     # Checkpoints from before ≈1.7 have no parallel sizes: they were pure data parallel.
-    horizontal = int(options.get(_utils.state_dict_trainer_options_horizontal_parallel_size_key(), 1))
+    horizontal = int(options.get(layout.HORIZONTAL_PARALLEL_SIZE, 1))
     default_data = world_size // max(horizontal, 1)
-    data = int(options.get(_utils.state_dict_trainer_options_data_parallel_size_key(), default_data))
+    data = int(options.get(layout.DATA_PARALLEL_SIZE, default_data))
     _require(
         data >= 1 and horizontal >= 1 and data * horizontal == world_size,
         f"Inconsistent parallel sizes in {path}: data_parallel_size {data} x horizontal_parallel_size {horizontal} "
@@ -141,7 +131,7 @@ def _order_paths(
 
     Rule: the files must hold each rank ``0 .. world_size-1`` exactly once.
     """
-    ranks = [_scalar(_load(path, key=_OPTIONS)[_RANK]) for path in paths]
+    ranks = [_scalar(_load(path, key=layout.TRAINER_OPTIONS)[layout.WORLD_RANK]) for path in paths]
     world_size = sum(len(group) for group in D_groups)
     found = ", ".join(f"{path}: rank {rank}" for path, rank in zip(paths, ranks, strict=True))
     _require(
@@ -212,10 +202,10 @@ def _aggregate_states(
             _aggregate_optimizer_states(rank_state, original_dims, state, mode, name)
             if partial_aggregation:
                 _aggregate_megatron_partition_info(rank_state, state)
-            if _OPTIONS not in state:
+            if layout.TRAINER_OPTIONS not in state:
                 _aggregate_trainer_options(rank_state, state, partial_aggregation)
-            if _USER_DICT not in state and _USER_DICT in rank_state:
-                state[_USER_DICT] = rank_state[_USER_DICT]
+            if layout.USER_DICT not in state and layout.USER_DICT in rank_state:
+                state[layout.USER_DICT] = rank_state[layout.USER_DICT]
             _carry_replicated_groups(rank_state, state, name)
     if not partial_aggregation:
         _reshape_states(original_dims, state, mixed_precision)
@@ -245,10 +235,10 @@ def _enumerate_ranks(
 def _check_rank_file(rank_state: Mapping[str, Any], name: Any, rank: int, agreed: dict[str, Any]) -> None:
     """A rank file must carry partition_info and trainer_options, hold the expected rank and agree with the
     earlier files on precision, world size, ZeRO stage and optimizer."""
-    _require(_PARTITION_INFO in rank_state, f"Missing information: partition_info in checkpoint file {name}")
-    _require(_OPTIONS in rank_state, f"Missing information: trainer_options in checkpoint file {name}")
-    options = rank_state[_OPTIONS]
-    found_rank = _scalar(options[_RANK])
+    _require(layout.PARTITION_INFO in rank_state, f"Missing information: partition_info in checkpoint file {name}")
+    _require(layout.TRAINER_OPTIONS in rank_state, f"Missing information: trainer_options in checkpoint file {name}")
+    options = rank_state[layout.TRAINER_OPTIONS]
+    found_rank = _scalar(options[layout.WORLD_RANK])
     _require(found_rank == rank, f"Unexpected rank in file at path {name}. Expected {rank}, got {found_rank}")
     for key, what in _MUST_AGREE:
         value = options[key]
@@ -274,9 +264,9 @@ def _add_or_update_sharded_key(
     mode: _AGGREGATION_MODE,
 ) -> None:
     """Append this rank's shard (rank order); remember the weight's original shape for the final reshape."""
-    sharded_states_original_dims[model_state_key] = state_partition_info[_ORIGINAL_DIM]
+    sharded_states_original_dims[model_state_key] = state_partition_info[layout.ORIGINAL_DIM]
     axis = 0
-    if mode == _AGGREGATION_MODE.Megatron and _scalar(state_partition_info[_MEGATRON_ROW]) == 0:
+    if mode == _AGGREGATION_MODE.Megatron and _scalar(state_partition_info[layout.MEGATRON_ROW_PARTITION]) == 0:
         axis = -1
     if state_key in state_sub_dict:
         state_sub_dict[state_key] = np.concatenate((state_sub_dict[state_key], state_value), axis)
@@ -302,11 +292,11 @@ def _aggregate_model_states(
     mode: _AGGREGATION_MODE = _AGGREGATION_MODE.Zero,
     name: Any = "",
 ) -> None:
-    if _MODEL not in rank_state:
+    if layout.MODEL not in rank_state:
         return
-    target = state.setdefault(_MODEL, {}).setdefault(_FULL_PRECISION, {})
-    partition_info = rank_state[_PARTITION_INFO]
-    for weight, value in rank_state[_MODEL][_FULL_PRECISION].items():
+    target = state.setdefault(layout.MODEL, {}).setdefault(layout.FULL_PRECISION, {})
+    partition_info = rank_state[layout.PARTITION_INFO]
+    for weight, value in rank_state[layout.MODEL][layout.FULL_PRECISION].items():
         # ZeRO shards the fp32 master weights only under mixed precision; Megatron always.
         if weight in partition_info and (mode == _AGGREGATION_MODE.Megatron or mixed_precision):
             _add_or_update_sharded_key(weight, value, target, weight, partition_info[weight], original_dims, mode)
@@ -322,14 +312,14 @@ def _aggregate_optimizer_states(
     mode: _AGGREGATION_MODE = _AGGREGATION_MODE.Zero,
     name: Any = "",
 ) -> None:
-    if _OPTIMIZER not in rank_state:
+    if layout.OPTIMIZER not in rank_state:
         return
-    optimizer = state.setdefault(_OPTIMIZER, {})
-    partition_info = rank_state[_PARTITION_INFO]
-    for weight, weight_states in rank_state[_OPTIMIZER].items():
+    optimizer = state.setdefault(layout.OPTIMIZER, {})
+    partition_info = rank_state[layout.PARTITION_INFO]
+    for weight, weight_states in rank_state[layout.OPTIMIZER].items():
         for key, value in weight_states.items():
             target = optimizer.setdefault(weight, {})
-            if key in _SHARDED_OPTIMIZER_KEYS and weight in partition_info:
+            if key in layout.SHARDED_OPTIMIZER_KEYS and weight in partition_info:
                 _add_or_update_sharded_key(key, value, target, weight, partition_info[weight], original_dims, mode)
             else:
                 message = f"Value mismatch for model state {weight} and optimizer state {key} (file: {name})"
@@ -338,38 +328,40 @@ def _aggregate_optimizer_states(
 
 def _aggregate_megatron_partition_info(rank_state: Mapping[str, Any], state: dict[str, Any]) -> None:
     """Partial (data-group) results keep the partition info of Megatron-partitioned weights for the second pass."""
-    kept = state.setdefault(_PARTITION_INFO, {})
-    for weight, info in rank_state[_PARTITION_INFO].items():
-        if weight not in kept and _MEGATRON_ROW in info and _scalar(info[_MEGATRON_ROW]) >= 0:
+    kept = state.setdefault(layout.PARTITION_INFO, {})
+    for weight, info in rank_state[layout.PARTITION_INFO].items():
+        if (
+            weight not in kept
+            and layout.MEGATRON_ROW_PARTITION in info
+            and _scalar(info[layout.MEGATRON_ROW_PARTITION]) >= 0
+        ):
             kept[weight] = info
 
 
 def _aggregate_trainer_options(rank_state: Mapping[str, Any], state: dict[str, Any], partial_aggregation: bool) -> None:
     """The result is a single unpartitioned trainer; a partial result keeps its group's first rank."""
-    options = rank_state[_OPTIONS]
-    mixed_precision = _utils.state_dict_trainer_options_mixed_precision_key()
-    optimizer_name = _utils.state_dict_trainer_options_optimizer_name_key()
-    state[_OPTIONS] = {
-        mixed_precision: options[mixed_precision],
-        _utils.state_dict_trainer_options_zero_stage_key(): 0,
-        _RANK: options[_RANK] if partial_aggregation else 0,
-        _utils.state_dict_trainer_options_world_size_key(): 1,
-        optimizer_name: options[optimizer_name],
-        _utils.state_dict_trainer_options_data_parallel_size_key(): 1,
-        _utils.state_dict_trainer_options_horizontal_parallel_size_key(): 1,
-    }
+    options = rank_state[layout.TRAINER_OPTIONS]
+    state[layout.TRAINER_OPTIONS] = layout.trainer_options(
+        mixed_precision=options[layout.MIXED_PRECISION],
+        zero_stage=0,
+        world_rank=options[layout.WORLD_RANK] if partial_aggregation else 0,
+        world_size=1,
+        optimizer_name=options[layout.OPTIMIZER_NAME],
+        data_parallel_size=1,
+        horizontal_parallel_size=1,
+    )
 
 
 def _reshape_states(original_dims: dict[str, Any], state: dict[str, Any], mixed_precision: bool) -> None:
     """Give sharded tensors their original shape: model states under mixed precision, moments always."""
     for weight, dims in original_dims.items():
-        model_states = state.get(_MODEL, {}).get(_FULL_PRECISION, {})
+        model_states = state.get(layout.MODEL, {}).get(layout.FULL_PRECISION, {})
         if mixed_precision and weight in model_states:
             model_states[weight] = _reshaped(model_states[weight], dims, f"model state {weight}")
-        for key, value in state.get(_OPTIMIZER, {}).get(weight, {}).items():
-            if key in _SHARDED_OPTIMIZER_KEYS:
+        for key, value in state.get(layout.OPTIMIZER, {}).get(weight, {}).items():
+            if key in layout.SHARDED_OPTIMIZER_KEYS:
                 where = f"optimizer state {key} of {weight}"
-                state[_OPTIMIZER][weight][key] = _reshaped(value, dims, where)
+                state[layout.OPTIMIZER][weight][key] = _reshaped(value, dims, where)
 
 
 def _reshaped(value: np.ndarray, dims: Any, where: str) -> np.ndarray:
@@ -384,7 +376,7 @@ def _reshaped(value: np.ndarray, dims: Any, where: str) -> np.ndarray:
 
 def _to_pytorch_format(state: Mapping[str, Any]) -> dict[str, Any]:
     """The flat ``{name: torch.Tensor}`` of the full-precision model states (loadable by ``nn.Module``)."""
-    model_states = state.get(_MODEL, {}).get(_FULL_PRECISION, {})
+    model_states = state.get(layout.MODEL, {}).get(layout.FULL_PRECISION, {})
     return {name: torch.tensor(value) for name, value in model_states.items()}
 
 

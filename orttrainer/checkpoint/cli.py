@@ -15,30 +15,30 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import h5py
 import numpy as np
 import torch
 
-from .. import _utils
+from . import layout
 from ._atomic import atomic_write, target_exists_error
 from .aggregate import aggregate_checkpoints
 from .storage import load, open_checkpoint
 
-_MODEL = _utils.state_dict_model_key()
-_OPTIMIZER = _utils.state_dict_optimizer_key()
-_OPTIONS = _utils.state_dict_trainer_options_key()
-_STEP_INFO = _utils.state_dict_train_step_info_key()
-_PARTITION_INFO = _utils.state_dict_partition_info_key()
-_USER_DICT = _utils.state_dict_user_dict_key()
-_KNOWN_KEYS = {_MODEL, _OPTIMIZER, _OPTIONS, _STEP_INFO, _PARTITION_INFO, _USER_DICT}
-# Model precision keys, current first; 'fp32' is what checkpoints from before ≈1.7 used.
-_PRECISION_KEYS = (_utils.state_dict_full_precision_key(), "fp32")
+# The groups `describe` has a section for; any other top-level key is listed by name.
+_KNOWN_KEYS = {
+    layout.MODEL,
+    layout.OPTIMIZER,
+    layout.TRAINER_OPTIONS,
+    layout.TRAIN_STEP_INFO,
+    layout.PARTITION_INFO,
+    layout.USER_DICT,
+}
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, like every other error of this command
+    def error(self, message: str) -> NoReturn:  # one line, like every other error of this command
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -102,29 +102,23 @@ def to_pytorch(paths: Sequence[str], output: str) -> str:
 
 
 def _read_weights(path: str) -> dict[str, Any]:
-    options = load(path, key=_OPTIONS) if _has_key(path, _OPTIONS) else {}
-    if _is_partitioned(options):
-        world_size = int(options.get(_utils.state_dict_trainer_options_world_size_key(), 0))
-        rank = int(options.get(_utils.state_dict_trainer_options_world_rank_key(), 0))
+    options = load(path, key=layout.TRAINER_OPTIONS) if _has_key(path, layout.TRAINER_OPTIONS) else {}
+    if layout.is_partitioned(options):
+        world_size = int(options.get(layout.WORLD_SIZE, 0))
+        rank = int(options.get(layout.WORLD_RANK, 0))
         raise ValueError(
             f"{path} is rank {rank} of a partitioned run (ZeRO or Megatron) of {world_size} ranks: "
             f"pass all {world_size} rank files to aggregate them"
         )
-    for precision in _PRECISION_KEYS:
-        if _has_key(path, f"{_MODEL}/{precision}"):
-            return load(path, key=f"{_MODEL}/{precision}")
-    raise ValueError(f"{path} holds no model states ({_MODEL}/{_PRECISION_KEYS[0]})")
+    for precision in layout.PRECISION_KEYS:
+        if _has_key(path, f"{layout.MODEL}/{precision}"):
+            return load(path, key=f"{layout.MODEL}/{precision}")
+    raise ValueError(f"{path} holds no model states ({layout.MODEL}/{layout.PRECISION_KEYS[0]})")
 
 
 def _has_key(path: str, key: str) -> bool:
     with open_checkpoint(path) as (handle, _):
         return key in handle
-
-
-def _is_partitioned(options: dict[str, Any]) -> bool:
-    zero_stage = int(options.get(_utils.state_dict_trainer_options_zero_stage_key(), 0))
-    horizontal = int(options.get(_utils.state_dict_trainer_options_horizontal_parallel_size_key(), 1))
-    return zero_stage > 0 or horizontal > 1
 
 
 # --- info ---------------------------------------------------------------------------------------------------------
@@ -138,8 +132,8 @@ def describe(path: str) -> str:
             f"checkpoint: {shown_as}" + (f" (HDF5, {size:,} bytes)" if size is not None else ""),
             _model_section(handle),
             _optimizer_section(handle),
-            _scalars_section(handle, _OPTIONS),
-            _scalars_section(handle, _STEP_INFO),
+            _scalars_section(handle, layout.TRAINER_OPTIONS),
+            _scalars_section(handle, layout.TRAIN_STEP_INFO),
             _partition_section(handle),
             _user_dict_section(handle),
         ]
@@ -150,32 +144,32 @@ def describe(path: str) -> str:
 
 
 def _model_section(handle: h5py.File) -> str:
-    for precision in _PRECISION_KEYS:
-        key = f"{_MODEL}/{precision}"
+    for precision in layout.PRECISION_KEYS:
+        key = f"{layout.MODEL}/{precision}"
         if key in handle:
             group = handle[key]
             rows = [(name, _shape(ds), _dtype(ds)) for name, ds in _datasets(group)]
             count = sum(int(np.prod(ds.shape)) for _, ds in _datasets(group))
             title = f"{key}: {_plural(len(rows), 'tensor')}, {count:,} values"
             return "\n".join([title, *_table(("name", "shape", "dtype"), rows)])
-    return f"{_MODEL}: absent"
+    return f"{layout.MODEL}: absent"
 
 
 def _optimizer_section(handle: h5py.File) -> str:
-    if _OPTIMIZER not in handle:
-        return f"{_OPTIMIZER}: absent"
-    name_key = f"{_OPTIONS}/{_utils.state_dict_trainer_options_optimizer_name_key()}"
+    if layout.OPTIMIZER not in handle:
+        return f"{layout.OPTIMIZER}: absent"
+    name_key = f"{layout.TRAINER_OPTIONS}/{layout.OPTIMIZER_NAME}"
     optimizer_name = _text(handle[name_key][()]) if name_key in handle else "unknown optimizer"
     rows = []
-    for weight, group in handle[_OPTIMIZER].items():
+    for weight, group in handle[layout.OPTIMIZER].items():
         if not isinstance(group, h5py.Group):
             rows.append((weight, "", _shape(group), _dtype(group), _small_value(group)))
             continue
         for state, ds in _datasets(group):
             rows.append((weight, state, _shape(ds), _dtype(ds), _small_value(ds)))
-    weights = [name for name in handle[_OPTIMIZER] if name != "shared_optimizer_state"]
-    shared = " and shared state" if "shared_optimizer_state" in handle[_OPTIMIZER] else ""
-    title = f"{_OPTIMIZER}: {optimizer_name}, state for {_plural(len(weights), 'weight')}{shared}"
+    weights = [name for name in handle[layout.OPTIMIZER] if name != layout.SHARED_OPTIMIZER_STATE]
+    shared = " and shared state" if layout.SHARED_OPTIMIZER_STATE in handle[layout.OPTIMIZER] else ""
+    title = f"{layout.OPTIMIZER}: {optimizer_name}, state for {_plural(len(weights), 'weight')}{shared}"
     if not rows:
         return f"{title} (no optimizer state)"
     return "\n".join([title, *_table(("weight", "state", "shape", "dtype", "value"), rows)])
@@ -189,22 +183,22 @@ def _scalars_section(handle: h5py.File, key: str) -> str:
 
 
 def _partition_section(handle: h5py.File) -> str:
-    if _PARTITION_INFO not in handle:
-        return f"{_PARTITION_INFO}: absent (not a partitioned checkpoint)"
+    if layout.PARTITION_INFO not in handle:
+        return f"{layout.PARTITION_INFO}: absent (not a partitioned checkpoint)"
     rows = []
-    for weight, group in handle[_PARTITION_INFO].items():
+    for weight, group in handle[layout.PARTITION_INFO].items():
         values = {name: _text(ds[()]) for name, ds in _datasets(group)} if isinstance(group, h5py.Group) else {}
-        rows.append((weight, values.get("original_dim", ""), values.get("megatron_row_partition", "")))
-    title = f"{_PARTITION_INFO}: present for {_plural(len(rows), 'weight')}"
-    return "\n".join([title, *_table(("weight", "original_dim", "megatron_row_partition"), rows)])
+        rows.append((weight, values.get(layout.ORIGINAL_DIM, ""), values.get(layout.MEGATRON_ROW_PARTITION, "")))
+    title = f"{layout.PARTITION_INFO}: present for {_plural(len(rows), 'weight')}"
+    return "\n".join([title, *_table(("weight", layout.ORIGINAL_DIM, layout.MEGATRON_ROW_PARTITION), rows)])
 
 
 def _user_dict_section(handle: h5py.File) -> str:
-    if _USER_DICT not in handle:
-        return f"{_USER_DICT}: absent"
-    value = handle[_USER_DICT][()]
+    if layout.USER_DICT not in handle:
+        return f"{layout.USER_DICT}: absent"
+    value = handle[layout.USER_DICT][()]
     size = len(value) // 2 if isinstance(value, (bytes, str)) else 0
-    return f"{_USER_DICT}: present ({size:,} bytes pickled; not unpickled here)"
+    return f"{layout.USER_DICT}: present ({size:,} bytes pickled; not unpickled here)"
 
 
 # --- formatting ---------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import os
 import pickle
 import sys
 from collections.abc import Iterator, Mapping
-from typing import IO, Any
+from typing import IO, Any, TypeGuard
 
 import h5py
 
@@ -202,7 +202,8 @@ def from_serialized_hex(serialized_hex: str | bytes) -> Any:
 # --- helpers ------------------------------------------------------------------------------------------------------
 
 
-def _is_file_object(obj: Any, method: str) -> bool:
+def _is_file_object(obj: Any, method: str) -> TypeGuard[IO[bytes]]:
+    """Whether ``obj`` is used as a binary file object (it has ``method``, e.g. ``read``) rather than as a path."""
     return not isinstance(obj, (str, bytes, os.PathLike)) and callable(getattr(obj, method, None))
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-Observer = Callable[[torch.Tensor], None]
+Observer = Callable[[torch.Tensor], object]  # what it returns is ignored (a writer returns its path)
 
 
 class _GradientTap(torch.autograd.Function):

@@ -96,6 +96,7 @@ def find_order_file(root: Path) -> Path:
 
 
 def read_order(path: Path) -> list[str]:
+    """The file names an order.txt lists, in order (blank lines skipped)."""
     return [line for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
@@ -125,6 +126,9 @@ class Difference:
 
 @dataclasses.dataclass
 class StepComparison:
+    """The comparison of one step directory: activations compared, the first and the largest differences, the files
+    the ORT tree lacks, or ``only_in`` when one tree has no such step."""
+
     step: str
     compared: int = 0
     first_divergence: list[Difference] = dataclasses.field(default_factory=list)  # beyond-tolerance fields
@@ -135,6 +139,8 @@ class StepComparison:
 
 @dataclasses.dataclass
 class ComparisonReport:
+    """``compare_activation_summaries``'s result: the two trees, the tolerances and one entry per step."""
+
     pt_dir: str
     ort_dir: str
     rtol: float
@@ -150,6 +156,7 @@ class ComparisonReport:
         return None
 
     def format(self) -> str:
+        """The report as the text the command line prints."""
         return _format_report(self)
 
 
@@ -266,6 +273,7 @@ def _format_table(rows: list[Difference]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Merge, then compare, two statistics trees (``--help`` for the options); 1 after a one-line error."""
     parser = argparse.ArgumentParser(
         prog="python -m orttrainer.debug.merge_activation_summary", description=__doc__.split("\n\n")[0]
     )

@@ -39,23 +39,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..dtypes import ELEMENT_TYPES
+
 NUM_SAMPLES = 128
 DEFAULT_BUCKET_SIZE = 1024 * 1024 * 1024 // 2  # the legacy default: one bucket for any realistic activation
 DIRECTIONS = ("forward", "backward")
 
-# ONNX TensorProto element types, so the in-graph path can hand over the graph's dtype as is (no onnx import here).
-_ONNX_DTYPES = {
-    1: torch.float32,
-    2: torch.uint8,
-    3: torch.int8,
-    5: torch.int16,
-    6: torch.int32,
-    7: torch.int64,
-    9: torch.bool,
-    10: torch.float16,
-    11: torch.float64,
-    16: torch.bfloat16,
-}
+# ONNX element type -> torch dtype, so the in-graph path can hand over the graph's dtype as is. The element-type
+# table minus its complex types: this mapping never accepted them (to_torch_dtype raises for them, as before).
+_ONNX_DTYPES = {t.onnx: t.torch for t in ELEMENT_TYPES if not t.torch.is_complex}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,7 @@ def activation_file_name(name: str, direction: str) -> str:
 
 
 def step_dir(output_dir: str | os.PathLike, step: int) -> Path:
+    """``<output_dir>/step_<step>``: where one step's files and order.txt go."""
     return Path(output_dir) / f"step_{step}"
 
 
@@ -145,6 +146,7 @@ class StatisticsSubscriber(SubscriberBase):
     def post_forward_tensor_apply_impl(
         self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
     ) -> torch.Tensor:
+        """Dump the output tensor's statistics now and its gradient's in backward (the module's depth as prefix)."""
         states = run_ctx.global_states
         index = states.module_to_module_index[module]
         call = states.module_call_count.get(index, 1)
@@ -152,6 +154,7 @@ class StatisticsSubscriber(SubscriberBase):
         return self._tap(name, states.module_index_to_depth[index], states.execution_step, tensor)
 
     def inspect_activation_apply_impl(self, run_ctx: RuntimeStates, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Dump an ``inspect_activation`` tensor (and later its gradient) under ``name``, depth -1."""
         return self._tap(name, -1, run_ctx.global_states.execution_step, tensor)
 
     def _tap(self, name: str, depth: int, step: int, tensor: torch.Tensor) -> torch.Tensor:

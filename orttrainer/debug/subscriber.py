@@ -28,141 +28,31 @@ with ``managers_of(model)`` and end each step they run with ``advance_step()``, 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, cast
 
 import torch
+
+from .subscriber_base import GlobalStates, RuntimeStates, SubscriberBase
+
+__all__ = [
+    "GlobalStates",
+    "GlobalSubscriberManager",
+    "RuntimeStates",
+    "SubscriberBase",
+    "SubscriberManager",
+    "current_manager",
+    "exclusive",
+    "managers_of",
+    "map_tensors",
+    "no_increase_global_step",
+]
 
 _GATE: dict[str, Any] = {"suspended": 0, "exclusive": None}
 _ACTIVE: list[SubscriberManager] = []  # managers whose root forward is running, innermost last
 _MANAGERS: weakref.WeakSet[SubscriberManager] = weakref.WeakSet()  # every manager constructed (copies are not)
-
-
-@dataclasses.dataclass
-class GlobalStates:
-    """Per-manager state. Names follow the legacy ``RuntimeStates.global_states``; the last four are new."""
-
-    execution_step: int = 0
-    module_index_to_depth: dict[int, int] = dataclasses.field(default_factory=dict)
-    module_to_module_index: dict[torch.nn.Module, int] = dataclasses.field(default_factory=dict)
-    module_index_to_path: dict[int, str] = dataclasses.field(default_factory=dict)
-    module_call_count: dict[int, int] = dataclasses.field(default_factory=dict)  # calls in the current step
-    inspected_names: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> first call site, this step
-    root_nesting: int = 0
-
-
-class RuntimeStates:
-    """The run context handed to every subscriber callback."""
-
-    def __init__(self) -> None:
-        self.global_states = GlobalStates()
-
-
-class SubscriberBase:
-    """Base of all subscribers: callbacks that run only for steps in ``[start_step, end_step)``.
-
-    ``None`` start means 0 and ``None`` end means ``sys.maxsize``. Each public ``*_apply`` method checks the range
-    and calls the matching ``*_impl`` (no-ops here) or returns its inputs unchanged. Override the ``*_impl``.
-    """
-
-    def __init__(self, start_step: int | None, end_step: int | None) -> None:
-        self._start_step = _step_bound(start_step, 0, "start_step")
-        self._end_step = _step_bound(end_step, sys.maxsize, "end_step")
-        if self._end_step < self._start_step:
-            raise ValueError(f"end_step ({end_step}) must not be smaller than start_step ({start_step})")
-
-    @property
-    def start_step(self) -> int:
-        return self._start_step
-
-    @property
-    def end_step(self) -> int:
-        return self._end_step
-
-    def in_range(self, step: int) -> bool:
-        """Whether ``step`` is in the half-open range ``[start_step, end_step)``."""
-        return self._start_step <= step < self._end_step
-
-    def pre_forward_module_apply(
-        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]
-    ) -> tuple[Any, dict[str, Any]]:
-        if not self.in_range(run_ctx.global_states.execution_step):
-            return args, kwargs
-        return self.pre_forward_module_apply_impl(run_ctx, module, args, kwargs)
-
-    def pre_forward_tensor_apply(
-        self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
-    ) -> torch.Tensor:
-        if not self.in_range(run_ctx.global_states.execution_step):
-            return tensor
-        return self.pre_forward_tensor_apply_impl(run_ctx, module, tensor_index, tensor)
-
-    def post_forward_module_apply(
-        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, outputs: Any
-    ) -> tuple[Any, Any]:
-        if not self.in_range(run_ctx.global_states.execution_step):
-            return args, outputs
-        return self.post_forward_module_apply_impl(run_ctx, module, args, outputs)
-
-    def post_forward_tensor_apply(
-        self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
-    ) -> torch.Tensor:
-        if not self.in_range(run_ctx.global_states.execution_step):
-            return tensor
-        return self.post_forward_tensor_apply_impl(run_ctx, module, tensor_index, tensor)
-
-    def post_forward_outmost_module_apply(
-        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, outputs: Any
-    ) -> tuple[Any, Any]:
-        if not self.in_range(run_ctx.global_states.execution_step):
-            return args, outputs
-        return self.post_forward_outmost_module_apply_impl(run_ctx, module, args, outputs)
-
-    def inspect_activation_apply(self, run_ctx: RuntimeStates, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Called by ``inspect_activation`` (new: the legacy code bypassed the step range there)."""
-        if not self.in_range(run_ctx.global_states.execution_step):
-            return tensor
-        return self.inspect_activation_apply_impl(run_ctx, name, tensor)
-
-    def pre_forward_module_apply_impl(
-        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]
-    ) -> tuple[Any, dict[str, Any]]:
-        return args, kwargs
-
-    def pre_forward_tensor_apply_impl(
-        self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
-    ) -> torch.Tensor:
-        return tensor
-
-    def post_forward_module_apply_impl(
-        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, outputs: Any
-    ) -> tuple[Any, Any]:
-        return args, outputs
-
-    def post_forward_tensor_apply_impl(
-        self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
-    ) -> torch.Tensor:
-        return tensor
-
-    def post_forward_outmost_module_apply_impl(
-        self, run_ctx: RuntimeStates, module: torch.nn.Module, args: Any, outputs: Any
-    ) -> tuple[Any, Any]:
-        return args, outputs
-
-    def inspect_activation_apply_impl(self, run_ctx: RuntimeStates, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-
-def _step_bound(value: int | None, default: int, what: str) -> int:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be a non-negative int or None, got {value!r}")
-    return value
 
 
 def _current_graph_task_id() -> int:
@@ -187,6 +77,7 @@ class SubscriberManager:
 
     @property
     def subscribers(self) -> tuple[SubscriberBase, ...]:
+        """The subscribers, in the order they run."""
         return self._subscribers
 
     @property
@@ -195,6 +86,7 @@ class SubscriberManager:
         return self._module
 
     def get_run_context(self) -> RuntimeStates:
+        """The run context (step counter and module index) handed to the subscribers."""
         return self._run_ctx
 
     def get_subscriber(self, subscriber_type: type) -> SubscriberBase:
@@ -374,14 +266,18 @@ def map_tensors(value: Any, fn: Callable[[int, torch.Tensor], torch.Tensor], cou
             return items
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, Mapping):
-        items = {key: map_tensors(item, fn, counter) for key, item in value.items()}
-        if all(items[key] is item for key, item in value.items()):
+        mapped = {key: map_tensors(item, fn, counter) for key, item in value.items()}
+        if all(mapped[key] is item for key, item in value.items()):
             return value
-        if type(value) in (dict, OrderedDict):
-            return type(value)(items)
-        for key, item in items.items():  # e.g. transformers' ModelOutput: keep the object, swap its values
-            value[key] = item
-        return value
+        if type(value) is dict:
+            return mapped
+        if type(value) is OrderedDict:
+            return OrderedDict(mapped)
+        # e.g. transformers' ModelOutput: keep the object, swap its values (a read-only Mapping raises TypeError here)
+        target = cast("MutableMapping[Any, Any]", value)
+        for key, item in mapped.items():
+            target[key] = item
+        return target
     return value
 
 

@@ -41,6 +41,7 @@ class ActivationRecord:
 
     @property
     def file_name(self) -> str:
+        """``<name>_<direction>``: the statistics file and its order.txt line."""
         return activation_file_name(self.name, self.direction)
 
 
@@ -54,6 +55,7 @@ class RecordingSubscriber(SubscriberBase):
     def post_forward_tensor_apply_impl(
         self, run_ctx: RuntimeStates, module: torch.nn.Module, tensor_index: int, tensor: torch.Tensor
     ) -> torch.Tensor:
+        """Record the output tensor now and its gradient in backward, as ``StatisticsSubscriber`` would dump them."""
         states = run_ctx.global_states
         index = states.module_to_module_index[module]
         call = states.module_call_count.get(index, 1)
@@ -68,6 +70,7 @@ class RecordingSubscriber(SubscriberBase):
         return self._tap(name, states.module_index_to_depth[index], details, tensor)
 
     def inspect_activation_apply_impl(self, run_ctx: RuntimeStates, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Record an ``inspect_activation`` tensor (no module fields) and, in backward, its gradient."""
         details = dict(module_index=None, module_path=None, module_class=None, tensor_index=None, call=None)
         return self._tap(name, -1, details, tensor)
 
@@ -134,7 +137,7 @@ def _sum_outputs(outputs: Any) -> torch.Tensor | None:
 def _differentiate(loss: torch.Tensor | None, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
     if loss is None or not loss.requires_grad:
         return
-    leaves = [p for p in model.parameters() if p.requires_grad]
+    leaves: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
     leaves += [t for t in _tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
     if leaves:
         torch.autograd.grad(loss, leaves, allow_unused=True)

@@ -188,6 +188,8 @@ class AdamConfig(_OptimizerConfig):
 
     @unique
     class DecayMode(IntEnum):
+        """When the weight decay ``lambda * w`` is applied: before or after the Adam update of ``w``."""
+
         BEFORE_WEIGHT_UPDATE = 0
         AFTER_WEIGHT_UPDATE = 1
 

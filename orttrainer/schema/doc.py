@@ -95,6 +95,7 @@ def leaves(schema: dict = _ORTTRAINER_OPTIONS_SCHEMA, prefix: str = "") -> Itera
 
 
 def describe_type(rule: dict) -> str:
+    """The table's type column for a cerberus rule: type name, bounds, ``or None`` when nullable."""
     if "check_with" in rule:
         name = "callable"
     else:
@@ -115,6 +116,7 @@ def describe_type(rule: dict) -> str:
 
 
 def describe_default(rule: dict) -> str:
+    """The table's default column: what validation fills in, as a code span (fresh containers as ``{}``/``[]``)."""
     if "default_setter" in rule:
         return "`{}`" if rule.get("type") == "dict" else "`[]`"
     value = rule.get("default")
@@ -124,6 +126,7 @@ def describe_default(rule: dict) -> str:
 
 
 def options_table() -> str:
+    """The Markdown table of every option: path, type, default and meaning."""
     rows = ["| option | type | default | meaning |", "|---|---|---|---|"]
     for path, rule in leaves():
         rows.append(f"| `{path}` | {describe_type(rule)} | {describe_default(rule)} | {MEANINGS.get(path, '')} |")
@@ -137,6 +140,7 @@ def replace_table(text: str, table: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Print the table, or with ``--write README`` replace it between the markers; exits when a meaning is missing."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", metavar="README", help="replace the table between the markers in this file")
     args = parser.parse_args(argv)

@@ -8,9 +8,8 @@ attributes. Two legacy crashes are turned into ``ValueError("Invalid model_desc:
 
 from __future__ import annotations
 
-from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import cerberus
 import torch
@@ -20,12 +19,42 @@ ALL_FINITE_IO_DESCRIPTION_NAME = "__all_finite"
 LOSS_SCALE_INPUT_IO_DESCRIPTION_NAME = "__loss_scale_input_name"
 GRADIENT_ACCUMULATION_IO_DESCRIPTION_NAME = "__gradient_accumulation_name"
 
+
 # Module-level (legacy built them per instance): one class per kind, so isinstance works across descriptions and
-# descriptions pickle. Instances still expose them as `desc._InputDescription` etc.
-InputDescription = namedtuple("InputDescription", ["name", "shape"])
-InputDescriptionTyped = namedtuple("InputDescriptionTyped", ["name", "shape", "dtype"])
-OutputDescription = namedtuple("OutputDescription", ["name", "shape", "is_loss"])
-OutputDescriptionTyped = namedtuple("OutputDescriptionTyped", ["name", "shape", "is_loss", "dtype", "dtype_amp"])
+# descriptions pickle. Instances still expose them as `desc._InputDescription` etc. A shape is a list of int (static)
+# and str (symbolic) dimensions.
+class InputDescription(NamedTuple):
+    """A model input: ``name`` and ``shape``."""
+
+    name: str
+    shape: list[int | str]
+
+
+class InputDescriptionTyped(NamedTuple):
+    """A model input with its element type."""
+
+    name: str
+    shape: list[int | str]
+    dtype: torch.dtype
+
+
+class OutputDescription(NamedTuple):
+    """A model output; ``is_loss`` marks the (single) loss output."""
+
+    name: str
+    shape: list[int | str]
+    is_loss: bool
+
+
+class OutputDescriptionTyped(NamedTuple):
+    """A model output with its element type, and its type under mixed precision (``dtype_amp``, None if unknown)."""
+
+    name: str
+    shape: list[int | str]
+    is_loss: bool
+    dtype: torch.dtype
+    dtype_amp: torch.dtype | None
+
 
 _ErrorFn = Callable[[str, str], None]
 _SHAPE_MESSAGE = "'shape' must be a list of int or str with length at least 1"
@@ -64,26 +93,32 @@ def _model_desc_inputs_validation(field: str, value: Any, error: _ErrorFn) -> No
     _check_name_and_shape(field, value, error)
 
 
-def _model_desc_outputs_validation(field: str, value: Any, error: _ErrorFn) -> None:
+class _OutputsValidation:
     """cerberus ``check_with`` for one element of ``model_desc['outputs']``: ``(name, shape[, is_loss])``.
 
     Across the whole list at most one ``is_loss`` may be True. The validator sees one element at a time, so the
-    count lives on this function (``loss_counter``) and ``_ORTTrainerModelDesc`` resets it before validating.
+    count lives on this callable (``loss_counter``, as legacy kept it on its function) and ``_ORTTrainerModelDesc``
+    resets it before validating.
     """
-    if not isinstance(value, tuple) or not 2 <= len(value) <= 3:
-        error(field, "must be a tuple with size 2 or 3")
-    has_flag, is_loss = _element(value, 2)
-    if has_flag and len(value) == 3:
-        if not isinstance(is_loss, bool):
-            error(field, "the third element of the tuple (aka is_loss) must be a boolean")
-        else:
-            _model_desc_outputs_validation.loss_counter += int(is_loss)
-            if _model_desc_outputs_validation.loss_counter > 1:
-                error(field, "only one is_loss can bet set to True")
-    _check_name_and_shape(field, value, error)
+
+    def __init__(self) -> None:
+        self.loss_counter = 0
+
+    def __call__(self, field: str, value: Any, error: _ErrorFn) -> None:
+        if not isinstance(value, tuple) or not 2 <= len(value) <= 3:
+            error(field, "must be a tuple with size 2 or 3")
+        has_flag, is_loss = _element(value, 2)
+        if has_flag and len(value) == 3:
+            if not isinstance(is_loss, bool):
+                error(field, "the third element of the tuple (aka is_loss) must be a boolean")
+            else:
+                self.loss_counter += int(is_loss)
+                if self.loss_counter > 1:
+                    error(field, "only one is_loss can bet set to True")
+        _check_name_and_shape(field, value, error)
 
 
-_model_desc_outputs_validation.loss_counter = 0
+_model_desc_outputs_validation = _OutputsValidation()
 
 MODEL_DESC_SCHEMA: dict = {
     "inputs": {
@@ -154,6 +189,10 @@ class _ORTTrainerModelDesc:
     _OutputDescription = OutputDescription
     _OutputDescriptionTyped = OutputDescriptionTyped
 
+    # Set from the validated dict in __init__ (one attribute per schema key).
+    inputs: list[InputDescription | InputDescriptionTyped]
+    outputs: list[OutputDescription | OutputDescriptionTyped]
+
     def __init__(self, model_desc: Mapping[str, Any]) -> None:
         self._original = dict(model_desc)
         self._main_class_name = self.__class__.__name__
@@ -168,7 +207,7 @@ class _ORTTrainerModelDesc:
         for idx, desc in enumerate(inputs):
             inputs[idx] = InputDescription(*desc)
         for idx, desc in enumerate(outputs):
-            outputs[idx] = OutputDescription(*desc) if len(desc) == 3 else OutputDescription(*desc, False)
+            outputs[idx] = OutputDescription(*desc) if len(desc) == 3 else OutputDescription(desc[0], desc[1], False)
 
         self.learning_rate = InputDescriptionTyped(LEARNING_RATE_IO_DESCRIPTION_NAME, [1], torch.float32)
         for key, value in self._validated.items():
@@ -215,6 +254,7 @@ class _ORTTrainerModelDesc:
 
     @property
     def gradient_accumulation(self) -> OutputDescriptionTyped | None:
+        """The graph output telling whether gradients were accumulated (bool ``[1]``); set by output name."""
         return getattr(self, GRADIENT_ACCUMULATION_IO_DESCRIPTION_NAME, None)
 
     @gradient_accumulation.setter
@@ -225,6 +265,7 @@ class _ORTTrainerModelDesc:
 
     @property
     def all_finite(self) -> OutputDescriptionTyped | None:
+        """The mixed-precision graph output telling whether all gradients are finite (bool ``[1]``); set by name."""
         return getattr(self, ALL_FINITE_IO_DESCRIPTION_NAME, None)
 
     @all_finite.setter
@@ -235,6 +276,7 @@ class _ORTTrainerModelDesc:
 
     @property
     def loss_scale_input(self) -> InputDescriptionTyped | None:
+        """The mixed-precision graph input fed with the loss scale (float32 scalar); set by input name."""
         return getattr(self, LOSS_SCALE_INPUT_IO_DESCRIPTION_NAME, None)
 
     @loss_scale_input.setter
@@ -297,6 +339,7 @@ class _ORTTrainerModelDesc:
             else:
                 assert attr_name not in dir(self), f"'attr_name' {attr_name} already exists in the 'node'"
         assert dtype is None or isinstance(dtype, torch.dtype), "'dtype' must be either None or a torch.dtype type"
+        desc: OutputDescription | OutputDescriptionTyped
         if dtype:
             # Legacy dropped `dtype_amp` here (always None); we keep what the caller passed.
             desc = OutputDescriptionTyped(name, shape, is_loss, dtype, dtype_amp)

@@ -11,9 +11,12 @@ from __future__ import annotations
 import enum
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cerberus
+
+if TYPE_CHECKING:
+    from ..optim.lr_scheduler import _LRScheduler
 
 
 class PropagateCastOpsStrategy(enum.IntEnum):
@@ -41,6 +44,8 @@ def _normalize_propagate_strategy(value: Any) -> Any:
 class _LazyInstanceCheck(type):
     """Metaclass whose ``isinstance`` test runs the class's ``_matches``: lets a cerberus ``TypeDefinition`` name a
     class that lives in a module we must not (onnxruntime) or cannot yet (a sibling package) import."""
+
+    _matches: Callable[[Any], bool]  # each class using this metaclass defines it (a staticmethod)
 
     def __instancecheck__(cls, value: Any) -> bool:
         return cls._matches(value)
@@ -269,6 +274,20 @@ class ORTTrainerOptions:
         options: nested dict of training options; ``None`` means ``{}``.
     """
 
+    # The top-level groups, set from the validated tree in __init__. A nested group is an _ORTTrainerOptionsInternal
+    # (its keys as attributes); a leaf is its value.
+    batch: _ORTTrainerOptionsInternal
+    device: _ORTTrainerOptionsInternal
+    distributed: _ORTTrainerOptionsInternal
+    lr_scheduler: _LRScheduler | None
+    mixed_precision: _ORTTrainerOptionsInternal
+    graph_transformer: _ORTTrainerOptionsInternal
+    utils: _ORTTrainerOptionsInternal
+    debug: _ORTTrainerOptionsInternal
+    _internal_use: _ORTTrainerOptionsInternal
+    provider_options: _ORTTrainerOptionsInternal
+    session_options: Any  # an onnxruntime.SessionOptions (this module does not import onnxruntime) or None
+
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         # Kept for debugging: what the user passed, before defaults.
         self._original_opts = dict(options if options is not None else {})
@@ -300,6 +319,13 @@ class _ORTTrainerOptionsInternal(ORTTrainerOptions):
 
     It is not validated again: its parent already was. The raw dict is kept in ``_validated_opts``.
     """
+
+    if TYPE_CHECKING:
+        # A group's keys are known only from the schema at run time: any attribute is one of its values (and, as on
+        # ORTTrainerOptions, may be assigned).
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def __init__(self, main_class_name: str, options: dict[str, Any]) -> None:
         self._main_class_name = main_class_name
