@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._require import require as _require
 from .optim.config import _OptimizerConfig
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TrainStepInfo"]
 
@@ -48,7 +53,8 @@ class TrainStepInfo:
         _require(isinstance(step, int) and step >= 0, "step must be a positive int")
 
         self.optimizer_config = optimizer_config
-        self.all_finite = all_finite
+        # the trainer later stores the graph's one-element bool tensor here, as the original did
+        self.all_finite: bool | torch.Tensor = all_finite
         self.fetches = fetches
         self.optimization_step = optimization_step
         self.step = step

@@ -11,7 +11,7 @@ attribute), ``_torch_state_dict_keys`` (None when unknown) and ``options``.
 
 Each public function is a deprecation warning around a quiet implementation (``_flat_state_dict``,
 ``_load_flat_state_dict``, ``_save_flat_checkpoint``, ``_load_flat_checkpoint``); the older API
-(``orttrainer.legacy``, whose checkpoints are the same files) uses those directly.
+(``orttrainer.capi``, whose checkpoints are the same files) uses those directly.
 
 Files are pickles (``torch.load(weights_only=False)``, as legacy): load only checkpoints you trust.
 """
@@ -252,6 +252,8 @@ def _get_checkpoint_name(
 ) -> str:
     """``<prefix>.ZeRO.<rank>.<world_size-1>.ort.pt`` when partitioned, else ``<prefix>.ort.pt``."""
     if is_partitioned:
+        if world_rank is None or world_size is None:
+            raise ValueError("a partitioned (ZeRO) checkpoint name needs world_rank and world_size")
         return f"{prefix}.ZeRO.{world_rank}.{world_size - 1}.ort.pt"
     return f"{prefix}.ort.pt"
 

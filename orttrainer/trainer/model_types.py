@@ -51,6 +51,8 @@ def describe_mixed_precision(config: TrainerConfig, compiled: CompiledModel) -> 
             raise ValueError("Loss Scaler cannot be specified when Mixed Precision is not enabled")
         return
     desc, graph = config.model_desc, compiled.training
+    if graph.loss_scale_input is None or graph.all_finite_output is None:  # compile adds both under mixed precision
+        raise RuntimeError("the mixed-precision training graph has no loss-scale input or all-finite output")
     desc.loss_scale_input = graph.loss_scale_input
     desc.all_finite = graph.all_finite_output
     opts.loss_scaler.input_name = graph.loss_scale_input
