@@ -442,7 +442,6 @@ def test_provider_options_are_merged_into_the_provider_list_given_to_onnxruntime
     ("provider_options", "message"),
     [
         ({"CPUExecutionProvider": {"arena_extend_strategy": "1"}}, "CPU provider takes no options from Python"),
-        ({"CUDAExecutionProvider": {3: "1"}}, r"option names must be str .* these are not: \[3\]"),
         ({"CUDAExecutionProvider": {"device_id": None}}, r"these are not: \['device_id'\]"),
         ({"CUDAExecutionProvider": ["device_id"]}, "must be a dict of option names to values, got list"),
     ],

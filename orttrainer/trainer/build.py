@@ -110,7 +110,7 @@ def _build_from_torch(
         module, config.loss_fn, [d.name for d in desc.inputs], internal.onnx_opset_version, exported.was_training
     )
     forward = activations.prepare(exported.model, config.loss_fn, desc, sample_inputs)
-    forward = postprocess(config, forward, check_result=False)
+    forward = postprocess(config, forward)
     trainable, frozen = split_parameters(
         forward, list(options.utils.frozen_weights), exported.parameters, exported.buffers
     )
@@ -121,13 +121,13 @@ def _build_from_torch(
 def build_from_onnx(config: TrainerConfig, model: onnx.ModelProto) -> Built:
     """An ONNX model with a loss output: post-process, compile and open the session (at construction)."""
     choice = choose_builder(config.options._internal_use.gradient_builder, onnx_model=True)
-    forward = postprocess(config, model, check_result=True)
+    forward = postprocess(config, model)
     record_graph_types(config.model_desc, forward)
     trainable, frozen = split_parameters(forward, list(config.options.utils.frozen_weights), None, None)
     return _open(config, _Parts(forward, trainable, frozen, choice))
 
 
-def postprocess(config: TrainerConfig, model: onnx.ModelProto, check_result: bool) -> onnx.ModelProto:
+def postprocess(config: TrainerConfig, model: onnx.ModelProto) -> onnx.ModelProto:
     """The legacy post-processing options: internal passes, `extra_postprocess`, symbolic shape inference."""
     options = config.options
     internal = options._internal_use
@@ -135,8 +135,11 @@ def postprocess(config: TrainerConfig, model: onnx.ModelProto, check_result: boo
         model = run_postprocess(model)
     if internal.extra_postprocess:
         model = internal.extra_postprocess(model)
-        if check_result:
-            require(isinstance(model, onnx.ModelProto), "'extra_postprocess' must return a ONNX model")
+        require(
+            isinstance(model, onnx.ModelProto),
+            f"'extra_postprocess' must return a ONNX model (options _internal_use.extra_postprocess returned "
+            f"{type(model).__name__})",
+        )
     if options.utils.run_symbolic_shape_infer:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 

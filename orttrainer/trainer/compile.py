@@ -365,5 +365,14 @@ def build_eval_model(forward: onnx.ModelProto, state: list[str], outputs: list[s
 
 
 def _save(model: onnx.ModelProto, path: str | None) -> None:
-    if path:
+    """Write a `debug.graph_save_paths` stage; a path that cannot be written warns and training goes on (the
+    original ignored failed debug saves)."""
+    if not path:
+        return
+    try:
         onnx.save(model, path)
+    except (OSError, ValueError) as err:
+        warnings.warn(
+            f"options debug.graph_save_paths: could not write {path!r} ({err}); training goes on without it",
+            stacklevel=2,
+        )

@@ -40,6 +40,12 @@ def check_inputs(inputs: list, descs: Sequence) -> dict[str, int]:
     for value, desc in zip(inputs, descs, strict=True):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"input {desc.name!r} must be a torch.Tensor, got {type(value).__name__}")
+        if value.is_meta:
+            raise ValueError(f"input {desc.name!r} is on the meta device and holds no data; pass a tensor with values")
+        if value.numel() == 0:
+            raise ValueError(
+                f"input {desc.name!r} is empty (shape {list(value.shape)}); a step needs at least one sample"
+            )
         dtype = getattr(desc, "dtype", None)
         if dtype is not None and value.dtype != dtype:
             raise TypeError(f"input {desc.name!r} has dtype {value.dtype}, but the model was exported for {dtype}")

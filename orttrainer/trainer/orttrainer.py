@@ -128,7 +128,10 @@ class ORTTrainer:
 
     # ------------------------------------------------------------------------------------------------- steps
     def train_step(self, *args: Any, **kwargs: Any) -> Outputs:
-        """One training micro-step; returns the model_desc outputs (or `_train_step_info.fetches`)."""
+        """One training micro-step; returns the model_desc outputs (or `_train_step_info.fetches`).
+
+        A step that raises (bad input, an ONNX Runtime error) changes nothing: counters, accumulation buffers,
+        weights and the dropout stream stay as they were, so the same step can be retried."""
         inputs = order_inputs(args, kwargs, self.model_desc.inputs)
         built = self._ensure_built(inputs, check_export=self.options.debug.check_model_export)
         sizes = check_inputs(inputs, self.model_desc.inputs)
@@ -136,8 +139,8 @@ class ORTTrainer:
         names = self._requested_outputs(info.fetches)
         data = self._data(inputs)
         built.session.prepare(data)  # a graph for new input shapes (torch builder) fails before any count
-        info.step += 1
-        optimizer_step = info.step % self._config.accumulation_steps == 0
+        step = info.step + 1
+        optimizer_step = step % self._config.accumulation_steps == 0
         lr = self._learning_rate()
         scaler = self._config.loss_scaler
         statistics = self._activations.begin_step("train")
@@ -145,6 +148,7 @@ class ORTTrainer:
         results, finite = built.session.train(
             data, lr, self._counters.next_update, names + statistics, optimizer_step, scale
         )
+        info.step = step  # counted only now: a step that raised above changed nothing
         self._activations.end_step(results)
         if optimizer_step:
             self._after_optimizer_step(finite, scaler)
@@ -255,6 +259,12 @@ class ORTTrainer:
     ) -> None:
         """Write `state_dict()` (plus `user_dict`, pickled as hex like the original) to an HDF5 file or file-like
         object. The file appears only when fully written; an existing path raises FileExistsError."""
+        if self._built is None:
+            raise RuntimeError(
+                "save_checkpoint before the first train_step or eval_step: a PyTorch model is exported and its "
+                "training state created on its first step, so there is nothing to save yet. Run a step first (or "
+                "save the PyTorch module itself with torch.save(model.state_dict()))"
+            )
         saved = self.state_dict()
         if user_dict:
             saved["user_dict"] = storage.to_serialized_hex(user_dict)

@@ -7,7 +7,8 @@ position its stream has reached (`graph/dropout_seeds.py`, docs/engine.md §9): 
 for a graph with dynamic shapes, one per input-shape signature for the torch builder's per-shape graphs, which run
 separate sessions. A training run that completes moves its key's position by one (every Dropout computes once per
 forward pass; recompute reuses the mask). The base and the positions are part of the state dict (`rng/...`); loading
-them makes the sessions be created again at the loaded positions.
+them makes the sessions be created again at the loaded positions. A model without Dropout has no stream to save,
+and its state dict keeps the legacy layout.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ class DropoutStreams:
 
     base: int = field(default_factory=default_base_seed)
     positions: dict[str, int] = field(default_factory=dict)
+    active: bool = False  # a training graph with Dropout nodes was seeded: the stream is part of the state
 
     def seeded(self, model: onnx.ModelProto, key: str) -> onnx.ModelProto:
         """`model` with its Dropout nodes seeded for `key`'s current position (graphs of other keys start at a
         different offset of the stream, so two shape signatures do not repeat each other's masks)."""
         if not dropout_nodes(model):
             return model
+        self.active = True
         return seed_dropouts(model, self.base + _key_offset(key), self.positions.get(key, 0))
 
     def advance(self, key: str) -> None:

@@ -56,7 +56,8 @@ def build_state_dict(
     partition_info = _partition_info(built, config)
     if partition_info is not None:
         state["partition_info"] = partition_info
-    state[RNG] = built.streams.state()
+    if built.streams.active:
+        state[RNG] = built.streams.state()
     scaler = config.loss_scaler
     if scaler is not None:
         stable_steps = int(getattr(scaler, "_stable_steps_count", 0))  # only DynamicLossScaler counts them

@@ -42,7 +42,9 @@ def apply_state_dict(
         _load_pytorch_weights(built, state_dict, strict)
         return
     state_dict = _normalise_precision_key(state_dict)
-    if state_dict.get("optimizer"):  # before the key checks: a different optimizer explains every key difference
+    if "optimizer" in state_dict and "trainer_options" in state_dict:
+        # before the key checks: a different optimizer explains every key difference (an SGD checkpoint's
+        # optimizer entry is empty, and is a mismatch all the same)
         _check_optimizer_name(config, state_dict)
     if strict:
         _check_keys(build_state_dict(built, config, counters), state_dict, config.zero_stage)
