@@ -94,10 +94,10 @@ def test_op_appends_uniquely_named_nodes():
     out = ed.op("Mul", ["y", "y"])
     again = ed.op("Mul", ["y", "y"])
     assert (out, again) == ("orttrainer/t/Mul_1", "orttrainer/t/Mul_2")
-    parts = ed.op("Split", [again], "split", outputs=2, axis=0)
+    parts = ed.op_outputs("Split", [again], "split", outputs=2, axis=0)
     assert parts == ["orttrainer/t/split_out0", "orttrainer/t/split_out1"]
     named = ed.op("Identity", [out], outputs=["exact"])
-    assert named == ["exact"]
+    assert named == "exact"
     node_names = [n.name for n in model.graph.node]
     assert len(node_names) == len(set(node_names)) == 6
     assert node_names[2:4] == ["orttrainer/t/Mul_node_1", "orttrainer/t/Mul_node_2"]
@@ -110,12 +110,24 @@ def test_op_appends_uniquely_named_nodes():
 def test_explicit_output_names_are_reserved():
     model = _add_model()
     ed = GraphEditor(model.graph, "p")
-    assert ed.op("Identity", ["x"], outputs=["p/Identity"]) == ["p/Identity"]
+    assert ed.op("Identity", ["x"], outputs=["p/Identity"]) == "p/Identity"
     assert ed.op("Identity", ["x"]) == "p/Identity_1"
     with pytest.raises(ValueError, match="already used"):
         ed.claim("p/Identity")
     outputs = [o for n in model.graph.node for o in n.output]
     assert len(outputs) == len(set(outputs))
+
+
+def test_op_has_one_output_and_op_outputs_several():
+    model = _add_model()
+    ed = GraphEditor(model.graph, "p")
+    with pytest.raises(ValueError, match="one output.*op_outputs"):
+        ed.op("Split", ["x"], outputs=["a", "b"])
+    assert len(model.graph.node) == 2  # nothing was appended
+    assert ed.op_outputs("Split", ["x"], outputs=["a", "b"], axis=0) == ["a", "b"]
+    assert ed.op_outputs("Identity", ["x"], "one") == ["p/one"]  # one fresh output is named by the hint alone
+    with pytest.raises(ValueError, match="already used"):
+        ed.claim("b")
 
 
 def test_constant_deduplicates_by_value_dtype_and_shape():
@@ -175,7 +187,7 @@ def test_as_tensor_and_inputs_outputs():
     ed.add_input("scale", TensorProto.FLOAT, [])
     with pytest.raises(ValueError, match="already used"):
         ed.add_input("scale", TensorProto.FLOAT, [])
-    out = ed.op("Mul", [ed.op("Mul", ["y", c]), "scale"], outputs=["scaled"])[0]
+    out = ed.op("Mul", [ed.op("Mul", ["y", c]), "scale"], outputs=["scaled"])
     ed.add_output(out, TensorProto.FLOAT, [])
     onnx.checker.check_model(model, full_check=True)
     (value,) = _run(model, {"x": np.array(2.0, np.float32), "scale": np.array(3.0, np.float32)}, ["scaled"])

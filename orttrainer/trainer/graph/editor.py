@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -70,14 +71,30 @@ class GraphEditor:
         op_type: str,
         inputs: Sequence[str],
         hint: str | None = None,
+        outputs: Sequence[str] | None = None,
+        domain: str = "",
+        **attrs: Any,
+    ) -> str:
+        """Append one node with exactly one output; returns that output's name.
+
+        `outputs`, when given, is the one explicit output name (reserved, so no later fresh name repeats it); nodes
+        with several outputs go through `op_outputs`.
+        """
+        if outputs is not None and len(outputs) != 1:
+            raise ValueError(f"GraphEditor.op appends a node with one output, got {list(outputs)}; use op_outputs")
+        return self.op_outputs(op_type, inputs, hint, 1 if outputs is None else outputs, domain, **attrs)[0]
+
+    def op_outputs(
+        self,
+        op_type: str,
+        inputs: Sequence[str],
+        hint: str | None = None,
         outputs: int | Sequence[str] = 1,
         domain: str = "",
-        **attrs,
-    ) -> str | list[str]:
-        """Append one node; returns its output name (or list of names when `outputs` is not 1).
-
-        Explicit output names in `outputs` are reserved too, so no later fresh name repeats them.
-        """
+        **attrs: Any,
+    ) -> list[str]:
+        """Append one node; returns the names of its outputs: `outputs` fresh ones (`<hint>` for one output,
+        `<hint>_out<i>` for several), or the explicit names in `outputs`, which are reserved too."""
         hint = hint or op_type
         if isinstance(outputs, int):
             out_names = [self.fresh(hint if outputs == 1 else f"{hint}_out{i}") for i in range(outputs)]
@@ -88,7 +105,7 @@ class GraphEditor:
             op_type, list(inputs), out_names, name=self.fresh(f"{hint}_node"), domain=domain, **attrs
         )
         self.graph.node.append(node)
-        return out_names[0] if isinstance(outputs, int) and outputs == 1 else out_names
+        return out_names
 
     def constant(self, value, dtype=np.float32, hint: str = "const") -> str:
         """An initializer holding `value` (deduplicated by value, dtype and shape)."""

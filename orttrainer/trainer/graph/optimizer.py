@@ -72,7 +72,7 @@ def append_adam(
     s2 = ed.scalar_product([1.0 - b2, coef, coef], "adam/s2")
     after_update = int(hyper["weight_decay_mode"]) == 1
     if after_update:  # bias correction folded into the step size, ε not corrected (HF order)
-        inv_sqrt_bc2 = 1.0
+        inv_sqrt_bc2: Scalar = 1.0
         step_size = ed.scalar_product([step.lr, _sqrt(ed, bc2), _reciprocal(ed, bc1)], "adam/step_size")
     else:
         inv_sqrt_bc2 = _reciprocal(ed, _sqrt(ed, bc2))

@@ -34,7 +34,7 @@ def gather_grad_to_scatter_add(model: onnx.ModelProto) -> onnx.ModelProto:
     result = copy_model(model)
     ed = GraphEditor(result.graph, "orttrainer/scatter_grad")
     original = list(result.graph.node)
-    nodes = []
+    nodes: list[onnx.NodeProto] = []
     for node in original:
         nodes.extend(_scatter_add_nodes(ed, node) if node.op_type == "GatherGrad" and _axis(node) == 0 else [node])
     del result.graph.node[:]

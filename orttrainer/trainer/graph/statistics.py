@@ -141,10 +141,10 @@ def _append_one(ed: GraphEditor, label: str, target: StatisticsTarget) -> Statis
         ed.op("Greater", [x, zero], hint + "pos"),
         ed.op("Equal", [x, zero], hint + "zero"),
     ]
-    counts = [
+    flag_counts = [
         ed.op("ReduceSum", [ed.op("Cast", [f], hint + "flag", to=TensorProto.INT64)], hint + "count") for f in flags
     ]
-    counts = ed.op("Concat", [*counts, ed.op("Shape", [target.tensor], hint + "shape")], hint + "counts", axis=0)
+    counts = ed.op("Concat", [*flag_counts, ed.op("Shape", [target.tensor], hint + "shape")], hint + "counts", axis=0)
     samples = ed.op(
         "Slice",
         [flat, ed.constant([0], np.int64, hint="zero_i"), ed.constant([NUM_SAMPLES], np.int64, hint="num_samples")],

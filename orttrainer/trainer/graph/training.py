@@ -100,7 +100,7 @@ def build_training_graph(
     step = _append_step_inputs(ed)
     clip = clip_grad_norm and optimizer_name != "SGDOptimizer"
     total = _total_square(ed, grads) if clip or loss_scale_input else None
-    group_coefs = _clip_coefficients(ed, total, groups, coef) if clip else [coef for _ in groups]
+    group_coefs = _clip_coefficients(ed, total, groups, coef) if clip and total else [coef for _ in groups]
 
     updates: list[TensorUpdate] = []
     updated = set(trainable if update_only is None else update_only)
@@ -121,7 +121,7 @@ def build_training_graph(
     state_shapes.update({m_in: shapes[u.weight] for u in updates for m_in, _ in u.moments})
     result.state_shapes = state_shapes
     _declare_state(ed, result, {**shapes, **state_shapes})
-    if loss_scale_input:
+    if loss_scale_input and total:
         result.loss_scale_input = loss_scale_input
         result.all_finite_output = _append_all_finite(ed, total)
     return result
