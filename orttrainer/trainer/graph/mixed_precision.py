@@ -31,9 +31,9 @@ from functools import partial
 import onnx
 from onnx import TensorProto, helper
 
-from .conditions import Problem, graph_input_names, graph_output_names, not_among, require
+from .conditions import Problem, require
 from .editor import GraphEditor, copy_model, raise_opset, raise_opset_problem, topologically_sorted
-from .passes import FunctionPass
+from .passes import FunctionPass, first_result
 
 FLOAT32_OPS = (
     "SoftmaxCrossEntropyLoss",
@@ -58,8 +58,8 @@ LOSS_SCALE_INPUT = "loss_scale"
 def to_float16(model: onnx.ModelProto, keep_float32: list[str]) -> onnx.ModelProto:
     """Rule 1 above. Inputs/outputs in `keep_float32` stay float32; the argument is not modified.
 
-    Precondition: every name in `keep_float32` is a graph input or output (the converter ignores other names: an
-    initializer would silently become float16 — `move_initializers_to_inputs` first)."""
+    Precondition: no name in `keep_float32` is an initializer: the converter keeps only graph inputs and outputs
+    float32, so that initializer would silently become float16 (`move_initializers_to_inputs` first)."""
     require("to_float16", _keep_float32_problem(model, keep_float32))
     from onnxruntime.transformers import float16
 
@@ -73,12 +73,8 @@ def to_float16(model: onnx.ModelProto, keep_float32: list[str]) -> onnx.ModelPro
 
 
 def _keep_float32_problem(model: onnx.ModelProto, keep_float32: list[str]) -> Problem:
-    return not_among(
-        keep_float32,
-        graph_input_names(model) | graph_output_names(model),
-        "float32 tensors",
-        "the graph inputs and outputs",
-    )
+    constants = sorted({i.name for i in model.graph.initializer} & set(keep_float32))
+    return f"float32 tensors {constants} are initializers, not graph inputs" if constants else None
 
 
 def to_float16_pass(keep_float32: list[str]) -> FunctionPass:
@@ -117,7 +113,7 @@ def _loss_problem(model: onnx.ModelProto, loss: str) -> Problem:
 def append_loss_scale_pass(loss: str) -> FunctionPass:
     """`append_loss_scale` as a pass; read the names it added with `loss_scale_names`."""
     return FunctionPass(
-        "append_loss_scale", lambda model: append_loss_scale(model, loss)[0], partial(_loss_problem, loss=loss)
+        "append_loss_scale", first_result(append_loss_scale, loss=loss), partial(_loss_problem, loss=loss)
     )
 
 

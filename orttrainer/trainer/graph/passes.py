@@ -19,11 +19,12 @@ those nodes are not checked (measured: `tests/test_graph_passes.py`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import onnx
 
@@ -32,6 +33,7 @@ from .errors import PassPreconditionError, PassVerificationError
 
 __all__ = [
     "VERIFY_ENVIRONMENT_VARIABLE",
+    "first_result",
     "FunctionPass",
     "GraphPass",
     "PassPreconditionError",
@@ -86,6 +88,16 @@ class FunctionPass:
     def __call__(self, model: onnx.ModelProto) -> onnx.ModelProto:
         self.check(model)
         return self.apply(model)
+
+
+def first_result(function: Callable[..., tuple], **arguments: Any) -> Callable[[onnx.ModelProto], onnx.ModelProto]:
+    """`model -> function(model, **arguments)[0]`, with `function`'s docstring: the rule of a pass whose function
+    also returns names (the caller of the pass reads them back from the model)."""
+
+    def rule(model: onnx.ModelProto) -> onnx.ModelProto:
+        return function(model, **arguments)[0]
+
+    return functools.update_wrapper(rule, function)
 
 
 def verification_enabled() -> bool:

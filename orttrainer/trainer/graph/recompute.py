@@ -37,6 +37,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import onnx
 from onnx import helper, numpy_helper
@@ -353,4 +354,4 @@ def recompute_pass(forward_outputs: list[str], plan: RecomputePlan) -> FunctionP
         return result
 
     rule.__doc__ = apply_plan.__doc__
-    return FunctionPass("recompute", rule, lambda model: _recompute_problem(model, forward_outputs))
+    return FunctionPass("recompute", rule, partial(_recompute_problem, forward_outputs=forward_outputs))

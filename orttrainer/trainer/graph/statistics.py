@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from onnx import TensorProto, helper
 from ...debug import TensorStatistics, statistics_from_reductions
 from .conditions import Problem, require
 from .editor import GraphEditor, copy_model, fresh_name, graph_value_names
-from .passes import FunctionPass
+from .passes import FunctionPass, first_result
 
 MARK_DOMAIN = "orttrainer.debug"
 MARK_OP = "ActivationMark"
@@ -109,7 +110,7 @@ def _marker_problem(model: onnx.ModelProto) -> Problem:
     return None
 
 
-MARKS_TO_IDENTITY = FunctionPass("marks_to_identity", lambda model: marks_to_identity(model)[0], _marker_problem)
+MARKS_TO_IDENTITY = FunctionPass("marks_to_identity", first_result(marks_to_identity), _marker_problem)
 
 
 def gradient_tensor(model: onnx.ModelProto, tensor: str) -> str | None:
@@ -150,8 +151,8 @@ def append_statistics_pass(targets: dict[str, StatisticsTarget]) -> FunctionPass
     """`append_statistics` as a pass; `statistics_outputs` reads back the output names it added."""
     return FunctionPass(
         "append_statistics",
-        lambda model: append_statistics(model, targets)[0],
-        lambda model: _targets_problem(model, targets),
+        first_result(append_statistics, targets=targets),
+        partial(_targets_problem, targets=targets),
     )
 
 
