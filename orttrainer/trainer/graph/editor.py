@@ -202,7 +202,8 @@ def raise_opset(model: onnx.ModelProto, version: int) -> None:
 
 
 def raised_opset(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
-    """`raise_opset` on a copy: the argument is not modified."""
+    """Rule: a copy of `model` whose default-domain opset is at least `version` (`raise_opset` on a copy; the
+    argument is not modified). Precondition: as `raise_opset`'s."""
     require("raise_opset", raise_opset_problem(model, version))
     result = copy_model(model)
     raise_opset(result, version)
