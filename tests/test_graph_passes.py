@@ -77,7 +77,7 @@ def test_a_failed_precondition_names_the_pass_and_the_problem_and_is_a_value_err
 
 def test_a_pass_carries_its_rule_as_the_docstring_of_its_function():
     assert NAME_OPTIONAL_OUTPUTS.doc.startswith("Give SoftmaxCrossEntropyLoss 2")
-    assert raise_opset_pass(15).doc.startswith("Rule: a copy of `model` whose default-domain opset")  # a functools.partial
+    assert raise_opset_pass(15).doc.startswith("Rule: a copy of `model` whose default")  # a functools.partial
     assert "Rule: every `orttrainer.debug::ActivationMark" in MARKS_TO_IDENTITY.doc  # passes.first_result
     assert not NAME_NODES.mutates_input
 
