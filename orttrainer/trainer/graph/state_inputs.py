@@ -100,7 +100,8 @@ def _value_problem(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray]) -> 
         if tuple(array.shape) != tuple(init.dims):
             return f"the value for {init.name!r} has shape {list(array.shape)}, the initializer {list(init.dims)}"
         if helper.np_dtype_to_tensor_dtype(array.dtype) != init.data_type:
-            return f"the value for {init.name!r} is {array.dtype}, the initializer element type {init.data_type}"
+            expected = onnx.TensorProto.DataType.Name(init.data_type)
+            return f"the value for {init.name!r} is {array.dtype}, the initializer {expected}"
     return None
 
 

@@ -177,7 +177,7 @@ def gradient_model_problem(model: onnx.ModelProto, trainable: list[str], loss_sc
         not_among(trainable, inputs, "trainable tensors", "the graph inputs"),
         dynamic_shape(model, trainable),
         not_among([f"{p}_grad" for p in trainable], graph_output_names(model), "gradients", "the graph outputs"),
-        not_among([loss_scale_input] if loss_scale_input else [], inputs, "loss-scale input", "the graph inputs"),
+        not_among([loss_scale_input] if loss_scale_input else [], inputs, "loss-scale inputs", "the graph inputs"),
     )
 
 
