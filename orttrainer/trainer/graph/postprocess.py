@@ -104,10 +104,16 @@ def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
         )
         replaced[id(node)] = [fused, *reversed(chain)]
         removed.update({id(log_softmax), *(id(n) for n in chain)})
-    if not replaced:
-        return result
-    # The fused node takes the NLL node's place: its inputs (logits, label) exist before the NLL node, and its
-    # log-probability output only fed that NLL node (or is a graph output), so the order stays topological.
+    if replaced:
+        _replace_nodes(graph, replaced, removed)
+    return result
+
+
+def _replace_nodes(graph: onnx.GraphProto, replaced: dict[int, list[onnx.NodeProto]], removed: set[int]) -> None:
+    """Put each fused node (and the Identity chain after it) where its NLL node was, and drop the removed nodes.
+
+    The fused node takes the NLL node's place: its inputs (logits, label) exist before the NLL node, and its
+    log-probability output only fed that NLL node (or is a graph output), so the order stays topological."""
     nodes = []
     for n in graph.node:
         if id(n) in replaced:
@@ -116,7 +122,6 @@ def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
             nodes.append(n)
     del graph.node[:]
     graph.node.extend(nodes)
-    return result
 
 
 def _fuse_problem(model: onnx.ModelProto) -> Problem:

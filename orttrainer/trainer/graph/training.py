@@ -104,30 +104,38 @@ def build_training_graph(
     if accumulation_steps > 1:
         grads, accumulation = _append_accumulation(ed, grads, shapes)
     coef = _gradient_coefficient(ed, gradient_divisor or accumulation_steps, loss_scale_input)
-    step = _append_step_inputs(ed)
     clip = clip_grad_norm and optimizer_name != "SGDOptimizer"
-    total = _total_square(ed, grads) if clip or loss_scale_input else None
-    group_coefs = _clip_coefficients(ed, total, groups, coef) if clip and total else [coef for _ in groups]
     updated = set(trainable if update_only is None else update_only)
-    updates = _append_updates(ed, optimizer_name, groups, group_coefs, grads, step, updated)
+    updates, total = _append_update(ed, optimizer_name, groups, grads, coef, clip, bool(loss_scale_input), updated)
+    result = _training_result(model, list(data_inputs), list(outputs), updates, accumulation, shapes)
+    _declare_state(ed, result, {**shapes, **result.state_shapes})
+    if loss_scale_input and total:
+        result.loss_scale_input = loss_scale_input
+        result.all_finite_output = _append_all_finite(ed, total)
+    return result
+
+
+def _training_result(
+    model: onnx.ModelProto,
+    data_inputs: list[str],
+    outputs: list[str],
+    updates: list[TensorUpdate],
+    accumulation: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+) -> TrainingGraph:
+    """The contract of the assembled graph; `state_shapes` lists the accumulation buffers, then the moments."""
     result = TrainingGraph(
         model,
-        list(data_inputs),
-        list(outputs),
+        data_inputs,
+        outputs,
         LEARNING_RATE_INPUT,
         UPDATE_COUNT_INPUT,
         {u.weight: u.new_weight for u in updates},
         {m_in: m_out for u in updates for m_in, m_out in u.moments},
         accumulation,
     )
-    result.state_shapes = {
-        **({accumulation_buffer_name(p): shapes[p] for p in trainable} if accumulation else {}),
-        **{m_in: shapes[u.weight] for u in updates for m_in, _ in u.moments},
-    }
-    _declare_state(ed, result, {**shapes, **result.state_shapes})
-    if loss_scale_input and total:
-        result.loss_scale_input = loss_scale_input
-        result.all_finite_output = _append_all_finite(ed, total)
+    buffers = {accumulation_buffer_name(p): shapes[p] for p in shapes} if accumulation else {}
+    result.state_shapes = {**buffers, **{m_in: shapes[u.weight] for u in updates for m_in, _ in u.moments}}
     return result
 
 
@@ -140,22 +148,27 @@ def _gradient_coefficient(ed: GraphEditor, divisor: int, loss_scale_input: str |
     return coef
 
 
-def _append_updates(
+def _append_update(
     ed: GraphEditor,
     optimizer_name: str,
     groups: list[ParamGroup],
-    group_coefs: list[str | float],
     grads: dict[str, str],
-    step: StepScalars,
+    coef: str | float,
+    clip: bool,
+    check_finite: bool,
     updated: set[str],
-) -> list[TensorUpdate]:
-    """The optimizer update of each group's tensors in `updated`, with the group's gradient coefficient."""
+) -> tuple[list[TensorUpdate], str | None]:
+    """The step inputs, the sum of squared gradients (for clipping and the finite check), and each group's update
+    of its tensors in `updated`; returns the updates and the sum of squares (None when nothing needs it)."""
+    step = _append_step_inputs(ed)
+    total = _total_square(ed, grads) if clip or check_finite else None
+    group_coefs = _clip_coefficients(ed, total, groups, coef) if clip and total else [coef for _ in groups]
     updates: list[TensorUpdate] = []
     for group, group_coef in zip(groups, group_coefs, strict=True):
         params = [p for p in group.params if p in updated]
         if params:
             updates += OPTIMIZERS[optimizer_name](ed, params, [grads[p] for p in params], group_coef, step, group.hyper)
-    return updates
+    return updates, total
 
 
 def _counts_problem(accumulation_steps: int, gradient_divisor: int | None) -> Problem:
