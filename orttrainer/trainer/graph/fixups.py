@@ -131,7 +131,7 @@ def _training_mode_problem(model: onnx.ModelProto) -> Problem:
 
 def inference_dropout_to_identity(model: onnx.ModelProto) -> onnx.ModelProto:
     """Rule: a Dropout without a `training_mode` input (the ONNX default: off) becomes an Identity, which is what it
-    computes; ORT's DropoutGrad would still scale its gradient by 1/(1-ratio) (engine.md §1.4).
+    computes; ORT's DropoutGrad would still scale its gradient by 1/(1-ratio) (docs/engine.md §1.4).
 
     Precondition: the mask output of no such Dropout is read."""
     missing = _inference_dropouts(model)

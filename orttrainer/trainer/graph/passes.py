@@ -68,7 +68,10 @@ class GraphPass(Protocol):
 @dataclass(frozen=True)
 class FunctionPass:
     """A pass made of a function `ModelProto -> ModelProto` (its docstring states the rule) and a precondition
-    that returns `None` when the model is acceptable, else what is wrong with it."""
+    that returns `None` when the model is acceptable, else what is wrong with it.
+
+    The graph modules' functions check their own precondition too, so that their direct callers get the same
+    error; under `run_passes` such a check runs twice, one scan of the graph each."""
 
     name: str
     rule: Callable[[onnx.ModelProto], onnx.ModelProto]
