@@ -1,4 +1,5 @@
-"""GraphEditor and its helpers, on hand-built graphs: unique names, constant dedup, scalar folding."""
+"""GraphEditor and its helpers, on hand-built graphs: unique names, constant dedup, scalar folding; the editor's
+passes topologically_sorted and raise_opset."""
 
 from __future__ import annotations
 
@@ -9,12 +10,18 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.editor import (
+    TOPOLOGICALLY_SORTED,
     GraphEditor,
     copy_model,
     fresh_name,
     graph_value_names,
+    raise_opset,
+    raise_opset_pass,
+    raised_opset,
     tensor_elem_type,
+    topologically_sorted,
 )
+from orttrainer.trainer.graph.passes import PassPreconditionError
 
 OPSET = [helper.make_opsetid("", 14)]
 
@@ -94,10 +101,10 @@ def test_op_appends_uniquely_named_nodes():
     out = ed.op("Mul", ["y", "y"])
     again = ed.op("Mul", ["y", "y"])
     assert (out, again) == ("orttrainer/t/Mul_1", "orttrainer/t/Mul_2")
-    parts = ed.op("Split", [again], "split", outputs=2, axis=0)
+    parts = ed.op_outputs("Split", [again], "split", outputs=2, axis=0)
     assert parts == ["orttrainer/t/split_out0", "orttrainer/t/split_out1"]
     named = ed.op("Identity", [out], outputs=["exact"])
-    assert named == ["exact"]
+    assert named == "exact"
     node_names = [n.name for n in model.graph.node]
     assert len(node_names) == len(set(node_names)) == 6
     assert node_names[2:4] == ["orttrainer/t/Mul_node_1", "orttrainer/t/Mul_node_2"]
@@ -110,12 +117,24 @@ def test_op_appends_uniquely_named_nodes():
 def test_explicit_output_names_are_reserved():
     model = _add_model()
     ed = GraphEditor(model.graph, "p")
-    assert ed.op("Identity", ["x"], outputs=["p/Identity"]) == ["p/Identity"]
+    assert ed.op("Identity", ["x"], outputs=["p/Identity"]) == "p/Identity"
     assert ed.op("Identity", ["x"]) == "p/Identity_1"
     with pytest.raises(ValueError, match="already used"):
         ed.claim("p/Identity")
     outputs = [o for n in model.graph.node for o in n.output]
     assert len(outputs) == len(set(outputs))
+
+
+def test_op_has_one_output_and_op_outputs_several():
+    model = _add_model()
+    ed = GraphEditor(model.graph, "p")
+    with pytest.raises(ValueError, match="one output.*op_outputs"):
+        ed.op("Split", ["x"], outputs=["a", "b"])
+    assert len(model.graph.node) == 2  # nothing was appended
+    assert ed.op_outputs("Split", ["x"], outputs=["a", "b"], axis=0) == ["a", "b"]
+    assert ed.op_outputs("Identity", ["x"], "one") == ["p/one"]  # one fresh output is named by the hint alone
+    with pytest.raises(ValueError, match="already used"):
+        ed.claim("b")
 
 
 def test_constant_deduplicates_by_value_dtype_and_shape():
@@ -175,7 +194,7 @@ def test_as_tensor_and_inputs_outputs():
     ed.add_input("scale", TensorProto.FLOAT, [])
     with pytest.raises(ValueError, match="already used"):
         ed.add_input("scale", TensorProto.FLOAT, [])
-    out = ed.op("Mul", [ed.op("Mul", ["y", c]), "scale"], outputs=["scaled"])[0]
+    out = ed.op("Mul", [ed.op("Mul", ["y", c]), "scale"], outputs=["scaled"])
     ed.add_output(out, TensorProto.FLOAT, [])
     onnx.checker.check_model(model, full_check=True)
     (value,) = _run(model, {"x": np.array(2.0, np.float32), "scale": np.array(3.0, np.float32)}, ["scaled"])
@@ -193,3 +212,99 @@ def test_tensor_elem_type_reads_initializers_inputs_outputs_and_value_info():
     assert tensor_elem_type(model, "orttrainer/t/Mul") == TensorProto.DOUBLE
     with pytest.raises(KeyError, match="'nope'"):
         tensor_elem_type(model, "nope")
+
+
+# ------------------------------------------------------------------------------------- topologically_sorted
+def _shuffled_model() -> onnx.ModelProto:
+    """z = (x + b) * 2 and w = Neg(x), with the Mul listed before the Add it reads, and the Neg last."""
+    nodes = [
+        helper.make_node("Mul", ["s", "two"], ["z"], name="mul"),
+        helper.make_node("Add", ["x", "b"], ["s"], name="add"),
+        helper.make_node("Neg", ["x"], ["w"], name="neg"),
+    ]
+    inits = [numpy_helper.from_array(np.array(2.0, np.float32), n) for n in ("b", "two")]
+    return _model(nodes, [_vi("x", [3])], [_vi("z", [3]), _vi("w", [3])], inits)
+
+
+def test_topologically_sorted_orders_producers_first_and_keeps_the_order_elsewhere():
+    model = _shuffled_model()
+    result = topologically_sorted(model)
+    assert [n.name for n in result.graph.node] == ["add", "mul", "neg"]
+    assert [n.name for n in model.graph.node] == ["mul", "add", "neg"]  # the argument is not modified
+    x = np.array([1.0, -2.0, 3.0], np.float32)
+    z, w = _run(result, {"x": x}, ["z", "w"])
+    np.testing.assert_array_equal(z, (x + 2.0) * 2.0)
+    np.testing.assert_array_equal(w, -x)
+    assert topologically_sorted(result) == result  # a sorted graph keeps its order
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (helper.make_node("Relu", ["nowhere"], ["r"]), "node 'Relu' reads 'nowhere', which nothing produces"),
+        (helper.make_node("Relu", ["x"], ["s"], name="again"), "tensor 's' is assigned twice .*'again'"),
+        (helper.make_node("Relu", ["x"], ["b"], name="init"), "tensor 'b' is assigned twice"),
+    ],
+    ids=["unproduced", "assigned_twice", "writes_an_initializer"],
+)
+def test_topologically_sorted_precondition(extra, message):
+    model = _shuffled_model()
+    model.graph.node.append(extra)
+    with pytest.raises(PassPreconditionError, match=f"graph pass 'topologically_sorted': {message}"):
+        topologically_sorted(model)
+    with pytest.raises(PassPreconditionError):
+        TOPOLOGICALLY_SORTED.check(model)
+
+
+def test_topologically_sorted_rejects_a_cycle():
+    nodes = [helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Neg", ["a"], ["b"])]
+    model = _model(nodes, [_vi("x", [1])], [_vi("a", [1])])
+    with pytest.raises(PassPreconditionError, match="'topologically_sorted': the graph has a cycle"):
+        topologically_sorted(model)
+
+
+# ---------------------------------------------------------------------------------------------------- raise_opset
+def _opsets(model: onnx.ModelProto) -> dict[str, int]:
+    return {o.domain: o.version for o in model.opset_import}
+
+
+def test_raise_opset_raises_the_default_domain_in_place_and_never_lowers_it():
+    model = _add_model()
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    raise_opset(model, 16)
+    assert _opsets(model) == {"": 16, "com.microsoft": 1}
+    raise_opset(model, 15)
+    assert _opsets(model)[""] == 16
+    (y,) = _run(model, {"x": np.array(1.0, np.float32)}, ["y"])
+    assert y == 3.0
+
+
+def test_raised_opset_and_its_pass_copy_the_model():
+    model = _add_model()
+    assert _opsets(raised_opset(model, 15))[""] == 15
+    assert _opsets(raise_opset_pass(16)(model))[""] == 16
+    assert _opsets(model)[""] == 14
+
+
+@pytest.mark.parametrize(
+    ("opset", "version", "extra", "message"),
+    [
+        (13, 14, None, "cannot raise this graph's opset 13 to 14 safely"),
+        (14, 17, None, "cannot raise this graph's opset 14 to 17 safely"),
+        (14, 16, helper.make_node("RoiAlign", ["x", "r", "i"], ["o"]), "opset 14 to 16 safely"),
+        (0, 15, None, "imports no default-domain"),
+    ],
+    ids=["below_14", "above_16", "roialign", "no_default_domain"],
+)
+def test_raise_opset_precondition(opset, version, extra, message):
+    model = _add_model()
+    model.opset_import[0].version = opset
+    if not opset:
+        model.opset_import[0].domain = "com.microsoft"
+    if extra is not None:
+        model.graph.node.append(extra)
+    with pytest.raises(PassPreconditionError, match=f"graph pass 'raise_opset': .*{message}"):
+        raise_opset(model, version)
+    with pytest.raises(PassPreconditionError):
+        raise_opset_pass(version).check(model)
+    assert _opsets(model).get("", 0) == opset  # untouched

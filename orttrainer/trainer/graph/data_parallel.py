@@ -7,6 +7,8 @@
   `training.build_training_graph` on a graph whose gradients are inputs (`<p>_grad__reduced`). It divides by the
   number of micro-batch gradients summed (k per rank times the ranks), clips with the norm over all gradients,
   and — under ZeRO stage 1 — updates only this rank's parameters.
+
+Both check their precondition first (`PassPreconditionError`) and leave their arguments untouched.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import TensorProto, helper
 
+from .conditions import not_among, require
 from .editor import GraphEditor, copy_model
 from .training import (
     ParamGroup,
@@ -23,6 +26,9 @@ from .training import (
     _input_shapes,
     accumulation_buffer_name,
     build_training_graph,
+    gradient_model_problem,
+    groups_problem,
+    optimizer_problem,
 )
 
 
@@ -56,7 +62,11 @@ def build_gradient_step_graph(
     loss_scale_input: str | None = None,
 ) -> GradientStepGraph:
     """Rule: the gradient model's `<p>_grad` outputs become the step's gradient outputs; with `accumulate`, each is
-    replaced by `Add(<p>_grad_accumulation_buffer, <p>_grad)` and the buffer becomes a graph input."""
+    replaced by `Add(<p>_grad_accumulation_buffer, <p>_grad)` and the buffer becomes a graph input.
+
+    Precondition: each trainable tensor is a graph input with a static shape and `<p>_grad` a graph output; the
+    loss-scale input, if any, is a graph input."""
+    require("build_gradient_step_graph", gradient_model_problem(gradient_model, trainable, loss_scale_input))
     model = copy_model(gradient_model)
     gradients = {p: f"{p}_grad" for p in trainable}
     result = GradientStepGraph(model, list(data_inputs), list(outputs), gradients, loss_scale_input=loss_scale_input)
@@ -88,7 +98,17 @@ def build_optimizer_graph(
     update_only: list[str] | None,
 ) -> tuple[TrainingGraph, dict[str, str]]:
     """The optimizer update alone: inputs are the weights, the combined gradients `<p>_grad__reduced`, the optimizer
-    state, the learning rate, the update number and (mixed precision) the loss scale."""
+    state, the learning rate, the update number and (mixed precision) the loss scale.
+
+    Precondition: the optimizer is known, `shapes` has every trainable tensor, the groups split the trainable
+    tensors, `update_only` names trainable tensors and the divisor is positive."""
+    require(
+        "build_optimizer_graph",
+        optimizer_problem(optimizer_name),
+        not_among(trainable, set(shapes), "trainable tensors", "the shapes"),
+        groups_problem(trainable, groups, update_only),
+        None if gradient_divisor >= 1 else f"gradient_divisor ({gradient_divisor}) must be positive",
+    )
     reduced = {p: f"{p}_grad__reduced" for p in trainable}
     inputs = [helper.make_tensor_value_info(p, TensorProto.FLOAT, list(shapes[p])) for p in trainable]
     inputs += [helper.make_tensor_value_info(reduced[p], TensorProto.FLOAT, list(shapes[p])) for p in trainable]

@@ -8,10 +8,33 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
+from functools import partial
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from .conditions import Problem, default_opset, first_problem, repeated_output, require, unproduced_input
+from .errors import PassPreconditionError
+from .passes import FunctionPass
+
+__all__ = [
+    "FLOAT_TYPES",
+    "TOPOLOGICALLY_SORTED",
+    "GraphEditor",
+    "can_raise_opset",
+    "copy_model",
+    "default_opset",
+    "fresh_name",
+    "graph_value_names",
+    "raise_opset",
+    "raise_opset_problem",
+    "raise_opset_pass",
+    "raised_opset",
+    "tensor_elem_type",
+    "topologically_sorted",
+]
 
 
 def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -70,14 +93,30 @@ class GraphEditor:
         op_type: str,
         inputs: Sequence[str],
         hint: str | None = None,
+        outputs: Sequence[str] | None = None,
+        domain: str = "",
+        **attrs: Any,
+    ) -> str:
+        """Append one node with exactly one output; returns that output's name.
+
+        `outputs`, when given, is the one explicit output name (reserved, so no later fresh name repeats it); nodes
+        with several outputs go through `op_outputs`.
+        """
+        if outputs is not None and len(outputs) != 1:
+            raise ValueError(f"GraphEditor.op appends a node with one output, got {list(outputs)}; use op_outputs")
+        return self.op_outputs(op_type, inputs, hint, 1 if outputs is None else outputs, domain, **attrs)[0]
+
+    def op_outputs(
+        self,
+        op_type: str,
+        inputs: Sequence[str],
+        hint: str | None = None,
         outputs: int | Sequence[str] = 1,
         domain: str = "",
-        **attrs,
-    ) -> str | list[str]:
-        """Append one node; returns its output name (or list of names when `outputs` is not 1).
-
-        Explicit output names in `outputs` are reserved too, so no later fresh name repeats them.
-        """
+        **attrs: Any,
+    ) -> list[str]:
+        """Append one node; returns the names of its outputs: `outputs` fresh ones (`<hint>` for one output,
+        `<hint>_out<i>` for several), or the explicit names in `outputs`, which are reserved too."""
         hint = hint or op_type
         if isinstance(outputs, int):
             out_names = [self.fresh(hint if outputs == 1 else f"{hint}_out{i}") for i in range(outputs)]
@@ -88,7 +127,7 @@ class GraphEditor:
             op_type, list(inputs), out_names, name=self.fresh(f"{hint}_node"), domain=domain, **attrs
         )
         self.graph.node.append(node)
-        return out_names[0] if isinstance(outputs, int) and outputs == 1 else out_names
+        return out_names
 
     def constant(self, value, dtype=np.float32, hint: str = "const") -> str:
         """An initializer holding `value` (deduplicated by value, dtype and shape)."""
@@ -145,10 +184,6 @@ def tensor_elem_type(model: onnx.ModelProto, name: str) -> int:
     raise KeyError(f"no type information for tensor {name!r}")
 
 
-def default_opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-
-
 def can_raise_opset(model: onnx.ModelProto) -> bool:
     """From opset 14 on, raising the default-domain opset to 16 changes the meaning of no op but RoiAlign (its
     default coordinate mode); the ops whose versions change in between only gain types or attributes."""
@@ -156,17 +191,51 @@ def can_raise_opset(model: onnx.ModelProto) -> bool:
 
 
 def raise_opset(model: onnx.ModelProto, version: int) -> None:
-    """Set the default-domain opset to at least `version` (<= 16), in place; see `can_raise_opset`."""
-    if version > 16 or (default_opset(model) < version and not can_raise_opset(model)):
-        raise ValueError(f"cannot raise this graph's opset {default_opset(model)} to {version} safely")
+    """Rule: set the default-domain opset to at least `version` (<= 16), in place (`model` is mutated).
+
+    Precondition: the model imports the default domain, and where its opset is below `version` it can be raised
+    without changing the meaning of any node (`can_raise_opset`)."""
+    require("raise_opset", raise_opset_problem(model, version))
     for opset in model.opset_import:
         if opset.domain in ("", "ai.onnx"):
             opset.version = max(opset.version, version)
 
 
+def raised_opset(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
+    """Rule: a copy of `model` whose default-domain opset is at least `version` (`raise_opset` on a copy; the
+    argument is not modified). Precondition: as `raise_opset`'s."""
+    require("raise_opset", raise_opset_problem(model, version))
+    result = copy_model(model)
+    raise_opset(result, version)
+    return result
+
+
+def raise_opset_pass(version: int) -> FunctionPass:
+    return FunctionPass(
+        "raise_opset", partial(raised_opset, version=version), partial(raise_opset_problem, version=version)
+    )
+
+
+def raise_opset_problem(model: onnx.ModelProto, version: int) -> Problem:
+    """Why `raise_opset(model, version)` would be refused, or None."""
+    current = default_opset(model)
+    if not current:
+        return "the model imports no default-domain (ai.onnx) opset"
+    if version > 16 or (current < version and not can_raise_opset(model)):
+        return (
+            f"cannot raise this graph's opset {current} to {version} safely "
+            "(only from opset 14 on, to at most 16, and without RoiAlign nodes)"
+        )
+    return None
+
+
 def topologically_sorted(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy whose nodes are in topological order (Kahn's algorithm, stable: ready nodes keep their relative
-    order). Raises ValueError if a node input is produced by nothing or the graph has a cycle."""
+    """Rule: a copy whose nodes are in topological order (Kahn's algorithm, stable: ready nodes keep their relative
+    order).
+
+    Precondition: every tensor is assigned once, every node input is produced by some node, a graph input or an
+    initializer, and the graph has no cycle (`PassPreconditionError` otherwise)."""
+    require("topologically_sorted", _sort_problem(model))
     result = copy_model(model)
     graph = result.graph
     available = {v.name for v in graph.input} | {i.name for i in graph.initializer} | {""}
@@ -174,11 +243,7 @@ def topologically_sorted(model: onnx.ModelProto) -> onnx.ModelProto:
     waiting_on = [0] * len(graph.node)
     consumers: dict[int, list[int]] = {}
     for i, node in enumerate(graph.node):
-        for name in set(node.input):
-            if name in available:
-                continue
-            if name not in producer:
-                raise ValueError(f"node {node.name or node.op_type!r} reads {name!r}, which nothing produces")
+        for name in set(node.input) - available:
             waiting_on[i] += 1
             consumers.setdefault(producer[name], []).append(i)
     ready = [i for i, count in enumerate(waiting_on) if count == 0]
@@ -192,11 +257,18 @@ def topologically_sorted(model: onnx.ModelProto) -> onnx.ModelProto:
             if waiting_on[j] == 0:
                 heapq.heappush(ready, j)
     if len(order) != len(graph.node):
-        raise ValueError("the graph has a cycle")
+        raise PassPreconditionError("topologically_sorted", "the graph has a cycle")
     nodes = [graph.node[i] for i in order]
     del graph.node[:]
     graph.node.extend(nodes)
     return result
+
+
+def _sort_problem(model: onnx.ModelProto) -> Problem:
+    return first_problem(repeated_output(model.graph), unproduced_input(model.graph))
+
+
+TOPOLOGICALLY_SORTED = FunctionPass("topologically_sorted", topologically_sorted, _sort_problem)
 
 
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}

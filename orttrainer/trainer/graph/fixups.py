@@ -1,16 +1,23 @@
 """Graph fix-ups that ONNX Runtime's gradient builder and the eval graph need.
 
-Each function is a pure pass: it takes a ModelProto and returns a new one, leaving its argument untouched.
+Each function is a pure pass: it checks its precondition (`PassPreconditionError`), then returns a new model (or its
+argument, when nothing applies) and leaves its argument untouched. The upper-case names are the same passes as
+`passes.FunctionPass` objects, for `passes.run_passes`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import onnx
 import onnx.numpy_helper
 from onnx import helper
 
+from .conditions import Problem, graph_output_names, opset_below, require
 from .editor import GraphEditor, copy_model, fresh_name, graph_value_names, topologically_sorted
+from .passes import FunctionPass
 
 # Optional outputs the ORT gradient builders read (docs/engine.md §0.2): without them the builder fails with
 # "GradientBuilderBase::O(size_t, bool) const i < node_->OutputDefs().size() was false".
@@ -22,7 +29,10 @@ def name_optional_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
 
     Rule: for each such node with fewer outputs (or empty output names), append/replace the missing ones with fresh
     names `<first output>__extra<k>`. The values are otherwise unused; ORT's gradient builders read them.
+
+    Precondition: each such node has a named first output (the new names are made from it).
     """
+    require("name_optional_outputs", _unnamed_first_output(model))
     result = copy_model(model)
     taken = graph_value_names(result.graph)
     for node in result.graph.node:
@@ -40,27 +50,51 @@ def name_optional_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
+def _unnamed_first_output(model: onnx.ModelProto) -> Problem:
+    for node in model.graph.node:
+        wanted = node.op_type in _REQUIRED_OUTPUT_COUNT and node.domain in ("", "ai.onnx")
+        if wanted and (not node.output or not node.output[0]):
+            return f"{node.op_type} node {node.name!r} has no named first output"
+    return None
+
+
 def dropout_to_identity(model: onnx.ModelProto, only: set[int] | None = None) -> onnx.ModelProto:
     """Replace every Dropout node (or those at the node indices in `only`) by an Identity of its data input.
 
-    Rule: `Dropout(x, ratio, training_mode) -> (y, mask)` becomes `Identity(x) -> y`. A Dropout whose mask output is
-    consumed by another node cannot be rewritten and raises ValueError.
+    Rule: `Dropout(x, ratio, training_mode) -> (y, mask)` becomes `Identity(x) -> y`.
 
     Why not `training_mode=False`: ORT's DropoutGrad still scales by 1/(1-p) when training mode is off (docs/engine.md
     §1.4), a silently wrong gradient. Identity is exact, and it is what eval-mode dropout means.
+
+    Precondition: the mask output of no rewritten Dropout is read by a node or is a graph output (it could not be
+    rewritten), and each index in `only` is that of a Dropout node.
     """
+    require("dropout_to_identity", _dropout_problem(model, only))
     result = copy_model(model)
-    consumed = {name for node in result.graph.node for name in node.input}
-    graph_outputs = {o.name for o in result.graph.output}
     for i, node in enumerate(result.graph.node):
-        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx") or (only is not None and i not in only):
+        if not _is_dropout(node) or (only is not None and i not in only):
             continue
-        mask = node.output[1] if len(node.output) > 1 else ""
-        if mask and (mask in consumed or mask in graph_outputs):
-            raise ValueError(f"Dropout node {node.name!r}: its mask output {mask!r} is used, cannot disable dropout")
         rewritten = helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name)
         node.CopyFrom(rewritten)
     return result
+
+
+def _is_dropout(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Dropout" and node.domain in ("", "ai.onnx")
+
+
+def _dropout_problem(model: onnx.ModelProto, only: set[int] | None) -> Problem:
+    """A Dropout (of `only`) whose mask is read, or an index in `only` that is not a Dropout node."""
+    nodes = model.graph.node
+    strays = sorted(i for i in only or () if not 0 <= i < len(nodes) or not _is_dropout(nodes[i]))
+    if strays:
+        return f"node indices {strays} are not Dropout nodes"
+    used = {name for node in nodes for name in node.input} | graph_output_names(model)
+    for i, node in enumerate(nodes):
+        mask = node.output[1] if _is_dropout(node) and len(node.output) > 1 else ""
+        if mask in used and mask and (only is None or i in only):
+            return f"Dropout node {node.name!r}: its mask output {mask!r} is used, cannot disable dropout"
+    return None
 
 
 def restore_dropout_training_mode(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -72,10 +106,13 @@ def restore_dropout_training_mode(model: onnx.ModelProto) -> onnx.ModelProto:
     ONNX runs as the identity — while PyTorch applies that dropout in training, and ORT's DropoutGrad still scales
     its gradient by 1/(1-ratio) (docs/engine.md §1.4). With the flag the graph does what PyTorch does. Dropouts the
     exporter writes for `nn.Dropout` carry the flag already; eval-mode dropout is not exported at all.
+
+    Precondition: where a Dropout lacks the flag, the default-domain opset is at least 12 (the flag's input).
     """
     missing = _inference_dropouts(model)
     if not missing:
         return model
+    require("restore_dropout_training_mode", _training_mode_problem(model))
     result = copy_model(model)
     flag = fresh_name("orttrainer/dropout_training_mode", graph_value_names(result.graph))
     result.graph.initializer.append(onnx.numpy_helper.from_array(np.array(True), flag))
@@ -86,19 +123,27 @@ def restore_dropout_training_mode(model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
+def _training_mode_problem(model: onnx.ModelProto) -> Problem:
+    if not _inference_dropouts(model):
+        return None
+    return opset_below(model, 12, "Dropout's training_mode input")
+
+
 def inference_dropout_to_identity(model: onnx.ModelProto) -> onnx.ModelProto:
     """Rule: a Dropout without a `training_mode` input (the ONNX default: off) becomes an Identity, which is what it
-    computes; ORT's DropoutGrad would still scale its gradient by 1/(1-ratio) (docs/engine.md §1.4)."""
+    computes; ORT's DropoutGrad would still scale its gradient by 1/(1-ratio) (docs/engine.md §1.4).
+
+    Precondition: the mask output of no such Dropout is read."""
     missing = _inference_dropouts(model)
     return dropout_to_identity(model, only=set(missing)) if missing else model
 
 
+def _inference_mask_problem(model: onnx.ModelProto) -> Problem:
+    return _dropout_problem(model, set(_inference_dropouts(model)))
+
+
 def _inference_dropouts(model: onnx.ModelProto) -> list[int]:
-    return [
-        i
-        for i, n in enumerate(model.graph.node)
-        if n.op_type == "Dropout" and n.domain in ("", "ai.onnx") and (len(n.input) < 3 or not n.input[2])
-    ]
+    return [i for i, n in enumerate(model.graph.node) if _is_dropout(n) and (len(n.input) < 3 or not n.input[2])]
 
 
 def batchnorm_to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -106,7 +151,10 @@ def batchnorm_to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
 
     Rule: `training_mode=1` -> `0`, and the running-statistics outputs are dropped (inference-mode BatchNormalization
     has exactly one output). Used for the eval graph only; training keeps batch statistics.
+
+    Precondition: no node and no graph output reads the dropped running-statistics outputs.
     """
+    require("batchnorm_to_inference", _read_extra_output(model, _is_batchnorm))
     result = copy_model(model)
     for node in result.graph.node:
         if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
@@ -116,6 +164,20 @@ def batchnorm_to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
         node.attribute.extend(kept)
         del node.output[1:]
     return result
+
+
+def _is_batchnorm(node: onnx.NodeProto) -> bool:
+    return node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx")
+
+
+def _read_extra_output(model: onnx.ModelProto, selected: Callable[[onnx.NodeProto], bool]) -> Problem:
+    """An output after the first of a `selected` node that a node or the graph output reads."""
+    used = {name for node in model.graph.node for name in node.input} | graph_output_names(model)
+    for node in model.graph.node:
+        read = [name for name in node.output[1:] if name and name in used]
+        if read and selected(node):
+            return f"{node.op_type} node {node.name!r}: its output {read[0]!r} is read, but the rewrite drops it"
+    return None
 
 
 def inference_batchnorm_to_affine(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -130,9 +192,13 @@ def inference_batchnorm_to_affine(model: onnx.ModelProto) -> onnx.ModelProto:
     Why: ONNX Runtime differentiates an inference-mode BatchNormalization with `BatchNormalizationGrad`, which uses
     the batch statistics, so the gradients are wrong (by 0.1-0.3, docs/engine.md §1.4); the affine form has exact
     gradients for `scale` and `B` (and `X`), and the running statistics are constants of the step, as in PyTorch.
+
+    Precondition: each such node has its five inputs, and no node or graph output reads its other outputs (opsets
+    before 14 have no `training_mode`: a node with used statistics outputs there is a training one).
     """
     if not any(_is_inference_batchnorm(n) for n in model.graph.node):
         return model
+    require("inference_batchnorm_to_affine", _affine_problem(model))
     result = copy_model(model)
     replaced = [n for n in result.graph.node if _is_inference_batchnorm(n)]
     kept = [n for n in result.graph.node if not _is_inference_batchnorm(n)]
@@ -145,10 +211,17 @@ def inference_batchnorm_to_affine(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _is_inference_batchnorm(node: onnx.NodeProto) -> bool:
-    if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+    if not _is_batchnorm(node):
         return False
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     return not attributes.get("training_mode", 0)
+
+
+def _affine_problem(model: onnx.ModelProto) -> Problem:
+    for node in model.graph.node:
+        if _is_inference_batchnorm(node) and (len(node.input) < 5 or not all(node.input[:5])):
+            return f"BatchNormalization node {node.name!r} lacks some of its inputs X, scale, B, mean, var"
+    return _read_extra_output(model, _is_inference_batchnorm)
 
 
 def _append_affine(ed: GraphEditor, node: onnx.NodeProto) -> None:
@@ -179,3 +252,19 @@ def _append_affine(ed: GraphEditor, node: onnx.NodeProto) -> None:
         f"{hint}/y",
         outputs=[node.output[0]],
     )
+
+
+NAME_OPTIONAL_OUTPUTS = FunctionPass("name_optional_outputs", name_optional_outputs, _unnamed_first_output)
+DROPOUT_TO_IDENTITY = FunctionPass("dropout_to_identity", dropout_to_identity, partial(_dropout_problem, only=None))
+RESTORE_DROPOUT_TRAINING_MODE = FunctionPass(
+    "restore_dropout_training_mode", restore_dropout_training_mode, _training_mode_problem
+)
+INFERENCE_DROPOUT_TO_IDENTITY = FunctionPass(
+    "inference_dropout_to_identity", inference_dropout_to_identity, _inference_mask_problem
+)
+BATCHNORM_TO_INFERENCE = FunctionPass(
+    "batchnorm_to_inference", batchnorm_to_inference, partial(_read_extra_output, selected=_is_batchnorm)
+)
+INFERENCE_BATCHNORM_TO_AFFINE = FunctionPass(
+    "inference_batchnorm_to_affine", inference_batchnorm_to_affine, _affine_problem
+)

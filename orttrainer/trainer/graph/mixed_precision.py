@@ -18,16 +18,22 @@ Three passes, applied in this order by the compiler:
    but implement only float/double (SliceGrad fails with "Type for T or Tind not supported yet"), so ONNX Runtime
    does not wrap them in casts itself. Each such node gets `Cast(to=float)` on its data input and a `CastLike` of
    its output back to the input's original type — a no-op on float32 tensors.
+
+Each function checks its precondition first (`PassPreconditionError`) and leaves its argument untouched; the
+`*_pass` functions and `CAST_FP32_ONLY_KERNELS` are the same passes as `passes.FunctionPass` objects.
 """
 
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import onnx
 from onnx import TensorProto, helper
 
-from .editor import GraphEditor, copy_model, raise_opset, topologically_sorted
+from .conditions import Problem, require
+from .editor import GraphEditor, copy_model, raise_opset, raise_opset_problem, topologically_sorted
+from .passes import FunctionPass, first_result
 
 FLOAT32_OPS = (
     "SoftmaxCrossEntropyLoss",
@@ -50,7 +56,11 @@ LOSS_SCALE_INPUT = "loss_scale"
 
 
 def to_float16(model: onnx.ModelProto, keep_float32: list[str]) -> onnx.ModelProto:
-    """Rule 1 above. Inputs/outputs in `keep_float32` stay float32; the argument is not modified."""
+    """Rule 1 above. Inputs/outputs in `keep_float32` stay float32; the argument is not modified.
+
+    Precondition: no name in `keep_float32` is an initializer: the converter keeps only graph inputs and outputs
+    float32, so that initializer would silently become float16 (`move_initializers_to_inputs` first)."""
+    require("to_float16", _keep_float32_problem(model, keep_float32))
     from onnxruntime.transformers import float16
 
     blocked = list(dict.fromkeys([*float16.DEFAULT_OP_BLOCK_LIST, *FLOAT32_OPS]))
@@ -62,9 +72,26 @@ def to_float16(model: onnx.ModelProto, keep_float32: list[str]) -> onnx.ModelPro
     return topologically_sorted(converted)
 
 
+def _keep_float32_problem(model: onnx.ModelProto, keep_float32: list[str]) -> Problem:
+    constants = sorted({i.name for i in model.graph.initializer} & set(keep_float32))
+    return f"float32 tensors {constants} are initializers, not graph inputs" if constants else None
+
+
+def to_float16_pass(keep_float32: list[str]) -> FunctionPass:
+    return FunctionPass(
+        "to_float16",
+        partial(to_float16, keep_float32=list(keep_float32)),
+        partial(_keep_float32_problem, keep_float32=list(keep_float32)),
+    )
+
+
 def append_loss_scale(model: onnx.ModelProto, loss: str) -> tuple[onnx.ModelProto, str, str]:
     """Rule 2: returns (model, scaled loss name, loss-scale input name). The scaled loss becomes a graph output
-    (the gradient builder seeds its gradient there); the caller removes it once gradients are built."""
+    (the gradient builder seeds its gradient there); the caller removes it once gradients are built. The input is
+    appended after the other graph inputs and the output after the other graph outputs (`loss_scale_names`).
+
+    Precondition: `loss` is a float32 graph output."""
+    require("append_loss_scale", _loss_problem(model, loss))
     result = copy_model(model)
     ed = GraphEditor(result.graph, "orttrainer/amp")
     scale = ed.unused(LOSS_SCALE_INPUT)
@@ -74,12 +101,37 @@ def append_loss_scale(model: onnx.ModelProto, loss: str) -> tuple[onnx.ModelProt
     return result, scaled, scale
 
 
+def _loss_problem(model: onnx.ModelProto, loss: str) -> Problem:
+    output = next((o for o in model.graph.output if o.name == loss), None)
+    if output is None:
+        return f"the loss {loss!r} is not a graph output"
+    if output.type.tensor_type.elem_type != TensorProto.FLOAT:
+        return f"the loss {loss!r} is not a float32 tensor (to_float16 keeps it float32)"
+    return None
+
+
+def append_loss_scale_pass(loss: str) -> FunctionPass:
+    """`append_loss_scale` as a pass; read the names it added with `loss_scale_names`."""
+    return FunctionPass(
+        "append_loss_scale", first_result(append_loss_scale, loss=loss), partial(_loss_problem, loss=loss)
+    )
+
+
+def loss_scale_names(model: onnx.ModelProto) -> tuple[str, str]:
+    """(scaled loss, loss-scale input) of a model `append_loss_scale` made: its last graph output and input."""
+    return model.graph.output[-1].name, model.graph.input[-1].name
+
+
 def cast_fp32_only_kernels(
     model: onnx.ModelProto, op_types: tuple[str, ...] = FP32_ONLY_CPU_KERNELS
 ) -> onnx.ModelProto:
-    """Rule 3: `y = K(g, ...)` becomes `y = CastLike(K(Cast(g, float), ...), g)` for op types in `op_types`."""
+    """Rule 3: `y = K(g, ...)` becomes `y = CastLike(K(Cast(g, float), ...), g)` for op types in `op_types`.
+
+    Precondition: where such nodes exist, each has a named data input and first output, and the default-domain
+    opset is 15 or can be raised to 15 (`CastLike`) without changing the meaning of a node."""
     if not any(n.op_type in op_types for n in model.graph.node):
         return model
+    require("cast_fp32_only_kernels", _kernels_problem(model, op_types))
     result = copy_model(model)
     ed = GraphEditor(result.graph, "orttrainer/amp_cpu")
     nodes = []
@@ -99,3 +151,16 @@ def cast_fp32_only_kernels(
     result.graph.node.extend(nodes)
     raise_opset(result, 15)  # CastLike
     return result
+
+
+def _kernels_problem(model: onnx.ModelProto, op_types: tuple[str, ...] = FP32_ONLY_CPU_KERNELS) -> Problem:
+    nodes = [n for n in model.graph.node if n.op_type in op_types]
+    if not nodes:
+        return None
+    unnamed = [n.name or n.op_type for n in nodes if not (n.input and n.input[0] and n.output and n.output[0])]
+    if unnamed:
+        return f"nodes {unnamed} lack a named data input or output"
+    return raise_opset_problem(model, 15)
+
+
+CAST_FP32_ONLY_KERNELS = FunctionPass("cast_fp32_only_kernels", cast_fp32_only_kernels, _kernels_problem)

@@ -8,6 +8,9 @@ size, decay) is computed once per group as a 0-d tensor, so the per-tensor work 
 Notation: `g` is the gradient after averaging and clipping. It is never materialised: the caller passes the raw
 accumulated gradient `G` and a scalar `coef` (1/k accumulation mean, loss-scale unscaling, clipping), folded into
 the moment updates: `m' = b1·m + ((1-b1)·coef)·G`, `v' = b2·v + ((1-b2)·coef²)·G²`.
+
+These append onto a `GraphEditor` rather than map a model to a model; each checks that the group's hyper-parameters
+hold what its update reads (`PassPreconditionError` naming the missing ones).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 from onnx import TensorProto
 
+from .conditions import not_among, require
 from .editor import GraphEditor
 
 Scalar = str | float  # a 0-d tensor name, or a Python float folded into constants
@@ -36,6 +40,10 @@ class TensorUpdate:
     weight: str
     new_weight: str
     moments: tuple[tuple[str, str], ...] = ()  # (state input, updated output) for Moment_1, Moment_2
+
+
+_ADAM_HYPER = ("alpha", "beta", "lambda", "epsilon", "do_bias_correction", "weight_decay_mode")
+_LAMB_HYPER = ("alpha", "beta", "lambda", "epsilon", "do_bias_correction", "ratio_min", "ratio_max")
 
 
 def moment_names(weight: str) -> tuple[str, str]:
@@ -65,6 +73,7 @@ def append_adam(
     Mode 1 (AFTER_WEIGHT_UPDATE, Hugging Face's old AdamW): `w₁ = w - lr·(√bc2/bc1)·m'/(√v' + ε)`,
     then `w' = w₁·(1 - lr·λ)`.
     """
+    require("AdamOptimizer", not_among(_ADAM_HYPER, set(hyper), "hyper-parameters", "the group's"))
     b1, b2, lam, eps = hyper["alpha"], hyper["beta"], hyper["lambda"], hyper["epsilon"]
     bc1, bc2 = _bias_corrections(ed, step, b1, b2, bool(hyper["do_bias_correction"]))
     decay = _decay_factor(ed, step.lr, lam)
@@ -72,7 +81,7 @@ def append_adam(
     s2 = ed.scalar_product([1.0 - b2, coef, coef], "adam/s2")
     after_update = int(hyper["weight_decay_mode"]) == 1
     if after_update:  # bias correction folded into the step size, ε not corrected (HF order)
-        inv_sqrt_bc2 = 1.0
+        inv_sqrt_bc2: Scalar = 1.0
         step_size = ed.scalar_product([step.lr, _sqrt(ed, bc2), _reciprocal(ed, bc1)], "adam/step_size")
     else:
         inv_sqrt_bc2 = _reciprocal(ed, _sqrt(ed, bc2))
@@ -100,6 +109,7 @@ def append_lamb(
 ) -> list[TensorUpdate]:
     """LAMB: Adam moments, `r = m̂/(√v̂ + ε) + λ·w`, trust ratio `‖w‖/‖r‖` clamped to [ratio_min, ratio_max]
     (1 when either norm is 0), `w' = w - lr·ratio·r`."""
+    require("LambOptimizer", not_among(_LAMB_HYPER, set(hyper), "hyper-parameters", "the group's"))
     b1, b2, lam, eps = hyper["alpha"], hyper["beta"], hyper["lambda"], hyper["epsilon"]
     bc1, bc2 = _bias_corrections(ed, step, b1, b2, bool(hyper["do_bias_correction"]))
     s1 = ed.scalar_product([1.0 - b1, coef], "lamb/s1")

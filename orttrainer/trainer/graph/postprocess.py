@@ -11,6 +11,9 @@ The original ran four passes (docs/legacy_api.md §11). Two of them matter for t
 
 The original's two `fix_expand_shape` passes only added `value_info` hints for PyTorch 1.5 exports; ONNX Runtime's
 own shape inference has covered those patterns for years, so they are not repeated.
+
+Both check their precondition first (`PassPreconditionError`) and return a new model; `POSTPROCESS_PASSES` lists
+them as `passes.FunctionPass` objects, in order, for `passes.run_passes`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
+from .conditions import Problem, first_problem, repeated_output, require
 from .editor import copy_model
+from .passes import FunctionPass
 
 
 def run_postprocess(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -27,7 +32,10 @@ def run_postprocess(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Rule: a node without a name gets `<op_type>_<i>` (i = its index), made unique; named nodes keep theirs."""
+    """Rule: a node without a name gets `<op_type>_<i>` (i = its index), made unique; named nodes keep theirs.
+
+    Precondition: no two named nodes share a name (the result would not name every node uniquely)."""
+    require("name_nodes", _shared_node_name(model))
     result = copy_model(model)
     taken = {n.name for n in result.graph.node if n.name}
     for i, node in enumerate(result.graph.node):
@@ -41,6 +49,16 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
+def _shared_node_name(model: onnx.ModelProto) -> Problem:
+    seen: set[str] = set()
+    for node in model.graph.node:
+        if node.name in seen:
+            return f"two nodes are named {node.name!r}; name_nodes names only unnamed nodes"
+        if node.name:
+            seen.add(node.name)
+    return None
+
+
 def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
     """Rule: `y = LogSoftmax(x, axis=1 or -1 on 2-D x); loss = NegativeLogLikelihoodLoss(y, label[, weight])`
     becomes `loss, y = SoftmaxCrossEntropyLoss(x, label[, weight])` with the same `reduction` and `ignore_index`.
@@ -50,7 +68,11 @@ def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
     Before opset 13 LogSoftmax flattens its input to 2-D at `axis`, so it is the class-axis softmax on 2-D x only.
     A chain of Identity nodes between the two (activation markers, `graph/statistics.py`), each the only consumer
     of its input, is looked through: it moves after the fused node and reads its log-probability output.
+
+    Precondition: every tensor is assigned once (a tensor's producer is its one node), and the model imports the
+    default-domain opset.
     """
+    require("fuse_log_softmax_nll", _fuse_problem(model))
     result = copy_model(model)
     graph = result.graph
     producers = {out: node for node in graph.node for out in node.output}
@@ -82,10 +104,16 @@ def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
         )
         replaced[id(node)] = [fused, *reversed(chain)]
         removed.update({id(log_softmax), *(id(n) for n in chain)})
-    if not replaced:
-        return result
-    # The fused node takes the NLL node's place: its inputs (logits, label) exist before the NLL node, and its
-    # log-probability output only fed that NLL node (or is a graph output), so the order stays topological.
+    if replaced:
+        _replace_nodes(graph, replaced, removed)
+    return result
+
+
+def _replace_nodes(graph: onnx.GraphProto, replaced: dict[int, list[onnx.NodeProto]], removed: set[int]) -> None:
+    """Put each fused node (and the Identity chain after it) where its NLL node was, and drop the removed nodes.
+
+    The fused node takes the NLL node's place: its inputs (logits, label) exist before the NLL node, and its
+    log-probability output only fed that NLL node (or is a graph output), so the order stays topological."""
     nodes = []
     for n in graph.node:
         if id(n) in replaced:
@@ -94,7 +122,11 @@ def fuse_log_softmax_nll(model: onnx.ModelProto) -> onnx.ModelProto:
             nodes.append(n)
     del graph.node[:]
     graph.node.extend(nodes)
-    return result
+
+
+def _fuse_problem(model: onnx.ModelProto) -> Problem:
+    imported = any(o.domain in ("", "ai.onnx") for o in model.opset_import)
+    return first_problem(repeated_output(model.graph), None if imported else "the model imports no default opset")
 
 
 def _identity_chain(name: str, producers: dict, consumers: dict[str, int]) -> list[onnx.NodeProto]:
@@ -133,3 +165,8 @@ def _rank_of(name: str, graph: onnx.GraphProto) -> int | None:
         if vi.name == name and vi.type.tensor_type.HasField("shape"):
             return len(vi.type.tensor_type.shape.dim)
     return None
+
+
+NAME_NODES = FunctionPass("name_nodes", name_nodes, _shared_node_name)
+FUSE_LOG_SOFTMAX_NLL = FunctionPass("fuse_log_softmax_nll", fuse_log_softmax_nll, _fuse_problem)
+POSTPROCESS_PASSES = (NAME_NODES, FUSE_LOG_SOFTMAX_NLL)

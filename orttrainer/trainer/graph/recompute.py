@@ -34,17 +34,44 @@ Selections (the legacy `graph_transformer` options):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import onnx
 from onnx import helper, numpy_helper
 
+from .conditions import Problem, not_among, require, unsorted_input
 from .editor import copy_model, fresh_name, graph_value_names
+from .passes import FunctionPass
+from .recompute_select import (
+    GELU_OPS,
+    Layer,
+    attention_dropout_nodes,
+    forward_nodes,
+    gelu_nodes,
+    transformer_layers,
+)
+
+__all__ = [
+    "GATE_PREFIX",
+    "GELU_OPS",
+    "RECOMPUTE_SUFFIX",
+    "Layer",
+    "RecomputePlan",
+    "apply_plan",
+    "attention_dropout_nodes",
+    "count_recompute_nodes",
+    "forward_nodes",
+    "gelu_nodes",
+    "recompute",
+    "recompute_pass",
+    "transformer_layers",
+]
 
 RECOMPUTE_SUFFIX = "_recompute"
 GATE_PREFIX = "orttrainer/recompute_gate/"
-GELU_OPS = ("Gelu", "BiasGelu", "FastGelu")
 _SHAPE_READERS = ("Shape", "Size")
 _RANDOM_OPS = (
     "RandomNormal",
@@ -60,104 +87,18 @@ _RANDOM_OPS = (
 _MS_DOMAIN = "com.microsoft"
 
 
-@dataclass(frozen=True)
-class Layer:
-    """One transformer layer: its scope prefix and the indices of its interior forward nodes."""
-
-    scope: str
-    interior: list[int]
-
-
-def forward_nodes(graph: onnx.GraphProto, forward_outputs: Iterable[str]) -> set[int]:
-    """Indices of the nodes some tensor in `forward_outputs` depends on."""
-    producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
-    wanted = [name for name in forward_outputs if name in producer]
-    seen: set[int] = set()
-    while wanted:
-        i = producer.get(wanted.pop())
-        if i is None or i in seen:
-            continue
-        seen.add(i)
-        wanted.extend(name for name in graph.node[i].input if name)
-    return seen
-
-
-def gelu_nodes(graph: onnx.GraphProto, forward: set[int]) -> list[int]:
-    return [i for i in sorted(forward) if graph.node[i].op_type in GELU_OPS]
-
-
-def attention_dropout_nodes(graph: onnx.GraphProto, forward: set[int]) -> list[int]:
-    """Forward Dropout nodes whose data input comes from a Softmax and whose output a MatMul reads."""
-    producer = {out: graph.node[i] for i in forward for out in graph.node[i].output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for i in forward:
-        for name in graph.node[i].input:
-            readers.setdefault(name, []).append(graph.node[i])
-    found = []
-    for i in sorted(forward):
-        node = graph.node[i]
-        if node.op_type != "Dropout" or node.input[0] not in producer:
-            continue
-        if producer[node.input[0]].op_type == "Softmax" and any(
-            r.op_type in ("MatMul", "FusedMatMul") for r in readers.get(node.output[0], [])
-        ):
-            found.append(i)
-    return found
-
-
-def transformer_layers(graph: onnx.GraphProto, forward: set[int]) -> list[Layer]:
-    """The layers of the largest family of `<list>.<k>/` scopes (at least two members) among forward nodes, in
-    execution order. A node belongs to a scope by its name or, for nodes ONNX Runtime fused and renamed, by its
-    first output's name."""
-    families: dict[str, dict[str, list[int]]] = {}
-    for i in sorted(forward):
-        node = graph.node[i]
-        for text in (node.name, node.output[0] if node.output else ""):
-            for match in _all_scopes(text):
-                family, scope = match
-                members = families.setdefault(family, {})
-                if i not in members.setdefault(scope, []):
-                    members[scope].append(i)
-    candidates = [(sum(len(v) for v in m.values()), f) for f, m in families.items() if len(m) >= 2]
-    if not candidates:
-        return []
-    _, family = max(candidates, key=lambda c: c[0])
-    # execution order by the median position: the exporter names a constant or shape computation that several layers
-    # share after one of them, which may sit anywhere
-    scopes = sorted(families[family].items(), key=lambda item: sorted(item[1])[len(item[1]) // 2])
-    return [Layer(scope, _interior(graph, forward, set(nodes))) for scope, nodes in scopes]
-
-
-def _all_scopes(text: str) -> list[tuple[str, str]]:
-    """Every `(family, scope)` pair of a slash-separated name: `/a/layers.1/b` -> [('/a/layers.', '/a/layers.1/')]."""
-    found = []
-    parts = text.split("/")
-    for k in range(1, len(parts) - 1):
-        head, dot, index = parts[k].rpartition(".")
-        if dot and head and index.isdigit():
-            prefix = "/".join(parts[:k]) + "/"
-            found.append((f"{prefix}{head}.", f"{prefix}{parts[k]}/"))
-    return found
-
-
-def _interior(graph: onnx.GraphProto, forward: set[int], members: set[int]) -> list[int]:
-    """`members` minus the nodes whose outputs a forward node outside `members` (or the graph output) reads."""
-    outside_reads = {name for i in forward - members for name in graph.node[i].input}
-    outside_reads |= {o.name for o in graph.output}
-    return sorted(i for i in members if not outside_reads.intersection(graph.node[i].output))
-
-
 def recompute(model: onnx.ModelProto, forward_outputs: list[str], selected: Iterable[int]) -> onnx.ModelProto:
     """Apply the rule above to the nodes at indices `selected` (forward nodes of `model`); returns a new model.
 
-    Precondition: the node list is topologically sorted (as the gradient builder writes it).
+    Precondition: the node list is topologically sorted (as the gradient builder writes it), the forward outputs
+    are tensors of the graph, and the selected nodes are forward nodes.
     """
     graph = model.graph
-    _check_sorted(graph)
+    require("recompute", _recompute_problem(model, forward_outputs))
     forward = forward_nodes(graph, forward_outputs)
     not_forward = sorted(set(selected) - forward)
     if not_forward:
-        raise ValueError(f"recompute: nodes {[graph.node[i].name for i in not_forward]} are not forward nodes")
+        require("recompute", f"nodes {[graph.node[i].name for i in not_forward]} are not forward nodes")
     constants = _constant_values(graph)
     copies = {i: _recomputed_outputs(graph.node[i], constants) for i in sorted(selected)}
     copies = {i: outs for i, outs in copies.items() if outs}
@@ -318,16 +259,11 @@ def _constant_values(graph: onnx.GraphProto) -> dict[str, object]:
     return values
 
 
-def _check_sorted(graph: onnx.GraphProto) -> None:
-    available = {v.name for v in graph.input} | {i.name for i in graph.initializer} | {""}
-    for node in graph.node:
-        missing = [n for n in node.input if n not in available]
-        if missing:
-            raise ValueError(
-                f"recompute needs a topologically sorted graph: node {node.name or node.op_type!r} "
-                f"reads {missing[0]!r} before it is produced"
-            )
-        available.update(node.output)
+def _recompute_problem(model: onnx.ModelProto, forward_outputs: list[str]) -> Problem:
+    unsorted = unsorted_input(model.graph)
+    if unsorted:
+        return f"needs a topologically sorted graph: {unsorted}"
+    return not_among(forward_outputs, graph_value_names(model.graph), "forward outputs")
 
 
 def _add_domain(model: onnx.ModelProto, domain: str) -> None:
@@ -360,7 +296,8 @@ def apply_plan(
     model: onnx.ModelProto, forward_outputs: list[str], plan: RecomputePlan
 ) -> tuple[onnx.ModelProto, list[str]]:
     """Select nodes per `plan` and recompute them. Returns the model and a message for each option that recomputes
-    nothing in this graph, or whose layer count was clipped (the caller warns)."""
+    nothing in this graph, or whose layer count was clipped (the caller warns). Precondition: as `recompute`'s."""
+    require("recompute", _recompute_problem(model, forward_outputs))
     graph = model.graph
     forward = forward_nodes(graph, forward_outputs)
     chosen: dict[str, list[int]] = {}
@@ -405,3 +342,16 @@ def apply_plan(
                 f"it selects{why}; {nothing}"
             )
     return result, notes
+
+
+def recompute_pass(forward_outputs: list[str], plan: RecomputePlan) -> FunctionPass:
+    """`apply_plan` as a pass: its notes become warnings (`UserWarning`, prefixed `options `, as the compiler's)."""
+
+    def rule(model: onnx.ModelProto) -> onnx.ModelProto:
+        result, notes = apply_plan(model, forward_outputs, plan)
+        for note in notes:
+            warnings.warn(f"options {note}", stacklevel=2)
+        return result
+
+    rule.__doc__ = apply_plan.__doc__
+    return FunctionPass("recompute", rule, partial(_recompute_problem, forward_outputs=forward_outputs))

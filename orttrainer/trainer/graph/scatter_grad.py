@@ -14,6 +14,8 @@ For float32 gradients both casts are no-ops that ONNX Runtime removes.
 ScatterND's `reduction` attribute exists from opset 16: the pass raises the model's default-domain opset from 14 or
 15 to 16 (see `editor.can_raise_opset`), so a graph containing RoiAlign, a graph below opset 14, or a GatherGrad with
 axis != 0 is left unchanged.
+
+Precondition: every such GatherGrad node has its three inputs (shape, indices, gradient) and its output named.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from .conditions import Problem, require
 from .editor import GraphEditor, can_raise_opset, copy_model, raise_opset
+from .passes import FunctionPass
 
 _SCATTER_OPSET = 16
 
@@ -31,10 +35,11 @@ def gather_grad_to_scatter_add(model: onnx.ModelProto) -> onnx.ModelProto:
     candidates = [n for n in model.graph.node if n.op_type == "GatherGrad" and _axis(n) == 0]
     if not candidates or not can_raise_opset(model):
         return model
+    require("gather_grad_to_scatter_add", _gather_grad_problem(model))
     result = copy_model(model)
     ed = GraphEditor(result.graph, "orttrainer/scatter_grad")
     original = list(result.graph.node)
-    nodes = []
+    nodes: list[onnx.NodeProto] = []
     for node in original:
         nodes.extend(_scatter_add_nodes(ed, node) if node.op_type == "GatherGrad" and _axis(node) == 0 else [node])
     del result.graph.node[:]
@@ -68,3 +73,15 @@ def _scatter_add_nodes(ed: GraphEditor, node: onnx.NodeProto) -> list[onnx.NodeP
 
 def _axis(node: onnx.NodeProto) -> int:
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+
+
+def _gather_grad_problem(model: onnx.ModelProto) -> Problem:
+    for node in model.graph.node:
+        if node.op_type == "GatherGrad" and (len(node.input) != 3 or not all(node.input) or not node.output[:1]):
+            return f"GatherGrad node {node.name!r} needs three named inputs (shape, indices, gradient) and an output"
+    return None
+
+
+GATHER_GRAD_TO_SCATTER_ADD = FunctionPass(
+    "gather_grad_to_scatter_add", gather_grad_to_scatter_add, _gather_grad_problem
+)

@@ -10,12 +10,16 @@ Two passes, and `decode_statistics`, which turns the fetched outputs back into `
   deviations, nan/inf/neg/pos/zero counts, the shape and the first 128 flattened elements) become three graph
   outputs. Nothing else changes, so a session that runs with `only_execute_path_to_fetches` computes them only on
   the steps that fetch them.
+
+Both check their precondition first (`PassPreconditionError`) and return a new model; `MARKS_TO_IDENTITY` and
+`append_statistics_pass` are the same passes as `passes.FunctionPass` objects.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -24,7 +28,9 @@ import torch
 from onnx import TensorProto, helper
 
 from ...debug import TensorStatistics, statistics_from_reductions
+from .conditions import Problem, require
 from .editor import GraphEditor, copy_model, fresh_name, graph_value_names
+from .passes import FunctionPass, first_result
 
 MARK_DOMAIN = "orttrainer.debug"
 MARK_OP = "ActivationMark"
@@ -59,22 +65,16 @@ def marks_to_identity(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tup
     `orttrainer/activation/<activation>`; the `orttrainer.debug` opset import is dropped.
 
     Returns the new model and `(activation, y)` pairs in node order. Precondition: each marker has one input, one
-    output and a string `activation` attribute (else `ValueError` naming the node).
+    output and a string `activation` attribute (else `PassPreconditionError` naming the node).
     """
+    require("marks_to_identity", _marker_problem(model))
     result = copy_model(model)
     taken = {n.name for n in result.graph.node} | graph_value_names(result.graph)
     marks: list[tuple[str, str]] = []
     for node in result.graph.node:
-        if node.op_type != MARK_OP or node.domain != MARK_DOMAIN:
+        if not _is_marker(node):
             continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        name = attrs.get(MARK_ATTRIBUTE)
-        if len(node.input) != 1 or len(node.output) != 1 or not isinstance(name, bytes):
-            raise ValueError(
-                f"activation marker {node.name!r} must have one input, one output and a string "
-                f"'{MARK_ATTRIBUTE}' attribute"
-            )
-        activation = name.decode("utf-8")
+        activation = _marked_activation(node).decode("utf-8")
         node.CopyFrom(
             helper.make_node(
                 "Identity",
@@ -88,6 +88,29 @@ def marks_to_identity(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tup
     del result.opset_import[:]
     result.opset_import.extend(kept)
     return result, marks
+
+
+def _is_marker(node: onnx.NodeProto) -> bool:
+    return node.op_type == MARK_OP and node.domain == MARK_DOMAIN
+
+
+def _marked_activation(node: onnx.NodeProto) -> Any:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == MARK_ATTRIBUTE), None)
+
+
+def _marker_problem(model: onnx.ModelProto) -> Problem:
+    for node in model.graph.node:
+        if not _is_marker(node):
+            continue
+        if len(node.input) != 1 or len(node.output) != 1 or not isinstance(_marked_activation(node), bytes):
+            return (
+                f"activation marker {node.name!r} must have one input, one output and a string "
+                f"'{MARK_ATTRIBUTE}' attribute"
+            )
+    return None
+
+
+MARKS_TO_IDENTITY = FunctionPass("marks_to_identity", first_result(marks_to_identity), _marker_problem)
 
 
 def gradient_tensor(model: onnx.ModelProto, tensor: str) -> str | None:
@@ -106,17 +129,38 @@ def append_statistics(
     Runtime's ReduceMin/ReduceMax fail on empty input); the samples keep the tensor's type (bfloat16 as float32),
     and their output is declared without a type when the target's is unknown.
 
-    Precondition: each target tensor is produced by a node or is a graph input or initializer (else `ValueError`).
-    Existing nodes and outputs are left as they are.
+    The outputs are appended after the existing ones, three per target in `targets` order (`statistics_outputs`).
+
+    Precondition: each target tensor is produced by a node or is a graph input or initializer (else
+    `PassPreconditionError`). Existing nodes and outputs are left as they are.
     """
+    require("append_statistics", _targets_problem(model, targets))
     result = copy_model(model)
-    known = graph_value_names(result.graph)
-    missing = sorted({t.tensor for t in targets.values() if t.tensor not in known})
-    if missing:
-        raise ValueError(f"statistics requested for tensors the graph does not have: {missing}")
     ed = GraphEditor(result.graph, "orttrainer/statistics")
     outputs = {label: _append_one(ed, label, target) for label, target in targets.items()}
     return result, outputs
+
+
+def _targets_problem(model: onnx.ModelProto, targets: dict[str, StatisticsTarget]) -> Problem:
+    known = graph_value_names(model.graph)
+    missing = sorted({t.tensor for t in targets.values() if t.tensor not in known})
+    return f"statistics requested for tensors the graph does not have: {missing}" if missing else None
+
+
+def append_statistics_pass(targets: dict[str, StatisticsTarget]) -> FunctionPass:
+    """`append_statistics` as a pass; `statistics_outputs` reads back the output names it added."""
+    return FunctionPass(
+        "append_statistics",
+        first_result(append_statistics, targets=targets),
+        partial(_targets_problem, targets=targets),
+    )
+
+
+def statistics_outputs(model: onnx.ModelProto, targets: dict[str, StatisticsTarget]) -> dict[str, StatisticsOutputs]:
+    """The `StatisticsOutputs` of each target of a model `append_statistics(_, targets)` returned: its last
+    3·len(targets) graph outputs, in target order."""
+    names = [o.name for o in model.graph.output][len(model.graph.output) - 3 * len(targets) :]
+    return {label: StatisticsOutputs(*names[3 * k : 3 * k + 3]) for k, label in enumerate(targets)}
 
 
 def _append_one(ed: GraphEditor, label: str, target: StatisticsTarget) -> StatisticsOutputs:
@@ -141,10 +185,10 @@ def _append_one(ed: GraphEditor, label: str, target: StatisticsTarget) -> Statis
         ed.op("Greater", [x, zero], hint + "pos"),
         ed.op("Equal", [x, zero], hint + "zero"),
     ]
-    counts = [
+    flag_counts = [
         ed.op("ReduceSum", [ed.op("Cast", [f], hint + "flag", to=TensorProto.INT64)], hint + "count") for f in flags
     ]
-    counts = ed.op("Concat", [*counts, ed.op("Shape", [target.tensor], hint + "shape")], hint + "counts", axis=0)
+    counts = ed.op("Concat", [*flag_counts, ed.op("Shape", [target.tensor], hint + "shape")], hint + "counts", axis=0)
     samples = ed.op(
         "Slice",
         [flat, ed.constant([0], np.int64, hint="zero_i"), ed.constant([NUM_SAMPLES], np.int64, hint="num_samples")],

@@ -17,12 +17,14 @@ NaN. The session then discards that step's updated state, so a skipped step leav
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import TensorProto
 
+from .conditions import Problem, dynamic_shape, first_problem, graph_input_names, graph_output_names, not_among, require
 from .editor import GraphEditor, copy_model
 from .optimizer import OPTIMIZERS, StepScalars, TensorUpdate
 
@@ -80,51 +82,128 @@ def build_training_graph(
     `gradient_divisor` (default: `accumulation_steps`) is the number of micro-batch gradients summed into `G` — data
     parallelism sums over ranks too. `update_only` (ZeRO) restricts the update to those tensors; clipping still
     uses the norm over every trainable gradient.
+
+    Precondition (`PassPreconditionError`): the optimizer is known; each trainable tensor is a graph input with a
+    static shape and its gradient `<p>_grad` a graph output; the loss-scale input, if any, is a graph input; the
+    groups split the trainable tensors (each in exactly one group); `update_only` names trainable tensors; the
+    accumulation steps and the divisor are positive.
     """
-    if optimizer_name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer_name!r}; expected one of {sorted(OPTIMIZERS)}")
+    require(
+        "build_training_graph",
+        optimizer_problem(optimizer_name),
+        gradient_model_problem(gradient_model, trainable, loss_scale_input),
+        groups_problem(trainable, groups, update_only),
+        _counts_problem(accumulation_steps, gradient_divisor),
+    )
     model = copy_model(gradient_model)
     shapes = _input_shapes(model, trainable)
     _drop_gradient_outputs(model, trainable)
     ed = GraphEditor(model.graph, "orttrainer/train")
     grads = {p: f"{p}_grad" for p in trainable}
-
     accumulation: dict[str, str] = {}
-    state_shapes: dict[str, tuple[int, ...]] = {}
     if accumulation_steps > 1:
         grads, accumulation = _append_accumulation(ed, grads, shapes)
-        state_shapes.update({accumulation_buffer_name(p): shapes[p] for p in trainable})
-    coef: str | float = 1.0 / (gradient_divisor or accumulation_steps)
-    if loss_scale_input:
-        coef = ed.scalar_product([coef, ed.op("Reciprocal", [loss_scale_input], "inv_loss_scale")], "grad_coef")
-    step = _append_step_inputs(ed)
+    coef = _gradient_coefficient(ed, gradient_divisor or accumulation_steps, loss_scale_input)
     clip = clip_grad_norm and optimizer_name != "SGDOptimizer"
-    total = _total_square(ed, grads) if clip or loss_scale_input else None
-    group_coefs = _clip_coefficients(ed, total, groups, coef) if clip else [coef for _ in groups]
-
-    updates: list[TensorUpdate] = []
     updated = set(trainable if update_only is None else update_only)
-    for group, group_coef in zip(groups, group_coefs, strict=True):
-        params = [p for p in group.params if p in updated]
-        if params:
-            updates += OPTIMIZERS[optimizer_name](ed, params, [grads[p] for p in params], group_coef, step, group.hyper)
+    updates, total = _append_update(ed, optimizer_name, groups, grads, coef, clip, bool(loss_scale_input), updated)
+    result = _training_result(model, list(data_inputs), list(outputs), updates, accumulation, shapes)
+    _declare_state(ed, result, {**shapes, **result.state_shapes})
+    if loss_scale_input and total:
+        result.loss_scale_input = loss_scale_input
+        result.all_finite_output = _append_all_finite(ed, total)
+    return result
+
+
+def _training_result(
+    model: onnx.ModelProto,
+    data_inputs: list[str],
+    outputs: list[str],
+    updates: list[TensorUpdate],
+    accumulation: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+) -> TrainingGraph:
+    """The contract of the assembled graph; `state_shapes` lists the accumulation buffers, then the moments."""
     result = TrainingGraph(
         model,
-        list(data_inputs),
-        list(outputs),
+        data_inputs,
+        outputs,
         LEARNING_RATE_INPUT,
         UPDATE_COUNT_INPUT,
         {u.weight: u.new_weight for u in updates},
         {m_in: m_out for u in updates for m_in, m_out in u.moments},
         accumulation,
     )
-    state_shapes.update({m_in: shapes[u.weight] for u in updates for m_in, _ in u.moments})
-    result.state_shapes = state_shapes
-    _declare_state(ed, result, {**shapes, **state_shapes})
-    if loss_scale_input:
-        result.loss_scale_input = loss_scale_input
-        result.all_finite_output = _append_all_finite(ed, total)
+    buffers = {accumulation_buffer_name(p): shapes[p] for p in shapes} if accumulation else {}
+    result.state_shapes = {**buffers, **{m_in: shapes[u.weight] for u in updates for m_in, _ in u.moments}}
     return result
+
+
+def _gradient_coefficient(ed: GraphEditor, divisor: int, loss_scale_input: str | None) -> str | float:
+    """`1 / divisor`, divided by the loss scale under mixed precision: what turns the summed gradients into the
+    mean gradient of the unscaled loss."""
+    coef: str | float = 1.0 / divisor
+    if loss_scale_input:
+        coef = ed.scalar_product([coef, ed.op("Reciprocal", [loss_scale_input], "inv_loss_scale")], "grad_coef")
+    return coef
+
+
+def _append_update(
+    ed: GraphEditor,
+    optimizer_name: str,
+    groups: list[ParamGroup],
+    grads: dict[str, str],
+    coef: str | float,
+    clip: bool,
+    check_finite: bool,
+    updated: set[str],
+) -> tuple[list[TensorUpdate], str | None]:
+    """The step inputs, the sum of squared gradients (for clipping and the finite check), and each group's update
+    of its tensors in `updated`; returns the updates and the sum of squares (None when nothing needs it)."""
+    step = _append_step_inputs(ed)
+    total = _total_square(ed, grads) if clip or check_finite else None
+    group_coefs = _clip_coefficients(ed, total, groups, coef) if clip and total else [coef for _ in groups]
+    updates: list[TensorUpdate] = []
+    for group, group_coef in zip(groups, group_coefs, strict=True):
+        params = [p for p in group.params if p in updated]
+        if params:
+            updates += OPTIMIZERS[optimizer_name](ed, params, [grads[p] for p in params], group_coef, step, group.hyper)
+    return updates, total
+
+
+def _counts_problem(accumulation_steps: int, gradient_divisor: int | None) -> Problem:
+    if accumulation_steps >= 1 and (gradient_divisor is None or gradient_divisor >= 1):
+        return None
+    return f"accumulation_steps ({accumulation_steps}) and gradient_divisor ({gradient_divisor}) must be positive"
+
+
+def optimizer_problem(optimizer_name: str) -> Problem:
+    if optimizer_name in OPTIMIZERS:
+        return None
+    return f"unknown optimizer {optimizer_name!r}; expected one of {sorted(OPTIMIZERS)}"
+
+
+def gradient_model_problem(model: onnx.ModelProto, trainable: list[str], loss_scale_input: str | None) -> Problem:
+    """The gradient-model contract: trainable tensors are graph inputs with static shapes, `<p>_grad` outputs."""
+    inputs = graph_input_names(model)
+    return first_problem(
+        not_among(trainable, inputs, "trainable tensors", "the graph inputs"),
+        dynamic_shape(model, trainable),
+        not_among([f"{p}_grad" for p in trainable], graph_output_names(model), "gradients", "the graph outputs"),
+        not_among([loss_scale_input] if loss_scale_input else [], inputs, "loss-scale inputs", "the graph inputs"),
+    )
+
+
+def groups_problem(trainable: list[str], groups: list[ParamGroup], update_only: list[str] | None) -> Problem:
+    """Every trainable tensor is in exactly one group, groups hold only trainable tensors, `update_only` too."""
+    counts = Counter(p for g in groups for p in g.params)
+    twice = sorted(p for p, n in counts.items() if n > 1)
+    return first_problem(
+        f"tensors {twice} are in more than one parameter group" if twice else None,
+        not_among(trainable, set(counts), "trainable tensors", "the parameter groups"),
+        not_among(counts, set(trainable), "parameter-group members", "the trainable tensors"),
+        not_among(update_only or [], set(trainable), "update_only tensors", "the trainable tensors"),
+    )
 
 
 def _append_accumulation(ed: GraphEditor, grads: dict[str, str], shapes: dict[str, tuple[int, ...]]):
