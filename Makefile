@@ -19,6 +19,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 # BERT-style pretraining on the standard library's source, a few minutes on a 2-core CPU.
 # Longer: make demo ARGS="--steps 2000"

@@ -9,8 +9,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from orttrainer.trainer.gradient.ort_builder import build_ort_gradient_graph, move_initializers_to_inputs
+from orttrainer.trainer.gradient.ort_builder import build_ort_gradient_graph
 from orttrainer.trainer.gradient.ort_options import GradientOptions, pre_gradient_model
+from orttrainer.trainer.graph.state_inputs import move_initializers_to_inputs
 
 FLOAT, HALF = TensorProto.FLOAT, TensorProto.FLOAT16
 WEIGHTS = ["W0", "W1", "b"]

@@ -193,8 +193,8 @@ def test_the_checker_accepts_onnx_runtime_ops_of_imported_domains_without_checki
 
 
 def test_the_checker_accepts_onnx_runtime_s_gradient_graph_and_the_passes_after_it():
+    from orttrainer.trainer.gradient.ort_builder import build_ort_gradient_graph
     from orttrainer.trainer.graph.fixups import name_optional_outputs
-    from orttrainer.trainer.graph.gradient import build_ort_gradient_graph
     from orttrainer.trainer.graph.pipeline import gradient_model_passes
 
     rng = np.random.default_rng(0)

@@ -10,7 +10,6 @@ and, with the torch builder, for every input-shape signature (`TorchShapeGraphs`
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -22,22 +21,22 @@ import torch
 from ..optim.config import _OptimizerConfig
 from .gradient.choice import BuilderChoice
 from .gradient.differentiate import GradientRequest, differentiate
-from .gradient.ort_builder import move_initializers_to_inputs
 from .gradient.ort_options import GradientOptions
 from .gradient.torch_graphs import TorchSource, torch_gradient_model
-from .graph import fixups, mixed_precision
 from .graph.data_parallel import GradientStepGraph, build_gradient_step_graph, build_optimizer_graph
-from .graph.recompute import RecomputePlan, apply_plan
-from .graph.scatter_grad import gather_grad_to_scatter_add
+from .graph.eval_model import eval_model_passes
+from .graph.mixed_precision import loss_scale_names, to_float16_pass
+from .graph.passes import FunctionPass, GraphPass, record_stage, run_passes
+from .graph.pipeline import forward_passes, gradient_model_passes, mixed_precision_passes
+from .graph.recompute import RecomputePlan, recompute_pass
+from .graph.state_inputs import move_initializers_to_inputs_pass
 from .graph.training import TrainingGraph, accumulation_buffer_name, build_training_graph, zero_state
 from .locks import TRACING
+from .ort_session import writable_debug_path
 from .parameters import initializer_values, param_groups
 from .shapes import shape_signature
 
 _logger = logging.getLogger(__name__)
-
-Pass = Callable[[onnx.ModelProto], onnx.ModelProto]
-Stage = tuple[str, Pass]  # (name, pass); `graph_save_paths` keys name the stages after which a model is saved
 
 
 class StatisticsInstrument(Protocol):
@@ -110,26 +109,26 @@ class CompiledModel:
 def compile_model(request: CompileRequest) -> CompiledModel:
     """Run the pipeline on `request` (which is not modified)."""
     state = request.trainable + request.frozen
-    save = request.graph_save_paths
-    forward = run_stages(request.forward, forward_passes(request, state))
+    save = _debug_paths(request.graph_save_paths)
+    passes = forward_passes(request.dropout_off)
     loss, loss_scale = request.loss_name, None
     if request.mixed_precision:  # the 'ort' builder only (gradient/choice.choose_builder)
-        forward, loss, loss_scale = mixed_precision.append_loss_scale(forward, request.loss_name)
-    _save(forward, save.get("model_after_graph_transforms_path"))
+        passes += mixed_precision_passes(state, _keep_float32(request, state), request.loss_name)
+    forward = run_passes(request.forward, passes, save={passes[-1].name: save.get(_AFTER_TRANSFORMS, "")})
+    if request.mixed_precision:
+        loss, loss_scale = loss_scale_names(forward)
     gradient = differentiate(_gradient_request(request, forward, loss))
     request = replace(request, trainable=gradient.trainable, frozen=gradient.frozen, builder=gradient.builder)
-    gradient_model = run_stages(gradient.model, gradient_passes(request, loss))
-    _save(gradient_model, save.get("model_with_gradient_graph_path"))
+    passes = gradient_passes(request, loss)
+    gradient_model = run_passes(gradient.model, passes, save={passes[-1].name: save.get(_GRADIENT, "")})
     weights = initializer_values(request.forward, state)
-    eval_model = build_eval_model(_eval_forward(request, state), state, request.outputs)
-    if request.statistics is not None:
-        eval_model = request.statistics.instrument(eval_model, "eval")
+    eval_model = run_passes(_eval_forward(request, state), eval_passes(request, state))
     shapes = {p: tuple(weights[p].shape) for p in request.trainable}
     if request.data_parallel is not None:
-        compiled = _compile_data_parallel(request, gradient_model, loss_scale, weights, eval_model, shapes)
+        compiled = _compile_data_parallel(request, gradient_model, loss_scale, weights, eval_model, shapes, save)
     else:
         training = _training_graph(gradient_model, request, loss_scale)
-        _save(training.model, save.get("model_with_training_graph_path"))
+        record_stage(_TRAINING, training.model, save=save)
         initial = {**weights, **zero_state(training.state_shapes)}
         accumulation = list(training.accumulation)
         compiled = CompiledModel(
@@ -140,59 +139,54 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     return compiled
 
 
-def run_stages(model: onnx.ModelProto, stages: list[Stage]) -> onnx.ModelProto:
-    """Apply each pass in order."""
-    for _name, apply in stages:
-        model = apply(model)
-    return model
+_AFTER_TRANSFORMS = "model_after_graph_transforms_path"
+_GRADIENT = "model_with_gradient_graph_path"
+_TRAINING = "model_with_training_graph_path"
 
 
-def forward_passes(request: CompileRequest, state: list[str]) -> list[Stage]:
-    """Fix-ups the gradient builder needs, then (mixed precision) the float16 conversion."""
-    stages: list[Stage] = [("name_optional_outputs", fixups.name_optional_outputs)]
-    if request.dropout_off:  # an eval-mode module: no dropout, and BatchNorm trains on the running statistics
-        stages += [("dropout_to_identity", fixups.dropout_to_identity)]
-        stages += [("batchnorm_to_inference", fixups.batchnorm_to_inference)]
-    else:  # a Dropout without training_mode is the identity it computes
-        stages += [("inference_dropout_to_identity", fixups.inference_dropout_to_identity)]
-    stages += [("inference_batchnorm_to_affine", fixups.inference_batchnorm_to_affine)]  # ORT's gradient is wrong
-    if request.mixed_precision:
-        stages += [("to_float16", _float16(request, state))]
-    return stages
+def _debug_paths(graph_save_paths: dict[str, str]) -> dict[str, str]:
+    """The `debug.graph_save_paths` stages that can be written; one that cannot warns (the original ignored failed
+    debug saves) and training goes on."""
+    return {
+        key: path
+        for key, given in graph_save_paths.items()
+        if key != "model_with_training_graph_after_optimization_path"
+        for path in [writable_debug_path(given, f"debug.graph_save_paths.{key}")]
+        if path
+    }
 
 
-def _float16(request: CompileRequest, state: list[str]) -> Pass:
-    keep = [*request.data_inputs, *state, request.loss_name]
-    return lambda model: mixed_precision.to_float16(move_initializers_to_inputs(model, state), keep_float32=keep)
+def _keep_float32(request: CompileRequest, state: list[str]) -> list[str]:
+    return [*request.data_inputs, *state, request.loss_name]
 
 
 def _eval_forward(request: CompileRequest, state: list[str]) -> onnx.ModelProto:
-    return _float16(request, state)(request.forward) if request.mixed_precision else request.forward
+    """The forward model the eval graph starts from: under mixed precision, converted to float16 like training's."""
+    if not request.mixed_precision:
+        return request.forward
+    passes = [move_initializers_to_inputs_pass(state), to_float16_pass(_keep_float32(request, state))]
+    return run_passes(request.forward, passes)
 
 
-def gradient_passes(request: CompileRequest, scaled_loss: str) -> list[Stage]:
-    """Passes on the gradient model (forward outputs + `<p>_grad`), the same for both builders and every input-shape
-    signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels get
-    casts; embedding gradients become scatter-adds; recompute and statistics (the 'ort' builder only)."""
-    stages: list[Stage] = []
-    if request.mixed_precision:
-        stages += [("drop_scaled_loss_output", lambda model: _without_outputs(model, {scaled_loss}))]
-        if request.cpu:
-            stages += [("cast_fp32_only_kernels", mixed_precision.cast_fp32_only_kernels)]
-    stages += [("gather_grad_to_scatter_add", gather_grad_to_scatter_add)]
-    if request.recompute:
-        stages += [("recompute", lambda model: _recompute(model, request))]
+def eval_passes(request: CompileRequest, state: list[str]) -> list[GraphPass]:
+    """The eval graph (graph/eval_model.py), then its statistics."""
+    passes = eval_model_passes(state, request.outputs)
     if request.statistics is not None:
         statistics = request.statistics
-        stages += [("statistics", lambda model: statistics.instrument(model, "train"))]
-    return stages
+        passes.append(FunctionPass("statistics_eval", lambda model: statistics.instrument(model, "eval")))
+    return passes
 
 
-def _recompute(model: onnx.ModelProto, request: CompileRequest) -> onnx.ModelProto:
-    model, notes = apply_plan(model, request.outputs, request.recompute)
-    for note in notes:
-        warnings.warn(f"options {note}", stacklevel=2)
-    return model
+def gradient_passes(request: CompileRequest, scaled_loss: str) -> list[GraphPass]:
+    """Passes on the gradient model (graph/pipeline.gradient_model_passes), then recompute and statistics (the
+    'ort' builder only)."""
+    passes = gradient_model_passes(mixed_precision=request.mixed_precision, cpu=request.cpu, scaled_loss=scaled_loss)
+    if request.recompute:
+        passes.append(recompute_pass(request.outputs, request.recompute))
+    if request.statistics is not None:
+        statistics = request.statistics
+        passes.append(FunctionPass("statistics", lambda model: statistics.instrument(model, "train")))
+    return passes
 
 
 def _gradient_request(request: CompileRequest, forward: onnx.ModelProto, loss: str) -> GradientRequest:
@@ -244,6 +238,7 @@ def _compile_data_parallel(
     weights: dict[str, np.ndarray],
     eval_model: onnx.ModelProto,
     shapes: dict[str, tuple[int, ...]],
+    save: dict[str, str],
 ) -> CompiledModel:
     plan, k = request.data_parallel, request.accumulation_steps
     assert plan is not None  # the caller checked
@@ -258,7 +253,7 @@ def _compile_data_parallel(
         loss_scale=loss_scale is not None,
         update_only=plan.owned,
     )
-    _save(optimizer.model, request.graph_save_paths.get("model_with_training_graph_path"))
+    record_stage(_TRAINING, optimizer.model, save=save)
     buffers = {accumulation_buffer_name(p): shapes[p] for p in request.trainable} if k > 1 else {}
     initial = {**weights, **zero_state(optimizer.state_shapes), **zero_state(buffers)}
     return CompiledModel(
@@ -306,7 +301,7 @@ class TorchShapeGraphs:
             model = torch_gradient_model(
                 self._source, inputs, request.outputs, request.trainable, request.trainable + request.frozen
             )
-        model = run_stages(model, gradient_passes(request, request.loss_name))
+        model = run_passes(model, gradient_passes(request, request.loss_name))
         plan = request.data_parallel
         graph = (
             _training_graph(model, request, None) if plan is None else _gradient_step_graph(model, request, plan, None)
@@ -344,35 +339,6 @@ def check_same_state_contract(first: ShapeGraph, other: ShapeGraph) -> None:
             )
 
 
-def _without_outputs(model: onnx.ModelProto, names: set[str]) -> onnx.ModelProto:
-    kept = [o for o in model.graph.output if o.name not in names]
-    del model.graph.output[:]
-    model.graph.output.extend(kept)
-    return model
-
-
 def output_elem_types(model: onnx.ModelProto) -> dict[str, int]:
     """ONNX element type of each graph output (mixed precision: which outputs are float16)."""
     return {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
-
-
-def build_eval_model(forward: onnx.ModelProto, state: list[str], outputs: list[str]) -> onnx.ModelProto:
-    """The forward graph for `eval_step`: state as inputs, dropout off, BatchNorm on running statistics, only the
-    model_desc outputs."""
-    model = move_initializers_to_inputs(forward, state)
-    model = fixups.batchnorm_to_inference(fixups.dropout_to_identity(model))
-    return _without_outputs(model, {o.name for o in model.graph.output if o.name not in outputs})
-
-
-def _save(model: onnx.ModelProto, path: str | None) -> None:
-    """Write a `debug.graph_save_paths` stage; a path that cannot be written warns and training goes on (the
-    original ignored failed debug saves)."""
-    if not path:
-        return
-    try:
-        onnx.save(model, path)
-    except (OSError, ValueError) as err:
-        warnings.warn(
-            f"options debug.graph_save_paths: could not write {path!r} ({err}); training goes on without it",
-            stacklevel=2,
-        )

@@ -11,34 +11,13 @@ ONNX Runtime's private training-graph API (`get_optimized_model`, `GradientGraph
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 import onnx
-from onnx import helper
 
 from .. import ort_private
-from ..graph.editor import copy_model
+from ..graph.state_inputs import move_initializers_to_inputs
 from .errors import GradientBuildError
 from .ort_options import GradientOptions, build_configured_gradient_graph
-
-
-def move_initializers_to_inputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
-    """Rule: each initializer in `names` becomes a graph input of the same name, type and shape (appended after
-    the existing inputs, in initializer order); all other initializers stay constants. An initializer that is
-    already listed as a graph input (IR < 4 models, `keep_initializers_as_inputs=True`) keeps that input."""
-    wanted = set(names)
-    result = copy_model(model)
-    inputs = {i.name for i in result.graph.input}
-    kept = []
-    for init in result.graph.initializer:
-        if init.name in wanted:
-            if init.name not in inputs:
-                result.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-        else:
-            kept.append(init)
-    del result.graph.initializer[:]
-    result.graph.initializer.extend(kept)
-    return result
 
 
 def build_ort_gradient_graph(
