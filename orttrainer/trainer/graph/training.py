@@ -223,8 +223,11 @@ def _append_step_inputs(ed: GraphEditor) -> StepScalars:
 
 
 def _total_square(ed: GraphEditor, grads: dict[str, str]) -> str:
-    """Sum of squares of every gradient (one scalar), shared by clipping and the finite check."""
+    """Sum of squares of every gradient (one scalar), shared by clipping and the finite check; 0 for a model with
+    no trainable tensor (ONNX's Sum needs at least one input)."""
     squares = [ed.op("ReduceSumSquare", [g], "grad_sq", keepdims=0) for g in grads.values()]
+    if not squares:
+        return ed.constant(0.0, hint="total_grad_sq_empty")
     return squares[0] if len(squares) == 1 else ed.op("Sum", squares, "total_grad_sq")
 
 
