@@ -228,3 +228,28 @@ def test_inputs_and_outputs_declared_without_shape_or_type_are_not_held_against_
     assert not result.graph.output[-1].HasField("type")  # the result itself is left as the pass made it
     with pytest.raises(onnx.checker.ValidationError, match="Field '(shape|type)' of '(type|value_info)' is required"):
         onnx.checker.check_model(result)
+
+
+def test_verification_accepts_the_onnx_domain_ops_onnx_runtime_registers_before_onnx_does():
+    """ONNX Runtime's fusions write LayerNormalization in the ONNX domain at opset 14 (ONNX has it from 17): the
+    checker would reject what ONNX Runtime runs, so verification checks it as a custom-domain op."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from orttrainer.trainer.graph.passes import verify_model
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    scale = numpy_helper.from_array(np.ones(4, np.float32), "scale")
+    node = helper.make_node("LayerNormalization", ["x", "scale"], ["y"], name="ln")
+    model = helper.make_model(
+        helper.make_graph([node], "g", [x], [y], [scale]), opset_imports=[helper.make_opsetid("", 14)]
+    )
+    model.ir_version = 8
+    verify_model(model, "test")  # does not raise
+    assert model.graph.node[0].domain == ""  # the model itself is not changed
+    bad = helper.make_model(
+        helper.make_graph([helper.make_node("NoSuchOp", ["x"], ["y"])], "g", [x], [y]),
+        opset_imports=[helper.make_opsetid("", 14)],
+    )
+    with pytest.raises(PassVerificationError, match="No Op registered for NoSuchOp"):
+        verify_model(bad, "test")

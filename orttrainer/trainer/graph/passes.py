@@ -175,10 +175,13 @@ def verify_model(model: onnx.ModelProto, pass_name: str) -> None:
 
 
 def _declarations_completed(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model`, or a copy whose graph inputs and outputs declared without element type or shape have placeholder
-    ones: the checker requires both, ONNX Runtime neither."""
+    """`model`, or a copy the checker can judge: graph inputs and outputs declared without element type or shape get
+    placeholder ones (the checker requires both, ONNX Runtime neither), and default-domain nodes of an op that ONNX
+    defines only from a later opset (ONNX Runtime registers `LayerNormalization` in the ONNX domain from opset 1,
+    ONNX from 17; its fusions write it so) are checked as the custom-domain nodes they are to ONNX Runtime."""
     values = [*model.graph.input, *model.graph.output]
-    if all(v.type.tensor_type.elem_type and v.type.tensor_type.HasField("shape") for v in values):
+    early = _early_ops(model)
+    if not early and all(v.type.tensor_type.elem_type and v.type.tensor_type.HasField("shape") for v in values):
         return model
     completed = onnx.ModelProto()
     completed.CopyFrom(model)
@@ -189,4 +192,20 @@ def _declarations_completed(model: onnx.ModelProto) -> onnx.ModelProto:
         tensor_type.elem_type = tensor_type.elem_type or onnx.TensorProto.FLOAT
         if not tensor_type.HasField("shape"):
             tensor_type.shape.SetInParent()
+    if early:
+        for node in completed.graph.node:
+            if node.domain in ("", "ai.onnx") and node.op_type in early:
+                node.domain = _RUNTIME_DOMAIN
+        if all(o.domain != _RUNTIME_DOMAIN for o in completed.opset_import):
+            completed.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
     return completed
+
+
+_RUNTIME_DOMAIN = "com.microsoft"
+
+
+def _early_ops(model: onnx.ModelProto) -> set[str]:
+    """Default-domain op types of `model` that ONNX defines, but only from a later opset than the model's."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    types = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}
+    return {t for t in types if onnx.defs.has(t) and not onnx.defs.has(t, max_inclusive_version=opset)}
