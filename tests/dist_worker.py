@@ -32,7 +32,7 @@ def global_batches(steps: int, global_batch: int, seed: int = 7, halve_odd_steps
 
 
 def make_trainer(cfg: dict) -> ORTTrainer:
-    torch.manual_seed(0)
+    torch.manual_seed(cfg["rank"] if cfg.get("seed_per_rank") else 0)
     session_options = ort.SessionOptions()
     session_options.intra_op_num_threads = 1
     options = {
@@ -53,7 +53,8 @@ def make_trainer(cfg: dict) -> ORTTrainer:
     config = {"adam": optim.AdamConfig(lr=1e-2), "lamb": optim.LambConfig(lr=1e-2), "sgd": optim.SGDConfig(lr=0.1)}[
         cfg.get("optimizer", "adam")
     ]
-    return ORTTrainer(MLP(), mlp_desc(), config, loss_fn=CE, options=ORTTrainerOptions(options))
+    model = MLP(hidden=16 + 8 * cfg["rank"]) if cfg.get("hidden_per_rank") else MLP()
+    return ORTTrainer(model, mlp_desc(), config, loss_fn=CE, options=ORTTrainerOptions(options))
 
 
 def shard(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -69,8 +70,13 @@ def run(cfg: dict) -> dict:
     start, stop = cfg.get("start", 0), cfg.get("stop", cfg["steps"])
     if cfg.get("load"):
         trainer.load_checkpoint(*cfg["load"])
-    for x, y in batches[start:stop]:
-        trainer.train_step(shard(x, rank, world), shard(y, rank, world))
+    try:
+        for x, y in batches[start:stop]:
+            trainer.train_step(shard(x, rank, world), shard(y, rank, world))
+    except RuntimeError as err:
+        if not cfg.get("expect_error"):
+            raise
+        return {"error": str(err)}
     save_error = None
     if cfg.get("save"):
         try:

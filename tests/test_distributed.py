@@ -217,3 +217,20 @@ def test_inconsistent_distributed_options_are_clear_errors():
         trainer({"horizontal_parallel_size": 2})
     with pytest.raises(NotImplementedError, match="options distributed.pipeline_parallel.pipeline_parallel_size=2"):
         trainer({"pipeline_parallel": {"pipeline_parallel_size": 2}})
+
+
+def test_ranks_built_from_different_seeds_start_from_rank_0s_weights(tmp_path):
+    """As DistributedDataParallel does: without it, ranks seeded differently trained different models (rc 0)."""
+    same = run_ranks(tmp_path, 2, steps=3)
+    seeded = run_ranks(tmp_path, 2, steps=3, seed_per_rank=True)
+    for result in seeded:  # rank 0 was seeded with 0, as in `same`: both ranks follow it
+        assert _max_difference(result["all_weights"], same[0]["all_weights"]) == 0.0
+
+
+def test_ranks_with_different_parameter_shapes_get_a_clear_error_on_every_rank(tmp_path):
+    """Before: Gloo aborted the processes (SIGABRT, "Received data size doesn't match expected size")."""
+    for result in run_ranks(tmp_path, 2, steps=1, hidden_per_rank=True, expect_error=True):
+        assert (
+            "rank 1's model differs from rank 0's: 'fc1.weight' is [16, 32] float32 on rank 0 but [24, 32]"
+            in (result["error"])
+        )

@@ -19,7 +19,7 @@ from . import ort_private
 from .activations import ActivationStatistics
 from .compile import CompiledModel, CompileRequest, DataParallelPlan, compile_model
 from .config import TrainerConfig, recompute_plan
-from .distributed import Communicator, partition_parameters
+from .distributed import Communicator, broadcast_from_rank0, check_ranks_agree, partition_parameters
 from .gradient.choice import BuilderChoice, choose_builder, ort_only_options
 from .gradient.ort_options import GradientOptions
 from .gradient.torch_graphs import TorchSource
@@ -171,7 +171,21 @@ def _open(config: TrainerConfig, parts: _Parts) -> Built:
     streams = DropoutStreams()
     ort_private.set_seed(streams.base)  # random ops other than Dropout draw from ONNX Runtime's global generator
     session = _create_session(config, compiled, owners, streams)
-    return Built(parts.forward, compiled, session, owners, parts.torch_export, streams)
+    built = Built(parts.forward, compiled, session, owners, parts.torch_export, streams)
+    if config.distributed is not None:
+        _start_from_rank0(built, config)
+    return built
+
+
+def _start_from_rank0(built: Built, config: TrainerConfig) -> None:
+    """Ranks check that they built the same model, then take rank 0's initial weights (distributed.py)."""
+    names = built.state_names
+    values = built.session.get_state(names)
+    signature = [(n, tuple(values[n].shape), str(values[n].dtype)) for n in names]
+    check_ranks_agree(signature, config.rank, config.world_size)
+    received = broadcast_from_rank0([torch.from_numpy(values[n]) for n in names])
+    if config.rank != 0:
+        built.session.set_state({n: t.numpy() for n, t in zip(names, received, strict=True)})
 
 
 def _compile_request(config: TrainerConfig, parts: _Parts, loss: str, plan: DataParallelPlan | None) -> CompileRequest:

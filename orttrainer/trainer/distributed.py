@@ -61,6 +61,53 @@ def _init_process_group(context: DistributedContext, device_type: str) -> None:
         )
 
 
+StateSignature = list[tuple[str, tuple[int, ...], str]]  # (name, shape, dtype) of every state tensor, in order
+
+
+def check_ranks_agree(signature: StateSignature, rank: int, world_size: int) -> None:
+    """Every rank must hold the same state tensors: names, shapes and dtypes. Rule: the signatures are gathered
+    (one small collective, pickled lists), so every rank sees every difference and raises the same error naming
+    the first one — instead of Gloo aborting the process on mismatched tensor sizes later."""
+    gathered: list[StateSignature | None] = [None] * world_size
+    dist.all_gather_object(gathered, signature)
+    reference = gathered[0] or []
+    for other, theirs in enumerate(gathered[1:], start=1):
+        difference = _first_difference(reference, theirs or [])
+        if difference:
+            raise RuntimeError(
+                f"rank {other}'s model differs from rank 0's: {difference}. Every rank of a data-parallel run must "
+                f"build the same model (this is rank {rank})"
+            )
+
+
+def _first_difference(mine: StateSignature, theirs: StateSignature) -> str | None:
+    for (name, shape, dtype), (other_name, other_shape, other_dtype) in zip(mine, theirs, strict=False):
+        if name != other_name:
+            return f"state tensor {name!r} on rank 0 is {other_name!r} there"
+        if (shape, dtype) != (other_shape, other_dtype):
+            return f"{name!r} is {list(shape)} {dtype} on rank 0 but {list(other_shape)} {other_dtype} there"
+    if len(mine) != len(theirs):
+        extra = (mine if len(mine) > len(theirs) else theirs)[min(len(mine), len(theirs))][0]
+        return f"rank 0 has {len(mine)} state tensors, that rank {len(theirs)} (the first unmatched is {extra!r})"
+    return None
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank receives rank 0's values of `tensors` (same shapes and dtypes on every rank: check_ranks_agree),
+    one broadcast per dtype. Why: data parallelism must start from one set of weights, as DistributedDataParallel
+    does; ranks seeded differently would otherwise train different models."""
+    result = list(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        dist.broadcast(flat, src=0)
+        for i, piece in zip(indices, _split_like(flat, [tensors[i] for i in indices]), strict=True):
+            result[i] = piece
+    return result
+
+
 def partition_parameters(shapes: dict[str, tuple[int, ...]], world_size: int) -> dict[str, int]:
     """ZeRO stage 1: each trainable tensor is owned by one rank. Largest first, each goes to the rank holding the
     fewest elements so far (ties: the lowest rank), which balances optimizer memory to about 1/world_size."""
