@@ -59,7 +59,7 @@ def worker(precision: str, workload_name: str, device: str, threads: int, steps:
         "device": device,
         "first_step_s": first,
         "median_ms": 1000 * statistics.median(times[warmup:]),
-        "finite_steps": trainer._train_step_info.optimization_step,
+        "finite_steps": trainer.optimization_step,
     }
 
 

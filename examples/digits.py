@@ -73,10 +73,7 @@ def main(argv: list[str] | None = None) -> float:
                 f"epoch {epoch + 1:3d}  train loss {loss.item():.4f}  test loss {test_loss.item():.4f}  "
                 f"test accuracy {accuracy:.3f}"
             )
-    print(
-        f"{trainer._train_step_info.optimization_step} steps in {time.perf_counter() - start:.1f} s; "
-        f"test accuracy {accuracy:.3f}"
-    )
+    print(f"{trainer.optimization_step} steps in {time.perf_counter() - start:.1f} s; test accuracy {accuracy:.3f}")
     return accuracy
 
 

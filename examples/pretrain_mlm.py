@@ -274,12 +274,11 @@ def main(argv: list[str] | None = None) -> dict:
     g.set_state(trainer.load_checkpoint(checkpoint)["data_rng"])  # the data stream continues too
     resumed_eval = evaluate(trainer, eval_batches)  # the session (export, compile) is created here, state loaded
     resume_s = time.perf_counter() - start
-    info = trainer._train_step_info
     print(
-        f"resumed from {checkpoint}: optimizer step {info.optimization_step}, held-out loss {resumed_eval:.4f} "
+        f"resumed from {checkpoint}: optimizer step {trainer.optimization_step}, held-out loss {resumed_eval:.4f} "
         f"(at save: {saved_eval:.4f})"
     )
-    if info.optimization_step != resume_step or not math.isclose(resumed_eval, saved_eval, rel_tol=1e-5):
+    if trainer.optimization_step != resume_step or not math.isclose(resumed_eval, saved_eval, rel_tol=1e-5):
         raise AssertionError("the resumed trainer does not continue from the checkpoint")
     run2 = train(trainer, args, train_text, eval_batches, resume_step, args.steps, g, history, "run 2")
 
@@ -294,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
     first_loss = sum(loss for _, loss in history["train"][:10]) / min(10, len(history["train"]))
     last_loss = sum(loss for _, loss in history["train"][-10:]) / min(10, len(history["train"]))
     summary = {
-        "optimizer steps": f"{info.optimization_step} (run 1: {resume_step}, run 2: {args.steps - resume_step})",
+        "optimizer steps": f"{trainer.optimization_step} (run 1: {resume_step}, run 2: {args.steps - resume_step})",
         "samples per step": f"{args.batch} x {args.accumulation} accumulated",
         "time to first step (export, compile, run)": f"{run1['first_step_s']:.1f} s",
         "time to resume (new trainer, load, first eval)": f"{resume_s:.1f} s",
