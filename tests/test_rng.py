@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer import optim
 from orttrainer.trainer.graph.dropout_seeds import SEED_MODULUS, dropout_seed, seed_dropouts
+from orttrainer.trainer.graph.errors import PassPreconditionError
 from orttrainer.trainer.rng import DropoutStreams, signature_key
 
 HERE = os.path.dirname(__file__)
@@ -95,6 +96,10 @@ def test_the_engine_facts_the_seeds_rely_on():
     assert dropout_seed(0, 0, 0) == 1 and dropout_seed(SEED_MODULUS - 2, 0, 0) == SEED_MODULUS - 1
     with pytest.raises(ValueError, match="non-negative"):
         dropout_seed(-1, 0, 0)
+    with pytest.raises(PassPreconditionError, match="graph pass 'seed_dropouts': .* must be non-negative"):
+        seed_dropouts(model, base=0, position=-1)
+    with pytest.raises(PassPreconditionError, match="129 Dropout nodes"):
+        seed_dropouts(_dropout_graph(129), base=0, position=0)
 
 
 def test_streams_state_round_trip_and_keys():

@@ -20,7 +20,8 @@ from typing import Any
 import onnx
 import torch
 
-from .graph.dropout_seeds import STREAM_STRIDE, dropout_nodes, seed_dropouts
+from .graph.dropout_seeds import STREAM_STRIDE, dropout_nodes, seed_dropouts_pass
+from .graph.passes import run_passes
 
 ALL_SHAPES = "all"  # the key of a graph that runs every input shape
 
@@ -45,7 +46,7 @@ class DropoutStreams:
         if not dropout_nodes(model):
             return model
         self.active = True
-        return seed_dropouts(model, self.base + _key_offset(key), self.positions.get(key, 0))
+        return run_passes(model, [seed_dropouts_pass(self.base + _key_offset(key), self.positions.get(key, 0))])
 
     def advance(self, key: str) -> None:
         """One completed training run of the graph for `key`."""

@@ -14,10 +14,14 @@ million) computations when a graph has at most 128 Dropout nodes. The model is c
 
 from __future__ import annotations
 
+from functools import partial
+
 import onnx
 from onnx import helper
 
+from .conditions import Problem, require
 from .editor import copy_model
+from .passes import FunctionPass
 
 SEED_MODULUS = 2**31 - 1  # minstd_rand0's modulus: seeds s and s + SEED_MODULUS give the same engine
 STREAM_STRIDE = (SEED_MODULUS - 1) // 128
@@ -36,7 +40,11 @@ def dropout_seed(base: int, index: int, position: int) -> int:
 
 
 def seed_dropouts(model: onnx.ModelProto, base: int, position: int) -> onnx.ModelProto:
-    """Apply the rule above (a copy); a model without Dropout nodes is returned as is."""
+    """Apply the rule above (a copy); a model without Dropout nodes is returned as is.
+
+    Precondition: `base` and `position` are non-negative, and the graph has at most 128 Dropout nodes (beyond that
+    their streams would overlap within STREAM_STRIDE computations)."""
+    require("seed_dropouts", _seeds_problem(model, base, position))
     indices = dropout_nodes(model)
     if not indices:
         return model
@@ -47,3 +55,21 @@ def seed_dropouts(model: onnx.ModelProto, base: int, position: int) -> onnx.Mode
         del node.attribute[:]
         node.attribute.extend([*kept, helper.make_attribute("seed", dropout_seed(base, k, position))])
     return result
+
+
+def _seeds_problem(model: onnx.ModelProto, base: int, position: int) -> Problem:
+    if base < 0 or position < 0:
+        return f"the stream's base seed and position must be non-negative, got {base} and {position}"
+    count = len(dropout_nodes(model))
+    if count > (SEED_MODULUS - 1) // STREAM_STRIDE:
+        return f"the graph has {count} Dropout nodes; per-node streams are laid out for at most 128"
+    return None
+
+
+def seed_dropouts_pass(base: int, position: int) -> FunctionPass:
+    """`seed_dropouts` as a pass."""
+    return FunctionPass(
+        "seed_dropouts",
+        partial(seed_dropouts, base=base, position=position),
+        partial(_seeds_problem, base=base, position=position),
+    )
