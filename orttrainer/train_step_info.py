@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ._require import require as _require
 from .optim.config import _OptimizerConfig
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["TrainStepInfo"]
 
@@ -54,7 +51,7 @@ class TrainStepInfo:
 
         self.optimizer_config = optimizer_config
         # the trainer later stores the graph's one-element bool tensor here, as the original did
-        self.all_finite: bool | torch.Tensor = all_finite
+        self.all_finite: Any = all_finite  # a bool, or a one-element bool tensor
         self.fetches = fetches
         self.optimization_step = optimization_step
         self.step = step

@@ -111,3 +111,8 @@ if __name__ == "__main__":
     result = run(config)
     with open(config["out"], "w") as f:
         json.dump(result, f)
+    if torch.distributed.is_initialized():
+        # leave together: a rank that exits while its peer's Gloo threads still talk to it makes the peer abort
+        # ("terminate called without an active exception")
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
