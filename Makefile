@@ -1,19 +1,38 @@
-# Entry points for a fresh clone: `make demo`, `make test` and `make bench`. Each creates .venv (Python 3.11) on
-# first use and reinstalls when setup.cfg, pyproject.toml or constraints.txt change.
+# Entry points for a fresh clone: `make demo`, `make test`, `make test-maintained`, `make lint` and `make bench`.
+# Each creates its virtual environment on first use and reinstalls when setup.cfg, pyproject.toml or the
+# constraints file change. Two environments (README: Installation):
+#   .venv             Python 3.11 + onnxruntime-training 1.19.2 (constraints.txt): both gradient builders
+#   .venv-maintained  the maintained onnxruntime (constraints-maintained.txt): the torch gradient builder
+# `make test-maintained PYTHON=python3.12` builds .venv-maintained-3.12 instead (and so on for 3.13).
 PYTHON ?= python3.11
+# pyenv machines: make every installed version's pythonX.Y resolvable, whatever the global version is
+export PYENV_VERSION ?= $(shell pyenv versions --bare 2>/dev/null | sort -rV | tr '\n' ':' | sed 's/:$$//')
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PYVER := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+VENV_M := .venv-maintained$(if $(filter 3.11,$(PYVER)),,-$(PYVER))
+PY_M := $(VENV_M)/bin/python
+STAMP_M := $(VENV_M)/.installed
 
-.PHONY: test lint demo bench clean
+.PHONY: test test-maintained lint demo bench clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,examples,lint]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[ort-training,test,examples,lint]'
 	touch $(STAMP)
+
+$(STAMP_M): setup.cfg pyproject.toml constraints-maintained.txt
+	test -x $(PY_M) || $(PYTHON) -m venv $(VENV_M)
+	$(PY_M) -m pip install -q -c constraints-maintained.txt -e '.[cpu,test,examples]'
+	touch $(STAMP_M)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The same suite on the maintained onnxruntime: tests that need onnxruntime-training skip, saying so.
+test-maintained: $(STAMP_M)
+	$(PY_M) -m pytest
 
 # The style and type gates CI runs before the tests.
 lint: $(STAMP)
@@ -30,4 +49,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-maintained* *.egg-info .pytest_cache

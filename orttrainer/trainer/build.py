@@ -32,6 +32,7 @@ from .model_types import describe_mixed_precision, record_export_types, record_g
 from .ort_session import writable_debug_path
 from .parameters import split_parameters
 from .rng import DropoutStreams
+from .runtime import has_training_build
 from .session import SessionBase, SessionConfig, TrainingSession
 from .session_dp import DataParallelSession
 
@@ -97,7 +98,12 @@ def _build_from_torch(
             enable_contrib_ops=internal.enable_onnx_contrib_ops,
         )
     ort_only = ort_only_options(options) + (["orttrainer.debug statistics"] if activations.marked else [])
-    choice = choose_builder(internal.gradient_builder, custom_functions=exported.custom_functions, ort_only=ort_only)
+    choice = choose_builder(
+        internal.gradient_builder,
+        custom_functions=exported.custom_functions,
+        ort_only=ort_only,
+        training_build=has_training_build(),
+    )
     record_export_types(desc, exported)
     info = TorchExportInfo(
         list(module.state_dict().keys()),

@@ -21,7 +21,10 @@ from ..optim.config import _OptimizerConfig
 from ..schema.model_desc import _ORTTrainerModelDesc
 from ..schema.options import ORTTrainerOptions
 from .distributed import DistributedContext, check_adasum_world_size, resolve_context
+from .gradient.choice import OPTION as BUILDER_OPTION
+from .gradient.choice import ort_only_options
 from .graph.recompute import RecomputePlan
+from .runtime import TRAINING_EXTRA_HINT, check_runtime, has_training_build
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,8 @@ def make_config(
     if checked_options.mixed_precision.enabled and not checked_options.mixed_precision.loss_scaler:
         checked_options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
     check_supported_options(checked_options)
+    check_runtime()
+    check_runtime_supports(checked_options)
     check_provider_options(checked_options)
     device = Device.parse(checked_options.device.id)
     distributed = resolve_context(checked_options, device.type)
@@ -220,6 +225,27 @@ def checked_provider_options(name: object, opts: object, available: list[str]) -
             "from Python and would ignore them; cap its memory with options device.mem_limit"
         )
     return {k: str(v) for k, v in opts.items()}
+
+
+def check_runtime_supports(options: ORTTrainerOptions) -> None:
+    """Options that need onnxruntime-training (its gradient builder and the graph transformations that act on its
+    gradient graph) raise NotImplementedError at construction where only the maintained onnxruntime is installed,
+    naming the options and the extra to install."""
+    if has_training_build():
+        return
+    builder = options._internal_use.gradient_builder
+    if builder == "ort":
+        raise NotImplementedError(
+            f"options {BUILDER_OPTION}='ort' needs ONNX Runtime's gradient builder, which only onnxruntime-training "
+            f"has: {TRAINING_EXTRA_HINT}; or use 'torch' or 'auto' (which picks 'torch' here)"
+        )
+    needs_training = ort_only_options(options)
+    if needs_training:
+        raise NotImplementedError(
+            f"options {needs_training} need onnxruntime-training (they transform ONNX Runtime's gradient graph), "
+            f"and the maintained onnxruntime installed here trains with the torch gradient builder: turn them off, or "
+            f"{TRAINING_EXTRA_HINT}"
+        )
 
 
 def check_provider_options(options: ORTTrainerOptions) -> None:

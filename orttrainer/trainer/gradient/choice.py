@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..runtime import TRAINING_EXTRA_HINT
 from .ort_options import GradientOptions
 
 if TYPE_CHECKING:
@@ -51,14 +52,20 @@ def ort_only_options(options: ORTTrainerOptions) -> list[str]:
 
 
 def choose_builder(
-    option: str, *, onnx_model: bool = False, custom_functions: Sequence[str] = (), ort_only: Sequence[str] = ()
+    option: str,
+    *,
+    onnx_model: bool = False,
+    custom_functions: Sequence[str] = (),
+    ort_only: Sequence[str] = (),
+    training_build: bool = True,
 ) -> BuilderChoice:
     """Rules, in order:
     - an ONNX model uses 'ort' ('torch' is a ValueError: the torch builder traces a `torch.nn.Module`);
     - `ort_only` features (see `ort_only_options`) need 'ort': with them 'torch' is a NotImplementedError (so is
       'auto' with custom Functions), and 'auto' means 'ort';
     - 'ort' with custom Functions is a NotImplementedError naming them (their backward would be ignored);
-    - 'torch', and 'auto' with custom Functions, mean 'torch'; 'auto' otherwise stays 'auto'."""
+    - 'torch', and 'auto' with custom Functions, mean 'torch'; 'auto' without the training build
+      (`training_build=False`: the maintained onnxruntime) means 'torch'; 'auto' otherwise stays 'auto'."""
     functions, ort_only = list(custom_functions), list(ort_only)
     if onnx_model:
         if option == "torch":
@@ -67,6 +74,11 @@ def choose_builder(
                 "the model is an ONNX model; use 'ort' or 'auto' (ONNX models always use 'ort')"
             )
         return BuilderChoice("ort", "the model is an ONNX model")
+    if ort_only and not training_build:
+        raise NotImplementedError(
+            f"{ort_only} need onnxruntime-training (they act on ONNX Runtime's gradient graph), which is not "
+            f"installed here: turn them off, or {TRAINING_EXTRA_HINT}"
+        )
     wants_torch = option == "torch" or (option == "auto" and functions)
     if ort_only and wants_torch:
         why = f"the model uses custom torch.autograd.Function(s) {functions}, which need " if option == "auto" else ""
@@ -93,4 +105,8 @@ def choose_builder(
         )
     if ort_only:
         return BuilderChoice("ort", f"auto: {ort_only} need the 'ort' builder")
+    if not training_build:
+        return BuilderChoice(
+            "torch", "auto: onnxruntime-training is not installed, and the torch builder runs on any ONNX Runtime build"
+        )
     return BuilderChoice("auto", "auto: no custom torch.autograd.Function")
