@@ -39,14 +39,14 @@ def test_owned_ortvalue_copies_the_array():
     np.testing.assert_array_equal(value.numpy(), [0, 1, 2])
 
 
-def test_ortvalue_from_dlpack_shares_the_tensor_memory():
+def test_ortvalue_from_torch_shares_the_tensor_memory_and_reads_bool():
     tensor = torch.arange(3, dtype=torch.float32)
-    value = ort_private.ortvalue_from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False)
+    value = ort_private.ortvalue_from_torch(tensor)
     tensor.add_(10)
     np.testing.assert_array_equal(value.numpy(), [10, 11, 12])
-    flags = torch.tensor([True, False, True])
-    as_bool = ort_private.ortvalue_from_dlpack(torch.utils.dlpack.to_dlpack(flags.view(torch.uint8)), True)
+    as_bool = ort_private.ortvalue_from_torch(torch.tensor([True, False, True]))
     assert as_bool.data_type() == "tensor(bool)" and as_bool.numpy().tolist() == [True, False, True]
+    assert to_torch_view(as_bool).tolist() == [True, False, True]
 
 
 def test_run_with_ort_values_returns_new_owned_values():

@@ -15,6 +15,7 @@ Verified on onnxruntime-training 1.19.2 (CPU).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,10 +42,25 @@ def owned_ortvalue(array: np.ndarray, device_type: str, device_index: int) -> An
     return value._get_c_value()
 
 
-def ortvalue_from_dlpack(capsule: Any, is_bool: bool) -> Any:
-    """A C-level OrtValue sharing the memory of a DLPack capsule (`is_bool`: the capsule holds uint8 bytes that
-    are to be read as bool)."""
-    return _capi().OrtValue.from_dlpack(capsule, is_bool)
+def ortvalue_from_torch(tensor: Any) -> Any:
+    """A C-level OrtValue sharing the memory of a contiguous torch tensor, through DLPack.
+
+    Why two spellings: onnxruntime-training 1.19 takes `from_dlpack(capsule, is_bool)` and rejects DLPack's bool
+    type ("Unsupported code 6"), so a bool tensor goes as a uint8 view flagged as bool; the maintained onnxruntime
+    (verified 1.32) takes `from_dlpack(capsule)` and reads bool itself (docs/engine.md §10)."""
+    import torch
+
+    from_dlpack = _capi().OrtValue.from_dlpack
+    if _from_dlpack_takes_bool_flag():
+        if tensor.dtype == torch.bool:
+            return from_dlpack(torch.utils.dlpack.to_dlpack(tensor.view(torch.uint8)), True)
+        return from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False)
+    return from_dlpack(torch.utils.dlpack.to_dlpack(tensor))
+
+
+@functools.cache
+def _from_dlpack_takes_bool_flag() -> bool:
+    return "is_bool_tensor" in (_capi().OrtValue.from_dlpack.__doc__ or "")
 
 
 def run_with_ort_values(session: Any, feeds: dict[str, Any], fetches: Sequence[str], run_options: Any) -> list:

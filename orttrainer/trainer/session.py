@@ -215,7 +215,7 @@ class SessionBase(ABC):
         feeds = {name: self._state[name] for name in wanted if name in self._state}
         for name, tensor in data.items():
             if name in wanted:  # inputs the graph does not use were pruned by ORT
-                feeds[name] = _from_torch(tensor)
+                feeds[name] = from_torch(tensor)
         return feeds
 
     def _run(self, session: Any, feeds: dict[str, Any], fetch: list[str]) -> list:
@@ -300,17 +300,9 @@ def to_torch_view(value) -> torch.Tensor:
     return tensor
 
 
-def from_torch(tensor: torch.Tensor):
+def from_torch(tensor: torch.Tensor) -> Any:
     """An OrtValue sharing the tensor's memory (DLPack); it keeps the tensor alive."""
-    return _from_torch(tensor)
-
-
-def _from_torch(tensor: torch.Tensor):
     tensor = tensor.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    if tensor.dtype == torch.bool:
-        # torch exports bool as DLPack's kDLBool, which onnxruntime 1.19 rejects ("Unsupported code 6"); a uint8 view
-        # of the same memory, flagged as bool, is what it accepts.
-        return ort_private.ortvalue_from_dlpack(torch.utils.dlpack.to_dlpack(tensor.view(torch.uint8)), True)
-    return ort_private.ortvalue_from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False)
+    return ort_private.ortvalue_from_torch(tensor)
