@@ -207,13 +207,13 @@ def test_bfloat16_tensor_is_refused_with_advice(tmp_path):
 
 def test_file_appearing_during_save_is_not_clobbered(tmp_path, monkeypatch):
     path = tmp_path / "c.ortcp"
-    real_fsync = _atomic._fsync_file
+    real_fsync = _atomic._fsync
 
-    def someone_else_writes_first(tmp):
-        real_fsync(tmp)
+    def someone_else_writes_first(fd):
+        real_fsync(fd)
         path.write_bytes(b"another writer")
 
-    monkeypatch.setattr(_atomic, "_fsync_file", someone_else_writes_first)
+    monkeypatch.setattr(_atomic, "_fsync", someone_else_writes_first)
     with pytest.raises(FileExistsError):
         storage.save({"a": 1}, path)
     assert path.read_bytes() == b"another writer"
@@ -221,7 +221,7 @@ def test_file_appearing_during_save_is_not_clobbered(tmp_path, monkeypatch):
 
 
 def test_save_without_hard_links_still_publishes(tmp_path, monkeypatch):
-    def no_links(src, dst):
+    def no_links(src, dst, **kwargs):
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)

@@ -96,7 +96,7 @@ def to_pytorch(paths: Sequence[str], output: str) -> str:
         raise target_exists_error(output)
     weights = _read_weights(paths[0]) if len(paths) == 1 else aggregate_checkpoints(paths, pytorch_format=True)
     tensors = {name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()}
-    atomic_write(output, lambda tmp: torch.save(tensors, tmp))
+    atomic_write(output, lambda handle: torch.save(tensors, handle))
     count = sum(t.numel() for t in tensors.values())
     return f"wrote {len(tensors)} tensors ({count:,} values) to {output}"
 

@@ -161,7 +161,7 @@ def _save_flat_checkpoint(
     checkpoint_file = os.path.join(checkpoint_dir, name)
     if os.path.exists(checkpoint_file):
         warnings.warn(f"{checkpoint_file} already exists, overwriting.", stacklevel=2)
-    atomic_write(checkpoint_file, lambda tmp: torch.save(to_save, tmp), overwrite=True)
+    atomic_write(checkpoint_file, lambda handle: torch.save(to_save, handle), overwrite=True)
 
 
 def experimental_load_checkpoint(

@@ -52,7 +52,7 @@ def save(save_obj: Mapping[str, Any], path_or_file: PathOrFile) -> None:
         _save_to_file_object(save_obj, path_or_file)
         return
     path = _fspath(path_or_file)
-    atomic_write(path, lambda tmp: _write_hdf5(save_obj, tmp, path))
+    atomic_write(path, lambda handle: _write_hdf5(save_obj, handle, path))
 
 
 def _save_to_file_object(save_obj: Mapping[str, Any], file_object: IO[bytes]) -> None:
@@ -63,8 +63,8 @@ def _save_to_file_object(save_obj: Mapping[str, Any], file_object: IO[bytes]) ->
         file_object.flush()
 
 
-def _write_hdf5(save_obj: Mapping[str, Any], target: str | IO[bytes], shown_as: str) -> None:
-    with h5py.File(target, "w-" if isinstance(target, str) else "w") as handle:
+def _write_hdf5(save_obj: Mapping[str, Any], target: IO[bytes], shown_as: str) -> None:
+    with h5py.File(target, "w") as handle:
         _save_group(handle, save_obj, "", shown_as)
 
 
