@@ -11,8 +11,10 @@ import subprocess
 import sys
 import textwrap
 
+import h5py
 import numpy as np
 import pytest
+from legacy_checkpoint_files import adam_state, linear_weights, write_checkpoint
 
 from orttrainer.checkpoint import _atomic, storage
 
@@ -147,3 +149,96 @@ def test_failed_write_leaves_nothing_in_either_mode(tmp_path, monkeypatch, anony
     assert os.listdir(tmp_path) == []
     storage.save({"w": np.arange(3)}, tmp_path / "c.ortcp")
     assert os.listdir(tmp_path) == ["c.ortcp"]
+
+
+# --- checksums ----------------------------------------------------------------------------------------------------
+
+
+def _flip(path, offset: int, count: int = 8) -> None:
+    data = bytearray(path.read_bytes())
+    for index in range(offset, offset + count):
+        data[index] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _data_offset(path, name: str) -> int:
+    """Where the dataset's values start in the file (its first chunk, or its contiguous data)."""
+    with h5py.File(path, "r") as handle:
+        dataset = handle[name]
+        if dataset.chunks:
+            return dataset.id.get_chunk_info(0).byte_offset
+        return dataset.id.get_offset()
+
+
+def _checkpoint(path) -> None:
+    weights = {"fc.weight": np.linspace(-1, 1, 400, dtype=np.float32).reshape(20, 20), "fc.bias": np.ones(20)}
+    storage.save(
+        {
+            "model": {"full_precision": weights},
+            "trainer_options": {"optimizer_name": "AdamOptimizer", "world_size": 1},
+            "train_step_info": {"optimization_step": 7, "step": 7},
+        },
+        path,
+    )
+
+
+def test_every_dataset_is_saved_with_a_checksum(tmp_path):
+    path = tmp_path / "c.ortcp"
+    _checkpoint(path)
+    with h5py.File(path, "r") as handle:
+        assert handle["model/full_precision/fc.weight"].fletcher32
+        assert handle["model/full_precision/fc.bias"].fletcher32
+        for name in ("trainer_options/optimizer_name", "trainer_options/world_size", "train_step_info/step"):
+            assert storage.CHECKSUM_ATTRIBUTE in handle[name].attrs, name
+    assert storage.load(path)["train_step_info"] == {"optimization_step": 7, "step": 7}
+
+
+def test_flipped_bytes_in_a_weight_are_detected(tmp_path):
+    path = tmp_path / "c.ortcp"
+    _checkpoint(path)
+    _flip(path, _data_offset(path, "model/full_precision/fc.weight") + 40)
+    for read in (lambda: storage.load(path), lambda: storage.load(path, key="model/full_precision")):
+        with pytest.raises(storage.CheckpointCorruptError) as error:
+            read()
+        assert "'model/full_precision/fc.weight'" in str(error.value) and str(path) in str(error.value)
+    assert storage.load(path, key="train_step_info/step") == 7  # the rest of the file still reads
+
+
+def test_flipped_bytes_in_a_scalar_are_detected(tmp_path):
+    path = tmp_path / "c.ortcp"
+    _checkpoint(path)
+    _flip(path, _data_offset(path, "train_step_info/step"), count=2)
+    with pytest.raises(storage.CheckpointCorruptError, match="'train_step_info/step' does not match the CRC-32"):
+        storage.load(path)
+
+
+def test_flipped_bytes_in_a_string_are_detected(tmp_path):
+    path = tmp_path / "c.ortcp"
+    _checkpoint(path)
+    data = path.read_bytes()
+    assert data.count(b"AdamOptimizer") == 1
+    _flip(path, data.index(b"AdamOptimizer") + 4, count=1)
+    with pytest.raises(storage.CheckpointCorruptError, match="'trainer_options/optimizer_name'"):
+        storage.load(path, key="trainer_options")
+
+
+def test_files_without_checksums_still_load(tmp_path):
+    path = tmp_path / "legacy.ortcp"
+    weights = linear_weights()
+    write_checkpoint(path, weights=weights, optimizer=adam_state(weights))
+    with h5py.File(path, "r") as handle:
+        assert not handle["model/full_precision/fc.weight"].fletcher32
+        assert not handle["train_step_info/step"].attrs
+    np.testing.assert_array_equal(storage.load(path)["model"]["full_precision"]["fc.weight"], weights["fc.weight"])
+
+
+def test_cli_info_reports_checksums_and_refuses_corrupt_values(tmp_path, capsys):
+    from orttrainer.checkpoint import cli
+
+    path = tmp_path / "c.ortcp"
+    _checkpoint(path)
+    assert cli.main(["info", str(path)]) == 0
+    assert "checksums: fletcher32 on 2 arrays, CRC-32 on 4 other datasets" in capsys.readouterr().out
+    _flip(path, _data_offset(path, "train_step_info/step"), count=2)
+    assert cli.main(["info", str(path)]) == 2
+    assert "'train_step_info/step' does not match" in capsys.readouterr().err

@@ -43,10 +43,11 @@ from .experimental import (
     experimental_save_checkpoint,
     experimental_state_dict,
 )
-from .storage import CheckpointNotFoundError
+from .storage import CheckpointCorruptError, CheckpointNotFoundError
 
 __all__ = [
     "CheckpointAggregationError",
+    "CheckpointCorruptError",
     "CheckpointNotFoundError",
     "aggregate_checkpoints",
     "experimental_load_checkpoint",
