@@ -354,9 +354,12 @@ def test_serialized_hex_round_trip(tmp_path):
     storage.save({"user_dict": text}, tmp_path / "c.ortcp")
     raw = storage.load(tmp_path / "c.ortcp")["user_dict"]
     assert isinstance(raw, bytes)
-    restored = storage.from_serialized_hex(raw)
+    # a class of the caller's needs trust: unpickling it could run code (see test_reliability_checkpoints.py)
+    with pytest.raises(storage.safe_pickle.UnsafePickleError, match=r"user_dict\['custom'\] needs .*_Custom"):
+        storage.from_serialized_hex(raw)
+    restored = storage.from_serialized_hex(raw, trusted=True)
     assert torch.equal(restored["tensor"], torch.arange(5.0)) and restored["custom"] == _Custom(12)
-    assert storage.from_serialized_hex(text)["custom"] == _Custom(12)
+    assert storage.from_serialized_hex(text, trusted=True)["custom"] == _Custom(12)
 
 
 def test_legacy_module_path_exports_storage():

@@ -12,6 +12,7 @@ when complete.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from . import layout
 from ._atomic import atomic_write, target_exists_error
 from .aggregate import aggregate_checkpoints
 from .storage import CHECKSUM_ATTRIBUTE, load, open_checkpoint, read_dataset
+from .user_dict import ARRAYS_KEY, FORMAT_KEY, TREE_KEY
 
 # The groups `describe` has a section for; any other top-level key is listed by name.
 _KNOWN_KEYS = {
@@ -197,9 +199,22 @@ def _partition_section(handle: h5py.File) -> str:
 def _user_dict_section(handle: h5py.File) -> str:
     if layout.USER_DICT not in handle:
         return f"{layout.USER_DICT}: absent"
-    value = handle[layout.USER_DICT][()]
-    size = len(value) // 2 if isinstance(value, (bytes, str)) else 0
-    return f"{layout.USER_DICT}: present ({size:,} bytes pickled; not unpickled here)"
+    node = handle[layout.USER_DICT]
+    if not isinstance(node, h5py.Group):
+        value = _read(node)
+        size = len(value) // 2 if isinstance(value, (bytes, str)) else 0
+        return f"{layout.USER_DICT}: present ({size:,} bytes pickled, the original's format; not unpickled here)"
+    # JSON is data, not code: reading the tree is safe; the pickled values in it are only counted.
+    text = _text(_read(node[TREE_KEY])) if TREE_KEY in node else "null"
+    tree = json.loads(text)
+    keys = [key for key, _ in tree.get("dict", [])] if isinstance(tree, dict) else []
+    arrays = len(node[ARRAYS_KEY]) if ARRAYS_KEY in node else 0
+    pickled = text.count('{"pickle":')  # quotes inside JSON strings are escaped: this is only the tag
+    shown = ", ".join(repr(key) for key in keys[:10]) + (", ..." if len(keys) > 10 else "")
+    return (
+        f"{layout.USER_DICT}: present ({_text(_read(node[FORMAT_KEY])) if FORMAT_KEY in node else 'unknown format'}, "
+        f"keys {shown or 'none'}; {_plural(arrays, 'array')}, {_plural(pickled, 'pickled value')}, not unpickled here)"
+    )
 
 
 def _checksums_section(handle: h5py.File) -> str:

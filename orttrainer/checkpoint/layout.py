@@ -20,7 +20,8 @@ the state dict plus ``user_dict``; HDF5 turns the groups into groups and the lea
     gradient_accumulation/<weight>          orttrainer's addition, only mid accumulation window: the running sums
     loss_scaler/
         loss_scale, stable_steps            orttrainer's addition, mixed precision only
-    user_dict                               checkpoint files only: the pickled user dict as a hex string
+    user_dict                               checkpoint files only: a group (format, JSON tree, arrays; see
+                                            ``user_dict``), or in files of the original a pickle as a hex string
 
 Rules: every key is spelled by a constant here; code that reads or writes the layout uses them. After an HDF5
 round trip strings come back as ``bytes`` and numbers as numpy scalars (see ``storage``). This module imports

@@ -29,6 +29,7 @@ from typing import IO, Any, TypeGuard
 import h5py
 import numpy as np
 
+from . import safe_pickle
 from ._atomic import atomic_write
 
 PathOrFile = str | os.PathLike | IO[bytes]
@@ -262,18 +263,23 @@ def _corrupt_error(shown_as: str, error: OSError) -> ValueError:
 
 
 def to_serialized_hex(user_dict: Any) -> str:
-    """``pickle.dumps(user_dict).hex()``: a str that HDF5 stores as is, so arbitrary Python types survive."""
+    """``pickle.dumps(user_dict).hex()``: a str that HDF5 stores as is (the original ORTTrainer's user_dict format;
+    ``ORTTrainer.save_checkpoint`` now stores plain data without pickle, see ``checkpoint.user_dict``)."""
     return pickle.dumps(user_dict).hex()
 
 
-def from_serialized_hex(serialized_hex: str | bytes) -> Any:
+def from_serialized_hex(serialized_hex: str | bytes, *, trusted: bool = False) -> Any:
     """Inverse of ``to_serialized_hex``; accepts the ``bytes`` that HDF5 gives back for a saved str.
 
-    This unpickles: only load checkpoints you trust.
+    Rule: without ``trusted`` only plain data is unpickled (``safe_pickle``: numbers, strings, bytes, None, lists,
+    tuples, dicts, sets, numpy arrays, torch tensors); anything else raises ``safe_pickle.UnsafePickleError``
+    naming the key and the global it needs, and no code runs. ``trusted=True`` is ``pickle.loads``: only for data
+    you trust, since unpickling can run any code.
     """
     if isinstance(serialized_hex, bytes):
         serialized_hex = serialized_hex.decode()
-    return pickle.loads(bytes.fromhex(serialized_hex))
+    data = bytes.fromhex(serialized_hex)
+    return pickle.loads(data) if trusted else safe_pickle.loads(data, where="serialized user_dict", path="user_dict")
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------
