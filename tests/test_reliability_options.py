@@ -1,5 +1,6 @@
 """Refused at construction, naming the option or key: values the legacy schema let through to fail later inside
-ONNX Runtime (or crash in the options wrapper)."""
+ONNX Runtime (or crash in the options wrapper). Also: under orttrainer.compat the cast-propagation strategy enum
+compares equal to what the options hold."""
 
 from __future__ import annotations
 
@@ -112,3 +113,27 @@ def test_largest_values_onnxruntime_takes_are_accepted():
     )
     assert options.device.mem_limit == 2**64 - 1
     assert options.graph_transformer.propagate_cast_ops_config.level == 2**63 - 1
+
+
+# --- compat -------------------------------------------------------------------------------------------------------
+
+
+def test_compat_strategy_enum_compares_equal_to_the_options_default():
+    from orttrainer import compat
+
+    was_installed = compat.is_installed()
+    compat.install()
+    try:
+        import onnxruntime.training
+
+        strategy = ORTTrainerOptions({}).graph_transformer.propagate_cast_ops_config.strategy
+        assert strategy == onnxruntime.training.PropagateCastOpsStrategy.FLOOD_FILL
+        assert strategy is onnxruntime.training.PropagateCastOpsStrategy.FLOOD_FILL
+        chosen = onnxruntime.training.PropagateCastOpsStrategy.INSERT_AND_REDUCE  # a legacy script's choice
+        options = ORTTrainerOptions({"graph_transformer": {"propagate_cast_ops_config": {"strategy": chosen}}})
+        assert options.graph_transformer.propagate_cast_ops_config.strategy == chosen
+    finally:
+        if not was_installed:
+            compat.uninstall()
+    real = pytest.importorskip("onnxruntime.training").PropagateCastOpsStrategy  # the real module again
+    assert type(real.FLOOD_FILL).__module__.startswith("onnxruntime")
