@@ -14,9 +14,9 @@ import textwrap
 import h5py
 import numpy as np
 import pytest
-from legacy_checkpoint_files import adam_state, linear_weights, write_checkpoint
+from legacy_checkpoint_files import adam_state, linear_weights, trainer_options, write_checkpoint
 
-from orttrainer.checkpoint import _atomic, storage
+from orttrainer.checkpoint import CheckpointAggregationError, _atomic, aggregate_checkpoints, storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -242,3 +242,90 @@ def test_cli_info_reports_checksums_and_refuses_corrupt_values(tmp_path, capsys)
     _flip(path, _data_offset(path, "train_step_info/step"), count=2)
     assert cli.main(["info", str(path)]) == 2
     assert "'train_step_info/step' does not match" in capsys.readouterr().err
+
+
+# --- aggregation keeps what the trainer saves beyond the legacy layout --------------------------------------------
+
+
+def _zero_rank_file(path, rank: int, **changes) -> str:
+    """One rank of a ZeRO-1 run of 2, as ORTTrainer.save_checkpoint writes it (storage, with checksums)."""
+    extra = {
+        "train_step_info": {"optimization_step": 3, "step": 6},
+        "loss_scaler": {"loss_scale": 128.0, "stable_steps": 5},
+        "rng": {"seed": 12345, "positions": {"all": 3, "8x32:float32|8:int64": 2}},
+    }
+    for key, value in changes.items():
+        if value is None:
+            extra.pop(key)
+        else:
+            extra[key] = value
+    storage.save(
+        {
+            "model": {"full_precision": {"w": np.arange(6, dtype=np.float32)}},
+            "optimizer": {"w": {"Moment_1": np.full(3, rank + 1.0), "Moment_2": np.full(3, rank + 2.0)}},
+            "trainer_options": trainer_options(rank=rank, world_size=2, zero_stage=1),
+            "partition_info": {"w": {"original_dim": np.array([6]), "megatron_row_partition": np.array([-1])}},
+            **extra,
+        },
+        path,
+    )
+    return str(path)
+
+
+def test_aggregation_keeps_rng_loss_scaler_and_counters(tmp_path):
+    paths = [_zero_rank_file(tmp_path / f"r{rank}.ortcp", rank) for rank in (0, 1)]
+    state = aggregate_checkpoints(paths, pytorch_format=False)
+    assert state["rng"] == {"seed": 12345, "positions": {"all": 3, "8x32:float32|8:int64": 2}}
+    assert state["loss_scaler"] == {"loss_scale": 128.0, "stable_steps": 5}
+    assert state["train_step_info"] == {"optimization_step": 3, "step": 6}
+    assert state["optimizer"]["w"]["Moment_1"].tolist() == [1, 1, 1, 2, 2, 2]
+
+
+def test_aggregation_keeps_identical_gradient_accumulation(tmp_path):
+    sums = {"gradient_accumulation": {"w": np.full(6, 0.5, np.float32)}}
+    paths = [_zero_rank_file(tmp_path / f"r{rank}.ortcp", rank, **sums) for rank in (0, 1)]
+    state = aggregate_checkpoints(paths, pytorch_format=False)
+    np.testing.assert_array_equal(state["gradient_accumulation"]["w"], np.full(6, 0.5, np.float32))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"loss_scaler": {"loss_scale": 64.0, "stable_steps": 5}}, "Value mismatch for loss_scaler/loss_scale"),
+        ({"train_step_info": None}, "train_step_info/optimization_step is in the checkpoint file of rank 0 but"),
+        (
+            {"gradient_accumulation": {"w": np.ones(6, np.float32)}},
+            "gradient_accumulation: each data-parallel rank holds its own partial gradient sums",
+        ),
+    ],
+    ids=["loss_scale", "counters_missing", "gradient_accumulation"],
+)
+def test_aggregation_refuses_ranks_that_disagree_on_replicated_state(tmp_path, changes, message):
+    accumulation = (
+        {"gradient_accumulation": {"w": np.zeros(6, np.float32)}} if "gradient_accumulation" in changes else {}
+    )
+    first = _zero_rank_file(tmp_path / "r0.ortcp", 0, **accumulation)
+    second = _zero_rank_file(tmp_path / "r1.ortcp", 1, **changes)
+    with pytest.raises(CheckpointAggregationError) as error:
+        aggregate_checkpoints([first, second], pytorch_format=False)
+    assert message in str(error.value) and second in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "rng, message",
+    [
+        ({"seed": 12345, "positions": {"all": 4, "8x32:float32|8:int64": 2}}, "Value mismatch for rng/positions/all"),
+        ({"seed": 7, "positions": {"all": 3, "8x32:float32|8:int64": 2}}, "Value mismatch for rng/seed"),
+        ({"seed": 12345, "positions": {"all": 3}}, "rng/positions/8x32:float32|8:int64 is in the checkpoint file"),
+        (None, "rng/seed is in the checkpoint file of rank 0 but missing"),
+    ],
+    ids=["position", "seed", "missing_key", "missing"],
+)
+def test_aggregation_keeps_the_first_ranks_dropout_stream_when_ranks_differ(tmp_path, rng, message):
+    """Ranks may draw masks differently (seeded differently, or other batch shapes): a warning, not a refusal."""
+    first = _zero_rank_file(tmp_path / "r0.ortcp", 0)
+    second = _zero_rank_file(tmp_path / "r1.ortcp", 1, rng=rng)
+    with pytest.warns(UserWarning, match="continues rank 0's dropout stream") as record:
+        state = aggregate_checkpoints([first, second], pytorch_format=False)
+    assert message in str(record[0].message) and second in str(record[0].message)
+    assert state["rng"] == {"seed": 12345, "positions": {"all": 3, "8x32:float32|8:int64": 2}}
