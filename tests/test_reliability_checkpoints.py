@@ -151,6 +151,20 @@ def test_failed_write_leaves_nothing_in_either_mode(tmp_path, monkeypatch, anony
     assert os.listdir(tmp_path) == ["c.ortcp"]
 
 
+def test_a_directory_that_cannot_take_the_file_is_an_error_naming_the_target(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if flags & (_atomic._O_TMPFILE or os.O_CREAT):
+            raise OSError(30, "Read-only file system")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(OSError, match="Cannot create the checkpoint file: Read-only file system") as error:
+        storage.save({"a": 1}, tmp_path / "c.ortcp")
+    assert error.value.filename == str(tmp_path / "c.ortcp")
+
+
 # --- checksums ----------------------------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -29,6 +30,8 @@ from typing import BinaryIO
 
 _O_TMPFILE = getattr(os, "O_TMPFILE", 0)  # Linux only; 0 elsewhere: named temporaries
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# What O_TMPFILE fails with where the filesystem (or an old kernel) cannot make nameless files.
+_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL, errno.ENOENT}
 # This host, as it appears in temporary names: pids are only comparable on the host that wrote them.
 _HOST = f"{zlib.crc32(socket.gethostname().encode()) & 0xFFFFFFFF:08x}"
 _TEMPORARY = re.compile(r"^\.(?P<target>.+)\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)\.[0-9a-f]{16}\.tmp$")
@@ -54,7 +57,7 @@ def atomic_write(path: str | os.PathLike, write: Writer, *, overwrite: bool = Fa
     if not os.path.isdir(directory):
         raise FileNotFoundError(2, "Directory for the checkpoint file does not exist", path)
     sweep_stale_temporaries(directory)
-    fd = _open_anonymous(directory)
+    fd = _open_anonymous(directory, path)
     if fd is None:
         _write_named(path, write, overwrite)
     else:
@@ -91,13 +94,17 @@ def sweep_stale_temporaries(directory: str) -> list[str]:
 # --- the nameless file --------------------------------------------------------------------------------------------
 
 
-def _open_anonymous(directory: str) -> int | None:
+def _open_anonymous(directory: str, path: str) -> int | None:
+    """A nameless file in ``directory``, or None where the filesystem cannot make one; other errors (no
+    permission, read-only, full) name the checkpoint ``path``."""
     if not _O_TMPFILE or not os.path.isdir("/proc/self/fd"):
         return None
     try:
         return os.open(directory, _O_TMPFILE | os.O_RDWR | _O_CLOEXEC, 0o666)  # 0o666 less the umask, as open()
-    except OSError:  # EOPNOTSUPP, EISDIR (old kernels), EINVAL: this filesystem cannot
-        return None
+    except OSError as error:
+        if error.errno in _UNSUPPORTED:
+            return None
+        raise type(error)(error.errno, f"Cannot create the checkpoint file: {error.strerror}", path) from None
 
 
 def _link_anonymous(fd: int, path: str, overwrite: bool) -> bool:

@@ -1,4 +1,5 @@
-"""The replicated entries of per-rank checkpoint files: what every rank saves identically, kept once on aggregation.
+"""The replicated entries of per-rank checkpoint files: what every rank saves identically, kept once on aggregation
+(docs/legacy_api.md §9.4 for the merged ones).
 
 Rule: every top-level entry that ``aggregate.py`` does not merge by its own rules (``MERGED``: model, optimizer,
 trainer_options, partition_info, user_dict) is replicated — ``train_step_info``, ``loss_scaler``, ``rng``

@@ -1,5 +1,8 @@
 """Unpickling that runs no code: plain data comes back, anything else is refused by name.
 
+For the pickles of checkpoints: the original's ``user_dict`` hex strings (docs/legacy_api.md §3.12, §9.2), the
+values of a ``user_dict`` that are not plain data, and (through torch) the ``torch.save`` files of §9.3.
+
 A pickle is a program: each global it names is imported and called. ``loads`` resolves only the globals that plain
 data needs (``ALLOWED``) and refuses every other one, naming it and where in the value it sits; ``pickle.loads``
 is for files the caller trusts (``trusted=True`` in the checkpoint API).

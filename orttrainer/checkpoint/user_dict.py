@@ -1,5 +1,8 @@
 """The ``user_dict`` of a checkpoint file, stored without pickle where it is plain data, and loaded safely.
 
+The original stored ``pickle.dumps(user_dict).hex()`` and unpickled it on load (docs/legacy_api.md §3.12, §9.2):
+a crafted file ran code. Those files still load, through ``safe_pickle``.
+
 On disk (``ORTTrainer.save_checkpoint``) ``user_dict`` is an HDF5 group::
 
     user_dict/format        "orttrainer.user_dict/1"
@@ -54,6 +57,12 @@ def encode_user_dict(user_dict: Mapping[str, Any]) -> dict[str, Any]:
     except (RecursionError, ValueError):  # nested too deep, or an int beyond JSON's digit limit: pickle it whole
         encoder = _Encoder()
         text = json.dumps(encoder.pickled(user_dict, "user_dict"))
+    if encoder.needs_trust:
+        warnings.warn(
+            f"{'; '.join(encoder.needs_trust)}: not plain data, so saved pickled, and load_checkpoint will refuse it "
+            f"unless called with trusted=True. Plain data ({safe_pickle.PLAIN_TYPES}) needs no trust.",
+            stacklevel=3,  # the caller of save_checkpoint
+        )
     return {FORMAT_KEY: FORMAT, TREE_KEY: text, ARRAYS_KEY: encoder.arrays}
 
 
@@ -75,6 +84,7 @@ def decode_user_dict(stored: Any, *, trusted: bool = False, shown_as: str = "the
 class _Encoder:
     def __init__(self) -> None:
         self.arrays: dict[str, np.ndarray] = {}
+        self.needs_trust: list[str] = []  # what loading will refuse without trusted=True, e.g. "user_dict['cfg'] ..."
 
     def array(self, value: np.ndarray) -> int:
         self.arrays[str(len(self.arrays))] = value
@@ -138,13 +148,7 @@ class _Encoder:
 
     def pickled(self, value: Any, path: str) -> dict[str, int]:
         data = pickle.dumps(value)
-        refused = safe_pickle.refused(data, path)
-        if refused:
-            warnings.warn(
-                f"{'; '.join(refused)}: not plain data, so it is saved pickled, and load_checkpoint will refuse it "
-                f"unless called with trusted=True. Plain data ({safe_pickle.PLAIN_TYPES}) needs no trust.",
-                stacklevel=4,
-            )
+        self.needs_trust += safe_pickle.refused(data, path)  # the load's own check, run now: no code runs either
         return {"pickle": self.array(np.frombuffer(data, dtype=np.uint8))}
 
 
