@@ -155,6 +155,11 @@ def test_a_value_that_is_not_plain_is_pickled_alone_and_needs_trust(tmp_path):
     assert fresh.load_checkpoint(str(path), trusted=True) == {"epoch": 2, "cfg": _Config(0.3)}
 
 
+def test_a_value_that_cannot_be_saved_is_named():
+    with pytest.raises(TypeError, match=r"Cannot save user_dict\['fn'\]\[0\]: a function is neither plain data"):
+        encode_user_dict({"fn": [lambda: 1]})
+
+
 def test_legacy_hex_user_dict_with_plain_data_loads_without_trust(tmp_path):
     path = tmp_path / "legacy.ortcp"
     user_dict = {"epoch": 2, "t": torch.arange(3.0), "a": np.ones((2, 2), np.float32), "s": {1, 2}}

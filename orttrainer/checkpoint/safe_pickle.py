@@ -22,6 +22,8 @@ Rules:
 - A refused global is not called: it and whatever the pickle builds from it become inert placeholders, so that the
   whole value is read and every refused global reported with its path (``user_dict['cfg']``), then
   ``UnsafePickleError`` is raised. No code outside the allow-list runs, refused or not.
+- ``torch_load``: the same rule for ``torch.save`` files, by ``torch.load(weights_only=True)`` with numpy's
+  reconstruction added to torch's own allow-list.
 """
 
 from __future__ import annotations

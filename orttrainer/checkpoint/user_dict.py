@@ -147,7 +147,13 @@ class _Encoder:
         }
 
     def pickled(self, value: Any, path: str) -> dict[str, int]:
-        data = pickle.dumps(value)
+        try:
+            data = pickle.dumps(value)
+        except Exception as error:  # noqa: BLE001 - pickle raises whatever the object's __reduce__ raises
+            raise TypeError(
+                f"Cannot save {path}: a {type(value).__name__} is neither plain data ({safe_pickle.PLAIN_TYPES}) "
+                f"nor picklable ({type(error).__name__}: {error}); store what it holds instead"
+            ) from error
         self.needs_trust += safe_pickle.refused(data, path)  # the load's own check, run now: no code runs either
         return {"pickle": self.array(np.frombuffer(data, dtype=np.uint8))}
 
