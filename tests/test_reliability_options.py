@@ -64,10 +64,16 @@ def test_empty_name_is_refused():
     "provider_options, message",
     [
         ({1: {}}, "provider name 1 (int) is not a str: keys are names like 'CUDAExecutionProvider'"),
-        ({"CUDAExecutionProvider": 3}, "CUDAExecutionProvider: options must be a dict of option names to values, "),
-        ({"CUDAExecutionProvider": {2: "x"}}, "CUDAExecutionProvider: option name 2 (int) is not a str"),
-        ({"CUDAExecutionProvider": {"a": [1]}}, "CUDAExecutionProvider.a: [1] (list) is not a str, int, float or bool"),
-        ({"CUDAExecutionProvider": {"a": None}}, "CUDAExecutionProvider.a: None (NoneType) is not a str"),
+        (
+            {"CUDAExecutionProvider": 3},
+            "provider_options.CUDAExecutionProvider must be a dict of option names to values",
+        ),
+        (
+            {"CUDAExecutionProvider": {2: "x"}},
+            "option names must be str and values str, int, float or bool; these are not: [2]",
+        ),
+        ({"CUDAExecutionProvider": {"a": [1]}}, "these are not: ['a'] (values: [[1]])"),
+        ({"CUDAExecutionProvider": {"a": None}}, "these are not: ['a'] (values: [None])"),
     ],
 )
 def test_provider_options_of_the_wrong_shape_are_refused(provider_options, message):

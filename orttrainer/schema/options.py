@@ -109,16 +109,22 @@ def _check_provider_options(field: str, value: Any, error: Callable[[str, str], 
     if not isinstance(value, dict):
         return  # the type rule reports it
     for provider, options in value.items():
+        # Worded as the trainer's own check (trainer/config.py), which would otherwise report the same problems.
         if not isinstance(provider, str):
             error(field, f"provider name {_kind(provider)} is not a str: keys are names like 'CUDAExecutionProvider'")
         elif not isinstance(options, dict):
-            error(field, f"{provider}: options must be a dict of option names to values, got {_kind(options)}")
+            error(
+                field,
+                f"provider_options.{provider} must be a dict of option names to values, got {type(options).__name__}",
+            )
         else:
-            for key, option in options.items():
-                if not isinstance(key, str):
-                    error(field, f"{provider}: option name {_kind(key)} is not a str")
-                elif not isinstance(option, PROVIDER_OPTION_TYPES):
-                    error(field, f"{provider}.{key}: {_kind(option)} is not a str, int, float or bool")
+            bad = [k for k, v in options.items() if not isinstance(k, str) or not isinstance(v, PROVIDER_OPTION_TYPES)]
+            if bad:
+                error(
+                    field,
+                    f"provider_options.{provider}: option names must be str and values str, int, float or bool; "
+                    f"these are not: {bad} (values: {[options[k] for k in bad]})",
+                )
 
 
 def _kind(value: Any) -> str:
