@@ -10,6 +10,8 @@ The one line a legacy script adds, before its `onnxruntime` imports::
   (`ALIASES`): `onnxruntime.training.orttrainer`, `.orttrainer_options`, `.model_desc_validation`, `.checkpoint`,
   `._checkpoint_storage`, `.postprocess`, `.optim.config`, `.optim.lr_scheduler`, `.amp.loss_scaler`,
   `onnxruntime.capi.ort_trainer` and `onnxruntime.capi.checkpointing_utils`.
+- `onnxruntime.training` serves orttrainer's `ORTTrainer`, `ORTTrainerOptions`, `TrainStepInfo` and
+  `PropagateCastOpsStrategy` (the enum the options hold, so that they compare equal).
 - Packages both sides have (`OVERLAYS`: `onnxruntime.training`, `.optim`, `.amp`, `._utils`) become overlay
   modules: a name is looked up in orttrainer first, then in the real onnxruntime module, and the overlay keeps the
   real `__path__`, so `onnxruntime.training.onnxblock`, `.api`, `.artifacts`, `.ortmodule`, `optim.FusedAdam`, ...
@@ -146,6 +148,10 @@ def _training_names(modules: dict[str, types.ModuleType]) -> dict[str, Any]:
         "ORTTrainer": orttrainer.ORTTrainer,
         "ORTTrainerOptions": orttrainer.ORTTrainerOptions,
         "TrainStepInfo": orttrainer.TrainStepInfo,
+        # The enum the options hold: a legacy script comparing the options' strategy with
+        # `onnxruntime.training.PropagateCastOpsStrategy.X` must see equal values (onnxruntime's pybind enum never
+        # equals ours). What the options are given, of either enum, is normalised to ours by the schema.
+        "PropagateCastOpsStrategy": orttrainer.PropagateCastOpsStrategy,
     }
     prefix = "onnxruntime.training."
     names.update({n[len(prefix) :]: m for n, m in modules.items() if n.startswith(prefix) and n.count(".") == 2})

@@ -207,13 +207,13 @@ def test_bfloat16_tensor_is_refused_with_advice(tmp_path):
 
 def test_file_appearing_during_save_is_not_clobbered(tmp_path, monkeypatch):
     path = tmp_path / "c.ortcp"
-    real_fsync = _atomic._fsync_file
+    real_fsync = _atomic._fsync
 
-    def someone_else_writes_first(tmp):
-        real_fsync(tmp)
+    def someone_else_writes_first(fd):
+        real_fsync(fd)
         path.write_bytes(b"another writer")
 
-    monkeypatch.setattr(_atomic, "_fsync_file", someone_else_writes_first)
+    monkeypatch.setattr(_atomic, "_fsync", someone_else_writes_first)
     with pytest.raises(FileExistsError):
         storage.save({"a": 1}, path)
     assert path.read_bytes() == b"another writer"
@@ -221,7 +221,7 @@ def test_file_appearing_during_save_is_not_clobbered(tmp_path, monkeypatch):
 
 
 def test_save_without_hard_links_still_publishes(tmp_path, monkeypatch):
-    def no_links(src, dst):
+    def no_links(src, dst, **kwargs):
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
@@ -354,9 +354,12 @@ def test_serialized_hex_round_trip(tmp_path):
     storage.save({"user_dict": text}, tmp_path / "c.ortcp")
     raw = storage.load(tmp_path / "c.ortcp")["user_dict"]
     assert isinstance(raw, bytes)
-    restored = storage.from_serialized_hex(raw)
+    # a class of the caller's needs trust: unpickling it could run code (see test_reliability_checkpoints.py)
+    with pytest.raises(storage.safe_pickle.UnsafePickleError, match=r"user_dict\['custom'\] needs .*_Custom"):
+        storage.from_serialized_hex(raw)
+    restored = storage.from_serialized_hex(raw, trusted=True)
     assert torch.equal(restored["tensor"], torch.arange(5.0)) and restored["custom"] == _Custom(12)
-    assert storage.from_serialized_hex(text)["custom"] == _Custom(12)
+    assert storage.from_serialized_hex(text, trusted=True)["custom"] == _Custom(12)
 
 
 def test_legacy_module_path_exports_storage():

@@ -124,7 +124,8 @@ def test_invalid_model_desc_raises_value_error_with_cerberus_errors(model_desc, 
 @pytest.mark.parametrize(
     "model_desc",
     [
-        {"inputs": [("in1", [""])], "outputs": [("out1", [])]},  # legacy quirk kept: an empty-string dim passes
+        # legacy let an empty-string dim pass; it is refused now (tests/test_reliability_options.py)
+        {"inputs": [("in1", ["d"])], "outputs": [("out1", [])]},
         {"inputs": [("in1", [])], "outputs": [("out1", [], False), ("out2", [], False)]},
         {"inputs": [("in1", ["batch", 3, "seq"])], "outputs": [("out1", [], True), ("out2", [2], False)]},
     ],

@@ -3,8 +3,10 @@
 - ``aggregate_checkpoints(paths, pytorch_format=True)``: merge the per-rank HDF5 files of a ZeRO/Megatron run.
 - ``experimental_state_dict / experimental_load_state_dict / experimental_save_checkpoint /
   experimental_load_checkpoint``: the deprecated torch.save-based API (each warns DeprecationWarning).
-- ``storage``: ``save``/``load`` of nested dicts as HDF5 (atomic, never overwrites), ``to_serialized_hex``,
-  ``from_serialized_hex``; also importable as ``orttrainer._checkpoint_storage``.
+- ``storage``: ``save``/``load`` of nested dicts as HDF5 (atomic, never overwrites, checksummed),
+  ``to_serialized_hex``, ``from_serialized_hex``; also importable as ``orttrainer._checkpoint_storage``.
+- ``user_dict``: a checkpoint's ``user_dict`` stored without pickle where it is plain data; ``safe_pickle``: the
+  unpickler that loads plain data only (``UnsafePickleError`` otherwise, unless ``trusted=True``).
 - ``layout``: the legacy state_dict / checkpoint tree, described once, and a constant for every key in it.
 - ``python -m orttrainer.checkpoint info PATH`` / ``to-pytorch PATH... OUT.pt``: inspect and convert checkpoints.
 """
@@ -13,7 +15,7 @@
 
 from __future__ import annotations
 
-from . import layout, storage
+from . import layout, safe_pickle, storage, user_dict
 from .aggregate import (
     _AGGREGATION_MODE,
     CheckpointAggregationError,
@@ -43,16 +45,21 @@ from .experimental import (
     experimental_save_checkpoint,
     experimental_state_dict,
 )
-from .storage import CheckpointNotFoundError
+from .safe_pickle import UnsafePickleError
+from .storage import CheckpointCorruptError, CheckpointNotFoundError
 
 __all__ = [
     "CheckpointAggregationError",
+    "CheckpointCorruptError",
     "CheckpointNotFoundError",
+    "UnsafePickleError",
     "aggregate_checkpoints",
     "experimental_load_checkpoint",
     "experimental_load_state_dict",
     "experimental_save_checkpoint",
     "experimental_state_dict",
     "layout",
+    "safe_pickle",
     "storage",
+    "user_dict",
 ]

@@ -10,12 +10,15 @@ through ``orttrainer._checkpoint_storage.load`` (the legacy mock point), ordered
 - ZeRO + Megatron: each data-parallel group is aggregated first (ZeRO), then the results across one horizontal
   group (Megatron). Legacy wrote the intermediate results to temporary files; here they stay in memory.
 
-Everything that is not partitioned must be equal across files. Mismatches raise ``CheckpointAggregationError``,
-which names the file and the values involved.
+Everything that is not partitioned must be equal across files. That includes every top-level entry orttrainer
+adds to the legacy layout (``train_step_info``, ``loss_scaler``, ``rng``, ``gradient_accumulation``, and any later
+one): kept from the first rank, and required to be identical — same keys, same values — on every other rank.
+Mismatches raise ``CheckpointAggregationError``, which names the file and the values involved.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any
@@ -24,9 +27,7 @@ import numpy as np
 import torch
 
 from . import layout
-
-# Replicated groups orttrainer adds to the legacy layout: identical on every rank, carried over once.
-_REPLICATED_GROUPS = (layout.TRAIN_STEP_INFO, layout.LOSS_SCALER)
+from ._replicated import MERGED, is_lenient, replicated_entries, replicated_mismatches
 
 # (trainer option, name used in the mismatch message) checked to agree across the files of one aggregation.
 _MUST_AGREE = (
@@ -65,7 +66,8 @@ def aggregate_checkpoints(paths: Sequence[Any], pytorch_format: bool = True) -> 
     """Aggregate the checkpoint files of all ranks of a partitioned run into one state dict.
 
     ``paths``: one file per rank (any order), as written by ``ORTTrainer.save_checkpoint``. Returns the ORT layout
-    of ``ORTTrainer.state_dict()`` (model, optimizer, trainer_options, user_dict) with ``pytorch_format=False``, or
+    of ``ORTTrainer.state_dict()`` (model, optimizer, trainer_options, user_dict and the replicated entries:
+    train_step_info, loss_scaler, rng, gradient_accumulation) with ``pytorch_format=False``, or
     ``{name: torch.Tensor}`` of the full-precision model states with ``pytorch_format=True``. The result's
     trainer_options describe a single, unpartitioned trainer (zero_stage 0, world_size 1).
     Raises ``CheckpointAggregationError`` when the files are not partitioned, do not cover every rank exactly once,
@@ -193,6 +195,7 @@ def _aggregate_states(
     original_dims = {} if original_dims is None else original_dims
     state: dict[str, Any] = {}
     agreed: dict[str, Any] = {}
+    replicated: dict[str, Any] = {}  # the first rank's replicated entries, flattened
     mixed_precision = False
     for index, (name, rank_state) in _enumerate_ranks(named_states, ranks):
         _check_rank_file(rank_state, name, ranks[index], agreed)
@@ -206,20 +209,24 @@ def _aggregate_states(
                 _aggregate_trainer_options(rank_state, state, partial_aggregation)
             if layout.USER_DICT not in state and layout.USER_DICT in rank_state:
                 state[layout.USER_DICT] = rank_state[layout.USER_DICT]
-            _carry_replicated_groups(rank_state, state, name)
+            if index == 0:
+                replicated = replicated_entries(rank_state)
+                state.update({key: value for key, value in rank_state.items() if key not in MERGED})
+            else:
+                _check_replicated(replicated, replicated_entries(rank_state), name, ranks[0])
     if not partial_aggregation:
         _reshape_states(original_dims, state, mixed_precision)
     return _to_pytorch_format(state) if pytorch_format else state
 
 
-def _carry_replicated_groups(rank_state: Mapping[str, Any], state: dict[str, Any], name: Any) -> None:
-    """train_step_info and the loss scaler's state are the same on every rank: keep one copy, check the others."""
-    for group in _REPLICATED_GROUPS:
-        if group not in rank_state:
-            continue
-        target = state.setdefault(group, {})
-        for key, value in rank_state[group].items():
-            _add_or_validate_unsharded_key(key, value, target, f"Value mismatch for {group}/{key} (file: {name})")
+def _check_replicated(first: dict[str, Any], entries: dict[str, Any], name: Any, first_rank: int) -> None:
+    """Refuse a rank whose replicated entries differ from the first rank's; a different dropout stream warns."""
+    problems = replicated_mismatches(first, entries, name, first_rank)
+    if problems and not is_lenient(problems[0][0]):
+        raise CheckpointAggregationError(problems[0][1])
+    if problems:
+        messages = "; ".join(message for _, message in problems)
+        warnings.warn(f"{messages}. The aggregated state continues rank {first_rank}'s dropout stream", stacklevel=5)
 
 
 def _enumerate_ranks(

@@ -12,6 +12,7 @@ when complete.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -24,7 +25,8 @@ import torch
 from . import layout
 from ._atomic import atomic_write, target_exists_error
 from .aggregate import aggregate_checkpoints
-from .storage import load, open_checkpoint
+from .storage import CHECKSUM_ATTRIBUTE, load, open_checkpoint, read_dataset
+from .user_dict import ARRAYS_KEY, FORMAT_KEY, TREE_KEY
 
 # The groups `describe` has a section for; any other top-level key is listed by name.
 _KNOWN_KEYS = {
@@ -96,7 +98,7 @@ def to_pytorch(paths: Sequence[str], output: str) -> str:
         raise target_exists_error(output)
     weights = _read_weights(paths[0]) if len(paths) == 1 else aggregate_checkpoints(paths, pytorch_format=True)
     tensors = {name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()}
-    atomic_write(output, lambda tmp: torch.save(tensors, tmp))
+    atomic_write(output, lambda handle: torch.save(tensors, handle))
     count = sum(t.numel() for t in tensors.values())
     return f"wrote {len(tensors)} tensors ({count:,} values) to {output}"
 
@@ -136,6 +138,7 @@ def describe(path: str) -> str:
             _scalars_section(handle, layout.TRAIN_STEP_INFO),
             _partition_section(handle),
             _user_dict_section(handle),
+            _checksums_section(handle),
         ]
         others = sorted(set(handle) - _KNOWN_KEYS)
         if others:
@@ -159,7 +162,7 @@ def _optimizer_section(handle: h5py.File) -> str:
     if layout.OPTIMIZER not in handle:
         return f"{layout.OPTIMIZER}: absent"
     name_key = f"{layout.TRAINER_OPTIONS}/{layout.OPTIMIZER_NAME}"
-    optimizer_name = _text(handle[name_key][()]) if name_key in handle else "unknown optimizer"
+    optimizer_name = _text(_read(handle[name_key])) if name_key in handle else "unknown optimizer"
     rows = []
     for weight, group in handle[layout.OPTIMIZER].items():
         if not isinstance(group, h5py.Group):
@@ -178,7 +181,7 @@ def _optimizer_section(handle: h5py.File) -> str:
 def _scalars_section(handle: h5py.File, key: str) -> str:
     if key not in handle:
         return f"{key}: absent"
-    rows = [(name, _text(ds[()])) for name, ds in _datasets(handle[key])]
+    rows = [(name, _text(_read(ds))) for name, ds in _datasets(handle[key])]
     return "\n".join([f"{key}:", *_table(("option", "value"), rows)])
 
 
@@ -187,7 +190,7 @@ def _partition_section(handle: h5py.File) -> str:
         return f"{layout.PARTITION_INFO}: absent (not a partitioned checkpoint)"
     rows = []
     for weight, group in handle[layout.PARTITION_INFO].items():
-        values = {name: _text(ds[()]) for name, ds in _datasets(group)} if isinstance(group, h5py.Group) else {}
+        values = {name: _text(_read(ds)) for name, ds in _datasets(group)} if isinstance(group, h5py.Group) else {}
         rows.append((weight, values.get(layout.ORIGINAL_DIM, ""), values.get(layout.MEGATRON_ROW_PARTITION, "")))
     title = f"{layout.PARTITION_INFO}: present for {_plural(len(rows), 'weight')}"
     return "\n".join([title, *_table(("weight", layout.ORIGINAL_DIM, layout.MEGATRON_ROW_PARTITION), rows)])
@@ -196,12 +199,40 @@ def _partition_section(handle: h5py.File) -> str:
 def _user_dict_section(handle: h5py.File) -> str:
     if layout.USER_DICT not in handle:
         return f"{layout.USER_DICT}: absent"
-    value = handle[layout.USER_DICT][()]
-    size = len(value) // 2 if isinstance(value, (bytes, str)) else 0
-    return f"{layout.USER_DICT}: present ({size:,} bytes pickled; not unpickled here)"
+    node = handle[layout.USER_DICT]
+    if not isinstance(node, h5py.Group):
+        value = _read(node)
+        size = len(value) // 2 if isinstance(value, (bytes, str)) else 0
+        return f"{layout.USER_DICT}: present ({size:,} bytes pickled, the original's format; not unpickled here)"
+    # JSON is data, not code: reading the tree is safe; the pickled values in it are only counted.
+    text = _text(_read(node[TREE_KEY])) if TREE_KEY in node else "null"
+    tree = json.loads(text)
+    keys = [key for key, _ in tree.get("dict", [])] if isinstance(tree, dict) else []
+    arrays = len(node[ARRAYS_KEY]) if ARRAYS_KEY in node else 0
+    pickled = text.count('{"pickle":')  # quotes inside JSON strings are escaped: this is only the tag
+    shown = ", ".join(repr(key) for key in keys[:10]) + (", ..." if len(keys) > 10 else "")
+    return (
+        f"{layout.USER_DICT}: present ({_text(_read(node[FORMAT_KEY])) if FORMAT_KEY in node else 'unknown format'}, "
+        f"keys {shown or 'none'}; {_plural(arrays, 'array')}, {_plural(pickled, 'pickled value')}, not unpickled here)"
+    )
+
+
+def _checksums_section(handle: h5py.File) -> str:
+    datasets: list[h5py.Dataset] = []
+    handle.visititems(lambda _, item: datasets.append(item) if isinstance(item, h5py.Dataset) else None)
+    filtered = sum(1 for ds in datasets if ds.fletcher32)
+    hashed = sum(1 for ds in datasets if CHECKSUM_ATTRIBUTE in ds.attrs)
+    missing = len(datasets) - filtered - hashed
+    text = f"checksums: fletcher32 on {_plural(filtered, 'array')}, CRC-32 on {_plural(hashed, 'other dataset')}"
+    return text + (f"; {missing} without (saved before checksums, not verified)" if missing else "")
 
 
 # --- formatting ---------------------------------------------------------------------------------------------------
+
+
+def _read(ds: h5py.Dataset) -> Any:
+    # Values shown are verified like loaded ones: a corrupt counter is an error here too, not a wrong number.
+    return read_dataset(ds, ds.file.filename)
 
 
 def _datasets(group: h5py.Group) -> list[tuple[str, h5py.Dataset]]:
@@ -218,7 +249,7 @@ def _dtype(ds: h5py.Dataset) -> str:
 
 def _small_value(ds: h5py.Dataset) -> str:
     # Step and Update_Count are one-element counters worth showing; moments are not.
-    return _text(ds[()]) if int(np.prod(ds.shape)) <= 1 else ""
+    return _text(_read(ds)) if int(np.prod(ds.shape)) <= 1 else ""
 
 
 def _text(value: Any) -> str:

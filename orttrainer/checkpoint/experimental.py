@@ -13,7 +13,11 @@ Each public function is a deprecation warning around a quiet implementation (``_
 ``_load_flat_state_dict``, ``_save_flat_checkpoint``, ``_load_flat_checkpoint``); the older API
 (``orttrainer.capi``, whose checkpoints are the same files) uses those directly.
 
-Files are pickles (``torch.load(weights_only=False)``, as legacy): load only checkpoints you trust.
+Files are ``torch.save`` pickles. Loading uses ``torch.load(weights_only=True)`` — tensors, numbers, strings, lists,
+tuples, dicts, sets, ``torch.Size`` and dtypes, plus numpy arrays and scalars (allowed here, as in ``user_dict``)
+— and refuses anything else with ``safe_pickle.UnsafePickleError`` naming the file and the global; the load
+functions take ``trusted=True`` to unpickle everything, as legacy did (``weights_only=False``: only for files you
+trust, since unpickling can run any code).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 
 from ..schema.options import ORTTrainerOptions
 from ._atomic import atomic_write
+from .safe_pickle import torch_load
 
 _OPTIMIZER_PREFIXES = ("Moment_1_", "Moment_2_", "Update_Count_", "Step")
 _ZERO_NAME = re.compile(r"\.ZeRO\.(\d+)\.(\d+)\.ort\.pt$")
@@ -161,24 +166,34 @@ def _save_flat_checkpoint(
     checkpoint_file = os.path.join(checkpoint_dir, name)
     if os.path.exists(checkpoint_file):
         warnings.warn(f"{checkpoint_file} already exists, overwriting.", stacklevel=2)
-    atomic_write(checkpoint_file, lambda tmp: torch.save(to_save, tmp), overwrite=True)
+    atomic_write(checkpoint_file, lambda handle: torch.save(to_save, handle), overwrite=True)
 
 
 def experimental_load_checkpoint(
-    ort_trainer: FlatStateTrainer, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint", strict: bool = False
+    ort_trainer: FlatStateTrainer,
+    checkpoint_dir: str,
+    checkpoint_prefix: str = "ORT_checkpoint",
+    strict: bool = False,
+    *,
+    trusted: bool = False,
 ) -> dict[str, Any]:
     """Load the ``<prefix>*.ort.pt`` checkpoint(s) of ``checkpoint_dir``; return the saved dict without ``'model'``.
 
     Rules: several files mean a ZeRO checkpoint (warning). A trainer without ZeRO aggregates them all
     (``_CombineZeroCheckpoint``) and gets the other keys of every file merged; a ZeRO trainer loads its own rank's
-    file. No matching file raises ``AssertionError``.
+    file. No matching file raises ``AssertionError``. Without ``trusted`` only plain data loads (module docstring).
     """
     _deprecated("load_checkpoint")
-    return _load_flat_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, strict)
+    return _load_flat_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, strict, trusted=trusted)
 
 
 def _load_flat_checkpoint(
-    ort_trainer: FlatStateTrainer, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint", strict: bool = False
+    ort_trainer: FlatStateTrainer,
+    checkpoint_dir: str,
+    checkpoint_prefix: str = "ORT_checkpoint",
+    strict: bool = False,
+    *,
+    trusted: bool = False,
 ) -> dict[str, Any]:
     """``experimental_load_checkpoint`` without the deprecation warning."""
     checkpoint_files = _list_checkpoint_files(checkpoint_dir, checkpoint_prefix)
@@ -190,17 +205,21 @@ def _load_flat_checkpoint(
             stacklevel=2,
         )
     if not _zero_stage(ort_trainer) and is_partitioned:
-        return _load_multi_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, strict)
-    return _load_single_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, is_partitioned, strict)
+        return _load_multi_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, strict, trusted)
+    return _load_single_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, is_partitioned, strict, trusted)
 
 
-def _torch_load(path: str) -> Any:
-    # weights_only=False: these files carry the user's own objects, as legacy torch.save'd them.
-    return torch.load(path, map_location="cpu", weights_only=False)
+def _torch_load(path: str, trusted: bool = False) -> Any:
+    return torch_load(path, trusted, "experimental_load_checkpoint")
 
 
 def _load_single_checkpoint(
-    ort_trainer: FlatStateTrainer, checkpoint_dir: str, checkpoint_prefix: str, is_partitioned: bool, strict: bool
+    ort_trainer: FlatStateTrainer,
+    checkpoint_dir: str,
+    checkpoint_prefix: str,
+    is_partitioned: bool,
+    strict: bool,
+    trusted: bool = False,
 ) -> dict[str, Any]:
     distributed = ort_trainer.options.distributed
     name = _get_checkpoint_name(checkpoint_prefix, is_partitioned, distributed.world_rank, distributed.world_size)
@@ -213,21 +232,21 @@ def _load_single_checkpoint(
                 f"for rank {distributed.world_rank} of {distributed.world_size}"
             )
         raise AssertionError(message)
-    checkpoint_state = _torch_load(checkpoint_file)
+    checkpoint_state = _torch_load(checkpoint_file, trusted)
     _load_flat_state_dict(ort_trainer, checkpoint_state.pop("model"), strict=strict)
     return checkpoint_state
 
 
 def _load_multi_checkpoint(
-    ort_trainer: FlatStateTrainer, checkpoint_dir: str, checkpoint_prefix: str, strict: bool
+    ort_trainer: FlatStateTrainer, checkpoint_dir: str, checkpoint_prefix: str, strict: bool, trusted: bool = False
 ) -> dict[str, Any]:
     checkpoint_files = _list_checkpoint_files(checkpoint_dir, checkpoint_prefix)
-    aggregate_state_dict = _CombineZeroCheckpoint(checkpoint_files)._aggregate_files()
+    aggregate_state_dict = _CombineZeroCheckpoint(checkpoint_files, trusted=trusted)._aggregate_files()
     _load_flat_state_dict(ort_trainer, aggregate_state_dict, strict=strict)
     # The other keys of all files, later ranks winning on equal keys (legacy).
     extra: dict[str, Any] = {}
     for checkpoint_file in checkpoint_files:
-        checkpoint_state = _torch_load(checkpoint_file)
+        checkpoint_state = _torch_load(checkpoint_file, trusted)
         checkpoint_state.pop("model", None)
         extra.update(checkpoint_state)
     return extra
@@ -277,11 +296,18 @@ class _CombineZeroCheckpoint:
     shard) and reshaped to the shape of an unsharded copy of the same weight. Unsharded duplicates must be equal.
     """
 
-    def __init__(self, checkpoint_files: list[str], clean_state_dict: Callable[[dict], dict] | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint_files: list[str],
+        clean_state_dict: Callable[[dict], dict] | None = None,
+        *,
+        trusted: bool = False,
+    ) -> None:
         if not checkpoint_files:
             raise AssertionError("No checkpoint files passed")
         self.checkpoint_files = list(checkpoint_files)
         self.clean_state_dict = clean_state_dict
+        self.trusted = trusted  # torch.load(weights_only=False) when True (see the module docstring)
         self.world_size = self._parse_name(self.checkpoint_files[0])[1] + 1
         if len(self.checkpoint_files) != self.world_size:
             raise AssertionError(f"Could not find {self.world_size} files")
@@ -346,7 +372,7 @@ class _CombineZeroCheckpoint:
         for rank in range(self.world_size):
             if rank not in by_rank:
                 raise AssertionError(f"Could not find the checkpoint file of rank {rank} among {self.checkpoint_files}")
-            rank_state = _torch_load(by_rank[rank])
+            rank_state = _torch_load(by_rank[rank], self.trusted)
             rank_state = rank_state.get("model", rank_state)
             if self.clean_state_dict:
                 rank_state = self.clean_state_dict(rank_state)

@@ -20,7 +20,10 @@ the state dict plus ``user_dict``; HDF5 turns the groups into groups and the lea
     gradient_accumulation/<weight>          orttrainer's addition, only mid accumulation window: the running sums
     loss_scaler/
         loss_scale, stable_steps            orttrainer's addition, mixed precision only
-    user_dict                               checkpoint files only: the pickled user dict as a hex string
+    rng/
+        seed, positions/<graph key>         orttrainer's addition: the trainer's dropout stream (same on every rank)
+    user_dict                               checkpoint files only: a group (format, JSON tree, arrays; see
+                                            ``user_dict``), or in files of the original a pickle as a hex string
 
 Rules: every key is spelled by a constant here; code that reads or writes the layout uses them. After an HDF5
 round trip strings come back as ``bytes`` and numbers as numpy scalars (see ``storage``). This module imports
@@ -40,6 +43,7 @@ TRAIN_STEP_INFO = "train_step_info"
 PARTITION_INFO = "partition_info"
 GRADIENT_ACCUMULATION = "gradient_accumulation"
 LOSS_SCALER = "loss_scaler"
+RNG = "rng"
 USER_DICT = "user_dict"
 
 # --- model/ ---------------------------------------------------------------------------------------------------------
@@ -72,12 +76,26 @@ TRAIN_STEP = "step"  # the number of train_step calls
 ORIGINAL_DIM = "original_dim"
 MEGATRON_ROW_PARTITION = "megatron_row_partition"
 
+# --- rng/ -----------------------------------------------------------------------------------------------------------
+SEED = "seed"
+POSITIONS = "positions"
+
 # --- loss_scaler/ ---------------------------------------------------------------------------------------------------
 LOSS_SCALE = "loss_scale"
 STABLE_STEPS = "stable_steps"
 
 TOP_LEVEL_KEYS = frozenset(
-    {MODEL, OPTIMIZER, TRAINER_OPTIONS, TRAIN_STEP_INFO, PARTITION_INFO, GRADIENT_ACCUMULATION, LOSS_SCALER, USER_DICT}
+    {
+        MODEL,
+        OPTIMIZER,
+        TRAINER_OPTIONS,
+        TRAIN_STEP_INFO,
+        PARTITION_INFO,
+        GRADIENT_ACCUMULATION,
+        LOSS_SCALER,
+        RNG,
+        USER_DICT,
+    }
 )
 
 

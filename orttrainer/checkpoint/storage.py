@@ -5,8 +5,14 @@ Layout (docs/legacy_api.md §9.2): every Mapping becomes an HDF5 group, every ot
 back as numpy types: int -> ``numpy.int64``, float -> ``numpy.float64``, bool -> ``numpy.bool_``, a list of
 numbers or a tensor -> ``numpy.ndarray`` (dtype and shape kept), ``str`` -> ``bytes``, ``{}`` -> ``{}``.
 
-Beyond legacy: a save is atomic and never overwrites (see ``_atomic``); file-like objects work for load as well as
-save; a missing, truncated or non-HDF5 file gives an error that names it.
+Beyond legacy: a save is atomic, never overwrites and leaves nothing behind when the process dies (see ``_atomic``);
+file-like objects work for load as well as save; a missing, truncated or non-HDF5 file gives an error that names it.
+
+Checksums: every dataset is saved with one, and every load verifies it. Arrays (fixed-size elements, at least one
+dimension) are chunked with HDF5's ``fletcher32`` filter, which HDF5 checks on every read (any HDF5 reader
+does); scalars, strings and other values, which HDF5 cannot filter, carry a CRC-32 of their value in the
+``orttrainer_crc32`` attribute. A mismatch raises ``CheckpointCorruptError`` naming the file and the dataset.
+Files written before checksums (and by the original ORTTrainer) have neither and load as before, unverified.
 """
 
 from __future__ import annotations
@@ -16,11 +22,14 @@ import io
 import os
 import pickle
 import sys
+import zlib
 from collections.abc import Iterator, Mapping
 from typing import IO, Any, TypeGuard
 
 import h5py
+import numpy as np
 
+from . import safe_pickle
 from ._atomic import atomic_write
 
 PathOrFile = str | os.PathLike | IO[bytes]
@@ -29,8 +38,16 @@ _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _ZIP_SIGNATURE = b"PK\x03\x04"  # torch.save's format: what experimental_save_checkpoint writes
 
 
+CHECKSUM_ATTRIBUTE = "orttrainer_crc32"
+_FLETCHER32_KINDS = "biufcS"  # numpy kinds with fixed-size elements: bool, ints, floats, complex, bytes
+
+
 class CheckpointNotFoundError(FileNotFoundError, ValueError):
     """No file at the checkpoint path. Also a ValueError, which is what legacy raised for a missing file."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A dataset's data no longer matches the checksum saved with it (or cannot be read at all)."""
 
 
 # --- save ---------------------------------------------------------------------------------------------------------
@@ -52,7 +69,7 @@ def save(save_obj: Mapping[str, Any], path_or_file: PathOrFile) -> None:
         _save_to_file_object(save_obj, path_or_file)
         return
     path = _fspath(path_or_file)
-    atomic_write(path, lambda tmp: _write_hdf5(save_obj, tmp, path))
+    atomic_write(path, lambda handle: _write_hdf5(save_obj, handle, path))
 
 
 def _save_to_file_object(save_obj: Mapping[str, Any], file_object: IO[bytes]) -> None:
@@ -63,8 +80,8 @@ def _save_to_file_object(save_obj: Mapping[str, Any], file_object: IO[bytes]) ->
         file_object.flush()
 
 
-def _write_hdf5(save_obj: Mapping[str, Any], target: str | IO[bytes], shown_as: str) -> None:
-    with h5py.File(target, "w-" if isinstance(target, str) else "w") as handle:
+def _write_hdf5(save_obj: Mapping[str, Any], target: IO[bytes], shown_as: str) -> None:
+    with h5py.File(target, "w") as handle:
         _save_group(handle, save_obj, "", shown_as)
 
 
@@ -78,13 +95,46 @@ def _save_group(group: h5py.Group, save_obj: Mapping[str, Any], prefix: str, sho
             _save_group(group.create_group(key), value, f"{where}/", shown_as)
             continue
         try:
-            group[key] = _storable(value)
+            _write_dataset(group, key, _storable(value))
         except (TypeError, ValueError) as error:
             kind = TypeError if isinstance(error, TypeError) else ValueError
             raise kind(
                 f"Cannot save checkpoint {shown_as}: value at {where!r} ({type(value).__name__}) "
                 f"has no HDF5 representation: {error}"
             ) from error
+
+
+def _write_dataset(group: h5py.Group, key: str, data: Any) -> None:
+    """One dataset with its checksum: fletcher32 for arrays, the CRC-32 attribute for everything else."""
+    array = _filterable_array(data)
+    if array is not None:
+        group.create_dataset(key, data=array, chunks=True, fletcher32=True)
+        return
+    dataset = group.create_dataset(key, data=data)
+    # The CRC of the value as it reads back, so that saving and verifying hash exactly the same thing.
+    dataset.attrs[CHECKSUM_ATTRIBUTE] = np.uint32(_checksum(dataset[()]))
+
+
+def _filterable_array(data: Any) -> np.ndarray | None:
+    """``data`` as an array HDF5 can chunk and checksum (fixed-size elements, >= 1 dimension), else None."""
+    if isinstance(data, (list, tuple)):
+        try:
+            data = np.asarray(data)
+        except (TypeError, ValueError):  # ragged: h5py reports it when the plain dataset is attempted
+            return None
+    if isinstance(data, np.ndarray) and data.ndim >= 1 and data.dtype.kind in _FLETCHER32_KINDS:
+        return data
+    return None
+
+
+def _checksum(value: Any) -> int:
+    if isinstance(value, bytes):
+        return zlib.crc32(value)
+    if isinstance(value, str):
+        return zlib.crc32(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, np.ndarray) and value.dtype.kind == "O":  # variable-length strings
+        return zlib.crc32(repr(value.tolist()).encode("utf-8", "surrogatepass"))
+    return zlib.crc32(np.ascontiguousarray(value).tobytes())
 
 
 def _storable(value: Any) -> Any:
@@ -110,7 +160,7 @@ def load(path_or_file: PathOrFile, key: str | None = None) -> Any:
     with open_checkpoint(path_or_file) as (handle, shown_as):
         try:
             node = _descend(handle, key, shown_as)
-            return node[()] if isinstance(node, h5py.Dataset) else _load_group(node)
+            return read_dataset(node, shown_as) if isinstance(node, h5py.Dataset) else _load_group(node, shown_as)
         except OSError as error:  # a damaged object inside a file whose header was fine
             raise _corrupt_error(shown_as, error) from error
 
@@ -124,8 +174,36 @@ def _descend(handle: h5py.File, key: str | None, shown_as: str) -> h5py.Group | 
         raise KeyError(f"Key {key!r} not found in checkpoint {shown_as}") from None
 
 
-def _load_group(group: h5py.Group) -> dict[str, Any]:
-    return {key: _load_group(item) if isinstance(item, h5py.Group) else item[()] for key, item in group.items()}
+def _load_group(group: h5py.Group, shown_as: str) -> dict[str, Any]:
+    return {
+        key: _load_group(item, shown_as) if isinstance(item, h5py.Group) else read_dataset(item, shown_as)
+        for key, item in group.items()
+    }
+
+
+def read_dataset(dataset: h5py.Dataset, shown_as: str) -> Any:
+    """``dataset[()]``, verified against its checksum when it has one.
+
+    Raises ``CheckpointCorruptError`` naming ``shown_as`` and the dataset when the data does not match (a
+    fletcher32 failure surfaces as a read error) or cannot be read.
+    """
+    where = dataset.name.lstrip("/")
+    try:
+        value = dataset[()]
+    except OSError as error:
+        mismatch = " (its data does not match its fletcher32 checksum)" if dataset.fletcher32 else ""
+        raise _dataset_error(shown_as, where, f"cannot be read{mismatch}: {error}") from error
+    expected = dataset.attrs.get(CHECKSUM_ATTRIBUTE)
+    if expected is not None and _checksum(value) != int(expected):
+        raise _dataset_error(shown_as, where, f"does not match the CRC-32 checksum saved with it ({int(expected)})")
+    return value
+
+
+def _dataset_error(shown_as: str, where: str, detail: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{shown_as} is truncated or corrupt: dataset {where!r} {detail}. The file changed after it was saved; "
+        "load another copy of the checkpoint"
+    )
 
 
 @contextlib.contextmanager
@@ -185,18 +263,23 @@ def _corrupt_error(shown_as: str, error: OSError) -> ValueError:
 
 
 def to_serialized_hex(user_dict: Any) -> str:
-    """``pickle.dumps(user_dict).hex()``: a str that HDF5 stores as is, so arbitrary Python types survive."""
+    """``pickle.dumps(user_dict).hex()``: a str that HDF5 stores as is (the original ORTTrainer's user_dict format;
+    ``ORTTrainer.save_checkpoint`` now stores plain data without pickle, see ``checkpoint.user_dict``)."""
     return pickle.dumps(user_dict).hex()
 
 
-def from_serialized_hex(serialized_hex: str | bytes) -> Any:
+def from_serialized_hex(serialized_hex: str | bytes, *, trusted: bool = False) -> Any:
     """Inverse of ``to_serialized_hex``; accepts the ``bytes`` that HDF5 gives back for a saved str.
 
-    This unpickles: only load checkpoints you trust.
+    Rule: without ``trusted`` only plain data is unpickled (``safe_pickle``: numbers, strings, bytes, None, lists,
+    tuples, dicts, sets, numpy arrays, torch tensors); anything else raises ``safe_pickle.UnsafePickleError``
+    naming the key and the global it needs, and no code runs. ``trusted=True`` is ``pickle.loads``: only for data
+    you trust, since unpickling can run any code.
     """
     if isinstance(serialized_hex, bytes):
         serialized_hex = serialized_hex.decode()
-    return pickle.loads(bytes.fromhex(serialized_hex))
+    data = bytes.fromhex(serialized_hex)
+    return pickle.loads(data) if trusted else safe_pickle.loads(data, where="serialized user_dict", path="user_dict")
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------

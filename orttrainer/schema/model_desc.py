@@ -71,15 +71,34 @@ def _check_name_and_shape(field: str, value: Any, error: _ErrorFn) -> None:
     has_name, name = _element(value, 0)
     if has_name and not isinstance(name, str):
         error(field, "the first element of the tuple (aka name) must be a string")
+    elif has_name and not name:  # not in legacy: the graph input or output would have no name
+        error(field, "the first element of the tuple (aka name) must not be empty")
     has_shape, shape = _element(value, 1)
     if not has_shape:
         return
     if not isinstance(shape, list):
         error(field, "the second element of the tuple (aka shape) must be a list")
         return
-    for dim in shape:
+    for index, dim in enumerate(shape):
         if not isinstance(dim, (str, int)) or isinstance(dim, bool):
             error(field, "each shape must be either a string or integer")
+        elif dim == "":  # not in legacy: an empty symbolic name names nothing, so no two dims could share it
+            error(field, f"dimension {index} of {name!r} is '': a symbolic dimension needs a non-empty name")
+
+
+def _check_unique_names(inputs: list, outputs: list) -> None:
+    """Every input and output name once: inputs are fed and outputs fetched by name, so a second description of a
+    name would be silently merged with the first or fail inside ONNX Runtime (legacy accepted duplicates)."""
+    seen: dict[str, str] = {}
+    described = [(f"inputs[{i}]", desc[0]) for i, desc in enumerate(inputs)]
+    described += [(f"outputs[{i}]", desc[0]) for i, desc in enumerate(outputs)]
+    for where, name in described:
+        if name in seen:
+            raise ValueError(
+                f"Invalid model_desc: name {name!r} is used by both model_desc {seen[name]} and {where}; every "
+                "input and output needs its own name"
+            )
+        seen[name] = where
 
 
 def _model_desc_inputs_validation(field: str, value: Any, error: _ErrorFn) -> None:
@@ -204,6 +223,7 @@ class _ORTTrainerModelDesc:
             raise ValueError(f"Invalid model_desc: {validator.errors}")
 
         inputs, outputs = self._validated["inputs"], self._validated["outputs"]
+        _check_unique_names(inputs, outputs)
         for idx, desc in enumerate(inputs):
             inputs[idx] = InputDescription(*desc)
         for idx, desc in enumerate(outputs):

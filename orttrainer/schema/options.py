@@ -99,6 +99,38 @@ def _check_is_callable(field: str, value: Any, error: Callable[[str, str], None]
         error(field, "Must be callable or None")
 
 
+PROVIDER_OPTION_TYPES = (str, int, float, bool)  # what ONNX Runtime's provider options take (as strings)
+
+
+def _check_provider_options(field: str, value: Any, error: Callable[[str, str], None]) -> None:
+    """cerberus ``check_with`` for ``provider_options``: ``{provider name (str): {option (str): str | int | float |
+    bool}}``. Not in the legacy schema, which accepted any dict and let ONNX Runtime fail later (or crashed on a
+    non-str key here); which providers exist is checked by the trainer, which knows the onnxruntime build."""
+    if not isinstance(value, dict):
+        return  # the type rule reports it
+    for provider, options in value.items():
+        # Worded as the trainer's own check (trainer/config.py), which would otherwise report the same problems.
+        if not isinstance(provider, str):
+            error(field, f"provider name {_kind(provider)} is not a str: keys are names like 'CUDAExecutionProvider'")
+        elif not isinstance(options, dict):
+            error(
+                field,
+                f"provider_options.{provider} must be a dict of option names to values, got {type(options).__name__}",
+            )
+        else:
+            bad = [k for k, v in options.items() if not isinstance(k, str) or not isinstance(v, PROVIDER_OPTION_TYPES)]
+            if bad:
+                error(
+                    field,
+                    f"provider_options.{provider}: option names must be str and values str, int, float or bool; "
+                    f"these are not: {bad} (values: {[options[k] for k in bad]})",
+                )
+
+
+def _kind(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
 # Schema-building helpers. They produce exactly the rule dicts of the legacy schema; list and dict defaults use
 # `default_setter` so that every ORTTrainerOptions gets fresh containers (cerberus inserts a plain `default` object
 # as is, which would share one list between all instances and let a mutation leak into later ones).
@@ -112,6 +144,11 @@ def _new_list(_: Any) -> list:
 
 def _group(schema: dict) -> dict:
     return {"type": "dict", "default_setter": _new_dict, "required": False, "schema": schema}
+
+
+# Bounds of the integers ONNX Runtime's bindings take: a larger value would reach them raw (an overflow there).
+UINT64_MAX = 2**64 - 1
+INT64_MAX = 2**63 - 1
 
 
 def _integer(default: int, lo: int | None = None, hi: int | None = None) -> dict:
@@ -185,7 +222,7 @@ _PROPAGATE_CAST_OPS_SCHEMA = {
         "nullable": True,
         "default": PropagateCastOpsStrategy.FLOOD_FILL,
     },
-    "level": _integer(1, lo=-1),
+    "level": _integer(1, lo=-1, hi=INT64_MAX),
     "allow": _string_list(),
 }
 
@@ -200,7 +237,7 @@ _GRAPH_SAVE_PATHS_SCHEMA = {
 
 _ORTTRAINER_OPTIONS_SCHEMA: dict = {
     "batch": _group({"gradient_accumulation_steps": _integer(1, lo=1)}),
-    "device": _group({"id": _string("cuda"), "mem_limit": _integer(0, lo=0)}),
+    "device": _group({"id": _string("cuda"), "mem_limit": _integer(0, lo=0, hi=UINT64_MAX)}),
     "distributed": _group(_DISTRIBUTED_SCHEMA),
     "lr_scheduler": _nullable("lr_scheduler"),
     "mixed_precision": _group({"enabled": _boolean(False), "loss_scaler": _nullable("loss_scaler")}),
@@ -215,7 +252,7 @@ _ORTTRAINER_OPTIONS_SCHEMA: dict = {
     ),
     "utils": _group(
         {
-            "frozen_weights": {"type": "list", "default_setter": _new_list},
+            "frozen_weights": _string_list(),  # legacy: any list (a nested list failed later, unhashable)
             "grad_norm_clip": _boolean(True),
             "memory_efficient_gradient": _boolean(False),
             "run_symbolic_shape_infer": _boolean(False),
@@ -241,8 +278,14 @@ _ORTTRAINER_OPTIONS_SCHEMA: dict = {
             "gradient_builder": {"type": "string", "allowed": list(GRADIENT_BUILDERS), "default": "auto"},
         }
     ),
-    # Execution-provider name -> provider options; any keys are allowed.
-    "provider_options": {"type": "dict", "default_setter": _new_dict, "required": False, "allow_unknown": True},
+    # Execution-provider name -> provider options (legacy: any dict; the shape is checked here, see the function).
+    "provider_options": {
+        "type": "dict",
+        "default_setter": _new_dict,
+        "required": False,
+        "allow_unknown": True,
+        "check_with": _check_provider_options,
+    },
     "session_options": _nullable("session_options"),
 }
 

@@ -257,8 +257,12 @@ class ORTTrainer:
         user_dict: dict[str, Any] | None = None,
         include_optimizer_states: bool = True,
     ) -> None:
-        """Write `state_dict()` (plus `user_dict`, pickled as hex like the original) to an HDF5 file or file-like
-        object. The file appears only when fully written; an existing path raises FileExistsError."""
+        """Write `state_dict()` (plus `user_dict`) to an HDF5 file or file-like object. The file appears only when
+        fully written; an existing path raises FileExistsError. `user_dict` is stored without pickle where it is
+        plain data (`checkpoint/user_dict.py`); other values are pickled one by one, with a warning that loading
+        them needs `trusted=True`."""
+        from ..checkpoint.user_dict import encode_user_dict
+
         if self._built is None:
             raise RuntimeError(
                 "save_checkpoint before the first train_step or eval_step: a PyTorch model is exported and its "
@@ -267,15 +271,24 @@ class ORTTrainer:
             )
         saved = self.state_dict()
         if user_dict:
-            saved["user_dict"] = storage.to_serialized_hex(user_dict)
+            saved["user_dict"] = encode_user_dict(user_dict)
         if not include_optimizer_states:
             saved.pop("optimizer", None)
         storage.save(saved, path)
 
-    def load_checkpoint(self, *paths: str | os.PathLike | Any, strict: bool = True) -> dict[str, Any]:
+    def load_checkpoint(
+        self, *paths: str | os.PathLike | Any, strict: bool = True, trusted: bool = False
+    ) -> dict[str, Any]:
         """Load checkpoint file(s) written by `save_checkpoint` (or the original ORTTrainer); per-rank ZeRO files are
-        aggregated. Returns the `user_dict` saved with it."""
+        aggregated. Returns the `user_dict` saved with it.
+
+        Without `trusted`, only plain data in `user_dict` is restored (numbers, strings, bytes, None, lists, tuples,
+        dicts, numpy arrays, torch tensors); a pickled value needing anything else raises `UnsafePickleError`
+        naming its key, before the trainer's state changes and without running it. `trusted=True` unpickles
+        whatever the file holds: only for files you trust, since unpickling can run any code.
+        """
         from ..checkpoint import aggregate_checkpoints
+        from ..checkpoint.user_dict import decode_user_dict
 
         options = storage.load(paths[0], key="trainer_options")
         if options["zero_stage"] > 0 or options["horizontal_parallel_size"] > 1:
@@ -285,7 +298,8 @@ class ORTTrainer:
             loaded = storage.load(paths[0])
         user_dict = {}
         if "user_dict" in loaded:
-            user_dict = storage.from_serialized_hex(loaded.pop("user_dict"))
+            shown_as = os.fsdecode(paths[0]) if isinstance(paths[0], (str, bytes, os.PathLike)) else repr(paths[0])
+            user_dict = decode_user_dict(loaded.pop("user_dict"), trusted=trusted, shown_as=shown_as)
         self.load_state_dict(loaded, strict=strict)
         return user_dict
 
