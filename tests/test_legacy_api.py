@@ -279,6 +279,23 @@ def test_checkpoint_helper_errors(tmp_path):
     assert get_checkpoint_name("ck", True, 1, 4) == "ck.ZeRO.1.3.ort.pt"
 
 
+class _NotPlainData:
+    """Any object that is not plain data: loading it needs trusted=True."""
+
+    def __eq__(self, other):
+        return isinstance(other, _NotPlainData)
+
+
+def test_checkpoint_helpers_load_objects_only_when_trusted(tmp_path):
+    _, trainer = legacy_mlp()
+    trainer.train_step(*batches(1)[0], torch.tensor([0.01]))
+    save_checkpoint(trainer, str(tmp_path), checkpoint_state_dict={"obj": _NotPlainData()})
+    _, resumed = legacy_mlp()
+    with pytest.raises(Exception, match="_NotPlainData"):
+        load_checkpoint(resumed, str(tmp_path))
+    assert load_checkpoint(resumed, str(tmp_path), trusted=True) == {"obj": _NotPlainData()}
+
+
 # --- the transformer: older conventions vs the new API -------------------------------------------------------------
 STEPS, TOTAL_UPDATES, WARMUP, BASE_LR = 12, 6, 0.3, 3e-3
 

@@ -60,11 +60,17 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    model: ORTTrainer, checkpoint_dir: str, checkpoint_prefix: str = "ORT_checkpoint", strict: bool = False
+    model: ORTTrainer,
+    checkpoint_dir: str,
+    checkpoint_prefix: str = "ORT_checkpoint",
+    strict: bool = False,
+    *,
+    trusted: bool = False,
 ) -> dict[str, Any]:
     """Load the prefix's checkpoint (several ZeRO files are combined) into `model`; returns the saved extra state
-    (everything but `'model'`)."""
-    return flat._load_flat_checkpoint(_new_trainer(model), checkpoint_dir, checkpoint_prefix, strict)
+    (everything but `'model'`). Plain data only, unless `trusted=True` (the files are torch.save pickles: a crafted
+    one could run code, so other objects load only from files you trust)."""
+    return flat._load_flat_checkpoint(_new_trainer(model), checkpoint_dir, checkpoint_prefix, strict, trusted=trusted)
 
 
 def _new_trainer(model: Any) -> NewORTTrainer:
