@@ -23,17 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoint import layout
 from .build import Built
 from .config import TrainerConfig
 from .graph.training import accumulation_buffer_name
 from .progress import StepCounters
 
-FULL_PRECISION = "full_precision"
-LEGACY_FULL_PRECISION = "fp32"  # checkpoints written before ≈1.7
-SHARED = "shared_optimizer_state"
-ACCUMULATION = "gradient_accumulation"
-LOSS_SCALER = "loss_scaler"
-RNG = "rng"
 BUFFER_SUFFIX = accumulation_buffer_name("")  # buffer of weight w: f"{w}{BUFFER_SUFFIX}"
 
 
@@ -45,23 +40,26 @@ def build_state_dict(
     if pytorch_format:
         return _pytorch_state_dict(built, model)
     state: dict[str, Any] = {
-        "model": {FULL_PRECISION: model},
-        "optimizer": _optimizer_state(built, config, counters),
-        "trainer_options": _trainer_options(config),
-        "train_step_info": {"optimization_step": counters.info.optimization_step, "step": counters.info.step},
+        layout.MODEL: {layout.FULL_PRECISION: model},
+        layout.OPTIMIZER: _optimizer_state(built, config, counters),
+        layout.TRAINER_OPTIONS: _trainer_options(config),
+        layout.TRAIN_STEP_INFO: {
+            layout.OPTIMIZATION_STEP: counters.info.optimization_step,
+            layout.TRAIN_STEP: counters.info.step,
+        },
     }
     accumulation = _accumulation_state(built, config, counters)
     if accumulation:
-        state[ACCUMULATION] = accumulation
+        state[layout.GRADIENT_ACCUMULATION] = accumulation
     partition_info = _partition_info(built, config)
     if partition_info is not None:
-        state["partition_info"] = partition_info
+        state[layout.PARTITION_INFO] = partition_info
     if built.streams.active:
-        state[RNG] = built.streams.state()
+        state[layout.RNG] = built.streams.state()
     scaler = config.loss_scaler
     if scaler is not None:
         stable_steps = int(getattr(scaler, "_stable_steps_count", 0))  # only DynamicLossScaler counts them
-        state[LOSS_SCALER] = {"loss_scale": float(scaler.loss_scale), "stable_steps": stable_steps}
+        state[layout.LOSS_SCALER] = {layout.LOSS_SCALE: float(scaler.loss_scale), layout.STABLE_STEPS: stable_steps}
     return state
 
 
@@ -96,7 +94,7 @@ def _partition_info(built: Built, config: TrainerConfig) -> dict[str, dict[str, 
         return None
     shapes = built.compiled.shapes
     return {
-        p: {"original_dim": np.array(shapes[p], dtype=np.int64), "megatron_row_partition": np.int64(-1)}
+        p: {layout.ORIGINAL_DIM: np.array(shapes[p], dtype=np.int64), layout.MEGATRON_ROW_PARTITION: np.int64(-1)}
         for p, owner in owners.items()
         if owner == config.rank
     }
@@ -127,27 +125,27 @@ def _optimizer_state(built: Built, config: TrainerConfig, counters: StepCounters
     count = np.array([counters.next_update], dtype=np.int64)
     state: dict[str, Any] = {}
     for weight in graph.weight_updates:  # with ZeRO: only the tensors this rank updates
-        entry = {"Moment_1": moments[f"Moment_1_{weight}"], "Moment_2": moments[f"Moment_2_{weight}"]}
+        entry = {layout.MOMENT_1: moments[f"Moment_1_{weight}"], layout.MOMENT_2: moments[f"Moment_2_{weight}"]}
         if name == "AdamOptimizer":
-            entry["Update_Count"] = count.copy()
+            entry[layout.UPDATE_COUNT] = count.copy()
         state[weight] = entry
     if name == "LambOptimizer":
-        state[SHARED] = {"Step": count.copy()}
+        state[layout.SHARED_OPTIMIZER_STATE] = {layout.STEP: count.copy()}
     return state
 
 
 def _trainer_options(config: TrainerConfig) -> dict[str, Any]:
     distributed = config.options.distributed
     world_size = config.world_size
-    return {
-        "mixed_precision": bool(config.options.mixed_precision.enabled),
-        "zero_stage": config.zero_stage,
-        "world_rank": int(config.rank),
-        "world_size": int(world_size),
-        "optimizer_name": config.optim_config.name,
-        "data_parallel_size": int(world_size // distributed.horizontal_parallel_size),
-        "horizontal_parallel_size": int(distributed.horizontal_parallel_size),
-    }
+    return layout.trainer_options(
+        mixed_precision=bool(config.options.mixed_precision.enabled),
+        zero_stage=config.zero_stage,
+        world_rank=int(config.rank),
+        world_size=int(world_size),
+        optimizer_name=config.optim_config.name,
+        data_parallel_size=int(world_size // distributed.horizontal_parallel_size),
+        horizontal_parallel_size=int(distributed.horizontal_parallel_size),
+    )
 
 
 def flat_state(built: Built, config: TrainerConfig, counters: StepCounters) -> dict[str, torch.Tensor]:

@@ -10,26 +10,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoint import layout
 from .build import Built
 from .config import TrainerConfig
 from .progress import StepCounters
-from .state import (
-    ACCUMULATION,
-    BUFFER_SUFFIX,
-    FULL_PRECISION,
-    LEGACY_FULL_PRECISION,
-    LOSS_SCALER,
-    RNG,
-    SHARED,
-    build_state_dict,
-)
+from .state import BUFFER_SUFFIX, build_state_dict
 
 
 def is_pytorch_state_dict(state_dict: dict[str, Any]) -> bool:
     """A plain module state_dict: flat names -> tensors/arrays, none of the legacy top-level keys."""
     return (
         bool(state_dict)
-        and not ({"model", "optimizer", "trainer_options"} & set(state_dict))
+        and not ({layout.MODEL, layout.OPTIMIZER, layout.TRAINER_OPTIONS} & set(state_dict))
         and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in state_dict.values())
     )
 
@@ -41,26 +33,26 @@ def apply_state_dict(
     if is_pytorch_state_dict(state_dict):
         _load_pytorch_weights(built, state_dict, strict)
         return
-    state_dict = _normalise_precision_key(state_dict)
-    if "optimizer" in state_dict and "trainer_options" in state_dict:
+    state_dict = layout.normalise_precision_key(state_dict)
+    if layout.OPTIMIZER in state_dict and layout.TRAINER_OPTIONS in state_dict:
         # before the key checks: a different optimizer explains every key difference (an SGD checkpoint's
         # optimizer entry is empty, and is a mismatch all the same)
         _check_optimizer_name(config, state_dict)
     if strict:
         _check_keys(build_state_dict(built, config, counters), state_dict, config.zero_stage)
     values: dict[str, np.ndarray] = {}
-    if "model" in state_dict:
-        values.update(_model_values(built, state_dict["model"], strict))
+    if layout.MODEL in state_dict:
+        values.update(_model_values(built, state_dict[layout.MODEL], strict))
     updates = None
-    if "optimizer" in state_dict:
-        moments, updates = _optimizer_values(built, state_dict["optimizer"])
+    if layout.OPTIMIZER in state_dict:
+        moments, updates = _optimizer_values(built, state_dict[layout.OPTIMIZER])
         values.update(moments)
-    values.update(_accumulation_values(built, state_dict.get(ACCUMULATION, {})))
+    values.update(_accumulation_values(built, state_dict.get(layout.GRADIENT_ACCUMULATION, {})))
     built.session.set_state(values)  # validates every shape before anything changes
     if updates is not None:
         counters.optimizer_updates = updates
-    _load_loss_scaler(config, state_dict.get(LOSS_SCALER))
-    if RNG in state_dict and built.streams.load(state_dict[RNG]):
+    _load_loss_scaler(config, state_dict.get(layout.LOSS_SCALER))
+    if layout.RNG in state_dict and built.streams.load(state_dict[layout.RNG]):
         built.session.reopen_graphs()  # the sessions' Dropout seeds follow the loaded positions
     _load_train_step_info(counters, state_dict)
 
@@ -86,9 +78,9 @@ def _load_loss_scaler(config: TrainerConfig, saved: dict[str, Any] | None) -> No
     scaler = config.loss_scaler
     if saved is None or scaler is None:
         return
-    scaler.loss_scale = float(saved["loss_scale"])
+    scaler.loss_scale = float(saved[layout.LOSS_SCALE])
     if hasattr(scaler, "_stable_steps_count"):
-        scaler._stable_steps_count = int(saved["stable_steps"])
+        scaler._stable_steps_count = int(saved[layout.STABLE_STEPS])
 
 
 def _model_values(built: Built, model: dict[str, Any], strict: bool) -> dict[str, np.ndarray]:
@@ -110,14 +102,14 @@ def _optimizer_values(built: Built, optimizer: dict[str, Any]) -> tuple[dict[str
     counts: set[int] = set()
     moments = built.compiled.training.optimizer_state
     for weight, entry in optimizer.items():
-        if weight == SHARED:
-            counts.update(int(np.asarray(v).reshape(-1)[0]) for k, v in entry.items() if k in ("Step", "step"))
+        if weight == layout.SHARED_OPTIMIZER_STATE:
+            counts.update(int(np.asarray(v).reshape(-1)[0]) for k, v in entry.items() if k in (layout.STEP, "step"))
             continue
-        for key in ("Moment_1", "Moment_2"):
-            if key in entry and f"{key}_{weight}" in moments:
-                values[f"{key}_{weight}"] = _as_array(entry[key])
-        if "Update_Count" in entry:
-            counts.add(int(np.asarray(entry["Update_Count"]).reshape(-1)[0]))
+        for moment in (layout.MOMENT_1, layout.MOMENT_2):
+            if moment in entry and f"{moment}_{weight}" in moments:
+                values[f"{moment}_{weight}"] = _as_array(entry[moment])
+        if layout.UPDATE_COUNT in entry:
+            counts.add(int(np.asarray(entry[layout.UPDATE_COUNT]).reshape(-1)[0]))
     if len(counts) > 1:
         raise ValueError(
             f"the checkpoint's optimizer update counters differ between weights ({sorted(counts)}); "
@@ -127,9 +119,7 @@ def _optimizer_values(built: Built, optimizer: dict[str, Any]) -> tuple[dict[str
 
 
 def _check_optimizer_name(config: TrainerConfig, state_dict: dict[str, Any]) -> None:
-    theirs = state_dict["trainer_options"]["optimizer_name"]
-    theirs = theirs.decode() if isinstance(theirs, bytes) else str(theirs)
-    mine = config.optim_config.name
+    theirs, mine = layout.optimizer_name_of(state_dict), config.optim_config.name
     if theirs != mine:
         raise AssertionError(f"Optimizer mismatch: expected {mine}, got {theirs}")
 
@@ -159,31 +149,31 @@ def _load_pytorch_weights(built: Built, state_dict: dict[str, Any], strict: bool
 
 
 def _load_train_step_info(counters: StepCounters, state_dict: dict[str, Any]) -> None:
-    info = state_dict.get("train_step_info")
+    info = state_dict.get(layout.TRAIN_STEP_INFO)
     if info is None:
         warnings.warn("Missing key: train_step_info in state_dict", stacklevel=2)
         return
-    counters.info.optimization_step = int(info["optimization_step"])
-    counters.info.step = int(info["step"])
+    counters.info.optimization_step = int(info[layout.OPTIMIZATION_STEP])
+    counters.info.step = int(info[layout.TRAIN_STEP])
 
 
 def _check_keys(current: dict[str, Any], loaded: dict[str, Any], zero_stage: int) -> None:
     """Strict mode: the legacy key checks, missing keys reported before unexpected ones."""
     allow_unexpected = zero_stage > 0
-    if "model" not in loaded:
+    if layout.MODEL not in loaded:
         warnings.warn("Missing key: model in state_dict", stacklevel=2)
     else:
-        _compare(current["model"], loaded["model"], "state_dict[model]", allow_unexpected)
-        for precision in current["model"]:
+        _compare(current[layout.MODEL], loaded[layout.MODEL], "state_dict[model]", allow_unexpected)
+        for precision in current[layout.MODEL]:
             where = f"state_dict[model][{precision}]"
-            _compare(current["model"][precision], loaded["model"][precision], where, allow_unexpected)
-    if "optimizer" not in loaded:
+            _compare(current[layout.MODEL][precision], loaded[layout.MODEL][precision], where, allow_unexpected)
+    if layout.OPTIMIZER not in loaded:
         warnings.warn("Missing key: optimizer in state_dict", stacklevel=2)
         return
-    _compare(current["optimizer"], loaded["optimizer"], "state_dict[optimizer]", allow_unexpected)
-    for weight in current["optimizer"]:
+    _compare(current[layout.OPTIMIZER], loaded[layout.OPTIMIZER], "state_dict[optimizer]", allow_unexpected)
+    for weight in current[layout.OPTIMIZER]:
         where = f"state_dict[optimizer][{weight}]"
-        _compare(current["optimizer"][weight], loaded["optimizer"][weight], where, allow_unexpected)
+        _compare(current[layout.OPTIMIZER][weight], loaded[layout.OPTIMIZER][weight], where, allow_unexpected)
 
 
 def _compare(current: dict[str, Any], loaded: dict[str, Any], where: str, allow_unexpected: bool) -> None:
@@ -193,14 +183,6 @@ def _compare(current: dict[str, Any], loaded: dict[str, Any], where: str, allow_
     unexpected = [k for k in loaded if k not in current]
     if unexpected and not allow_unexpected:
         raise RuntimeError(f"Unexpected keys: {unexpected} in {where}")
-
-
-def _normalise_precision_key(state_dict: dict[str, Any]) -> dict[str, Any]:
-    model = state_dict.get("model")
-    if isinstance(model, dict) and LEGACY_FULL_PRECISION in model and FULL_PRECISION not in model:
-        model = {FULL_PRECISION if k == LEGACY_FULL_PRECISION else k: v for k, v in model.items()}
-        return {**state_dict, "model": model}
-    return state_dict
 
 
 def _as_array(value: Any) -> np.ndarray:
