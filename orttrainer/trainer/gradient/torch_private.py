@@ -10,6 +10,7 @@ Verified on torch 2.13.0 (CPU) with onnxscript 0.7.2 and onnx 1.17.0.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
@@ -105,6 +106,113 @@ def aot_export_joint(
     return graph, _joint_signature(graph, sig)
 
 
+@dataclass(frozen=True)
+class ShapeGuards:
+    """The input shapes a graph traced with dynamic dims is valid for: `accepts(inputs)` evaluates every guard
+    the trace recorded on the user inputs' sizes (PyTorch's own guard expression, as torch.compile checks before
+    reusing a graph), including that a dynamic dim is >= 2 (sizes 0 and 1 are specialised by PyTorch's tracer)."""
+
+    shape_env: Any
+    code: str | None  # None: no guard at all
+    dynamic_dims: list[list[int]]  # the requested dims the trace kept symbolic (others were specialised)
+
+    def accepts(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """Rule: the guards hold for contiguous tensors of the inputs' shapes (the trainer feeds ONNX Runtime
+        contiguous copies, so the strides and storage offsets the guards also mention are those)."""
+        if self.code is None:
+            return True
+        proxies = [torch.empty(tuple(t.shape), dtype=t.dtype, device="meta") for t in inputs]
+        return bool(self.shape_env.evaluate_guards_expression(self.code, proxies))
+
+
+def aot_export_joint_dynamic(
+    module: torch.nn.Module, args: Sequence[torch.Tensor], dynamic_dims: Sequence[Sequence[int]]
+) -> tuple[torch.fx.GraphModule, JointSignature, ShapeGuards]:
+    """`aot_export_joint` with the dims `dynamic_dims[i]` of `args[i]` symbolic: one graph for every size of
+    those dims that satisfies the returned guards.
+
+    How: the user inputs become fake tensors with symbolic sizes in a ShapeEnv, and
+    `aot_export_joint_with_descriptors` traces the joint graph (aot_export_module re-traces its joint without
+    symbolic shapes: "SymIntArrayRef expected to contain only concrete integers", verified on 2.13). `module`
+    must return `(loss, *outputs not requiring grad)`; the loss's tangent input becomes the constant 1 and the
+    placeholders and outputs are described by a `JointSignature` as `aot_export_joint`'s are. Tensors the
+    forward reads that are neither parameters, buffers nor inputs become constants of the graph (as
+    torch.export treats them). Raises NotImplementedError for a graph feature this mapping does not know, and
+    `MissingGradientError` when a parameter requiring grad gets no gradient."""
+    from torch._dynamo.source import ConstantSource
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    fakes = []
+    for i, (tensor, dims) in enumerate(zip(args, dynamic_dims, strict=True)):
+        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(tensor.dim())]
+        context: Any = StatelessSymbolicContext(dynamic_sizes=sizes)  # type: ignore[arg-type]
+        fakes.append(mode.from_tensor(tensor, symbolic_context=context, source=ConstantSource(f"input{i}")))
+    with contextlib.ExitStack() as stack, torch.enable_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        joint = aot_export_joint_with_descriptors(stack, module, tuple(fakes), decompositions=training_decompositions())
+    graph = joint.graph_module
+    requiring = [n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
+    sig = _descriptor_signature(graph, requiring)
+    pairs = zip(fakes, dynamic_dims, strict=True)
+    kept = [[d for d in dims if _still_symbolic(shape_env, fake.shape[d])] for fake, dims in pairs]
+    return graph, sig, ShapeGuards(shape_env, shape_env.produce_guards_expression(fakes, ignore_static=False), kept)
+
+
+def _still_symbolic(shape_env: Any, size: Any) -> bool:
+    """Whether a traced size is still a symbol (a guard may have pinned it to a number: specialised)."""
+    return isinstance(size, torch.SymInt) and not shape_env.replace(size.node.expr).is_number
+
+
+def _descriptor_signature(graph: torch.fx.GraphModule, requiring_grad: list[str]) -> JointSignature:
+    """Rewrite a descriptor-annotated joint graph to `aot_export_joint`'s form, in place, and describe it."""
+    from torch._functorch._aot_autograd import descriptors as d
+
+    fx = graph.graph
+    inputs: list[tuple[str, str]] = []
+    for node in [n for n in fx.nodes if n.op == "placeholder"]:
+        desc = node.meta.get("desc")
+        if isinstance(desc, d.TangentAOTInput):  # the loss's incoming gradient: d loss / d loss = 1
+            value = node.meta["val"]
+            options = {"dtype": value.dtype, "device": value.device}
+            with fx.inserting_before(node):
+                one = fx.call_function(torch.ops.aten.full.default, ([], 1.0), options)
+            node.replace_all_uses_with(one)
+            fx.erase_node(node)
+        elif isinstance(desc, d.ParamAOTInput):
+            inputs.append(("parameter", desc.target))
+        elif isinstance(desc, d.BufferAOTInput):
+            inputs.append(("buffer", desc.target))
+        elif isinstance(desc, d.PlainAOTInput):
+            inputs.append(("user", node.name))
+        else:
+            raise NotImplementedError(f"dynamic-shape trace: unsupported graph input {desc}")
+    kept, outputs = [], []
+    out = fx.output_node()
+    for value, desc in zip(out.args[0], out.meta["desc"], strict=True):  # type: ignore[arg-type]
+        if value is None:
+            continue  # the gradients of the (detached) data inputs
+        if isinstance(desc, d.PlainAOTOutput):
+            outputs.append(("user", value.name))
+        elif isinstance(desc, d.GradAOTOutput) and isinstance(desc.grad_of, d.ParamAOTInput):
+            outputs.append(("gradient", desc.grad_of.target))
+        elif isinstance(desc, d.InputMutationAOTOutput) and isinstance(desc.mutated_input, d.BufferAOTInput):
+            outputs.append(("mutation", desc.mutated_input.target))
+        else:
+            raise NotImplementedError(f"dynamic-shape trace: unsupported graph output {desc}")
+        kept.append(value)
+    missing = [n for n in requiring_grad if ("gradient", n) not in outputs]
+    if missing:
+        raise MissingGradientError(f"parameters {missing} did not receive a gradient")
+    out.args = (tuple(kept),)
+    fx._codegen = torch.fx.graph.CodeGen()  # flat placeholders instead of the (primals, tangents) pytree
+    graph.recompile()
+    return JointSignature(tuple(inputs), tuple(outputs))
+
+
 def _joint_signature(graph: torch.fx.GraphModule, sig: Any) -> JointSignature:
     if sig.input_tokens or sig.output_tokens:
         raise NotImplementedError(
@@ -139,9 +247,19 @@ def output_values(graph: torch.fx.Graph) -> list:
     return list(values)
 
 
+class MissingGradientError(AssertionError):
+    """The dynamic-shape trace's form of AOTAutograd's "did not receive a gradient" assertion."""
+
+
 def is_missing_gradient_error(err: BaseException) -> bool:
     """True for AOTAutograd's assertion that a parameter requiring grad got no gradient from the loss."""
     return isinstance(err, AssertionError) and "did not receive a gradient" in str(err)
+
+
+def is_real_tensor_in_trace_error(err: BaseException) -> bool:
+    """True for the fake-tensor tracer's refusal of a real tensor it was not given as an input (a tensor the
+    forward reads from a global, a closure, or an attribute that is neither a parameter nor a buffer)."""
+    return isinstance(err, AssertionError) and "Please convert all Tensors to FakeTensors" in str(err)
 
 
 def autograd_function_of_frame(frame: Any) -> tuple[type, str] | None:
@@ -159,19 +277,93 @@ def autograd_function_of_frame(frame: Any) -> tuple[type, str] | None:
 
 
 def export_graph_to_onnx(
-    graph: torch.fx.GraphModule,
+    graph: torch.nn.Module,
     args: Sequence[torch.Tensor],
     input_names: list[str],
     output_names: list[str],
     opset_version: int,
+    dynamic_dims: Sequence[Sequence[int]] | None = None,
+    allow_static: bool = False,
 ) -> onnx.ModelProto:
-    """ONNX model of an aten-level `graph` through `torch.onnx.export(dynamo=True)` (needs onnxscript).
+    """ONNX model of `graph` (an aten-level graph, or a module in the mode it should be exported in) through
+    `torch.onnx.export(dynamo=True)` (needs onnxscript).
 
-    Rules: input shapes stay static (the graph was traced for them); opset_version must be >= MIN_DYNAMO_OPSET;
-    the IR version is capped at 10 (the newest ONNX Runtime 1.19 loads)."""
+    Rules: input shapes stay static, except the dims `dynamic_dims[i]` of input i, which must stay dynamic (a
+    trace that specialises one raises) or, with `allow_static`, stay dynamic unless the trace specialises them
+    (torch.export's Dim.AUTO: read the result's input shapes); opset_version must be >= MIN_DYNAMO_OPSET; the IR
+    version is capped at 10 (the newest ONNX Runtime 1.19 loads)."""
+    program = _export(graph, args, input_names, output_names, opset_version, dynamic_dims, allow_static)
+    model = program.model_proto
+    model.ir_version = min(model.ir_version, 10)
+    return model
+
+
+DimSpec = int | tuple[int, int | None]  # a static size, or a dynamic dim's (min, max) range (max None: unbounded)
+
+
+def export_module_to_onnx(
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    input_names: list[str],
+    output_names: list[str],
+    opset_version: int,
+    dynamic_dims: Sequence[Sequence[int]],
+) -> tuple[onnx.ModelProto, list[list[DimSpec]]]:
+    """`export_graph_to_onnx(..., allow_static=True)` for a module, and each input's dims as torch.export traced
+    them: the size of a static (or specialised) dim, the range of a dynamic one. The ONNX inputs get those
+    static sizes too. Why: torch.onnx leaves a dim declared dynamic symbolic in the ONNX inputs even when
+    torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges."""
+    program = _export(module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True)
+    exported = program.exported_program
+    if exported is None:
+        raise RuntimeError("torch.onnx.export(dynamo=True) returned no exported program")
+    placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    specs: list[list[DimSpec]] = []
+    for name in exported.graph_signature.user_inputs:
+        shape = placeholders[name].meta["val"].shape
+        specs.append([_dim_spec(size, exported.range_constraints) for size in shape])
+    model = program.model_proto
+    model.ir_version = min(model.ir_version, 10)
+    for value, dims in zip(model.graph.input, specs, strict=False):  # user inputs come first
+        for dim, spec in zip(value.type.tensor_type.shape.dim, dims, strict=True):
+            if isinstance(spec, int):
+                dim.dim_value = spec
+    return model, specs
+
+
+def _dim_spec(size: Any, ranges: dict) -> DimSpec:
+    if isinstance(size, int):
+        return size
+    symbol = size.node.expr
+    bounds = ranges.get(symbol)
+    if bounds is None:
+        return (0, None)
+    import sympy
+    from torch.utils._sympy.numbers import int_oo  # torch's integer infinity (its `is_finite` is True)
+
+    lower, upper = int(bounds.lower), None if bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
+    return lower if lower == upper else (lower, upper)  # a symbol pinned to one value is a specialised dim
+
+
+def _export(
+    graph: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    input_names: list[str],
+    output_names: list[str],
+    opset_version: int,
+    dynamic_dims: Sequence[Sequence[int]] | None,
+    allow_static: bool,
+) -> Any:
     if opset_version < MIN_DYNAMO_OPSET:
         raise ValueError(f"torch.onnx's dynamo exporter writes opset >= {MIN_DYNAMO_OPSET}, got {opset_version}")
-    graph.eval()  # an aten graph has no train/eval behaviour; this only silences the exporter's training warning
+    if isinstance(graph, torch.fx.GraphModule):
+        graph.eval()  # an aten graph has no train/eval behaviour; this only silences the exporter's training warning
+    shapes: tuple | None = None
+    if dynamic_dims is not None and any(dynamic_dims):
+        kind = torch.export.Dim.AUTO if allow_static else torch.export.Dim.DYNAMIC
+        shapes = tuple({d: kind for d in dims} or None for dims in dynamic_dims)
+        if _takes_varargs(graph):  # torch.export matches dynamic_shapes to forward's parameters: *inputs is one
+            shapes = (shapes,)
     with _quiet_exporter():
         program = torch.onnx.export(
             graph,
@@ -179,6 +371,7 @@ def export_graph_to_onnx(
             input_names=input_names,
             output_names=output_names,
             opset_version=opset_version,
+            dynamic_shapes=shapes,
             dynamo=True,
             optimize=True,
             verify=False,
@@ -187,9 +380,44 @@ def export_graph_to_onnx(
         )
     if program is None:  # dynamo=True always returns a program
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNX program")
-    model = program.model_proto
-    model.ir_version = min(model.ir_version, 10)
-    return model
+    return program
+
+
+def _takes_varargs(module: torch.nn.Module) -> bool:
+    parameters = list(inspect.signature(module.forward).parameters.values())
+    return len(parameters) == 1 and parameters[0].kind is inspect.Parameter.VAR_POSITIONAL
+
+
+@contextlib.contextmanager
+def reentrant_checkpoint_traceable() -> Iterator[None]:
+    """Within the block, `torch.utils.checkpoint.checkpoint(..., use_reentrant=True)` runs PyTorch's
+    non-reentrant implementation.
+
+    Why: the reentrant implementation is an autograd.Function whose backward re-runs the forward and calls
+    `torch.autograd.backward` itself, so the parameters inside the checkpoint get their gradients as a side effect
+    on `.grad`, which a traced joint graph never sees ("did not receive a gradient", verified on 2.13). Both
+    implementations compute the same values and gradients; recomputation only saves memory. PyTorch's rule for
+    the reentrant form is kept: when grad mode is off or no tensor argument requires grad, its output requires no
+    grad (the parameters inside get none), so the function then runs under no_grad."""
+    from torch.utils import checkpoint as checkpoint_module
+
+    cls = checkpoint_module.CheckpointFunction  # what checkpoint(use_reentrant=True) applies
+    own = cls.__dict__.get("apply")
+
+    def apply(function, preserve_rng_state, *args):
+        if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            with torch.no_grad():
+                return function(*args)
+        return checkpoint_module.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+
+    cls.apply = staticmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if own is not None:
+            cls.apply = own  # type: ignore[method-assign]
+        else:
+            del cls.apply
 
 
 @contextlib.contextmanager
