@@ -14,6 +14,7 @@ import onnx
 import torch
 
 from .._require import require
+from ..debug.subscriber import no_increase_global_step
 from . import export as export_mod
 from . import ort_private
 from .activations import ActivationStatistics
@@ -21,6 +22,7 @@ from .compile import CompiledModel, CompileRequest, DataParallelPlan, compile_mo
 from .config import TrainerConfig, recompute_plan
 from .distributed import Communicator, partition_parameters
 from .gradient.choice import BuilderChoice, choose_builder, ort_only_options
+from .gradient.errors import GradientBuildError
 from .gradient.ort_options import GradientOptions
 from .gradient.torch_graphs import TorchSource
 from .graph.data_parallel import DataParallelGraphs, GradientStepGraph
@@ -29,8 +31,10 @@ from .graph.training import TrainingGraph
 from .inputs import check_inputs
 from .model_types import describe_mixed_precision, record_export_types, record_graph_types
 from .parameters import split_parameters
-from .session import SessionBase, SessionConfig, TrainingSession
+from .session import EvalGraphs, SessionBase, SessionConfig, TrainingSession
 from .session_dp import DataParallelSession
+from .shapes import named_dims
+from .torch_forward import EvalShapes, ForwardSource, TorchEvalGraphs, export_torch_forward
 
 _logger = logging.getLogger(__name__)
 
@@ -71,9 +75,55 @@ class Built:
 def build_from_torch(
     config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, activations: ActivationStatistics
 ) -> Built:
-    """Export `module` (+ loss) with the first batch, post-process, compile and open the session."""
+    """Export `module` (+ loss) with the first batch, post-process, compile and open the session.
+
+    Routes ('auto''s rule, README § Gradient builders): a dry run in PyTorch finds the custom autograd Functions
+    and `choose_builder` decides. The torch builder's route (`_torch_route`) never runs the TorchScript exporter.
+    'ort', and 'auto' otherwise, export with TorchScript and differentiate with ONNX Runtime; 'auto' switches to
+    the torch route when that export fails or ONNX Runtime has no gradient for an op (unless ort-only options
+    are set: then it raises)."""
     desc, options = config.model_desc, config.options
     check_inputs(sample_inputs, desc.inputs)
+    with no_increase_global_step():  # counts no debug step and writes no file
+        dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs)
+    ort_only = ort_only_options(options) + (["orttrainer.debug statistics"] if activations.subscribed else [])
+    choice = choose_builder(
+        options._internal_use.gradient_builder, custom_functions=dry.custom_functions, ort_only=ort_only
+    )
+    record_export_types(desc, dry)
+    if choice.builder != "torch":
+        try:
+            return _torchscript_route(config, module, sample_inputs, activations, dry, choice)
+        except (export_mod.TorchScriptExportError, GradientBuildError) as err:
+            reason = _auto_fallback(choice, err)
+            if reason is None:
+                raise
+            _logger.info("%s; building with the torch gradient builder", reason)
+            choice = BuilderChoice("torch", reason)
+    return _torch_route(config, module, sample_inputs, dry, choice)
+
+
+def _auto_fallback(choice: BuilderChoice, err: Exception) -> str | None:
+    """Why 'auto' switches to the torch builder after `err` on the TorchScript route, or None (no switch)."""
+    if choice.builder != "auto":
+        return None
+    if isinstance(err, export_mod.TorchScriptExportError):
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"auto: the TorchScript exporter failed ({first_line})"
+    if isinstance(err, GradientBuildError) and err.op_type is not None:
+        return f"auto: ONNX Runtime's gradient builder cannot differentiate op '{err.op_type}'"
+    return None
+
+
+def _torchscript_route(
+    config: TrainerConfig,
+    module: torch.nn.Module,
+    sample_inputs: list,
+    activations: ActivationStatistics,
+    dry: export_mod.DryRun,
+    choice: BuilderChoice,
+) -> Built:
+    desc, options = config.model_desc, config.options
     internal = options._internal_use
     with activations.marking():  # counts no debug step; marks subscribed activations
         exported = export_mod.export_model(
@@ -83,27 +133,48 @@ def build_from_torch(
             sample_inputs,
             opset_version=internal.onnx_opset_version,
             enable_contrib_ops=internal.enable_onnx_contrib_ops,
+            dry=dry,
         )
-    ort_only = ort_only_options(options) + (["orttrainer.debug statistics"] if activations.marked else [])
-    choice = choose_builder(internal.gradient_builder, custom_functions=exported.custom_functions, ort_only=ort_only)
-    record_export_types(desc, exported)
-    info = TorchExportInfo(
+    forward = activations.prepare(exported.model, config.loss_fn, desc, sample_inputs)
+    forward = postprocess(config, forward, check_result=False)
+    trainable, frozen = split_parameters(
+        forward, list(options.utils.frozen_weights), exported.parameters, exported.buffers
+    )
+    info = _export_info(module, exported)
+    return _open(config, _Parts(forward, trainable, frozen, choice, info, None, sample_inputs, activations))
+
+
+def _torch_route(
+    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, dry: export_mod.DryRun, choice: BuilderChoice
+) -> Built:
+    """The torch builder's route: the eval-mode forward from torch.export (`torch_forward.py`; state from the
+    module itself), the training graph from AOTAutograd with model_desc's string dims dynamic."""
+    desc, options = config.model_desc, config.options
+    names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
+    dims = named_dims(desc.inputs)
+    outputs = [d.name for d in desc.outputs]
+    forward_source = ForwardSource(module, config.loss_fn, names, outputs, dims, opset)
+    with no_increase_global_step():
+        exported, dims_traced = export_torch_forward(forward_source, sample_inputs, dry)
+    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims)
+    forward = postprocess(config, exported.model, check_result=False)
+    trainable, frozen = split_parameters(
+        forward, list(options.utils.frozen_weights), exported.parameters, exported.buffers
+    )
+    info = _export_info(module, exported)
+    eval_shapes = EvalShapes(forward_source, dims_traced, dry.input_dtypes)
+    parts = _Parts(forward, trainable, frozen, choice, info, source, sample_inputs, None, eval_shapes)
+    return _open(config, parts)
+
+
+def _export_info(module: torch.nn.Module, exported: export_mod.ExportedModel) -> TorchExportInfo:
+    return TorchExportInfo(
         list(module.state_dict().keys()),
         exported.aliases,
         exported.unused_state,
         exported.sample_outputs,
         not exported.was_training,
     )
-    source = TorchSource(
-        module, config.loss_fn, [d.name for d in desc.inputs], internal.onnx_opset_version, exported.was_training
-    )
-    forward = activations.prepare(exported.model, config.loss_fn, desc, sample_inputs)
-    forward = postprocess(config, forward, check_result=False)
-    trainable, frozen = split_parameters(
-        forward, list(options.utils.frozen_weights), exported.parameters, exported.buffers
-    )
-    parts = _Parts(forward, trainable, frozen, choice, info, source, sample_inputs, activations)
-    return _open(config, parts)
 
 
 def build_from_onnx(config: TrainerConfig, model: onnx.ModelProto) -> Built:
@@ -144,6 +215,7 @@ class _Parts:
     source: TorchSource | None = None
     sample_inputs: Sequence[torch.Tensor] | None = None
     activations: ActivationStatistics | None = None
+    eval_shapes: EvalShapes | None = None  # the torch route: eval graphs for other input shapes
 
 
 def _open(config: TrainerConfig, parts: _Parts) -> Built:
@@ -154,7 +226,10 @@ def _open(config: TrainerConfig, parts: _Parts) -> Built:
     _logger.info("gradient builder '%s' (%s)", compiled.builder.builder, compiled.builder.reason)
     describe_mixed_precision(config, compiled)
     _seed_onnxruntime()
-    session = _create_session(config, compiled, owners)
+    eval_for = None
+    if parts.eval_shapes is not None:
+        eval_for = TorchEvalGraphs(parts.eval_shapes, compiled.eval_model, compiled.trainable + compiled.frozen)
+    session = _create_session(config, compiled, owners, eval_for)
     return Built(parts.forward, compiled, session, owners, parts.torch_export)
 
 
@@ -199,7 +274,9 @@ def _data_parallel_plan(
     return plan, owners
 
 
-def _create_session(config: TrainerConfig, compiled: CompiledModel, owners: dict[str, int] | None) -> SessionBase:
+def _create_session(
+    config: TrainerConfig, compiled: CompiledModel, owners: dict[str, int] | None, eval_for: EvalGraphs | None
+) -> SessionBase:
     opts = config.options
     session_config = SessionConfig(
         device=config.device,
@@ -212,7 +289,7 @@ def _create_session(config: TrainerConfig, compiled: CompiledModel, owners: dict
     state = compiled.initial_state
     if compiled.step is None:
         graph_for = cast(Callable[[Sequence[torch.Tensor]], TrainingGraph] | None, compiled.graph_for)  # one process
-        return TrainingSession(compiled.training, compiled.eval_model, state, session_config, graph_for)
+        return TrainingSession(compiled.training, compiled.eval_model, state, session_config, graph_for, eval_for)
     graphs = DataParallelGraphs(compiled.step, compiled.training, compiled.reduced_inputs or {})
     return DataParallelSession(
         graphs,
@@ -225,6 +302,7 @@ def _create_session(config: TrainerConfig, compiled: CompiledModel, owners: dict
         owners=owners,
         rank=config.rank,
         step_for=cast(Callable[[Sequence[torch.Tensor]], GradientStepGraph] | None, compiled.graph_for),
+        eval_for=eval_for,
     )
 
 

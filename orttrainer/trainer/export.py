@@ -45,6 +45,17 @@ class _ModelWithLoss(torch.nn.Module):
         return {name: inputs[self.input_names.index(name)] for name in self.forward_params if name in self.input_names}
 
 
+@dataclass(frozen=True)
+class DryRun:
+    """What running the model once in PyTorch (an eval-mode copy, `dry_run`) learned."""
+
+    sample_outputs: list[torch.Tensor]  # flattened (loss, *outputs) with a loss_fn, else the model's outputs
+    input_dtypes: list[torch.dtype]
+    output_dtypes: list[torch.dtype]  # of the model_desc outputs
+    was_training: bool  # the model's train/eval mode when it was handed over (eval: dropout off in training)
+    custom_functions: list[str]  # custom torch.autograd.Functions met in the dry run
+
+
 @dataclass
 class ExportedModel:
     """The forward ONNX model and what the dry run learned about the model's inputs and outputs."""
@@ -92,6 +103,22 @@ def custom_autograd_functions(outputs) -> list[str]:
     return sorted(found)
 
 
+def dry_run(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: list[torch.Tensor]) -> DryRun:
+    """Check that `model.forward` takes the model_desc inputs, run an eval-mode copy of `model` (+ `loss_fn`) on
+    `sample_inputs` and check that it returns at least the model_desc outputs."""
+    input_names = [d.name for d in model_desc.inputs]
+    output_names = [d.name for d in model_desc.outputs]
+    check_forward_accepts(model, input_names, loss_fn is not None)
+    sample_outputs, functions = _dry_run(_ModelWithLoss(model, loss_fn, input_names), sample_inputs)
+    if len(sample_outputs) < len(output_names):
+        raise ValueError(
+            f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
+            f"{' with its loss_fn' if loss_fn else ''} returns {len(sample_outputs)}"
+        )
+    output_dtypes = [t.dtype for t in sample_outputs[: len(output_names)]]
+    return DryRun(sample_outputs, [t.dtype for t in sample_inputs], output_dtypes, model.training, functions)
+
+
 def export_model(
     model: torch.nn.Module,
     loss_fn,
@@ -100,19 +127,14 @@ def export_model(
     *,
     opset_version: int,
     enable_contrib_ops: bool,
+    dry: DryRun | None = None,
 ) -> ExportedModel:
-    """Dry-run and export `model` (+ `loss_fn`); returns the forward ONNX model with the `model.` prefix removed."""
+    """Export `model` (+ `loss_fn`) with the TorchScript exporter; returns the forward ONNX model with the `model.`
+    prefix removed. `dry`: the `dry_run` already made (else it runs here)."""
     input_names = [d.name for d in model_desc.inputs]
     output_names = [d.name for d in model_desc.outputs]
-    check_forward_accepts(model, input_names, loss_fn is not None)
-    was_training = model.training
+    dry = dry or dry_run(model, loss_fn, model_desc, sample_inputs)
     wrapper = _ModelWithLoss(model, loss_fn, input_names)
-    sample_outputs, functions = _dry_run(wrapper, sample_inputs)
-    if len(sample_outputs) < len(output_names):
-        raise ValueError(
-            f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
-            f"{' with its loss_fn' if loss_fn else ''} returns {len(sample_outputs)}"
-        )
     _register_contrib_ops(enable_contrib_ops)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     buffer = io.BytesIO()
@@ -134,26 +156,37 @@ def export_model(
                 dynamo=False,
             )
     except Exception as err:
-        raise RuntimeError(f"exporting {type(model).__name__} to ONNX failed: {err}") from err
+        raise TorchScriptExportError(f"exporting {type(model).__name__} to ONNX failed: {err}") from err
     finally:
-        model.train(was_training)
+        model.train(dry.was_training)
         _restore_buffers(model, buffers)
     onnx_model = set_initializers(strip_prefix(onnx.load_from_string(buffer.getvalue()), MODEL_PREFIX), buffers)
-    if was_training:
+    if dry.was_training:
         onnx_model = restore_dropout_training_mode(onnx_model)
+    return exported_model(onnx_model, model, dry)
+
+
+class TorchScriptExportError(RuntimeError):
+    """The TorchScript exporter failed on the model ('auto' then trains it with the torch builder)."""
+
+
+def exported_model(onnx_model: onnx.ModelProto, model: torch.nn.Module, dry: DryRun) -> ExportedModel:
+    """Rule: the trainable parameters are `model`'s requires_grad parameters that are initializers of
+    `onnx_model`; the frozen state is its other state_dict entries that are initializers; state_dict entries
+    that are not initializers are aliases (a tied tensor's other names) or unused state."""
     initializers = {i.name for i in onnx_model.graph.initializer}
     params = [n for n, p in model.named_parameters() if p.requires_grad and n in initializers]
     state = [n for n in model.state_dict() if n in initializers and n not in params]
     aliases, unused = _state_outside_graph(model, initializers)
     return ExportedModel(
         onnx_model,
-        sample_outputs,
-        [t.dtype for t in sample_inputs],
-        [t.dtype for t in sample_outputs[: len(output_names)]],
+        dry.sample_outputs,
+        dry.input_dtypes,
+        dry.output_dtypes,
         params,
         state,
-        was_training,
-        functions,
+        dry.was_training,
+        dry.custom_functions,
         aliases,
         unused,
     )

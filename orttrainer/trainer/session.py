@@ -1,9 +1,11 @@
 """TrainingSession: runs the compiled training and eval graphs with ONNX Runtime, owning the training state.
 
 Training graphs: one with the `ort` gradient builder (its graph has dynamic batch and sequence dims); with the
-`torch` builder, one per input-shape signature, built on first sight by the compiler's `graph_for` and kept in a
+`torch` builder, the compiler's `graph_for` gives the graph for each input-shape signature on first sight (a graph
+traced with dynamic dims serves every signature its guards accept, with one ONNX Runtime session), kept in a
 `ShapeKeyedCache` (`GraphRunners`; least recently used evicted beyond `MAX_TRAINING_GRAPHS`). Every training graph
-has the same state contract, so all of them read and replace the same state values.
+has the same state contract, so all of them read and replace the same state values. The eval graph works the same
+way: one, or (torch path, `eval_for`) one per signature its first graph does not accept.
 
 State (weights, frozen tensors, optimizer moments, gradient-accumulation buffers) lives in `OrtValue`s on the
 device between steps. A step feeds them as inputs and receives the updated values as new, owned `OrtValue`s that
@@ -56,6 +58,15 @@ class RunnableGraph(Protocol):
 G = TypeVar("G", bound=RunnableGraph)
 
 
+class EvalGraphs(Protocol):
+    """The torch path's eval graphs: `first` and, for inputs it does not accept, `self(inputs)`."""
+
+    @property
+    def first(self) -> EvalGraph: ...
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph: ...
+
+
 @dataclass(frozen=True)
 class GraphRunner(Generic[G]):
     """A graph, its onnxruntime.InferenceSession, and the inputs the session kept (ONNX Runtime prunes unused
@@ -66,11 +77,19 @@ class GraphRunner(Generic[G]):
     inputs: frozenset[str]
 
 
+@dataclass(frozen=True)
+class EvalGraph:
+    """An eval model and its data inputs (model_desc order), as `GraphRunners` runs it."""
+
+    model: onnx.ModelProto
+    data_inputs: list[str]
+
+
 class GraphRunners(Generic[G]):
     """The graph (and ONNX Runtime session) that runs a batch: `graph` for every batch, or — given `graph_for`
     (torch builder) — `graph_for(inputs)` for the shape signature of `inputs` (the data in `graph.data_inputs`
-    order), created on the first batch with that signature. `optimized_model_path` receives the first graph's
-    optimized model (every later one would overwrite it)."""
+    order), asked on the first batch with that signature; a graph it returned before keeps its session.
+    `optimized_model_path` receives the first graph's optimized model (every later one would overwrite it)."""
 
     def __init__(
         self,
@@ -93,6 +112,9 @@ class GraphRunners(Generic[G]):
 
     def _new(self, inputs: list[torch.Tensor]) -> GraphRunner[G]:
         graph = self._graph_for(inputs) if self._graph_for is not None else self.graph
+        known = next((r for r in self._cache.values() if r.graph is graph), None)
+        if known is not None:  # a dynamic-shape graph serving another signature
+            return known
         path, self._path = self._path, ""
         session = self._create(graph.model, path)
         return GraphRunner(graph, session, frozenset(i.name for i in session.get_inputs()))
@@ -100,19 +122,30 @@ class GraphRunners(Generic[G]):
     def __len__(self) -> int:
         return len(self._cache)
 
+    @property
+    def graph_count(self) -> int:
+        """How many distinct graphs (and sessions) the kept signatures use."""
+        return len({id(r.graph) for r in self._cache.values()})
+
 
 class SessionBase(ABC):
     """What every session kind shares: ONNX Runtime options and providers, the eval graph's session, and the state
     (`OrtValue`s by name) that every graph reads and replaces. Subclasses run training steps."""
 
-    def __init__(self, eval_model: onnx.ModelProto, state: dict[str, np.ndarray], config: SessionConfig) -> None:
+    def __init__(
+        self,
+        eval_model: onnx.ModelProto,
+        state: dict[str, np.ndarray],
+        config: SessionConfig,
+        eval_for: EvalGraphs | None = None,
+    ) -> None:
         import onnxruntime as ort
 
         self.config = config
         self._options = _session_options(config)
         self._providers = _providers(config)
-        self._eval = self._session(eval_model, "")
-        self._eval_inputs = {i.name for i in self._eval.get_inputs()}
+        first = eval_for.first if eval_for is not None else EvalGraph(eval_model, [])
+        self._evals = GraphRunners(self._session, first, eval_for, "")
         self._state: dict[str, Any] = {name: self._to_device(value) for name, value in state.items()}
         self._partial_run = ort.RunOptions()
         self._partial_run.only_execute_path_to_fetches = True
@@ -148,9 +181,10 @@ class SessionBase(ABC):
         """How many training graphs are compiled and kept (torch builder: one per input-shape signature)."""
 
     def evaluate(self, data: dict[str, torch.Tensor], outputs: list[str]) -> dict[str, torch.Tensor]:
-        """Run the eval graph on `data`; returns the requested outputs."""
-        feeds = self._feeds(data, self._eval_inputs)
-        fetched = self._run(self._eval, feeds, outputs)
+        """Run the eval graph (for `data`'s shapes) on `data`; returns the requested outputs."""
+        runner = self._evals.for_data(data)
+        feeds = self._feeds(data, runner.inputs)
+        fetched = self._run(runner.session, feeds, outputs)
         return {name: self._to_torch(value) for name, value in zip(outputs, fetched, strict=True)}
 
     # ------------------------------------------------------------------------------------------------------ state
@@ -209,8 +243,9 @@ class TrainingSession(SessionBase):
         state: dict[str, np.ndarray],
         config: SessionConfig,
         graph_for: Callable[[Sequence[torch.Tensor]], TrainingGraph] | None = None,
+        eval_for: EvalGraphs | None = None,
     ) -> None:
-        super().__init__(eval_model, state, config)
+        super().__init__(eval_model, state, config, eval_for)
         self.graph = graph
         self._runners = GraphRunners(self._session, graph, graph_for, config.optimized_model_path)
         self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
@@ -225,7 +260,7 @@ class TrainingSession(SessionBase):
 
     @property
     def training_graph_count(self) -> int:
-        return len(self._runners)
+        return self._runners.graph_count
 
     def train(
         self,

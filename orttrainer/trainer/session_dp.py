@@ -23,7 +23,7 @@ import torch
 
 from .distributed import Communicator
 from .graph.data_parallel import DataParallelGraphs, GradientStepGraph
-from .session import GraphRunners, SessionBase, SessionConfig, from_torch, to_torch_view
+from .session import EvalGraphs, GraphRunners, SessionBase, SessionConfig, from_torch, to_torch_view
 
 
 class DataParallelSession(SessionBase):
@@ -42,8 +42,9 @@ class DataParallelSession(SessionBase):
         owners: dict[str, int] | None,
         rank: int,
         step_for: Callable[[Sequence[torch.Tensor]], GradientStepGraph] | None = None,
+        eval_for: EvalGraphs | None = None,
     ) -> None:
-        super().__init__(eval_model, state, config)
+        super().__init__(eval_model, state, config, eval_for)
         self.graphs, self.graph = graphs, graphs.optimizer
         self.comm = comm
         self._runners = GraphRunners(self._session, graphs.step, step_for, "")
@@ -96,7 +97,7 @@ class DataParallelSession(SessionBase):
 
     @property
     def training_graph_count(self) -> int:
-        return len(self._runners)
+        return self._runners.graph_count
 
     @property
     def train_session(self) -> Any:
