@@ -33,8 +33,8 @@ from .model_types import describe_mixed_precision, record_export_types, record_g
 from .parameters import split_parameters
 from .session import EvalGraphs, SessionBase, SessionConfig, TrainingSession
 from .session_dp import DataParallelSession
-from .shapes import named_dims
-from .torch_forward import EvalShapes, ForwardSource, TorchEvalGraphs, export_torch_forward
+from .shapes import named_dims, same_size_groups, shape_signature
+from .torch_forward import ForwardSource, TorchEvalGraphs, module_state, state_model
 
 _logger = logging.getLogger(__name__)
 
@@ -53,13 +53,20 @@ class TorchExportInfo:
 @dataclass
 class Built:
     """Everything building produced. `forward` is the post-processed forward model (the legacy `_onnx_model`):
-    `save_as_onnx` writes it with the current weights. `session` owns the weights and optimizer state."""
+    `save_as_onnx` writes it with the current weights; the torch route exports it when first asked
+    (`torch_forward.TorchEvalGraphs`). `session` owns the weights and optimizer state."""
 
-    forward: onnx.ModelProto
+    forward_source: onnx.ModelProto | Callable[[], onnx.ModelProto]
     compiled: CompiledModel
     session: SessionBase
     zero_owners: dict[str, int] | None  # ZeRO stage 1: which rank updates each trainable tensor
     torch_export: TorchExportInfo | None
+
+    @property
+    def forward(self) -> onnx.ModelProto:
+        """The post-processed forward model."""
+        source = self.forward_source
+        return source if isinstance(source, onnx.ModelProto) else source()
 
     @property
     def builder(self) -> BuilderChoice:
@@ -147,24 +154,24 @@ def _torchscript_route(
 def _torch_route(
     config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, dry: export_mod.DryRun, choice: BuilderChoice
 ) -> Built:
-    """The torch builder's route: the eval-mode forward from torch.export (`torch_forward.py`; state from the
-    module itself), the training graph from AOTAutograd with model_desc's string dims dynamic."""
+    """The torch builder's route (`torch_forward.py`): state from the module itself, the training graph from
+    AOTAutograd with model_desc's string dims dynamic, the forward model from torch.export when first needed."""
     desc, options = config.model_desc, config.options
     names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
     dims = named_dims(desc.inputs)
-    outputs = [d.name for d in desc.outputs]
-    forward_source = ForwardSource(module, config.loss_fn, names, outputs, dims, opset)
-    with no_increase_global_step():
-        exported, dims_traced = export_torch_forward(forward_source, sample_inputs, dry)
-    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims)
-    forward = postprocess(config, exported.model, check_result=False)
-    trainable, frozen = split_parameters(
-        forward, list(options.utils.frozen_weights), exported.parameters, exported.buffers
+    trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
+    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, same_size_groups(desc.inputs))
+    forward = ForwardSource(module, config.loss_fn, names, [d.name for d in desc.outputs], dims, opset)
+    evals = TorchEvalGraphs(
+        forward, shape_signature(sample_inputs), lambda m: postprocess(config, m, False), trainable + frozen
     )
-    info = _export_info(module, exported)
-    eval_shapes = EvalShapes(forward_source, dims_traced, dry.input_dtypes)
-    parts = _Parts(forward, trainable, frozen, choice, info, source, sample_inputs, None, eval_shapes)
-    return _open(config, parts)
+    weights = state_model(module, trainable + frozen)
+    built = _open(config, _Parts(weights, trainable, frozen, choice, None, source, sample_inputs, None, evals))
+    aliases, unused = export_mod.state_outside_graph(module, set(built.state_names))
+    built.torch_export = TorchExportInfo(
+        list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training
+    )
+    return built
 
 
 def _export_info(module: torch.nn.Module, exported: export_mod.ExportedModel) -> TorchExportInfo:
@@ -215,7 +222,7 @@ class _Parts:
     source: TorchSource | None = None
     sample_inputs: Sequence[torch.Tensor] | None = None
     activations: ActivationStatistics | None = None
-    eval_shapes: EvalShapes | None = None  # the torch route: eval graphs for other input shapes
+    eval_graphs: TorchEvalGraphs | None = None  # the torch route: its forward model and eval graphs
 
 
 def _open(config: TrainerConfig, parts: _Parts) -> Built:
@@ -226,11 +233,9 @@ def _open(config: TrainerConfig, parts: _Parts) -> Built:
     _logger.info("gradient builder '%s' (%s)", compiled.builder.builder, compiled.builder.reason)
     describe_mixed_precision(config, compiled)
     _seed_onnxruntime()
-    eval_for = None
-    if parts.eval_shapes is not None:
-        eval_for = TorchEvalGraphs(parts.eval_shapes, compiled.eval_model, compiled.trainable + compiled.frozen)
-    session = _create_session(config, compiled, owners, eval_for)
-    return Built(parts.forward, compiled, session, owners, parts.torch_export)
+    session = _create_session(config, compiled, owners, parts.eval_graphs)
+    forward = parts.eval_graphs.forward_model if parts.eval_graphs is not None else parts.forward
+    return Built(forward, compiled, session, owners, parts.torch_export)
 
 
 def _compile_request(config: TrainerConfig, parts: _Parts, loss: str, plan: DataParallelPlan | None) -> CompileRequest:
@@ -247,6 +252,7 @@ def _compile_request(config: TrainerConfig, parts: _Parts, loss: str, plan: Data
         accumulation_steps=config.accumulation_steps,
         clip_grad_norm=opts.utils.grad_norm_clip,
         dropout_off=bool(parts.torch_export and parts.torch_export.dropout_off),
+        lazy_eval=parts.eval_graphs is not None,
         graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts),
         mixed_precision=opts.mixed_precision.enabled,
         cpu=config.device.type == "cpu",

@@ -80,6 +80,7 @@ class CompileRequest:
     recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder only (gradient/choice.ort_only_options)
     gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients ('ort' only)
     statistics: StatisticsInstrument | None = None  # orttrainer.debug statistics ('ort' builder only)
+    lazy_eval: bool = False  # the torch route: `forward` holds only the state, eval graphs come from torch_forward
 
 
 ShapeGraph = TrainingGraph | GradientStepGraph
@@ -120,7 +121,9 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     gradient_model = run_stages(gradient.model, gradient_passes(request, loss))
     _save(gradient_model, save.get("model_with_gradient_graph_path"))
     weights = initializer_values(request.forward, state)
-    eval_model = build_eval_model(_eval_forward(request, state), state, request.outputs)
+    eval_model = onnx.ModelProto()  # the torch route builds its eval graphs itself, when first needed
+    if not request.lazy_eval:
+        eval_model = build_eval_model(_eval_forward(request, state), state, request.outputs)
     if request.statistics is not None:
         eval_model = request.statistics.instrument(eval_model, "eval")
     shapes = {p: tuple(weights[p].shape) for p in request.trainable}

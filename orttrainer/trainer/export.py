@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import onnx
 import torch
 
+from .gradient import torch_private
 from .graph.editor import copy_model
 from .graph.fixups import restore_dropout_training_mode
 
@@ -54,6 +55,7 @@ class DryRun:
     output_dtypes: list[torch.dtype]  # of the model_desc outputs
     was_training: bool  # the model's train/eval mode when it was handed over (eval: dropout off in training)
     custom_functions: list[str]  # custom torch.autograd.Functions met in the dry run
+    read_state: list[str]  # state_dict entries the eval-mode forward reads (state_dict order; tied names too)
 
 
 @dataclass
@@ -109,14 +111,16 @@ def dry_run(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: list[tor
     input_names = [d.name for d in model_desc.inputs]
     output_names = [d.name for d in model_desc.outputs]
     check_forward_accepts(model, input_names, loss_fn is not None)
-    sample_outputs, functions = _dry_run(_ModelWithLoss(model, loss_fn, input_names), sample_inputs)
+    sample_outputs, functions, read = _dry_run(_ModelWithLoss(model, loss_fn, input_names), sample_inputs)
     if len(sample_outputs) < len(output_names):
         raise ValueError(
             f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
             f"{' with its loss_fn' if loss_fn else ''} returns {len(sample_outputs)}"
         )
+    input_dtypes = [t.dtype for t in sample_inputs]
     output_dtypes = [t.dtype for t in sample_outputs[: len(output_names)]]
-    return DryRun(sample_outputs, [t.dtype for t in sample_inputs], output_dtypes, model.training, functions)
+    read_state = [name for name in model.state_dict() if name in read]
+    return DryRun(sample_outputs, input_dtypes, output_dtypes, model.training, functions, read_state)
 
 
 def export_model(
@@ -177,7 +181,7 @@ def exported_model(onnx_model: onnx.ModelProto, model: torch.nn.Module, dry: Dry
     initializers = {i.name for i in onnx_model.graph.initializer}
     params = [n for n, p in model.named_parameters() if p.requires_grad and n in initializers]
     state = [n for n in model.state_dict() if n in initializers and n not in params]
-    aliases, unused = _state_outside_graph(model, initializers)
+    aliases, unused = state_outside_graph(model, initializers)
     return ExportedModel(
         onnx_model,
         dry.sample_outputs,
@@ -213,7 +217,9 @@ def set_initializers(model: onnx.ModelProto, values: dict[str, torch.Tensor]) ->
     return model
 
 
-def _state_outside_graph(model: torch.nn.Module, initializers: set[str]):
+def state_outside_graph(
+    model: torch.nn.Module, initializers: set[str]
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """state_dict keys that are not graph initializers: tied names of an exported tensor, or tensors the graph does
     not use. Both are needed to give `torch.nn.Module.load_state_dict` a complete state_dict later."""
     state = model.state_dict(keep_vars=True)
@@ -245,9 +251,10 @@ def strip_prefix(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
     return result
 
 
-def _dry_run(wrapper: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str]]:
-    """Run an eval-mode copy of the wrapper: its outputs give the output dtypes, and its autograd graph shows the
-    custom autograd Functions (which the TorchScript exporter would silently inline, dropping their backward)."""
+def _dry_run(wrapper: _ModelWithLoss, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str], set[str]]:
+    """Run an eval-mode copy of the wrapper: its outputs give the output dtypes, its autograd graph shows the
+    custom autograd Functions (which the TorchScript exporter would silently inline, dropping their backward),
+    and the state it reads is the torch route's frozen state (torch_forward.module_state)."""
     try:
         runner = copy.deepcopy(wrapper)
     except Exception:
@@ -259,13 +266,14 @@ def _dry_run(wrapper: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[list
         runner = wrapper
     was_training = runner.training
     runner.eval()
+    state = runner.model.state_dict(keep_vars=True)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), torch_private.storage_reads(state) as read:
             outputs = runner(*[copy.deepcopy(t) for t in inputs])
     finally:
         runner.train(was_training)
     functions = custom_autograd_functions(outputs)
-    return [t.detach() if isinstance(t, torch.Tensor) else t for t in flatten_outputs(outputs)], functions
+    return [t.detach() if isinstance(t, torch.Tensor) else t for t in flatten_outputs(outputs)], functions, read
 
 
 def flatten_outputs(outputs: object) -> list:

@@ -5,7 +5,7 @@ Training graphs: one with the `ort` gradient builder (its graph has dynamic batc
 traced with dynamic dims serves every signature its guards accept, with one ONNX Runtime session), kept in a
 `ShapeKeyedCache` (`GraphRunners`; least recently used evicted beyond `MAX_TRAINING_GRAPHS`). Every training graph
 has the same state contract, so all of them read and replace the same state values. The eval graph works the same
-way: one, or (torch path, `eval_for`) one per signature its first graph does not accept.
+way: one, or (torch route, `eval_for`) the graph `eval_for` gives for each signature, created when first needed.
 
 State (weights, frozen tensors, optimizer moments, gradient-accumulation buffers) lives in `OrtValue`s on the
 device between steps. A step feeds them as inputs and receives the updated values as new, owned `OrtValue`s that
@@ -59,10 +59,10 @@ G = TypeVar("G", bound=RunnableGraph)
 
 
 class EvalGraphs(Protocol):
-    """The torch path's eval graphs: `first` and, for inputs it does not accept, `self(inputs)`."""
+    """The torch route's eval graphs: `self(inputs)` for the data (in `data_inputs` order); the same graph for
+    inputs it also serves."""
 
-    @property
-    def first(self) -> EvalGraph: ...
+    data_inputs: list[str]
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph: ...
 
@@ -144,7 +144,8 @@ class SessionBase(ABC):
         self.config = config
         self._options = _session_options(config)
         self._providers = _providers(config)
-        first = eval_for.first if eval_for is not None else EvalGraph(eval_model, [])
+        # with eval_for, `first` only names the data inputs: the graphs are created when first needed
+        first = EvalGraph(eval_model, eval_for.data_inputs if eval_for is not None else [])
         self._evals = GraphRunners(self._session, first, eval_for, "")
         self._state: dict[str, Any] = {name: self._to_device(value) for name, value in state.items()}
         self._partial_run = ort.RunOptions()

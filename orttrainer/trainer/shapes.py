@@ -28,6 +28,17 @@ def named_dims(input_descs: Sequence) -> list[list[int]]:
     return [[i for i, dim in enumerate(desc.shape) if isinstance(dim, str)] for desc in input_descs]
 
 
+def same_size_groups(input_descs: Sequence) -> list[list[tuple[int, int]]]:
+    """The (input, dim) pairs model_desc names with the same string, for each name used more than once (`batch` in
+    `['batch', 'seq']` and `['batch']`): the torch path traces them as one size."""
+    groups: dict[str, list[tuple[int, int]]] = {}
+    for i, desc in enumerate(input_descs):
+        for d, dim in enumerate(desc.shape):
+            if isinstance(dim, str):
+                groups.setdefault(dim, []).append((i, d))
+    return [group for group in groups.values() if len(group) > 1]
+
+
 class ShapeKeyedCache(Generic[T]):
     """One value (a gradient graph, a compiled session) per input-shape signature, least recently used evicted.
 

@@ -103,6 +103,7 @@ def build_torch_gradient_graph(
     frozen: Sequence[str] = (),
     opset_version: int = torch_private.MIN_DYNAMO_OPSET,
     dynamic_dims: Sequence[Sequence[int]] | None = None,
+    same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
 ) -> TorchGradientGraph:
     """Trace `module` (+ `loss_fn`) on `sample_inputs` and return its forward+backward ONNX graph.
 
@@ -110,13 +111,14 @@ def build_torch_gradient_graph(
     `output_names` name the first outputs of `(loss, *module outputs)`; `trainable` get `<p>_grad` outputs;
     `frozen` parameters (and parameters in neither list) get none. `opset_version` below 18 is raised to 18 (the
     exporter's minimum); above 21 is an error. `dynamic_dims[i]` lists the dims of input i to keep dynamic (see
-    the module docstring; None: none). Raises GradientBuildError (UntraceableFunctionError for a custom
-    Function that cannot be traced) when PyTorch cannot trace or export the model.
+    the module docstring; None: none), `same_sizes` groups of (input, dim) that are one size. Raises
+    GradientBuildError (UntraceableFunctionError for a custom Function that cannot be traced) when PyTorch
+    cannot trace or export the model.
     """
     _check_arguments(module, input_names, sample_inputs, trainable, frozen)
     opset = _effective_opset(opset_version)
     inputs = [t.detach() for t in sample_inputs]  # gradients are for parameters only
-    request = _Trace(module, loss_fn, list(input_names), inputs, list(output_names), list(trainable), opset)
+    request = _Trace(module, loss_fn, list(input_names), inputs, list(output_names), list(trainable), opset, same_sizes)
     if dynamic_dims is not None and any(dynamic_dims):
         try:
             return _build(request, dynamic_dims)
@@ -148,13 +150,14 @@ class _Trace:
     output_names: list[str]
     trainable: list[str]
     opset: int
+    same_sizes: Sequence[Sequence[tuple[int, int]]]
 
 
 def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> TorchGradientGraph:
     module, input_names, inputs, trainable = request.module, request.input_names, request.inputs, request.trainable
     wrapper = JointWrapper(module, request.loss_fn, input_names)
     canonical = _canonical_names(module)  # before tracing: tensor attributes are buffers only while it runs
-    graph, sig, guards = trace_joint(wrapper, inputs, trainable, dynamic_dims)
+    graph, sig, guards = trace_joint(wrapper, inputs, trainable, dynamic_dims, request.same_sizes)
     if guards is not None and not any(guards.dynamic_dims):
         guards = None  # the trace specialised every dynamic dim: valid for the sample's shapes only
     state = {name: tensor.detach() for name, tensor in [*module.named_parameters(), *module.named_buffers()]}

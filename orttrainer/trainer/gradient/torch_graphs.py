@@ -30,7 +30,8 @@ _logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TorchSource:
     """What the torch builder traces: `_ModelWithLoss(module, loss_fn, input_names)` in mode `training`, with the
-    dims `dynamic_dims[i]` of input i dynamic (model_desc's string dims) in the first graph."""
+    dims `dynamic_dims[i]` of input i dynamic (model_desc's string dims) in the first graph, and each group of
+    `same_sizes` ((input, dim) pairs model_desc names alike) one size."""
 
     module: torch.nn.Module
     loss_fn: Callable | None
@@ -38,6 +39,7 @@ class TorchSource:
     opset_version: int
     training: bool
     dynamic_dims: list[list[int]] = field(default_factory=list)
+    same_sizes: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 Accepts = Callable[[Sequence[torch.Tensor]], bool]
@@ -68,6 +70,7 @@ def torch_gradient_model(
             frozen,
             source.opset_version,
             source.dynamic_dims if dynamic else None,
+            source.same_sizes,
         )
     if dynamic:
         kind = f"dynamic dims {graph.dynamic_dims}" if graph.dynamic else "the sample's concrete shapes"

@@ -75,6 +75,7 @@ def trace_joint(
     inputs: Sequence[torch.Tensor],
     trainable: Sequence[str],
     dynamic_dims: Sequence[Sequence[int]] | None = None,
+    same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
 ) -> TraceResult:
     """The joint graph of `wrapper` on `inputs` (module docstring): (graph, signature, guards); guards are None
     for a graph valid for the inputs' own shapes only (no dynamic dims). Raises GradientBuildError naming the
@@ -85,7 +86,8 @@ def trace_joint(
     with _requires_grad_only(wrapper, wrapper.inner.model, set(trainable)), tensor_attributes_as_buffers(wrapper):
         try:
             with _tracing():
-                graph, sig, guards = torch_private.aot_export_joint_dynamic(wrapper, inputs, dims)
+                groups = same_sizes if dynamic else ()
+                graph, sig, guards = torch_private.aot_export_joint_dynamic(wrapper, inputs, dims, groups)
             return graph, sig, guards if dynamic else None
         except Exception as err:
             explained = _specific_error(err, wrapper, inputs, trainable)

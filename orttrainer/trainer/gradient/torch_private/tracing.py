@@ -1,28 +1,19 @@
-"""Every private or version-sensitive PyTorch API the `torch` gradient builder uses, behind small functions.
+"""torch's tracers: AOTAutograd's joint forward+backward graphs, decompositions, and what their errors mean.
 
-Rule: nothing else in orttrainer imports from `torch._*`, reads private attributes of torch objects, or matches
-torch's error texts; it calls these wrappers. A torch upgrade that moves or changes one of them then breaks this
-file (and `tests/test_torch_private.py`, which pins each wrapper's behaviour), not the gradient builder.
-
-Verified on torch 2.13.0 (CPU) with onnxscript 0.7.2 and onnx 1.17.0.
+Part of `torch_private` (see its docstring for the rule); verified on torch 2.13.0 (CPU).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import logging
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import onnx
 import torch
 
-# The oldest opset torch's ONNX translations (onnxscript torchlib) are written for. Lower requests go through a
-# version converter that fails on common ops (verified: opset 14 -> "No Adapter From Version $16 for Identity").
-MIN_DYNAMO_OPSET = 18
+from .exporting import onnx_decompositions
 
 
 def core_aten_decompositions() -> dict:
@@ -53,6 +44,16 @@ def training_decompositions() -> dict:
             ]
         )
     )
+    return table
+
+
+def trace_decompositions() -> dict:
+    """What the torch builder traces with: `training_decompositions()`, and `onnx_decompositions()` for the ops
+    left that torch.onnx has no ONNX translation for (so its graphs export without a decomposition pass)."""
+    table = training_decompositions()
+    for op, decomposition in onnx_decompositions().items():
+        if op not in table:  # not setdefault: torch's CustomDecompTable ignores it (verified on 2.13)
+            table[op] = decomposition
     return table
 
 
@@ -99,7 +100,7 @@ def aot_export_joint(
         # anomaly-mode and pytree deprecation warnings fire on every trace; failures raise instead
         warnings.simplefilter("ignore")
         graph, sig = aot_export_module(
-            module, list(args), trace_joint=True, output_loss_index=loss_index, decompositions=training_decompositions()
+            module, list(args), trace_joint=True, output_loss_index=loss_index, decompositions=trace_decompositions()
         )
     if not isinstance(graph, torch.fx.GraphModule):  # the joint trace always returns one
         raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
@@ -126,19 +127,24 @@ class ShapeGuards:
 
 
 def aot_export_joint_dynamic(
-    module: torch.nn.Module, args: Sequence[torch.Tensor], dynamic_dims: Sequence[Sequence[int]]
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    dynamic_dims: Sequence[Sequence[int]],
+    same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
 ) -> tuple[torch.fx.GraphModule, JointSignature, ShapeGuards]:
     """`aot_export_joint` with the dims `dynamic_dims[i]` of `args[i]` symbolic: one graph for every size of
-    those dims that satisfies the returned guards.
+    those dims that satisfies the returned guards. Each group of `same_sizes` ((input, dim) pairs) is one size
+    (model_desc names them alike): one symbol, which keeps the symbolic arithmetic small.
 
     How: the user inputs become fake tensors with symbolic sizes in a ShapeEnv, and
     `aot_export_joint_with_descriptors` traces the joint graph (aot_export_module re-traces its joint without
     symbolic shapes: "SymIntArrayRef expected to contain only concrete integers", verified on 2.13). `module`
     must return `(loss, *outputs not requiring grad)`; the loss's tangent input becomes the constant 1 and the
-    placeholders and outputs are described by a `JointSignature` as `aot_export_joint`'s are. Tensors the
-    forward reads that are neither parameters, buffers nor inputs become constants of the graph (as
-    torch.export treats them). Raises NotImplementedError for a graph feature this mapping does not know, and
-    `MissingGradientError` when a parameter requiring grad gets no gradient."""
+    placeholders and outputs are described by a `JointSignature` as `aot_export_joint`'s are. Values read from
+    tensors (`.item()`) become graph computations; tensors the forward reads that are neither parameters,
+    buffers nor inputs become constants of the graph (as torch.export treats them). Raises NotImplementedError
+    for a graph feature this mapping does not know, and `MissingGradientError` when a parameter requiring grad
+    gets no gradient."""
     from torch._dynamo.source import ConstantSource
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -151,9 +157,13 @@ def aot_export_joint_dynamic(
         sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(tensor.dim())]
         context: Any = StatelessSymbolicContext(dynamic_sizes=sizes)  # type: ignore[arg-type]
         fakes.append(mode.from_tensor(tensor, symbolic_context=context, source=ConstantSource(f"input{i}")))
+    for group in same_sizes:
+        (first, first_dim), *others = group
+        for i, d in others:  # a guard: the ShapeEnv replaces the second symbol by the first
+            torch._check(fakes[i].shape[d] == fakes[first].shape[first_dim])
     with contextlib.ExitStack() as stack, torch.enable_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        joint = aot_export_joint_with_descriptors(stack, module, tuple(fakes), decompositions=training_decompositions())
+        joint = aot_export_joint_with_descriptors(stack, module, tuple(fakes), decompositions=trace_decompositions())
     graph = joint.graph_module
     requiring = [n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
     sig = _descriptor_signature(graph, requiring)
@@ -239,6 +249,39 @@ def _joint_signature(graph: torch.fx.GraphModule, sig: Any) -> JointSignature:
     return JointSignature(tuple(inputs), tuple(outputs))
 
 
+@contextlib.contextmanager
+def storage_reads(named: dict[str, torch.Tensor]) -> Iterator[set[str]]:
+    """Within the block, collect the names in `named` whose storage an aten op reads (through a view too).
+
+    How: a TorchDispatchMode sees every aten op's tensor arguments, below autograd and inside TorchScript code."""
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in named.items():
+        key = _storage_key(tensor)
+        if key:
+            by_storage.setdefault(key, []).append(name)
+    found: set[str] = set()
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for leaf in pytree.tree_leaves((args, kwargs or {})):
+                if isinstance(leaf, torch.Tensor):
+                    found.update(by_storage.get(_storage_key(leaf), ()))
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        yield found
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, nested)
+        return 0
+
+
 def output_values(graph: torch.fx.Graph) -> list:
     """The values the graph's output node returns (an fx graph returns one tuple)."""
     values = graph.output_node().args[0]
@@ -276,118 +319,6 @@ def autograd_function_of_frame(frame: Any) -> tuple[type, str] | None:
     return cls, frame.f_code.co_name
 
 
-def export_graph_to_onnx(
-    graph: torch.nn.Module,
-    args: Sequence[torch.Tensor],
-    input_names: list[str],
-    output_names: list[str],
-    opset_version: int,
-    dynamic_dims: Sequence[Sequence[int]] | None = None,
-    allow_static: bool = False,
-) -> onnx.ModelProto:
-    """ONNX model of `graph` (an aten-level graph, or a module in the mode it should be exported in) through
-    `torch.onnx.export(dynamo=True)` (needs onnxscript).
-
-    Rules: input shapes stay static, except the dims `dynamic_dims[i]` of input i, which must stay dynamic (a
-    trace that specialises one raises) or, with `allow_static`, stay dynamic unless the trace specialises them
-    (torch.export's Dim.AUTO: read the result's input shapes); opset_version must be >= MIN_DYNAMO_OPSET; the IR
-    version is capped at 10 (the newest ONNX Runtime 1.19 loads)."""
-    program = _export(graph, args, input_names, output_names, opset_version, dynamic_dims, allow_static)
-    model = program.model_proto
-    model.ir_version = min(model.ir_version, 10)
-    return model
-
-
-DimSpec = int | tuple[int, int | None]  # a static size, or a dynamic dim's (min, max) range (max None: unbounded)
-
-
-def export_module_to_onnx(
-    module: torch.nn.Module,
-    args: Sequence[torch.Tensor],
-    input_names: list[str],
-    output_names: list[str],
-    opset_version: int,
-    dynamic_dims: Sequence[Sequence[int]],
-) -> tuple[onnx.ModelProto, list[list[DimSpec]]]:
-    """`export_graph_to_onnx(..., allow_static=True)` for a module, and each input's dims as torch.export traced
-    them: the size of a static (or specialised) dim, the range of a dynamic one. The ONNX inputs get those
-    static sizes too. Why: torch.onnx leaves a dim declared dynamic symbolic in the ONNX inputs even when
-    torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges."""
-    program = _export(module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True)
-    exported = program.exported_program
-    if exported is None:
-        raise RuntimeError("torch.onnx.export(dynamo=True) returned no exported program")
-    placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
-    specs: list[list[DimSpec]] = []
-    for name in exported.graph_signature.user_inputs:
-        shape = placeholders[name].meta["val"].shape
-        specs.append([_dim_spec(size, exported.range_constraints) for size in shape])
-    model = program.model_proto
-    model.ir_version = min(model.ir_version, 10)
-    for value, dims in zip(model.graph.input, specs, strict=False):  # user inputs come first
-        for dim, spec in zip(value.type.tensor_type.shape.dim, dims, strict=True):
-            if isinstance(spec, int):
-                dim.dim_value = spec
-    return model, specs
-
-
-def _dim_spec(size: Any, ranges: dict) -> DimSpec:
-    if isinstance(size, int):
-        return size
-    symbol = size.node.expr
-    bounds = ranges.get(symbol)
-    if bounds is None:
-        return (0, None)
-    import sympy
-    from torch.utils._sympy.numbers import int_oo  # torch's integer infinity (its `is_finite` is True)
-
-    lower, upper = int(bounds.lower), None if bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
-    return lower if lower == upper else (lower, upper)  # a symbol pinned to one value is a specialised dim
-
-
-def _export(
-    graph: torch.nn.Module,
-    args: Sequence[torch.Tensor],
-    input_names: list[str],
-    output_names: list[str],
-    opset_version: int,
-    dynamic_dims: Sequence[Sequence[int]] | None,
-    allow_static: bool,
-) -> Any:
-    if opset_version < MIN_DYNAMO_OPSET:
-        raise ValueError(f"torch.onnx's dynamo exporter writes opset >= {MIN_DYNAMO_OPSET}, got {opset_version}")
-    if isinstance(graph, torch.fx.GraphModule):
-        graph.eval()  # an aten graph has no train/eval behaviour; this only silences the exporter's training warning
-    shapes: tuple | None = None
-    if dynamic_dims is not None and any(dynamic_dims):
-        kind = torch.export.Dim.AUTO if allow_static else torch.export.Dim.DYNAMIC
-        shapes = tuple({d: kind for d in dims} or None for dims in dynamic_dims)
-        if _takes_varargs(graph):  # torch.export matches dynamic_shapes to forward's parameters: *inputs is one
-            shapes = (shapes,)
-    with _quiet_exporter():
-        program = torch.onnx.export(
-            graph,
-            tuple(args),
-            input_names=input_names,
-            output_names=output_names,
-            opset_version=opset_version,
-            dynamic_shapes=shapes,
-            dynamo=True,
-            optimize=True,
-            verify=False,
-            report=False,
-            verbose=False,
-        )
-    if program is None:  # dynamo=True always returns a program
-        raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNX program")
-    return program
-
-
-def _takes_varargs(module: torch.nn.Module) -> bool:
-    parameters = list(inspect.signature(module.forward).parameters.values())
-    return len(parameters) == 1 and parameters[0].kind is inspect.Parameter.VAR_POSITIONAL
-
-
 @contextlib.contextmanager
 def reentrant_checkpoint_traceable() -> Iterator[None]:
     """Within the block, `torch.utils.checkpoint.checkpoint(..., use_reentrant=True)` runs PyTorch's
@@ -418,19 +349,3 @@ def reentrant_checkpoint_traceable() -> Iterator[None]:
             cls.apply = own  # type: ignore[method-assign]
         else:
             del cls.apply
-
-
-@contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
-    """The dynamo exporter logs 'torchvision is not installed' and optimizer warnings on every export."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "onnxscript", "onnx_ir")]
-    levels = [lg.level for lg in loggers]
-    try:
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
