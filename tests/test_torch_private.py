@@ -266,3 +266,42 @@ def test_export_module_to_onnx_reports_dynamic_ranges_and_specialised_dims():
     assert specs[0][0][1] is None and specs[0][1][1] == 8, specs  # the batch unbounded, the length at most 8
     assert specs[1] == [5]  # specialised, and static in the ONNX input too
     assert model.graph.input[1].type.tensor_type.shape.dim[0].dim_value == 5
+
+
+def test_storage_reads_sees_views_and_torchscript_but_not_unread_buffers():
+    @torch.jit.script
+    def scaled(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return x * s
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval()
+    scale = nn.Parameter(torch.ones(4))
+    unused = torch.zeros(2)
+    named = {**model.state_dict(keep_vars=True), "scale": scale, "unused": unused}
+    with torch_private.storage_reads(named) as read:
+        scaled(model(torch.randn(2, 3)), scale[:4])
+    assert read == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var", "scale"}
+
+
+def test_trace_decompositions_cover_what_torch_onnx_cannot_translate():
+    from orttrainer.trainer.gradient.torch_private.tracing import trace_decompositions
+
+    assert aten.squeeze.dims in torch_private.onnx_decompositions()  # no ONNX function: decomposed while tracing
+    table = trace_decompositions()
+    assert aten.squeeze.dims in table and aten.gelu_backward.default in table
+    assert aten._native_batch_norm_legit_functional.default in table  # the training-mode batch-norm fix wins
+
+
+def test_aot_export_joint_dynamic_same_sizes_share_one_symbol():
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            return ((self.fc(x) - y).square().mean(),)
+
+    args = [torch.randn(5, 4), torch.randn(5, 4)]
+    _, _, separate = torch_private.aot_export_joint_dynamic(Pair(), args, [[0], [0]])
+    _, _, shared = torch_private.aot_export_joint_dynamic(Pair(), args, [[0], [0]], [[(0, 0), (1, 0)]])
+    assert separate.accepts([torch.randn(6, 4), torch.randn(6, 4)]) and shared.accepts([torch.randn(6, 4)] * 2)
+    assert not shared.accepts([torch.randn(6, 4), torch.randn(7, 4)])  # one size: a mismatch is another graph
