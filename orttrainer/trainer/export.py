@@ -268,12 +268,22 @@ def _dry_run(wrapper: _ModelWithLoss, inputs: list[torch.Tensor]) -> tuple[list[
     runner.eval()
     state = runner.model.state_dict(keep_vars=True)
     try:
-        with torch.enable_grad(), torch_private.storage_reads(state) as read:
-            outputs = runner(*[copy.deepcopy(t) for t in inputs])
+        outputs, read = _run_recording_reads(runner, inputs, state)
     finally:
         runner.train(was_training)
     functions = custom_autograd_functions(outputs)
     return [t.detach() if isinstance(t, torch.Tensor) else t for t in flatten_outputs(outputs)], functions, read
+
+
+def _run_recording_reads(runner: torch.nn.Module, inputs: list[torch.Tensor], state: dict) -> tuple[object, set[str]]:
+    """The runner's outputs, and the state entries it read. A model the recording mode breaks (an op without
+    Python dispatch support) runs again without it, and then every state entry counts as read."""
+    try:
+        with torch.enable_grad(), torch_private.storage_reads(state) as read:
+            return runner(*[copy.deepcopy(t) for t in inputs]), read
+    except Exception:
+        with torch.enable_grad():
+            return runner(*[copy.deepcopy(t) for t in inputs]), set(state)
 
 
 def flatten_outputs(outputs: object) -> list:

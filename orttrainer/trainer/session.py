@@ -179,7 +179,8 @@ class SessionBase(ABC):
     @property
     @abstractmethod
     def training_graph_count(self) -> int:
-        """How many training graphs are compiled and kept (torch builder: one per input-shape signature)."""
+        """How many training graphs are compiled and kept (torch builder: one per input-shape signature its first,
+        dynamic-shape graph does not serve)."""
 
     def evaluate(self, data: dict[str, torch.Tensor], outputs: list[str]) -> dict[str, torch.Tensor]:
         """Run the eval graph (for `data`'s shapes) on `data`; returns the requested outputs."""

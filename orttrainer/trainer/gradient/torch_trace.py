@@ -9,8 +9,9 @@ Rules:
   back to AOTAutograd's positional export (`torch_private.aot_export_joint`, concrete shapes). The builder falls
   back from a failed dynamic trace to a concrete-shape one.
 - Plain tensor attributes (`self.offset = torch.tensor(...)`, neither a parameter nor a buffer) are constants of
-  the graph, as PyTorch's own tracers treat them: their value when the graph is traced is baked in. A tensor read
-  from a global or a closure is a clear error asking to register it as a buffer.
+  the graph, as PyTorch's own tracers treat them: their value when the graph is traced is baked in. So are
+  tensors read from a global or a closure; only the positional fallback refuses those, with an error asking to
+  register them as buffers.
 - `torch.utils.checkpoint` traces with either implementation (`torch_private.reentrant_checkpoint_traceable`).
 - Exactly the `trainable` parameters require grad while tracing; the flags are restored afterwards.
 """
