@@ -181,7 +181,7 @@ class _Rows(nn.Module):
 def test_aot_export_joint_dynamic_signature_guards_and_values():
     torch.manual_seed(0)
     model = _Rows()
-    graph, sig, guards = torch_private.aot_export_joint_dynamic(model, [torch.randn(5, 4)], [[0]])
+    graph, sig, guards = torch_private.aot_export_joint_dynamic(model, [torch.randn(8, 4)[3:]], [[0]])  # a view
     assert sig.inputs[:4] == (("parameter", "fc.weight"), ("parameter", "fc.bias"), *sig.inputs[2:4])
     assert [kind for kind, _ in sig.inputs].count("buffer") == 3 and sig.inputs[-1][0] == "user"
     assert sorted(kind for kind, _ in sig.outputs) == ["gradient"] * 4 + ["mutation"] * 3 + ["user"] * 2

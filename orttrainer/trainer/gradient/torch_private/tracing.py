@@ -156,7 +156,10 @@ def aot_export_joint_dynamic(
     for i, (tensor, dims) in enumerate(zip(args, dynamic_dims, strict=True)):
         sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(tensor.dim())]
         context: Any = StatelessSymbolicContext(dynamic_sizes=sizes)  # type: ignore[arg-type]
-        fakes.append(mode.from_tensor(tensor, symbolic_context=context, source=ConstantSource(f"input{i}")))
+        # a fresh contiguous tensor: the guards must not pin the sample's strides or storage offset (a shard of a
+        # batch is a view with an offset), since `ShapeGuards.accepts` checks contiguous inputs
+        base = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        fakes.append(mode.from_tensor(base, symbolic_context=context, source=ConstantSource(f"input{i}")))
     for group in same_sizes:
         (first, first_dim), *others = group
         for i, d in others:  # a guard: the ShapeEnv replaces the second symbol by the first
