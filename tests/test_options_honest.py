@@ -233,7 +233,9 @@ def test_enable_onnx_contrib_ops_exports_grid_sample_as_the_contrib_op(enabled, 
         optim.SGDConfig(),
         CE,
         {
-            "_internal_use": {"enable_onnx_contrib_ops": enabled},
+            # the option acts on the TorchScript export, the 'ort' builder's ('auto' would switch to the torch
+            # route when that export fails)
+            "_internal_use": {"enable_onnx_contrib_ops": enabled, "gradient_builder": "ort"},
             "debug": {"graph_save_paths": {"model_after_graph_transforms_path": path}},
         },
     )

@@ -164,3 +164,144 @@ class _LinearLoss(nn.Module):
 
     def forward(self, x):
         return (F.gelu(self.model(x)).square().mean(),)
+
+
+class _Rows(nn.Module):
+    """`(loss, detached output)` with a batch-sized view and a mean: both symbolic in a dynamic trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        h = self.bn(self.fc(x)).view(x.shape[0], 2, 3).mean(dim=1)
+        return h.square().mean(), h.detach()
+
+
+def test_aot_export_joint_dynamic_signature_guards_and_values():
+    torch.manual_seed(0)
+    model = _Rows()
+    graph, sig, guards = torch_private.aot_export_joint_dynamic(model, [torch.randn(8, 4)[3:]], [[0]])  # a view
+    assert sig.inputs[:4] == (("parameter", "fc.weight"), ("parameter", "fc.bias"), *sig.inputs[2:4])
+    assert [kind for kind, _ in sig.inputs].count("buffer") == 3 and sig.inputs[-1][0] == "user"
+    assert sorted(kind for kind, _ in sig.outputs) == ["gradient"] * 4 + ["mutation"] * 3 + ["user"] * 2
+    assert guards.dynamic_dims == [[0]]
+    assert guards.accepts([torch.randn(7, 4)]) and guards.accepts([torch.randn(9, 4)[2:]])  # any offset
+    assert not guards.accepts([torch.randn(1, 4)]) and not guards.accepts([torch.randn(7, 5)])
+    state = [*model.parameters(), *model.buffers()]
+    x = torch.randn(7, 4)
+    flat = graph(*[t.detach().clone() for t in state], x)
+    values = {
+        kind: [v for v, (k, _) in zip(flat, sig.outputs, strict=True) if k == kind] for kind in ("user", "gradient")
+    }
+    loss, _ = model(x)
+    loss.backward()
+    np.testing.assert_allclose(values["user"][0].detach(), loss.detach(), atol=1e-6)
+    grads = dict(zip([n for k, n in sig.outputs if k == "gradient"], values["gradient"], strict=True))
+    for name, param in model.named_parameters():
+        np.testing.assert_allclose(grads[name].detach(), param.grad, atol=1e-6)
+
+
+def test_aot_export_joint_dynamic_reports_specialised_dims_and_missing_gradients():
+    class Specialised(_Rows):
+        def forward(self, x):
+            return super().forward(x * 2 if x.shape[0] == 5 else x)
+
+    _, _, guards = torch_private.aot_export_joint_dynamic(Specialised(), [torch.randn(5, 4)], [[0]])
+    assert guards.dynamic_dims == [[]] and not guards.accepts([torch.randn(6, 4)])
+    model = _Rows()
+    model.extra = nn.Parameter(torch.ones(1))
+    with pytest.raises(torch_private.MissingGradientError) as info:
+        torch_private.aot_export_joint_dynamic(model, [torch.randn(5, 4)], [[0]])
+    assert torch_private.is_missing_gradient_error(info.value) and "extra" in str(info.value)
+
+
+def test_is_real_tensor_in_trace_error():
+    scale = torch.tensor([2.0, 3.0])
+
+    class Global(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return ((x * self.w * scale).sum(),)
+
+    with pytest.raises(Exception) as info:
+        torch_private.aot_export_joint(Global(), [torch.ones(2)])
+    assert torch_private.is_real_tensor_in_trace_error(info.value)
+    assert not torch_private.is_real_tensor_in_trace_error(AssertionError("something else"))
+
+
+def test_reentrant_checkpoint_traceable_routes_to_the_non_reentrant_form_and_restores():
+    from torch.utils import checkpoint
+
+    fc = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    before = checkpoint.CheckpointFunction.__dict__.get("apply")
+    with torch_private.reentrant_checkpoint_traceable():
+        out = checkpoint.checkpoint(fc, x, use_reentrant=True)
+        assert out.grad_fn is not None and "CheckpointFunction" not in type(out.grad_fn).__name__
+        (weight_grad,) = torch.autograd.grad(out.sum(), [fc.weight])  # refused by the reentrant form
+        frozen = checkpoint.checkpoint(fc, x.detach(), use_reentrant=True)
+        assert not frozen.requires_grad  # as the reentrant form: no input requires grad, no gradient
+    assert checkpoint.CheckpointFunction.__dict__.get("apply") is before
+    np.testing.assert_allclose(weight_grad, torch.autograd.grad(fc(x).sum(), [fc.weight])[0], atol=1e-6)
+
+
+def test_export_module_to_onnx_reports_dynamic_ranges_and_specialised_dims():
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(8, 3))
+
+        def forward(self, x, y):
+            torch._check(x.shape[1] <= 8)  # a range on the length
+            z = x + self.pos[: x.shape[1]].sum(-1)
+            return (z * 2 if y.shape[0] == 5 else z,)  # Python on y's size: specialised
+
+    model, specs = torch_private.export_module_to_onnx(
+        Positions(), [torch.randn(4, 6), torch.randn(5)], ["x", "y"], ["out"], 18, [[0, 1], [0]]
+    )
+    assert specs[0][0][1] is None and specs[0][1][1] == 8, specs  # the batch unbounded, the length at most 8
+    assert specs[1] == [5]  # specialised, and static in the ONNX input too
+    assert model.graph.input[1].type.tensor_type.shape.dim[0].dim_value == 5
+
+
+def test_storage_reads_sees_views_and_torchscript_but_not_unread_buffers():
+    @torch.jit.script
+    def scaled(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return x * s
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval()
+    scale = nn.Parameter(torch.ones(4))
+    unused = torch.zeros(2)
+    named = {**model.state_dict(keep_vars=True), "scale": scale, "unused": unused}
+    with torch_private.storage_reads(named) as read:
+        scaled(model(torch.randn(2, 3)), scale[:4])
+    assert read == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var", "scale"}
+
+
+def test_trace_decompositions_cover_what_torch_onnx_cannot_translate():
+    from orttrainer.trainer.gradient.torch_private.tracing import trace_decompositions
+
+    assert aten.squeeze.dims in torch_private.onnx_decompositions()  # no ONNX function: decomposed while tracing
+    table = trace_decompositions()
+    assert aten.squeeze.dims in table and aten.gelu_backward.default in table
+    assert aten._native_batch_norm_legit_functional.default in table  # the training-mode batch-norm fix wins
+
+
+def test_aot_export_joint_dynamic_same_sizes_share_one_symbol():
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            return ((self.fc(x) - y).square().mean(),)
+
+    args = [torch.randn(5, 4), torch.randn(5, 4)]
+    _, _, separate = torch_private.aot_export_joint_dynamic(Pair(), args, [[0], [0]])
+    _, _, shared = torch_private.aot_export_joint_dynamic(Pair(), args, [[0], [0]], [[(0, 0), (1, 0)]])
+    assert separate.accepts([torch.randn(6, 4), torch.randn(6, 4)]) and shared.accepts([torch.randn(6, 4)] * 2)
+    assert not shared.accepts([torch.randn(6, 4), torch.randn(7, 4)])  # one size: a mismatch is another graph

@@ -103,6 +103,11 @@ class ActivationStatistics:
         self._warned_late = False
 
     @property
+    def subscribed(self) -> bool:
+        """Whether a manager is subscribed to the model now (its statistics need the 'ort' gradient builder)."""
+        return self._model is not None and bool(managers_of(self._model))
+
+    @property
     def marked(self) -> bool:
         """Whether the last export marked activations (a manager is subscribed to the model)."""
         return self._marked

@@ -14,6 +14,7 @@ import onnx
 import torch
 
 from .._require import require
+from ..debug.subscriber import no_increase_global_step
 from . import export as export_mod
 from . import ort_private
 from .activations import ActivationStatistics
@@ -21,6 +22,7 @@ from .compile import CompiledModel, CompileRequest, DataParallelPlan, compile_mo
 from .config import TrainerConfig, recompute_plan
 from .distributed import Communicator, broadcast_from_rank0, check_ranks_agree, partition_parameters
 from .gradient.choice import BuilderChoice, choose_builder, ort_only_options
+from .gradient.errors import GradientBuildError
 from .gradient.ort_options import GradientOptions
 from .gradient.torch_graphs import TorchSource
 from .graph.data_parallel import DataParallelGraphs, GradientStepGraph
@@ -33,8 +35,10 @@ from .ort_session import writable_debug_path
 from .parameters import split_parameters
 from .rng import DropoutStreams
 from .runtime import has_training_build
-from .session import SessionBase, SessionConfig, TrainingSession
+from .session import EvalGraphs, SessionBase, SessionConfig, TrainingSession
 from .session_dp import DataParallelSession
+from .shapes import named_dims, same_size_groups, shape_signature
+from .torch_forward import ForwardSource, TorchEvalGraphs, module_state, state_model
 
 _logger = logging.getLogger(__name__)
 
@@ -53,14 +57,21 @@ class TorchExportInfo:
 @dataclass
 class Built:
     """Everything building produced. `forward` is the post-processed forward model (the legacy `_onnx_model`):
-    `save_as_onnx` writes it with the current weights. `session` owns the weights and optimizer state."""
+    `save_as_onnx` writes it with the current weights; the torch route exports it when first asked
+    (`torch_forward.TorchEvalGraphs`). `session` owns the weights and optimizer state."""
 
-    forward: onnx.ModelProto
+    forward_source: onnx.ModelProto | Callable[[], onnx.ModelProto]
     compiled: CompiledModel
     session: SessionBase
     zero_owners: dict[str, int] | None  # ZeRO stage 1: which rank updates each trainable tensor
     torch_export: TorchExportInfo | None
     streams: DropoutStreams  # the trainer's dropout stream and its position (rng.py)
+
+    @property
+    def forward(self) -> onnx.ModelProto:
+        """The post-processed forward model."""
+        source = self.forward_source
+        return source if isinstance(source, onnx.ModelProto) else source()
 
     @property
     def builder(self) -> BuilderChoice:
@@ -77,7 +88,13 @@ def build_from_torch(
     config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, activations: ActivationStatistics
 ) -> Built:
     """Export `module` (+ loss) with the first batch, post-process, compile and open the session (one thread at a
-    time: locks.TRACING)."""
+    time: locks.TRACING).
+
+    Routes ('auto''s rule, README § Gradient builders): a dry run in PyTorch finds the custom autograd Functions
+    and `choose_builder` decides. The torch builder's route (`_torch_route`) never runs the TorchScript exporter.
+    'ort', and 'auto' otherwise, export with TorchScript and differentiate with ONNX Runtime; 'auto' switches to
+    the torch route when that export fails or ONNX Runtime has no gradient for an op (unless ort-only options
+    are set: then it raises)."""
     with TRACING:
         return _build_from_torch(config, module, sample_inputs, activations)
 
@@ -87,6 +104,49 @@ def _build_from_torch(
 ) -> Built:
     desc, options = config.model_desc, config.options
     check_inputs(sample_inputs, desc.inputs)
+    with no_increase_global_step():  # counts no debug step and writes no file
+        dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs)
+    ort_only = ort_only_options(options) + (["orttrainer.debug statistics"] if activations.subscribed else [])
+    choice = choose_builder(
+        options._internal_use.gradient_builder,
+        custom_functions=dry.custom_functions,
+        ort_only=ort_only,
+        training_build=has_training_build(),
+    )
+    record_export_types(desc, dry)
+    if choice.builder != "torch":
+        try:
+            return _torchscript_route(config, module, sample_inputs, activations, dry, choice)
+        except (export_mod.TorchScriptExportError, GradientBuildError) as err:
+            reason = _auto_fallback(choice, err)
+            if reason is None:
+                raise
+            _logger.info("%s; building with the torch gradient builder", reason)
+            choice = BuilderChoice("torch", reason)
+    return _torch_route(config, module, sample_inputs, dry, choice)
+
+
+def _auto_fallback(choice: BuilderChoice, err: Exception) -> str | None:
+    """Why 'auto' switches to the torch builder after `err` on the TorchScript route, or None (no switch)."""
+    if choice.builder != "auto":
+        return None
+    if isinstance(err, export_mod.TorchScriptExportError):
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"auto: the TorchScript exporter failed ({first_line})"
+    if isinstance(err, GradientBuildError) and err.op_type is not None:
+        return f"auto: ONNX Runtime's gradient builder cannot differentiate op '{err.op_type}'"
+    return None
+
+
+def _torchscript_route(
+    config: TrainerConfig,
+    module: torch.nn.Module,
+    sample_inputs: list,
+    activations: ActivationStatistics,
+    dry: export_mod.DryRun,
+    choice: BuilderChoice,
+) -> Built:
+    desc, options = config.model_desc, config.options
     internal = options._internal_use
     with activations.marking():  # counts no debug step; marks subscribed activations
         exported = export_mod.export_model(
@@ -96,32 +156,48 @@ def _build_from_torch(
             sample_inputs,
             opset_version=internal.onnx_opset_version,
             enable_contrib_ops=internal.enable_onnx_contrib_ops,
+            dry=dry,
         )
-    ort_only = ort_only_options(options) + (["orttrainer.debug statistics"] if activations.marked else [])
-    choice = choose_builder(
-        internal.gradient_builder,
-        custom_functions=exported.custom_functions,
-        ort_only=ort_only,
-        training_build=has_training_build(),
+    forward = activations.prepare(exported.model, config.loss_fn, desc, sample_inputs)
+    forward = postprocess(config, forward)
+    trainable, frozen = split_parameters(
+        forward, list(options.utils.frozen_weights), exported.parameters, exported.buffers
     )
-    record_export_types(desc, exported)
-    info = TorchExportInfo(
+    info = _export_info(module, exported)
+    return _open(config, _Parts(forward, trainable, frozen, choice, info, None, sample_inputs, activations))
+
+
+def _torch_route(
+    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, dry: export_mod.DryRun, choice: BuilderChoice
+) -> Built:
+    """The torch builder's route (`torch_forward.py`): state from the module itself, the training graph from
+    AOTAutograd with model_desc's string dims dynamic, the forward model from torch.export when first needed."""
+    desc, options = config.model_desc, config.options
+    names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
+    dims = named_dims(desc.inputs)
+    trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
+    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, same_size_groups(desc.inputs))
+    forward = ForwardSource(module, config.loss_fn, names, [d.name for d in desc.outputs], dims, opset)
+    evals = TorchEvalGraphs(
+        forward, shape_signature(sample_inputs), lambda m: postprocess(config, m), trainable + frozen
+    )
+    weights = state_model(module, trainable + frozen)
+    built = _open(config, _Parts(weights, trainable, frozen, choice, None, source, sample_inputs, None, evals))
+    aliases, unused = export_mod.state_outside_graph(module, set(built.state_names))
+    built.torch_export = TorchExportInfo(
+        list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training
+    )
+    return built
+
+
+def _export_info(module: torch.nn.Module, exported: export_mod.ExportedModel) -> TorchExportInfo:
+    return TorchExportInfo(
         list(module.state_dict().keys()),
         exported.aliases,
         exported.unused_state,
         exported.sample_outputs,
         not exported.was_training,
     )
-    source = TorchSource(
-        module, config.loss_fn, [d.name for d in desc.inputs], internal.onnx_opset_version, exported.was_training
-    )
-    forward = activations.prepare(exported.model, config.loss_fn, desc, sample_inputs)
-    forward = postprocess(config, forward)
-    trainable, frozen = split_parameters(
-        forward, list(options.utils.frozen_weights), exported.parameters, exported.buffers
-    )
-    parts = _Parts(forward, trainable, frozen, choice, info, source, sample_inputs, activations)
-    return _open(config, parts)
 
 
 def build_from_onnx(config: TrainerConfig, model: onnx.ModelProto) -> Built:
@@ -165,6 +241,7 @@ class _Parts:
     source: TorchSource | None = None
     sample_inputs: Sequence[torch.Tensor] | None = None
     activations: ActivationStatistics | None = None
+    eval_graphs: TorchEvalGraphs | None = None  # the torch route: its forward model and eval graphs
 
 
 def _open(config: TrainerConfig, parts: _Parts) -> Built:
@@ -176,8 +253,9 @@ def _open(config: TrainerConfig, parts: _Parts) -> Built:
     describe_mixed_precision(config, compiled)
     streams = DropoutStreams()
     ort_private.set_seed(streams.base)  # random ops other than Dropout draw from ONNX Runtime's global generator
-    session = _create_session(config, compiled, owners, streams)
-    built = Built(parts.forward, compiled, session, owners, parts.torch_export, streams)
+    session = _create_session(config, compiled, owners, streams, parts.eval_graphs)
+    forward = parts.eval_graphs.forward_model if parts.eval_graphs is not None else parts.forward
+    built = Built(forward, compiled, session, owners, parts.torch_export, streams)
     if config.distributed is not None:
         _start_from_rank0(built, config)
     return built
@@ -208,6 +286,7 @@ def _compile_request(config: TrainerConfig, parts: _Parts, loss: str, plan: Data
         accumulation_steps=config.accumulation_steps,
         clip_grad_norm=opts.utils.grad_norm_clip,
         dropout_off=bool(parts.torch_export and parts.torch_export.dropout_off),
+        lazy_eval=parts.eval_graphs is not None,
         graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts),
         mixed_precision=opts.mixed_precision.enabled,
         cpu=config.device.type == "cpu",
@@ -236,7 +315,11 @@ def _data_parallel_plan(
 
 
 def _create_session(
-    config: TrainerConfig, compiled: CompiledModel, owners: dict[str, int] | None, streams: DropoutStreams
+    config: TrainerConfig,
+    compiled: CompiledModel,
+    owners: dict[str, int] | None,
+    streams: DropoutStreams,
+    eval_for: EvalGraphs | None,
 ) -> SessionBase:
     opts = config.options
     session_config = SessionConfig(
@@ -253,7 +336,9 @@ def _create_session(
     state = compiled.initial_state
     if compiled.step is None:
         graph_for = cast(Callable[[Sequence[torch.Tensor]], TrainingGraph] | None, compiled.graph_for)  # one process
-        return TrainingSession(compiled.training, compiled.eval_model, state, session_config, streams, graph_for)
+        return TrainingSession(
+            compiled.training, compiled.eval_model, state, session_config, streams, graph_for, eval_for
+        )
     graphs = DataParallelGraphs(compiled.step, compiled.training, compiled.reduced_inputs or {})
     return DataParallelSession(
         graphs,
@@ -267,4 +352,5 @@ def _create_session(
         rank=config.rank,
         streams=streams,
         step_for=cast(Callable[[Sequence[torch.Tensor]], GradientStepGraph] | None, compiled.graph_for),
+        eval_for=eval_for,
     )

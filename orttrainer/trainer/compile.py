@@ -80,6 +80,7 @@ class CompileRequest:
     recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder only (gradient/choice.ort_only_options)
     gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients ('ort' only)
     statistics: StatisticsInstrument | None = None  # orttrainer.debug statistics ('ort' builder only)
+    lazy_eval: bool = False  # the torch route: `forward` holds only the state, eval graphs come from torch_forward
 
 
 ShapeGraph = TrainingGraph | GradientStepGraph
@@ -122,7 +123,9 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     passes = gradient_passes(request, loss)
     gradient_model = run_passes(gradient.model, passes, save={passes[-1].name: save.get(_GRADIENT, "")})
     weights = initializer_values(request.forward, state)
-    eval_model = run_passes(_eval_forward(request, state), eval_passes(request, state))
+    eval_model = onnx.ModelProto()  # the torch route builds its eval graphs itself, when first needed
+    if not request.lazy_eval:
+        eval_model = run_passes(_eval_forward(request, state), eval_passes(request, state))
     shapes = {p: tuple(weights[p].shape) for p in request.trainable}
     if request.data_parallel is not None:
         compiled = _compile_data_parallel(request, gradient_model, loss_scale, weights, eval_model, shapes, save)
@@ -135,7 +138,7 @@ def compile_model(request: CompileRequest) -> CompiledModel:
             training, eval_model, initial, request.trainable, request.frozen, accumulation, shapes, request.builder
         )
     if gradient.builder.builder == "torch":
-        compiled.graph_for = TorchShapeGraphs(request, compiled.step or compiled.training)
+        compiled.graph_for = TorchShapeGraphs(request, compiled.step or compiled.training, gradient.accepts)
     return compiled
 
 
@@ -274,31 +277,39 @@ class TorchShapeGraphs:
     """The torch builder's graph for a batch's input-shape signature: `self(inputs)` is the training graph (data
     parallel: the gradient-step graph) for `inputs` (the data, in model_desc order).
 
-    Why: a traced graph bakes its input shapes in (gradient/torch_builder.py). `first` was compiled for the first
-    batch and is returned for its signature; another signature is traced and run through `gradient_passes` and the
-    training tail, and must have `first`'s state contract (checked). The session caches the results."""
+    Why: a traced graph is valid only for the inputs it accepts (gradient/torch_builder.py): with model_desc's
+    string dims traced dynamic, every size the trace's guards allow; else its own shapes. `first` was compiled
+    for the first batch and is returned for every input `accepts` takes (logged once per signature); other
+    inputs get a graph traced for their shapes and run through `gradient_passes` and the training tail, which
+    must have `first`'s state contract (checked). The session caches the results per signature."""
 
-    def __init__(self, request: CompileRequest, first: ShapeGraph) -> None:
+    def __init__(
+        self, request: CompileRequest, first: ShapeGraph, accepts: Callable[[Sequence[torch.Tensor]], bool] | None
+    ) -> None:
         if request.torch_source is None or request.sample_inputs is None:
             raise ValueError("per-shape graphs need the torch builder's module and first batch")
         self.first = first
         self._signature = shape_signature(request.sample_inputs)
+        self._accepts = accepts
         self._source = request.torch_source
         # keeps no batch and no forward model alive
         self._request = replace(request, forward=onnx.ModelProto(), sample_inputs=None)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> ShapeGraph:
-        signature = shape_signature(inputs)
-        if signature == self._signature:
+        shapes = [list(t.shape) for t in inputs]
+        if shape_signature(inputs) == self._signature:
+            return self.first
+        if self._accepts is not None and self._accepts(inputs):
+            _logger.info("input shapes %s: the first training graph serves them (dynamic dims)", shapes)
             return self.first
         request = self._request
         _logger.info(
-            "tracing and compiling a training graph for the new input shapes %s (torch gradient builder: one "
-            "graph per input-shape signature)",
-            [list(shape) for shape, _ in signature],
+            "tracing and compiling a training graph for the new input shapes %s (torch gradient builder: the "
+            "first graph is not valid for them; one graph per such input-shape signature)",
+            shapes,
         )
         with TRACING:
-            model = torch_gradient_model(
+            model, _ = torch_gradient_model(
                 self._source, inputs, request.outputs, request.trainable, request.trainable + request.frozen
             )
         model = run_passes(model, gradient_passes(request, request.loss_name))

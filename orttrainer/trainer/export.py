@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import onnx
 import torch
 
+from .gradient import torch_private
 from .graph.editor import copy_model
 from .graph.fixups import restore_dropout_training_mode
 
@@ -43,6 +44,18 @@ class _ModelWithLoss(torch.nn.Module):
     def model_kwargs(self, inputs) -> dict:
         """The keyword arguments `model.forward` gets for the model_desc inputs `inputs`."""
         return {name: inputs[self.input_names.index(name)] for name in self.forward_params if name in self.input_names}
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What running the model once in PyTorch (an eval-mode copy, `dry_run`) learned."""
+
+    sample_outputs: list[torch.Tensor]  # flattened (loss, *outputs) with a loss_fn, else the model's outputs
+    input_dtypes: list[torch.dtype]
+    output_dtypes: list[torch.dtype]  # of the model_desc outputs
+    was_training: bool  # the model's train/eval mode when it was handed over (eval: dropout off in training)
+    custom_functions: list[str]  # custom torch.autograd.Functions met in the dry run
+    read_state: list[str]  # state_dict entries the eval-mode forward reads (state_dict order; tied names too)
 
 
 @dataclass
@@ -92,6 +105,24 @@ def custom_autograd_functions(outputs) -> list[str]:
     return sorted(found)
 
 
+def dry_run(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: list[torch.Tensor]) -> DryRun:
+    """Check that `model.forward` takes the model_desc inputs, run an eval-mode copy of `model` (+ `loss_fn`) on
+    `sample_inputs` and check that it returns at least the model_desc outputs."""
+    input_names = [d.name for d in model_desc.inputs]
+    output_names = [d.name for d in model_desc.outputs]
+    check_forward_accepts(model, input_names, loss_fn is not None)
+    sample_outputs, functions, read = _dry_run(_ModelWithLoss(model, loss_fn, input_names), sample_inputs)
+    if len(sample_outputs) < len(output_names):
+        raise ValueError(
+            f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
+            f"{' with its loss_fn' if loss_fn else ''} returns {len(sample_outputs)}"
+        )
+    input_dtypes = [t.dtype for t in sample_inputs]
+    output_dtypes = [t.dtype for t in sample_outputs[: len(output_names)]]
+    read_state = [name for name in model.state_dict() if name in read]
+    return DryRun(sample_outputs, input_dtypes, output_dtypes, model.training, functions, read_state)
+
+
 def export_model(
     model: torch.nn.Module,
     loss_fn,
@@ -100,19 +131,14 @@ def export_model(
     *,
     opset_version: int,
     enable_contrib_ops: bool,
+    dry: DryRun | None = None,
 ) -> ExportedModel:
-    """Dry-run and export `model` (+ `loss_fn`); returns the forward ONNX model with the `model.` prefix removed."""
+    """Export `model` (+ `loss_fn`) with the TorchScript exporter; returns the forward ONNX model with the `model.`
+    prefix removed. `dry`: the `dry_run` already made (else it runs here)."""
     input_names = [d.name for d in model_desc.inputs]
     output_names = [d.name for d in model_desc.outputs]
-    check_forward_accepts(model, input_names, loss_fn is not None)
-    was_training = model.training
+    dry = dry or dry_run(model, loss_fn, model_desc, sample_inputs)
     wrapper = _ModelWithLoss(model, loss_fn, input_names)
-    sample_outputs, functions = _dry_run(wrapper, sample_inputs)
-    if len(sample_outputs) < len(output_names):
-        raise ValueError(
-            f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
-            f"{' with its loss_fn' if loss_fn else ''} returns {len(sample_outputs)}"
-        )
     _register_contrib_ops(enable_contrib_ops)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     buffer = io.BytesIO()
@@ -134,26 +160,37 @@ def export_model(
                 dynamo=False,
             )
     except Exception as err:
-        raise RuntimeError(f"exporting {type(model).__name__} to ONNX failed: {err}") from err
+        raise TorchScriptExportError(f"exporting {type(model).__name__} to ONNX failed: {err}") from err
     finally:
-        model.train(was_training)
+        model.train(dry.was_training)
         _restore_buffers(model, buffers)
     onnx_model = set_initializers(strip_prefix(onnx.load_from_string(buffer.getvalue()), MODEL_PREFIX), buffers)
-    if was_training:
+    if dry.was_training:
         onnx_model = restore_dropout_training_mode(onnx_model)
+    return exported_model(onnx_model, model, dry)
+
+
+class TorchScriptExportError(RuntimeError):
+    """The TorchScript exporter failed on the model ('auto' then trains it with the torch builder)."""
+
+
+def exported_model(onnx_model: onnx.ModelProto, model: torch.nn.Module, dry: DryRun) -> ExportedModel:
+    """Rule: the trainable parameters are `model`'s requires_grad parameters that are initializers of
+    `onnx_model`; the frozen state is its other state_dict entries that are initializers; state_dict entries
+    that are not initializers are aliases (a tied tensor's other names) or unused state."""
     initializers = {i.name for i in onnx_model.graph.initializer}
     params = [n for n, p in model.named_parameters() if p.requires_grad and n in initializers]
     state = [n for n in model.state_dict() if n in initializers and n not in params]
-    aliases, unused = _state_outside_graph(model, initializers)
+    aliases, unused = state_outside_graph(model, initializers)
     return ExportedModel(
         onnx_model,
-        sample_outputs,
-        [t.dtype for t in sample_inputs],
-        [t.dtype for t in sample_outputs[: len(output_names)]],
+        dry.sample_outputs,
+        dry.input_dtypes,
+        dry.output_dtypes,
         params,
         state,
-        was_training,
-        functions,
+        dry.was_training,
+        dry.custom_functions,
         aliases,
         unused,
     )
@@ -180,7 +217,9 @@ def set_initializers(model: onnx.ModelProto, values: dict[str, torch.Tensor]) ->
     return model
 
 
-def _state_outside_graph(model: torch.nn.Module, initializers: set[str]):
+def state_outside_graph(
+    model: torch.nn.Module, initializers: set[str]
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """state_dict keys that are not graph initializers: tied names of an exported tensor, or tensors the graph does
     not use. Both are needed to give `torch.nn.Module.load_state_dict` a complete state_dict later."""
     state = model.state_dict(keep_vars=True)
@@ -212,9 +251,10 @@ def strip_prefix(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
     return result
 
 
-def _dry_run(wrapper: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str]]:
-    """Run an eval-mode copy of the wrapper: its outputs give the output dtypes, and its autograd graph shows the
-    custom autograd Functions (which the TorchScript exporter would silently inline, dropping their backward)."""
+def _dry_run(wrapper: _ModelWithLoss, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str], set[str]]:
+    """Run an eval-mode copy of the wrapper: its outputs give the output dtypes, its autograd graph shows the
+    custom autograd Functions (which the TorchScript exporter would silently inline, dropping their backward),
+    and the state it reads is the torch route's frozen state (torch_forward.module_state)."""
     try:
         runner = copy.deepcopy(wrapper)
     except Exception:
@@ -226,13 +266,24 @@ def _dry_run(wrapper: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[list
         runner = wrapper
     was_training = runner.training
     runner.eval()
+    state = runner.model.state_dict(keep_vars=True)
     try:
-        with torch.enable_grad():
-            outputs = runner(*[copy.deepcopy(t) for t in inputs])
+        outputs, read = _run_recording_reads(runner, inputs, state)
     finally:
         runner.train(was_training)
     functions = custom_autograd_functions(outputs)
-    return [t.detach() if isinstance(t, torch.Tensor) else t for t in flatten_outputs(outputs)], functions
+    return [t.detach() if isinstance(t, torch.Tensor) else t for t in flatten_outputs(outputs)], functions, read
+
+
+def _run_recording_reads(runner: torch.nn.Module, inputs: list[torch.Tensor], state: dict) -> tuple[object, set[str]]:
+    """The runner's outputs, and the state entries it read. A model the recording mode breaks (an op without
+    Python dispatch support) runs again without it, and then every state entry counts as read."""
+    try:
+        with torch.enable_grad(), torch_private.storage_reads(state) as read:
+            return runner(*[copy.deepcopy(t) for t in inputs]), read
+    except Exception:
+        with torch.enable_grad():
+            return runner(*[copy.deepcopy(t) for t in inputs]), set(state)
 
 
 def flatten_outputs(outputs: object) -> list:

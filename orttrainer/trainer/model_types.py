@@ -13,11 +13,11 @@ from ..dtypes import onnx_to_torch
 from ..schema.model_desc import _ORTTrainerModelDesc
 from .compile import CompiledModel, output_elem_types
 from .config import TrainerConfig
-from .export import ExportedModel
+from .export import DryRun
 from .graph.editor import tensor_elem_type
 
 
-def record_export_types(desc: _ORTTrainerModelDesc, exported: ExportedModel) -> None:
+def record_export_types(desc: _ORTTrainerModelDesc, exported: DryRun) -> None:
     """PyTorch model: input and output dtypes from the first batch and the dry run; the loss must be a scalar."""
     for i, dtype in enumerate(exported.input_dtypes):
         desc.add_type_to_input_description(i, dtype)

@@ -14,6 +14,7 @@ and its state dict keeps the legacy layout.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 
 from .graph.dropout_seeds import STREAM_STRIDE, dropout_nodes, seed_dropouts_pass
 from .graph.passes import run_passes
+from .shapes import shape_signature
 
 ALL_SHAPES = "all"  # the key of a graph that runs every input shape
 
@@ -70,6 +72,20 @@ def signature_key(signature: tuple[tuple[tuple[int, ...], str], ...] | None) -> 
     if signature is None:
         return ALL_SHAPES
     return "|".join("x".join(str(d) for d in shape) + ":" + dtype.removeprefix("torch.") for shape, dtype in signature)
+
+
+def stream_key(model: onnx.ModelProto, inputs: Sequence[torch.Tensor]) -> str:
+    """The stream key of a training graph run on `inputs`: `ALL_SHAPES` when the graph has no data inputs to
+    specialise on or any of its inputs has a dynamic dim (it serves many signatures, one stream), else the key of
+    `inputs`' shape signature."""
+    if not inputs or any(_has_dynamic_dim(i) for i in model.graph.input):
+        return ALL_SHAPES
+    return signature_key(shape_signature(inputs))
+
+
+def _has_dynamic_dim(value: onnx.ValueInfoProto) -> bool:
+    tensor = value.type.tensor_type
+    return tensor.HasField("shape") and any(not d.HasField("dim_value") for d in tensor.shape.dim)
 
 
 def _key_offset(key: str) -> int:

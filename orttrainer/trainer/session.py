@@ -1,9 +1,11 @@
 """TrainingSession: runs the compiled training and eval graphs with ONNX Runtime, owning the training state.
 
 Training graphs: one with the `ort` gradient builder (its graph has dynamic batch and sequence dims); with the
-`torch` builder, one per input-shape signature, built on first sight by the compiler's `graph_for` and kept in a
+`torch` builder, the compiler's `graph_for` gives the graph for each input-shape signature on first sight (a graph
+traced with dynamic dims serves every signature its guards accept, with one ONNX Runtime session), kept in a
 `ShapeKeyedCache` (`GraphRunners`; least recently used evicted beyond `MAX_TRAINING_GRAPHS`). Every training graph
-has the same state contract, so all of them read and replace the same state values.
+has the same state contract, so all of them read and replace the same state values. The eval graph works the same
+way: one, or (torch route, `eval_for`) the graph `eval_for` gives for each signature, created when first needed.
 
 State (weights, frozen tensors, optimizer moments, gradient-accumulation buffers) lives in `OrtValue`s on the
 device between steps. A step feeds them as inputs and receives the updated values as new, owned `OrtValue`s that
@@ -27,8 +29,8 @@ from . import ort_private
 from .config import Device
 from .graph.training import TrainingGraph
 from .ort_session import create_session, providers_for, session_options
-from .rng import ALL_SHAPES, DropoutStreams, signature_key
-from .shapes import ShapeKeyedCache, shape_signature
+from .rng import DropoutStreams, stream_key
+from .shapes import ShapeKeyedCache
 
 MAX_TRAINING_GRAPHS = 16  # torch builder: input-shape signatures kept compiled at once
 
@@ -58,6 +60,15 @@ class RunnableGraph(Protocol):
 G = TypeVar("G", bound=RunnableGraph)
 
 
+class EvalGraphs(Protocol):
+    """The torch route's eval graphs: `self(inputs)` for the data (in `data_inputs` order); the same graph for
+    inputs it also serves."""
+
+    data_inputs: list[str]
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph: ...
+
+
 @dataclass(frozen=True)
 class GraphRunner(Generic[G]):
     """A graph, its onnxruntime.InferenceSession, and the inputs the session kept (ONNX Runtime prunes unused
@@ -69,12 +80,20 @@ class GraphRunner(Generic[G]):
     key: str  # the dropout stream key of the graph (rng.py)
 
 
+@dataclass(frozen=True)
+class EvalGraph:
+    """An eval model and its data inputs (model_desc order), as `GraphRunners` runs it."""
+
+    model: onnx.ModelProto
+    data_inputs: list[str]
+
+
 class GraphRunners(Generic[G]):
     """The graph (and ONNX Runtime session) that runs a batch: `graph` for every batch, or — given `graph_for`
     (torch builder) — `graph_for(inputs)` for the shape signature of `inputs` (the data in `graph.data_inputs`
-    order), created on the first batch with that signature. `optimized_model_path` receives the first graph's
-    optimized model (every later one would overwrite it). Each session is created with its graph's Dropout nodes
-    seeded at the position `streams` has reached for it (rng.py)."""
+    order), asked on the first batch with that signature; a graph it returned before keeps its session.
+    `optimized_model_path` receives the first graph's optimized model (every later one would overwrite it). Each
+    session is created with its graph's Dropout nodes seeded at the position `streams` has reached for it (rng.py)."""
 
     def __init__(
         self,
@@ -99,8 +118,10 @@ class GraphRunners(Generic[G]):
 
     def _new(self, inputs: list[torch.Tensor]) -> GraphRunner[G]:
         graph = self._graph_for(inputs) if self._graph_for is not None else self.graph
-        key = signature_key(shape_signature(inputs)) if self._graph_for is not None else ALL_SHAPES
-        return self._open(graph, key)
+        known = next((r for r in self._cache.values() if r.graph is graph), None)
+        if known is not None:  # a dynamic-shape graph serving another signature
+            return known
+        return self._open(graph, stream_key(graph.model, inputs))
 
     def _open(self, graph: G, key: str) -> GraphRunner[G]:
         path, self._path = self._path, ""
@@ -110,11 +131,23 @@ class GraphRunners(Generic[G]):
     def reopen(self) -> None:
         """Create every kept graph's session again, seeded at the streams' current positions (after a load, or a
         failed run whose draws the positions did not count)."""
-        self._cache.replace_all(lambda runner: self._open(runner.graph, runner.key))
+        reopened: dict[int, GraphRunner[G]] = {}  # signatures sharing a graph keep sharing one session
+
+        def again(runner: GraphRunner[G]) -> GraphRunner[G]:
+            if id(runner.graph) not in reopened:
+                reopened[id(runner.graph)] = self._open(runner.graph, runner.key)
+            return reopened[id(runner.graph)]
+
+        self._cache.replace_all(again)
         self.latest = None
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    @property
+    def graph_count(self) -> int:
+        """How many distinct graphs (and sessions) the kept signatures use."""
+        return len({id(r.graph) for r in self._cache.values()})
 
 
 class SessionBase(ABC):
@@ -124,7 +157,12 @@ class SessionBase(ABC):
     _runners: GraphRunners[Any]  # the training (or gradient-step) graphs, set by the subclass
 
     def __init__(
-        self, eval_model: onnx.ModelProto, state: dict[str, np.ndarray], config: SessionConfig, streams: DropoutStreams
+        self,
+        eval_model: onnx.ModelProto,
+        state: dict[str, np.ndarray],
+        config: SessionConfig,
+        streams: DropoutStreams,
+        eval_for: EvalGraphs | None = None,
     ) -> None:
         import onnxruntime as ort
 
@@ -132,8 +170,9 @@ class SessionBase(ABC):
         self.streams = streams
         self._options = session_options(config.session_options, config.deterministic, config.device, config.mem_limit)
         self._providers = providers_for(config.device, config.mem_limit, config.provider_options or {})
-        self._eval = self._session(eval_model, "")
-        self._eval_inputs = {i.name for i in self._eval.get_inputs()}
+        # with eval_for, `first` only names the data inputs: the graphs are created when first needed
+        first = EvalGraph(eval_model, eval_for.data_inputs if eval_for is not None else [])
+        self._evals = GraphRunners(self._session, first, eval_for, "", streams)
         self._state: dict[str, Any] = {name: self._to_device(value) for name, value in state.items()}
         self._partial_run = ort.RunOptions()
         self._partial_run.only_execute_path_to_fetches = True
@@ -180,13 +219,15 @@ class SessionBase(ABC):
 
     @property
     def training_graph_count(self) -> int:
-        """How many training graphs are compiled and kept (torch builder: one per input-shape signature)."""
-        return len(self._runners)
+        """How many training graphs are compiled and kept (torch builder: one per input-shape signature its first,
+        dynamic-shape graph does not serve)."""
+        return self._runners.graph_count
 
     def evaluate(self, data: dict[str, torch.Tensor], outputs: list[str]) -> dict[str, torch.Tensor]:
-        """Run the eval graph on `data`; returns the requested outputs."""
-        feeds = self._feeds(data, self._eval_inputs)
-        fetched = self._run(self._eval, feeds, outputs)
+        """Run the eval graph (for `data`'s shapes) on `data`; returns the requested outputs."""
+        runner = self._evals.for_data(data)
+        feeds = self._feeds(data, runner.inputs)
+        fetched = self._run(runner.session, feeds, outputs)
         return {name: self._to_torch(value) for name, value in zip(outputs, fetched, strict=True)}
 
     # ------------------------------------------------------------------------------------------------------ state
@@ -246,8 +287,9 @@ class TrainingSession(SessionBase):
         config: SessionConfig,
         streams: DropoutStreams,
         graph_for: Callable[[Sequence[torch.Tensor]], TrainingGraph] | None = None,
+        eval_for: EvalGraphs | None = None,
     ) -> None:
-        super().__init__(eval_model, state, config, streams)
+        super().__init__(eval_model, state, config, streams, eval_for)
         self.graph = graph
         self._runners = GraphRunners(self._session, graph, graph_for, config.optimized_model_path, streams)
         self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}

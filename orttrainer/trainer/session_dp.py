@@ -24,7 +24,7 @@ import torch
 from .distributed import Communicator
 from .graph.data_parallel import DataParallelGraphs, GradientStepGraph
 from .rng import DropoutStreams
-from .session import GraphRunners, SessionBase, SessionConfig, from_torch, to_torch_view
+from .session import EvalGraphs, GraphRunners, SessionBase, SessionConfig, from_torch, to_torch_view
 
 
 class DataParallelSession(SessionBase):
@@ -44,8 +44,9 @@ class DataParallelSession(SessionBase):
         rank: int,
         streams: DropoutStreams,
         step_for: Callable[[Sequence[torch.Tensor]], GradientStepGraph] | None = None,
+        eval_for: EvalGraphs | None = None,
     ) -> None:
-        super().__init__(eval_model, state, config, streams)
+        super().__init__(eval_model, state, config, streams, eval_for)
         self.graphs, self.graph = graphs, graphs.optimizer
         self.comm = comm
         self._runners = GraphRunners(self._session, graphs.step, step_for, "", streams)

@@ -1,7 +1,8 @@
 """Input-shape signatures, and a cache of one value per signature.
 
-Why: a graph traced by the torch gradient builder is valid only for the input shapes and dtypes it was traced with
-(gradient/torch_builder.py), so the trainer keeps one compiled graph per signature.
+Why: a graph traced by the torch gradient builder with concrete shapes is valid only for the input shapes and dtypes
+it was traced with, and one traced with dynamic dims only for the shapes its guards accept (gradient/torch_builder.py),
+so the trainer keeps the compiled graph for each signature it has seen (several may share one dynamic graph).
 """
 
 from __future__ import annotations
@@ -19,6 +20,23 @@ T = TypeVar("T")
 def shape_signature(inputs: Sequence[torch.Tensor]) -> ShapeSignature:
     """The key a traced graph is valid for: each input's shape and dtype, in order."""
     return tuple((tuple(int(d) for d in t.shape), str(t.dtype)) for t in inputs)
+
+
+def named_dims(input_descs: Sequence) -> list[list[int]]:
+    """For each model_desc input, the dims its shape names with a string (`['batch', 784]` -> `[0]`): the dims the
+    torch path traces as dynamic."""
+    return [[i for i, dim in enumerate(desc.shape) if isinstance(dim, str)] for desc in input_descs]
+
+
+def same_size_groups(input_descs: Sequence) -> list[list[tuple[int, int]]]:
+    """The (input, dim) pairs model_desc names with the same string, for each name used more than once (`batch` in
+    `['batch', 'seq']` and `['batch']`): the torch path traces them as one size."""
+    groups: dict[str, list[tuple[int, int]]] = {}
+    for i, desc in enumerate(input_descs):
+        for d, dim in enumerate(desc.shape):
+            if isinstance(dim, str):
+                groups.setdefault(dim, []).append((i, d))
+    return [group for group in groups.values() if len(group) > 1]
 
 
 class ShapeKeyedCache(Generic[T]):
@@ -54,3 +72,7 @@ class ShapeKeyedCache(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._values)
+
+    def values(self) -> list[T]:
+        """The stored values, least recently used first (several signatures may share one value)."""
+        return list(self._values.values())

@@ -1,11 +1,11 @@
 """Gradient builders: how the forward model becomes a model that also outputs `<param>_grad`.
 
 - `choice.py`: which builder (`_internal_use.gradient_builder`: auto, ort, torch) and why;
-- `differentiate.py`: runs the chosen builder, with 'auto''s fallback and the freezing of parameters that do not
-  reach the loss;
+- `differentiate.py`: runs the chosen builder, and freezes parameters that do not reach the loss ('auto''s
+  fallback to the torch route is `build.build_from_torch`'s);
 - `ort_builder.py`, `ort_options.py`: ONNX Runtime's C++ gradient builder (onnxruntime-training only) and the
   options it takes (cast propagation, memory-efficient gradients);
-- `torch_builder.py`, `torch_graphs.py`, `torch_private.py`: PyTorch's autograd traced into the graph (any ONNX
-  Runtime build), and every private torch API it needs;
+- `torch_builder.py`, `torch_trace.py`, `torch_graphs.py`, `torch_private/`: PyTorch's autograd traced into the
+  graph (any ONNX Runtime build), with dynamic dims, and every private torch API it needs;
 - `errors.py`: `GradientBuildError`.
 """

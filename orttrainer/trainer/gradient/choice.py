@@ -3,8 +3,8 @@
 'ort' is ONNX Runtime's C++ builder on the exported ONNX graph (`ort_builder.py`); 'torch' traces PyTorch's own
 autograd (`torch_builder.py`); 'auto' (the default) takes 'torch' for a model with a custom
 `torch.autograd.Function` (the exporter inlines its forward, so only the torch builder keeps the user's backward)
-and otherwise tries 'ort', falling back to 'torch' when ONNX Runtime has no gradient for an op
-(`differentiate.py`).
+and otherwise tries 'ort', falling back to 'torch' when the TorchScript export fails or ONNX Runtime has no gradient
+for an op (`build.build_from_torch`). The custom Functions come from a dry run in PyTorch, before any export.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ OPTION = "_internal_use.gradient_builder"
 
 @dataclass(frozen=True)
 class BuilderChoice:
-    """`builder`: 'ort', 'torch', or 'auto' before compiling (try 'ort', fall back to 'torch' on an op without an
-    ORT gradient); after compiling, the builder that made the graph. `reason`: why, for the log."""
+    """`builder`: 'ort', 'torch', or 'auto' before compiling (try 'ort', fall back to 'torch' when the TorchScript
+    export fails or an op has no ORT gradient); after compiling, the builder that made the graph. `reason`: why,
+    for the log."""
 
     builder: str
     reason: str

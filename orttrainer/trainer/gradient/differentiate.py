@@ -1,9 +1,10 @@
 """Run the chosen gradient builder on a forward model: 'auto''s fallback, and parameters that do not reach the loss.
 
 Rules:
-- 'ort' runs ONNX Runtime's builder on the forward model; 'torch' traces the PyTorch module; 'auto' tries 'ort' and,
-  when ONNX Runtime has no gradient for an op (a `GradientBuildError` naming it) and the model is a PyTorch module,
-  builds with 'torch' from the parameter lists as they were before the 'ort' attempt.
+- 'ort' runs ONNX Runtime's builder on the forward model; 'torch' traces the PyTorch module; 'auto' means 'ort'
+  here. When ONNX Runtime has no gradient for an op, the `GradientBuildError` names it (`op_type`): for a PyTorch
+  model, 'auto' then builds again on the torch route (`build.build_from_torch`), whose state and eval graph come
+  from the module rather than from the TorchScript export.
 - A parameter without a differentiable path to the loss is frozen, with a warning naming it, and the builder runs
   again without it — PyTorch leaves its `.grad` None and its optimizers skip it.
 Nothing passed in is modified: the result carries the final trainable and frozen lists.
@@ -11,7 +12,6 @@ Nothing passed in is modified: the result carries the final trainable and frozen
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,9 +23,7 @@ from .choice import BuilderChoice
 from .errors import GradientBuildError
 from .ort_builder import build_ort_gradient_graph
 from .ort_options import GradientOptions
-from .torch_graphs import TorchSource, torch_gradient_model
-
-_logger = logging.getLogger(__name__)
+from .torch_graphs import Accepts, TorchSource, torch_gradient_model
 
 
 @dataclass(frozen=True)
@@ -51,23 +49,14 @@ class Differentiated:
     builder: BuilderChoice
     trainable: list[str]
     frozen: list[str]
+    accepts: Accepts | None = None  # torch builder: which inputs the model is valid for (None: any)
 
 
 def differentiate(request: GradientRequest) -> Differentiated:
     """The gradient model of `request` by the rules above."""
     if request.choice.builder == "torch":
         return _freezing_unreachable(request, _torch_builder, request.choice)
-    try:
-        return _freezing_unreachable(request, _ort_builder, _ort_choice(request.choice))
-    except GradientBuildError as err:
-        if request.choice.builder != "auto" or err.op_type is None or request.torch_source is None:
-            raise
-        _logger.info(
-            "ONNX Runtime has no gradient for op '%s'; building the gradient graph with the torch builder",
-            err.op_type,
-        )
-        reason = f"auto: ONNX Runtime's gradient builder cannot differentiate op '{err.op_type}'"
-        return _freezing_unreachable(request, _torch_builder, BuilderChoice("torch", reason))
+    return _freezing_unreachable(request, _ort_builder, _ort_choice(request.choice))
 
 
 def _ort_choice(choice: BuilderChoice) -> BuilderChoice:
@@ -82,22 +71,25 @@ def _ort_builder(request: GradientRequest, trainable: list[str], frozen: list[st
     )
 
 
-def _torch_builder(request: GradientRequest, trainable: list[str], frozen: list[str]) -> onnx.ModelProto:
+def _torch_builder(request: GradientRequest, trainable: list[str], frozen: list[str]) -> Built:
     if request.torch_source is None or request.sample_inputs is None:
         raise ValueError("the torch gradient builder needs the PyTorch module and a first batch")
     return torch_gradient_model(
-        request.torch_source, request.sample_inputs, request.outputs, trainable, trainable + frozen
+        request.torch_source, request.sample_inputs, request.outputs, trainable, trainable + frozen, dynamic=True
     )
 
 
-Builder = Callable[[GradientRequest, list[str], list[str]], onnx.ModelProto]
+Built = onnx.ModelProto | tuple[onnx.ModelProto, Accepts]
+Builder = Callable[[GradientRequest, list[str], list[str]], Built]
 
 
 def _freezing_unreachable(request: GradientRequest, build: Builder, choice: BuilderChoice) -> Differentiated:
     trainable, frozen = list(request.trainable), list(request.frozen)
     while True:
         try:
-            return Differentiated(build(request, trainable, frozen), choice, trainable, frozen)
+            built = build(request, trainable, frozen)
+            model, accepts = built if isinstance(built, tuple) else (built, None)
+            return Differentiated(model, choice, trainable, frozen, accepts)
         except GradientBuildError as err:
             if not err.unreachable or not set(err.unreachable) <= set(trainable):
                 raise

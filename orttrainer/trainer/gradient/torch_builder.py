@@ -6,28 +6,31 @@ Contract (shared with `gradient.build_ort_gradient_graph`): the returned ONNX mo
 outputs the forward outputs named by `output_names` (loss first) followed by `<p>_grad` for each `p` in
 `trainable`, in that order. Frozen parameters (not in `trainable`) get no gradient.
 
-How: `_JointWrapper(module, loss_fn)` returns `(loss, *outputs)`; AOTAutograd traces its forward and PyTorch's
+How: `JointWrapper(module, loss_fn)` returns `(loss, *outputs)`; AOTAutograd traces its forward and PyTorch's
 backward of the loss into one functional aten graph (core aten decompositions plus batch norm, whose ONNX
 translation ignores training mode; SDPA on its math backend); custom `torch.autograd.Function`s contribute their
 own forward and backward. `torch.onnx.export(dynamo=True)` (needs onnxscript) writes that graph as plain ONNX ops,
-so it runs on any ONNX Runtime build. Gradients are exactly PyTorch's.
+so it runs on any ONNX Runtime build. Gradients are exactly PyTorch's. Tracing details (dynamic dims and their
+fallback, tensor attributes, checkpoints, errors) are in `torch_trace.py`.
 
-Shape rule: the trace bakes shape-derived constants (a mean's divisor, view sizes) into the graph, so a graph is
-valid only for the input shapes and dtypes it was traced with. Its ONNX inputs keep those static shapes (ONNX
-Runtime rejects other shapes instead of computing a wrong result), `TorchGradientGraph.signature` records them, and
-the trainer keeps one compiled graph per signature with `ShapeKeyedCache`.
+Shape rule: given `dynamic_dims`, the graph is traced with those dims symbolic and is valid for every input shape
+its guards accept (`TorchGradientGraph.accepts`; those ONNX dims are dynamic). Otherwise, or when the symbolic
+trace fails, the trace bakes shape-derived constants (a mean's divisor, view sizes) into the graph, so it is valid
+only for the input shapes and dtypes it was traced with: its ONNX inputs keep those static shapes (ONNX Runtime
+rejects other shapes instead of computing a wrong result), `TorchGradientGraph.signature` records them, and the
+trainer keeps one compiled graph per signature with `ShapeKeyedCache`.
 
 Other rules: the module is traced in its current train/eval mode (dropout in training mode draws one mask, used by
 forward and backward alike). Buffers updated in place by the forward (BatchNorm running statistics) are inputs
 but their updates are not outputs (as with the `ort` builder): they are listed in `mutated_buffers`. State of
-`loss_fn` (a loss module's `weight` buffer) is baked into the graph as constants. Every trainable parameter must
-influence the loss. Tied parameters are one input and one summed gradient under their first name.
+`loss_fn` (a loss module's `weight` buffer) and plain tensor attributes are baked into the graph as constants.
+Every trainable parameter must influence the loss. Tied parameters are one input and one summed gradient under
+their first name.
 """
 
 from __future__ import annotations
 
-import copy
-import traceback
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,27 +38,16 @@ import onnx
 import torch
 
 from ...dtypes import torch_to_onnx
-from ..export import _ModelWithLoss
 from ..shapes import ShapeSignature, shape_signature
 from . import torch_private
 from .errors import GradientBuildError
+from .torch_trace import JointWrapper, UntraceableFunctionError, tensor_attributes_as_buffers, trace_joint
+
+_logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_ORT_OPSET", "TorchGradientGraph", "UntraceableFunctionError", "build_torch_gradient_graph"]
 
 MAX_ORT_OPSET = 21  # the newest ONNX opset ONNX Runtime 1.19 runs
-
-
-class UntraceableFunctionError(GradientBuildError):
-    """A custom `torch.autograd.Function`'s forward or backward cannot be traced into a graph."""
-
-    def __init__(self, function: str, phase: str, location: str, reason: str) -> None:
-        self.function, self.phase, self.location = function, phase, location
-        super().__init__(
-            f"The {phase} of the custom torch.autograd.Function '{function}' cannot be traced into the ONNX "
-            f"training graph: {reason} (at {location}). The torch gradient builder records {function}.{phase} "
-            "once, with placeholder tensors that have no values, so it must compute with tensor operations only: "
-            "no .item(), .tolist(), .numpy() or Python numbers read from tensors, no Python if/while on tensor "
-            "values (use torch.where or masks), no outputs whose shape depends on values (torch.nonzero). Rewrite "
-            f"{function}.{phase} that way, or train this model with plain PyTorch."
-        )
 
 
 @dataclass(frozen=True)
@@ -67,14 +59,34 @@ class TorchGradientGraph:
     state_names: list[str]  # then every parameter and buffer of the module
     output_names: list[str]  # forward outputs, loss first
     gradient_names: list[str]  # then `<p>_grad` for each trainable parameter, in `trainable` order
-    signature: ShapeSignature  # input shapes and dtypes this graph is valid for
+    signature: ShapeSignature  # input shapes and dtypes this graph was traced with
     opset_version: int
     mutated_buffers: list[str]  # buffers the forward updates in place; this graph does not output the updates
+    guards: torch_private.ShapeGuards | None = None  # a dynamic-shape graph: the shapes it is valid for
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the graph was traced with dynamic dims (else: valid for `signature` only)."""
+        return self.guards is not None
+
+    @property
+    def dynamic_dims(self) -> list[list[int]]:
+        """For each data input, the dims that are dynamic in this graph."""
+        return self.guards.dynamic_dims if self.guards is not None else [[] for _ in self.input_names]
+
+    def accepts(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """Whether this graph computes the right result for `inputs`: their signature is the traced one, or the
+        graph is dynamic, the dtypes and ranks match and the trace's shape guards hold for their sizes."""
+        got = shape_signature(inputs)
+        if got == self.signature:
+            return True
+        same_types = [(len(s), t) for s, t in got] == [(len(s), t) for s, t in self.signature]
+        return self.guards is not None and same_types and self.guards.accepts(inputs)
 
     def check_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
-        """Raise ValueError unless `inputs` have the shapes and dtypes this graph was traced for."""
+        """Raise ValueError unless this graph `accepts` `inputs`."""
         got = shape_signature(inputs)
-        if got != self.signature:
+        if not self.accepts(inputs):
             raise ValueError(
                 f"this gradient graph was traced for inputs {self.signature}, got {got}: build (or "
                 "look up in a ShapeKeyedCache) the graph for these shapes"
@@ -90,25 +102,67 @@ def build_torch_gradient_graph(
     trainable: Sequence[str],
     frozen: Sequence[str] = (),
     opset_version: int = torch_private.MIN_DYNAMO_OPSET,
+    dynamic_dims: Sequence[Sequence[int]] | None = None,
+    same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
 ) -> TorchGradientGraph:
     """Trace `module` (+ `loss_fn`) on `sample_inputs` and return its forward+backward ONNX graph.
 
     `input_names` name `sample_inputs` (with a loss_fn the last one is the label, as in `_ModelWithLoss`);
     `output_names` name the first outputs of `(loss, *module outputs)`; `trainable` get `<p>_grad` outputs;
     `frozen` parameters (and parameters in neither list) get none. `opset_version` below 18 is raised to 18 (the
-    exporter's minimum); above 21 is an error. Raises GradientBuildError (UntraceableFunctionError for a custom
-    Function that cannot be traced) when PyTorch cannot trace or export the model.
+    exporter's minimum); above 21 is an error. `dynamic_dims[i]` lists the dims of input i to keep dynamic (see
+    the module docstring; None: none), `same_sizes` groups of (input, dim) that are one size. Raises
+    GradientBuildError (UntraceableFunctionError for a custom Function that cannot be traced) when PyTorch
+    cannot trace or export the model.
     """
     _check_arguments(module, input_names, sample_inputs, trainable, frozen)
     opset = _effective_opset(opset_version)
     inputs = [t.detach() for t in sample_inputs]  # gradients are for parameters only
-    wrapper = _JointWrapper(module, loss_fn, input_names)
-    with _requires_grad_only(wrapper, module, set(trainable)):
-        graph, sig = _trace(wrapper, inputs, trainable)
-    canonical = _canonical_names(module)
+    request = _Trace(module, loss_fn, list(input_names), inputs, list(output_names), list(trainable), opset, same_sizes)
+    if dynamic_dims is not None and any(dynamic_dims):
+        try:
+            return _build(request, dynamic_dims)
+        except GradientBuildError as err:
+            if err.unreachable:  # parameters without gradient: the caller freezes them
+                raise
+            _log_dynamic_failure(module, inputs, err)
+        except Exception as err:  # the concrete-shape build names real errors
+            _log_dynamic_failure(module, inputs, err)
+    return _build(request, None)
+
+
+def _log_dynamic_failure(module: torch.nn.Module, inputs: Sequence[torch.Tensor], err: Exception) -> None:
+    _logger.info(
+        "the dynamic-shape trace of %s failed (%s: %s); tracing it for the shapes %s only",
+        type(module).__name__,
+        type(err).__name__,
+        str(err).strip().split("\n")[0],
+        [list(t.shape) for t in inputs],
+    )
+
+
+@dataclass(frozen=True)
+class _Trace:
+    module: torch.nn.Module
+    loss_fn: Callable | None
+    input_names: list[str]
+    inputs: list[torch.Tensor]
+    output_names: list[str]
+    trainable: list[str]
+    opset: int
+    same_sizes: Sequence[Sequence[tuple[int, int]]]
+
+
+def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> TorchGradientGraph:
+    module, input_names, inputs, trainable = request.module, request.input_names, request.inputs, request.trainable
+    wrapper = JointWrapper(module, request.loss_fn, input_names)
+    canonical = _canonical_names(module)  # before tracing: tensor attributes are buffers only while it runs
+    graph, sig, guards = trace_joint(wrapper, inputs, trainable, dynamic_dims, request.same_sizes)
+    if guards is not None and not any(guards.dynamic_dims):
+        guards = None  # the trace specialised every dynamic dim: valid for the sample's shapes only
     state = {name: tensor.detach() for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
     state_inputs, mutated = _rewrite_joint(
-        graph, sig, _state_tensors(wrapper), canonical, trainable, len(output_names), type(module).__name__
+        graph, sig, _traced_state(wrapper), canonical, trainable, len(request.output_names), type(module).__name__
     )
     gradient_names = [f"{p}_grad" for p in trainable]
     try:
@@ -116,47 +170,21 @@ def build_torch_gradient_graph(
             graph,
             [*(state[n] for n in state_inputs), *inputs],
             [*state_inputs, *input_names],
-            [*output_names, *gradient_names],
-            opset,
+            [*request.output_names, *gradient_names],
+            request.opset,
+            None if guards is None else [*([] for _ in state_inputs), *guards.dynamic_dims],
         )
     except Exception as err:
         raise GradientBuildError(
             f"torch.onnx could not export the traced forward+backward graph of "
-            f"{type(module).__name__} to ONNX opset {opset}: {err}"
+            f"{type(module).__name__} to ONNX opset {request.opset}: {err}"
         ) from err
     state_names = list(canonical.values())
     model = _order_inputs(model, list(input_names), {n: state[n] for n in state_names})
+    signature = shape_signature(inputs)
     return TorchGradientGraph(
-        model,
-        list(input_names),
-        state_names,
-        list(output_names),
-        gradient_names,
-        shape_signature(inputs),
-        opset,
-        mutated,
+        model, input_names, state_names, request.output_names, gradient_names, signature, request.opset, mutated, guards
     )
-
-
-class _JointWrapper(torch.nn.Module):
-    """`(loss, *outputs)` of `_ModelWithLoss`, flattened to tensors, with the outputs detached: AOTAutograd
-    differentiates the loss only and rejects other outputs that require grad."""
-
-    def __init__(self, module: torch.nn.Module, loss_fn: Callable | None, input_names: Sequence[str]) -> None:
-        super().__init__()
-        self.inner = _ModelWithLoss(module, loss_fn, list(input_names))
-
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        loss, *outputs = _flatten_tensors(self.inner(*inputs))
-        return (loss, *(t.detach() for t in outputs))
-
-
-def _flatten_tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _flatten_tensors(item)]
-    return []
 
 
 def _check_arguments(
@@ -186,94 +214,13 @@ def _effective_opset(opset_version: int) -> int:
     return max(opset_version, torch_private.MIN_DYNAMO_OPSET)
 
 
-class _requires_grad_only:
-    """Within the block exactly the module parameters named in `trainable` require grad (AOTAutograd emits
-    gradients for those); parameters of the loss function never do. Restores the flags on exit."""
-
-    def __init__(self, wrapper: torch.nn.Module, module: torch.nn.Module, trainable: set[str]) -> None:
-        wanted = {id(p) for n, p in module.named_parameters() if n in trainable}
-        self._params = list(wrapper.parameters())
-        self._saved = [p.requires_grad for p in self._params]
-        self._wanted = [id(p) in wanted for p in self._params]
-
-    def __enter__(self) -> None:
-        for p, flag in zip(self._params, self._wanted, strict=True):
-            p.requires_grad_(flag)
-
-    def __exit__(self, *exc) -> None:
-        for p, flag in zip(self._params, self._saved, strict=True):
-            p.requires_grad_(flag)
-
-
-def _trace(wrapper: _JointWrapper, inputs: Sequence[torch.Tensor], trainable: Sequence[str]):
-    try:
-        with torch_private.math_sdpa():
-            return torch_private.aot_export_joint(wrapper, inputs, loss_index=0)
-    except Exception as err:
-        raise _explain_trace_error(err, wrapper, inputs, trainable) from err
-
-
-def _explain_trace_error(
-    err: Exception, wrapper: _JointWrapper, inputs: Sequence[torch.Tensor], trainable: Sequence[str]
-) -> Exception:
-    """Name the custom Function, or the parameters without gradient, behind a failed trace."""
-    found = _failing_function(err)
-    if found is not None:
-        cls, phase, location = found
-        return UntraceableFunctionError(cls.__qualname__, phase, location, f"{type(err).__name__}: {_first_line(err)}")
-    model_name = type(wrapper.inner.model).__name__
-    if torch_private.is_missing_gradient_error(err):
-        unused = _parameters_without_gradient(wrapper, inputs, trainable)
-        return GradientBuildError(
-            f"PyTorch produced no gradient for {unused or 'some trainable parameters'} of "
-            f"{model_name}: these parameters do not influence the loss. Freeze them with "
-            "options utils.frozen_weights.",
-            unreachable=unused,
-        )
-    return GradientBuildError(
-        f"PyTorch could not trace the forward and backward of {model_name} into a graph: {type(err).__name__}: {err}"
-    )
-
-
-def _failing_function(err: BaseException) -> tuple[type, str, str] | None:
-    """(class, phase, "file:line") of the innermost custom Function forward/backward on the failing stack,
-    following chained exceptions."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        for frame, line in reversed(list(traceback.walk_tb(current.__traceback__))):
-            found = torch_private.autograd_function_of_frame(frame)
-            if found is not None:
-                return (*found, f"{frame.f_code.co_filename}:{line}")
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else ""
-
-
-def _parameters_without_gradient(
-    wrapper: _JointWrapper, inputs: Sequence[torch.Tensor], trainable: Sequence[str]
-) -> list[str]:
-    """Eager check on a copy (the forward may update buffers): trainable parameters whose gradient is None."""
-    try:
-        runner = copy.deepcopy(wrapper)
-        params = dict(runner.inner.model.named_parameters())
-        loss = runner(*inputs)[0]
-        grads = torch.autograd.grad(loss, [params[n] for n in trainable], allow_unused=True)
-    except Exception:
-        return []
-    return [n for n, g in zip(trainable, grads, strict=True) if g is None]
-
-
-def _state_tensors(wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        **dict(wrapper.named_parameters(remove_duplicate=False)),
-        **dict(wrapper.named_buffers(remove_duplicate=False)),
-    }
+def _traced_state(wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The wrapper's state by qualified name, as the trace named it (tensor attributes included)."""
+    with tensor_attributes_as_buffers(wrapper):
+        return {
+            **dict(wrapper.named_parameters(remove_duplicate=False)),
+            **dict(wrapper.named_buffers(remove_duplicate=False)),
+        }
 
 
 def _canonical_names(module: torch.nn.Module) -> dict[int, str]:

@@ -4,16 +4,18 @@ input shapes, with the trainer's state as its only state inputs.
 Rules:
 - State: the traced graph takes every parameter and buffer of the module; the session feeds the trainer's state
   (the tensors the forward uses). Other state inputs become constants or disappear (`bind_foreign_state`).
-- Shapes: a traced graph is valid only for the input shapes and dtypes it was traced with (see `torch_builder.py`);
-  the compiler keeps one per shape signature.
+- Shapes: the first graph is traced with the dims of `TorchSource.dynamic_dims` dynamic where the trace allows it,
+  and is valid for the inputs its `accepts` takes; a graph traced for other inputs keeps their concrete shapes
+  (see `torch_builder.py`). The compiler keeps the graph for each shape signature it has seen.
 - Mode: the module is traced in the train/eval mode it had when the trainer first saw it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx
 import torch
@@ -22,23 +24,38 @@ from onnx import numpy_helper
 from ...debug.subscriber import no_increase_global_step
 from .torch_builder import build_torch_gradient_graph
 
+_logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class TorchSource:
-    """What the torch builder traces: `_ModelWithLoss(module, loss_fn, input_names)` in mode `training`."""
+    """What the torch builder traces: `_ModelWithLoss(module, loss_fn, input_names)` in mode `training`, with the
+    dims `dynamic_dims[i]` of input i dynamic (model_desc's string dims) in the first graph, and each group of
+    `same_sizes` ((input, dim) pairs model_desc names alike) one size."""
 
     module: torch.nn.Module
     loss_fn: Callable | None
     input_names: list[str]
     opset_version: int
     training: bool
+    dynamic_dims: list[list[int]] = field(default_factory=list)
+    same_sizes: list[list[tuple[int, int]]] = field(default_factory=list)
+
+
+Accepts = Callable[[Sequence[torch.Tensor]], bool]
 
 
 def torch_gradient_model(
-    source: TorchSource, inputs: Sequence[torch.Tensor], outputs: list[str], trainable: list[str], state: list[str]
-) -> onnx.ModelProto:
-    """The gradient model for `inputs`' shapes: the data and the trainer's `state` tensors (trainable and frozen)
-    as graph inputs; `outputs` (loss first), then `<p>_grad` for each of `trainable`, as graph outputs."""
+    source: TorchSource,
+    inputs: Sequence[torch.Tensor],
+    outputs: list[str],
+    trainable: list[str],
+    state: list[str],
+    dynamic: bool = False,
+) -> tuple[onnx.ModelProto, Accepts]:
+    """The gradient model for `inputs` (with `dynamic`: for every shape its trace allows), and the rule saying
+    which inputs it is valid for: the data and the trainer's `state` tensors (trainable and frozen) as graph
+    inputs; `outputs` (loss first), then `<p>_grad` for each of `trainable`, as graph outputs."""
     params = {name for name, _ in source.module.named_parameters()}
     frozen = [n for n in state if n in params and n not in set(trainable)]
     # orttrainer.debug hooks pass values through while tracing: no step counted, no file written from fake tensors
@@ -52,9 +69,14 @@ def torch_gradient_model(
             trainable,
             frozen,
             source.opset_version,
+            source.dynamic_dims if dynamic else None,
+            source.same_sizes,
         )
+    if dynamic:
+        kind = f"dynamic dims {graph.dynamic_dims}" if graph.dynamic else "the sample's concrete shapes"
+        _logger.info("torch gradient builder: the first training graph is traced with %s", kind)
     values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
-    return bind_foreign_state(graph.model, len(source.input_names), state, values)
+    return bind_foreign_state(graph.model, len(source.input_names), state, values), graph.accepts
 
 
 @contextlib.contextmanager

@@ -1,0 +1,60 @@
+"""Every private or version-sensitive PyTorch API the `torch` gradient builder uses, behind small functions:
+`tracing.py` (AOTAutograd, decompositions, checkpoints, error texts) and `exporting.py` (torch.onnx's dynamo
+exporter).
+
+Rule: nothing else in orttrainer imports from `torch._*`, reads private attributes of torch objects, or matches
+torch's error texts; it calls these wrappers. A torch upgrade that moves or changes one of them then breaks this
+package (and `tests/test_torch_private.py`, which pins each wrapper's behaviour), not the gradient builder.
+
+Verified on torch 2.13.0 (CPU) with onnxscript 0.7.2 and onnx 1.17.0.
+"""
+
+from __future__ import annotations
+
+from .exporting import (
+    MIN_DYNAMO_OPSET,
+    DimSpec,
+    _quiet_exporter,
+    export_graph_to_onnx,
+    export_module_to_onnx,
+    onnx_decompositions,
+)
+from .tracing import (
+    JointSignature,
+    MissingGradientError,
+    ShapeGuards,
+    aot_export_joint,
+    aot_export_joint_dynamic,
+    autograd_function_of_frame,
+    core_aten_decompositions,
+    is_missing_gradient_error,
+    is_real_tensor_in_trace_error,
+    math_sdpa,
+    output_values,
+    reentrant_checkpoint_traceable,
+    storage_reads,
+    training_decompositions,
+)
+
+__all__ = [
+    "MIN_DYNAMO_OPSET",
+    "DimSpec",
+    "JointSignature",
+    "MissingGradientError",
+    "ShapeGuards",
+    "_quiet_exporter",
+    "aot_export_joint",
+    "aot_export_joint_dynamic",
+    "autograd_function_of_frame",
+    "core_aten_decompositions",
+    "export_graph_to_onnx",
+    "export_module_to_onnx",
+    "is_missing_gradient_error",
+    "is_real_tensor_in_trace_error",
+    "math_sdpa",
+    "onnx_decompositions",
+    "output_values",
+    "reentrant_checkpoint_traceable",
+    "storage_reads",
+    "training_decompositions",
+]

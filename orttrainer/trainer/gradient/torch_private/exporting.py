@@ -1,0 +1,229 @@
+"""torch.onnx's dynamo exporter, for aten graphs (the torch builder's traces) and modules (the eval forward).
+
+Part of `torch_private` (see its docstring for the rule); verified on torch 2.13.0 with onnxscript 0.7.2 and onnx
+1.17.0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import onnx
+import torch
+
+# The oldest opset torch's ONNX translations (onnxscript torchlib) are written for. Lower requests go through a
+# version converter that fails on common ops (verified: opset 14 -> "No Adapter From Version $16 for Identity").
+MIN_DYNAMO_OPSET = 18
+
+
+_logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=4)
+def _registry(opset_version: int) -> Any:
+    """torch.onnx's table of ONNX translations (onnxscript torchlib) for an opset; building one takes ~1.5 s."""
+    from torch.onnx._internal.exporter import _registration
+
+    return _registration.ONNXRegistry.from_torchlib(opset_version=opset_version)
+
+
+@functools.lru_cache(maxsize=1)
+def onnx_decompositions() -> dict:
+    """The decompositions torch.onnx applies to the ops it has no ONNX translation for (e.g. `aten.squeeze.dims`).
+
+    Why: the torch builder traces with these too (`tracing.trace_decompositions`), so its graphs contain only
+    translatable ops and `export_graph_to_onnx` can skip the exporter's own decomposition pass, which re-traces
+    the whole graph (5.4 of the 13.5 s a dynamic-shape transformer export took, verified on 2.13)."""
+    from torch.onnx._internal.exporter import _decomp
+
+    implemented = set(_decomp.get_onnx_implemented_overloads(_registry(MIN_DYNAMO_OPSET)))
+    return dict(_decomp.create_onnx_friendly_decomposition_table(implemented))
+
+
+def export_graph_to_onnx(
+    graph: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    input_names: list[str],
+    output_names: list[str],
+    opset_version: int,
+    dynamic_dims: Sequence[Sequence[int]] | None = None,
+    allow_static: bool = False,
+) -> onnx.ModelProto:
+    """ONNX model of `graph` (an aten-level graph, or a module in the mode it should be exported in) through
+    `torch.onnx.export(dynamo=True)` (needs onnxscript).
+
+    Rules: input shapes stay static, except the dims `dynamic_dims[i]` of input i, which must stay dynamic (a
+    trace that specialises one raises) or, with `allow_static`, stay dynamic unless the trace specialises them
+    (torch.export's Dim.AUTO: read the result's input shapes); opset_version must be >= MIN_DYNAMO_OPSET; the IR
+    version is capped at 10 (the newest ONNX Runtime 1.19 loads). An aten graph traced with
+    `onnx_decompositions` is translated without the exporter's decomposition pass (`_export_decomposed`); if
+    that fails, through `torch.onnx.export`."""
+    if opset_version < MIN_DYNAMO_OPSET:
+        raise ValueError(f"torch.onnx's dynamo exporter writes opset >= {MIN_DYNAMO_OPSET}, got {opset_version}")
+    if isinstance(graph, torch.fx.GraphModule) and not allow_static:
+        try:
+            model = _export_decomposed(graph, args, input_names, output_names, opset_version, dynamic_dims)
+        except Exception as err:
+            if _no_onnx_function(err):  # the graph is decomposed with the exporter's table already: nothing to add
+                raise
+            _logger.debug("direct ONNX translation failed (%s: %s); using torch.onnx.export", type(err).__name__, err)
+            try:  # its error is vaguer than the direct one
+                model = _export(graph, args, input_names, output_names, opset_version, dynamic_dims, False).model_proto
+            except Exception:
+                raise err from None
+    else:
+        model = _export(graph, args, input_names, output_names, opset_version, dynamic_dims, allow_static).model_proto
+    model.ir_version = min(model.ir_version, 10)
+    return model
+
+
+def _no_onnx_function(err: BaseException) -> bool:
+    """True for the exporter's "No ONNX function found for <op>" (in the error or its cause)."""
+    while err is not None:
+        if "No ONNX function found" in str(err):
+            return True
+        err = err.__cause__  # type: ignore[assignment]
+    return False
+
+
+def _export_decomposed(
+    graph: torch.fx.GraphModule,
+    args: Sequence[torch.Tensor],
+    input_names: list[str],
+    output_names: list[str],
+    opset_version: int,
+    dynamic_dims: Sequence[Sequence[int]] | None,
+) -> onnx.ModelProto:
+    """`torch.onnx.export(dynamo=True)`'s steps (torch 2.13, `_core.export`) minus the decomposition pass:
+    torch.export, explicit type promotion, no assertion nodes, translation, opset conversion, optimisation,
+    renaming. A dim torch.export would specialise raises (no refinement from its suggested fixes)."""
+    from torch.onnx._internal._lazy_import import onnxscript_apis
+    from torch.onnx._internal.exporter import _core, _fx_passes, _ir_passes
+
+    graph.eval()  # an aten graph has no train/eval behaviour; this only silences the exporter's training warning
+    shapes = None
+    if dynamic_dims is not None and any(dynamic_dims):
+        shapes = tuple({d: torch.export.Dim.DYNAMIC for d in dims} or None for dims in dynamic_dims)
+    with _quiet_exporter():
+        exported = torch.export.export(graph, tuple(args), dynamic_shapes=shapes, strict=False)
+        module = exported.graph_module
+        _fx_passes.insert_type_promotion_nodes(module)
+        exported._graph_module = _fx_passes.remove_assertion_nodes(module)
+        program = _core._exported_program_to_onnx_program(exported, registry=_registry(opset_version))
+        program.model = onnxscript_apis.convert_version(program.model, opset_version)
+        program.optimize()
+    _ir_passes.rename_inputs(program.model, input_names)
+    _ir_passes.rename_outputs(program.model, output_names)
+    return program.model_proto
+
+
+DimSpec = int | tuple[int, int | None]  # a static size, or a dynamic dim's (min, max) range (max None: unbounded)
+
+
+def export_module_to_onnx(
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    input_names: list[str],
+    output_names: list[str],
+    opset_version: int,
+    dynamic_dims: Sequence[Sequence[int]],
+) -> tuple[onnx.ModelProto, list[list[DimSpec]]]:
+    """`export_graph_to_onnx(..., allow_static=True)` for a module, and each input's dims as torch.export traced
+    them: the size of a static (or specialised) dim, the range of a dynamic one. The ONNX inputs get those
+    static sizes too. Why: torch.onnx leaves a dim declared dynamic symbolic in the ONNX inputs even when
+    torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges."""
+    program = _export(module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True)
+    exported = program.exported_program
+    if exported is None:
+        raise RuntimeError("torch.onnx.export(dynamo=True) returned no exported program")
+    placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    specs: list[list[DimSpec]] = []
+    for name in exported.graph_signature.user_inputs:
+        shape = placeholders[name].meta["val"].shape
+        specs.append([_dim_spec(size, exported.range_constraints) for size in shape])
+    model = program.model_proto
+    model.ir_version = min(model.ir_version, 10)
+    for value, dims in zip(model.graph.input, specs, strict=False):  # user inputs come first
+        for dim, spec in zip(value.type.tensor_type.shape.dim, dims, strict=True):
+            if isinstance(spec, int):
+                dim.dim_value = spec
+    return model, specs
+
+
+def _dim_spec(size: Any, ranges: dict) -> DimSpec:
+    if isinstance(size, int):
+        return size
+    symbol = size.node.expr
+    bounds = ranges.get(symbol)
+    if bounds is None:
+        return (0, None)
+    import sympy
+    from torch.utils._sympy.numbers import int_oo  # torch's integer infinity (its `is_finite` is True)
+
+    lower, upper = int(bounds.lower), None if bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
+    return lower if lower == upper else (lower, upper)  # a symbol pinned to one value is a specialised dim
+
+
+def _export(
+    graph: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    input_names: list[str],
+    output_names: list[str],
+    opset_version: int,
+    dynamic_dims: Sequence[Sequence[int]] | None,
+    allow_static: bool,
+) -> Any:
+    if opset_version < MIN_DYNAMO_OPSET:
+        raise ValueError(f"torch.onnx's dynamo exporter writes opset >= {MIN_DYNAMO_OPSET}, got {opset_version}")
+    if isinstance(graph, torch.fx.GraphModule):
+        graph.eval()  # an aten graph has no train/eval behaviour; this only silences the exporter's training warning
+    shapes: Any = None
+    if dynamic_dims is not None and any(dynamic_dims):
+        kind = torch.export.Dim.AUTO if allow_static else torch.export.Dim.DYNAMIC
+        shapes = tuple({d: kind for d in dims} or None for dims in dynamic_dims)
+        if _takes_varargs(graph):  # torch.export matches dynamic_shapes to forward's parameters: *inputs is one
+            shapes = (shapes,)
+    with _quiet_exporter():
+        program = torch.onnx.export(
+            graph,
+            tuple(args),
+            input_names=input_names,
+            output_names=output_names,
+            opset_version=opset_version,
+            dynamic_shapes=shapes,
+            dynamo=True,
+            optimize=True,
+            verify=False,
+            report=False,
+            verbose=False,
+        )
+    if program is None:  # dynamo=True always returns a program
+        raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNX program")
+    return program
+
+
+def _takes_varargs(module: torch.nn.Module) -> bool:
+    parameters = list(inspect.signature(module.forward).parameters.values())
+    return len(parameters) == 1 and parameters[0].kind is inspect.Parameter.VAR_POSITIONAL
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The dynamo exporter logs 'torchvision is not installed' and optimizer warnings on every export."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "onnxscript", "onnx_ir")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)

@@ -1,0 +1,354 @@
+"""torch's tracers: AOTAutograd's joint forward+backward graphs, decompositions, and what their errors mean.
+
+Part of `torch_private` (see its docstring for the rule); verified on torch 2.13.0 (CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .exporting import onnx_decompositions
+
+
+def core_aten_decompositions() -> dict:
+    """The decomposition table that lowers composite aten ops (and their backward ops) to the core aten set,
+    which the ONNX translation table covers."""
+    from torch._decomp import core_aten_decompositions as table
+
+    return table()
+
+
+def training_decompositions() -> dict:
+    """`core_aten_decompositions()` plus the batch-norm ops, lowered to mean/var arithmetic.
+
+    Why: onnxscript's translation of `_native_batch_norm_legit_functional` forces `training = False` (its
+    "temporary fix" for old ONNX Runtime), so a training-mode BatchNorm would be exported with running statistics
+    instead of batch statistics: a silently wrong loss and gradient (verified with onnxscript 0.7.2)."""
+    from torch._decomp import get_decompositions
+
+    aten = torch.ops.aten
+    table = core_aten_decompositions()
+    table.update(
+        get_decompositions(
+            [
+                aten._native_batch_norm_legit_functional,
+                aten._native_batch_norm_legit,
+                aten._native_batch_norm_legit_no_training,
+                aten.native_batch_norm,
+            ]
+        )
+    )
+    return table
+
+
+def trace_decompositions() -> dict:
+    """What the torch builder traces with: `training_decompositions()`, and `onnx_decompositions()` for the ops
+    left that torch.onnx has no ONNX translation for (so its graphs export without a decomposition pass)."""
+    table = training_decompositions()
+    for op, decomposition in onnx_decompositions().items():
+        if op not in table:  # not setdefault: torch's CustomDecompTable ignores it (verified on 2.13)
+            table[op] = decomposition
+    return table
+
+
+@contextlib.contextmanager
+def math_sdpa() -> Iterator[None]:
+    """Force `scaled_dot_product_attention` onto its math backend while tracing.
+
+    Why: the fused CPU/CUDA kernels (flash, memory-efficient) appear in the traced graph as opaque ops with
+    opaque backward ops that have no ONNX translation; the math backend traces into matmul/softmax."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        yield
+
+
+@dataclass(frozen=True)
+class JointSignature:
+    """What each placeholder and output of a joint forward+backward graph is, in graph order.
+
+    inputs: one `(kind, name)` per placeholder; kind is "parameter" or "buffer" (name = the wrapper's qualified
+    name, tied parameters appear once per name) or "user" (name = the placeholder name).
+    outputs: one `(kind, name)` per graph output; kind is "mutation" (name = mutated buffer or placeholder),
+    "user" (name = the output node name; the loss is the one at `loss_index` among the user outputs) or
+    "gradient" (name = qualified parameter name).
+    """
+
+    inputs: tuple[tuple[str, str], ...]
+    outputs: tuple[tuple[str, str], ...]
+
+
+def aot_export_joint(
+    module: torch.nn.Module, args: Sequence[Any], loss_index: int = 0
+) -> tuple[torch.fx.GraphModule, JointSignature]:
+    """Trace `module(*args)` and PyTorch's backward of its output `loss_index` into one functional aten graph.
+
+    Decompositions: `training_decompositions()`. Placeholders are (parameters, buffers, user inputs); outputs
+    are (mutated inputs, user outputs, parameter gradients), as `JointSignature` spells out. Custom
+    `torch.autograd.Function`s contribute their own forward and backward. `module` must return a tuple; every
+    non-loss output must not require grad (detach it); every parameter that requires grad must receive a
+    gradient (see `is_missing_gradient_error`)."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    with torch.enable_grad(), warnings.catch_warnings():
+        # anomaly-mode and pytree deprecation warnings fire on every trace; failures raise instead
+        warnings.simplefilter("ignore")
+        graph, sig = aot_export_module(
+            module, list(args), trace_joint=True, output_loss_index=loss_index, decompositions=trace_decompositions()
+        )
+    if not isinstance(graph, torch.fx.GraphModule):  # the joint trace always returns one
+        raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
+    return graph, _joint_signature(graph, sig)
+
+
+@dataclass(frozen=True)
+class ShapeGuards:
+    """The input shapes a graph traced with dynamic dims is valid for: `accepts(inputs)` evaluates every guard
+    the trace recorded on the user inputs' sizes (PyTorch's own guard expression, as torch.compile checks before
+    reusing a graph), including that a dynamic dim is >= 2 (sizes 0 and 1 are specialised by PyTorch's tracer)."""
+
+    shape_env: Any
+    code: str | None  # None: no guard at all
+    dynamic_dims: list[list[int]]  # the requested dims the trace kept symbolic (others were specialised)
+
+    def accepts(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """Rule: the guards hold for contiguous tensors of the inputs' shapes (the trainer feeds ONNX Runtime
+        contiguous copies, so the strides and storage offsets the guards also mention are those)."""
+        if self.code is None:
+            return True
+        proxies = [torch.empty(tuple(t.shape), dtype=t.dtype, device="meta") for t in inputs]
+        return bool(self.shape_env.evaluate_guards_expression(self.code, proxies))
+
+
+def aot_export_joint_dynamic(
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    dynamic_dims: Sequence[Sequence[int]],
+    same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
+) -> tuple[torch.fx.GraphModule, JointSignature, ShapeGuards]:
+    """`aot_export_joint` with the dims `dynamic_dims[i]` of `args[i]` symbolic: one graph for every size of
+    those dims that satisfies the returned guards. Each group of `same_sizes` ((input, dim) pairs) is one size
+    (model_desc names them alike): one symbol, which keeps the symbolic arithmetic small.
+
+    How: the user inputs become fake tensors with symbolic sizes in a ShapeEnv, and
+    `aot_export_joint_with_descriptors` traces the joint graph (aot_export_module re-traces its joint without
+    symbolic shapes: "SymIntArrayRef expected to contain only concrete integers", verified on 2.13). `module`
+    must return `(loss, *outputs not requiring grad)`; the loss's tangent input becomes the constant 1 and the
+    placeholders and outputs are described by a `JointSignature` as `aot_export_joint`'s are. Values read from
+    tensors (`.item()`) become graph computations; tensors the forward reads that are neither parameters,
+    buffers nor inputs become constants of the graph (as torch.export treats them). Raises NotImplementedError
+    for a graph feature this mapping does not know, and `MissingGradientError` when a parameter requiring grad
+    gets no gradient."""
+    from torch._dynamo.source import ConstantSource
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    fakes = []
+    for i, (tensor, dims) in enumerate(zip(args, dynamic_dims, strict=True)):
+        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(tensor.dim())]
+        context: Any = StatelessSymbolicContext(dynamic_sizes=sizes)
+        # a fresh contiguous tensor: the guards must not pin the sample's strides or storage offset (a shard of a
+        # batch is a view with an offset), since `ShapeGuards.accepts` checks contiguous inputs
+        base = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        fakes.append(mode.from_tensor(base, symbolic_context=context, source=ConstantSource(f"input{i}")))
+    for group in same_sizes:
+        (first, first_dim), *others = group
+        for i, d in others:  # a guard: the ShapeEnv replaces the second symbol by the first
+            torch._check(fakes[i].shape[d] == fakes[first].shape[first_dim])
+    with contextlib.ExitStack() as stack, torch.enable_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        joint = aot_export_joint_with_descriptors(stack, module, tuple(fakes), decompositions=trace_decompositions())
+    graph = joint.graph_module
+    requiring = [n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
+    sig = _descriptor_signature(graph, requiring)
+    pairs = zip(fakes, dynamic_dims, strict=True)
+    kept = [[d for d in dims if _still_symbolic(shape_env, fake.shape[d])] for fake, dims in pairs]
+    return graph, sig, ShapeGuards(shape_env, shape_env.produce_guards_expression(fakes, ignore_static=False), kept)
+
+
+def _still_symbolic(shape_env: Any, size: Any) -> bool:
+    """Whether a traced size is still a symbol (a guard may have pinned it to a number: specialised)."""
+    return isinstance(size, torch.SymInt) and not shape_env.replace(size.node.expr).is_number
+
+
+def _descriptor_signature(graph: torch.fx.GraphModule, requiring_grad: list[str]) -> JointSignature:
+    """Rewrite a descriptor-annotated joint graph to `aot_export_joint`'s form, in place, and describe it."""
+    from torch._functorch._aot_autograd import descriptors as d
+
+    fx = graph.graph
+    inputs: list[tuple[str, str]] = []
+    for node in [n for n in fx.nodes if n.op == "placeholder"]:
+        desc = node.meta.get("desc")
+        if isinstance(desc, d.TangentAOTInput):  # the loss's incoming gradient: d loss / d loss = 1
+            value = node.meta["val"]
+            options = {"dtype": value.dtype, "device": value.device}
+            with fx.inserting_before(node):
+                one = fx.call_function(torch.ops.aten.full.default, ([], 1.0), options)
+            node.replace_all_uses_with(one)
+            fx.erase_node(node)
+        elif isinstance(desc, d.ParamAOTInput):
+            inputs.append(("parameter", desc.target))
+        elif isinstance(desc, d.BufferAOTInput):
+            inputs.append(("buffer", desc.target))
+        elif isinstance(desc, d.PlainAOTInput):
+            inputs.append(("user", node.name))
+        else:
+            raise NotImplementedError(f"dynamic-shape trace: unsupported graph input {desc}")
+    kept, outputs = [], []
+    out = fx.output_node()
+    for value, desc in zip(out.args[0], out.meta["desc"], strict=True):  # type: ignore[arg-type]
+        if value is None:
+            continue  # the gradients of the (detached) data inputs
+        if isinstance(desc, d.PlainAOTOutput):
+            outputs.append(("user", value.name))
+        elif isinstance(desc, d.GradAOTOutput) and isinstance(desc.grad_of, d.ParamAOTInput):
+            outputs.append(("gradient", desc.grad_of.target))
+        elif isinstance(desc, d.InputMutationAOTOutput) and isinstance(desc.mutated_input, d.BufferAOTInput):
+            outputs.append(("mutation", desc.mutated_input.target))
+        else:
+            raise NotImplementedError(f"dynamic-shape trace: unsupported graph output {desc}")
+        kept.append(value)
+    missing = [n for n in requiring_grad if ("gradient", n) not in outputs]
+    if missing:
+        raise MissingGradientError(f"parameters {missing} did not receive a gradient")
+    out.args = (tuple(kept),)
+    fx._codegen = torch.fx.graph.CodeGen()  # flat placeholders instead of the (primals, tangents) pytree
+    graph.recompile()
+    return JointSignature(tuple(inputs), tuple(outputs))
+
+
+def _joint_signature(graph: torch.fx.GraphModule, sig: Any) -> JointSignature:
+    if sig.input_tokens or sig.output_tokens:
+        raise NotImplementedError(
+            "the traced graph threads effect tokens (side-effecting ops such as print or "
+            "custom ops with effects); the torch gradient builder does not support them"
+        )
+    placeholders = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
+    inputs = []
+    for name in placeholders:
+        if name in sig.inputs_to_parameters:
+            inputs.append(("parameter", sig.inputs_to_parameters[name]))
+        elif name in sig.inputs_to_buffers:
+            inputs.append(("buffer", sig.inputs_to_buffers[name]))
+        else:
+            inputs.append(("user", name))
+    # outputs are positional: (mutated inputs, user outputs, gradients of the parameters that require grad)
+    mutations = {**sig.buffers_to_mutate, **sig.user_inputs_to_mutate, **sig.parameters_to_mutate}
+    gradients = sig.backward_signature.gradients_to_parameters
+    names = [n.name if isinstance(n, torch.fx.Node) else str(n) for n in output_values(graph.graph)]
+    n_mut, n_user = len(mutations), len(sig.user_outputs)
+    outputs = [("mutation", mutations[n]) for n in names[:n_mut]]
+    outputs += [("user", n) for n in names[n_mut : n_mut + n_user]]
+    outputs += [("gradient", gradients[n]) for n in names[n_mut + n_user :]]
+    return JointSignature(tuple(inputs), tuple(outputs))
+
+
+@contextlib.contextmanager
+def storage_reads(named: dict[str, torch.Tensor]) -> Iterator[set[str]]:
+    """Within the block, collect the names in `named` whose storage an aten op reads (through a view too).
+
+    How: a TorchDispatchMode sees every aten op's tensor arguments, below autograd and inside TorchScript code."""
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in named.items():
+        key = _storage_key(tensor)
+        if key:
+            by_storage.setdefault(key, []).append(name)
+    found: set[str] = set()
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for leaf in pytree.tree_leaves((args, kwargs or {})):
+                if isinstance(leaf, torch.Tensor):
+                    found.update(by_storage.get(_storage_key(leaf), ()))
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        yield found
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, nested)
+        return 0
+
+
+def output_values(graph: torch.fx.Graph) -> list:
+    """The values the graph's output node returns (an fx graph returns one tuple)."""
+    values = graph.output_node().args[0]
+    if not isinstance(values, (tuple, list)):
+        raise TypeError(f"the traced graph returns {type(values).__name__}, not a tuple")
+    return list(values)
+
+
+class MissingGradientError(AssertionError):
+    """The dynamic-shape trace's form of AOTAutograd's "did not receive a gradient" assertion."""
+
+
+def is_missing_gradient_error(err: BaseException) -> bool:
+    """True for AOTAutograd's assertion that a parameter requiring grad got no gradient from the loss."""
+    return isinstance(err, AssertionError) and "did not receive a gradient" in str(err)
+
+
+def is_real_tensor_in_trace_error(err: BaseException) -> bool:
+    """True for the fake-tensor tracer's refusal of a real tensor it was not given as an input (a tensor the
+    forward reads from a global, a closure, or an attribute that is neither a parameter nor a buffer)."""
+    return isinstance(err, AssertionError) and "Please convert all Tensors to FakeTensors" in str(err)
+
+
+def autograd_function_of_frame(frame: Any) -> tuple[type, str] | None:
+    """`(Function class, "forward" | "backward")` when `frame` runs a custom `torch.autograd.Function`'s forward
+    or backward (its first argument is the Function's ctx), else None."""
+    if frame.f_code.co_name not in ("forward", "backward") or frame.f_code.co_argcount == 0:
+        return None
+    ctx = frame.f_locals.get(frame.f_code.co_varnames[0])
+    cls = getattr(type(ctx), "_forward_cls", None)  # the ctx of a Python Function is its backward node
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+        return None
+    if getattr(cls, frame.f_code.co_name, None) is None:
+        return None
+    return cls, frame.f_code.co_name
+
+
+@contextlib.contextmanager
+def reentrant_checkpoint_traceable() -> Iterator[None]:
+    """Within the block, `torch.utils.checkpoint.checkpoint(..., use_reentrant=True)` runs PyTorch's
+    non-reentrant implementation.
+
+    Why: the reentrant implementation is an autograd.Function whose backward re-runs the forward and calls
+    `torch.autograd.backward` itself, so the parameters inside the checkpoint get their gradients as a side effect
+    on `.grad`, which a traced joint graph never sees ("did not receive a gradient", verified on 2.13). Both
+    implementations compute the same values and gradients; recomputation only saves memory. PyTorch's rule for
+    the reentrant form is kept: when grad mode is off or no tensor argument requires grad, its output requires no
+    grad (the parameters inside get none), so the function then runs under no_grad."""
+    from torch.utils import checkpoint as checkpoint_module
+
+    cls = checkpoint_module.CheckpointFunction  # what checkpoint(use_reentrant=True) applies
+    own = cls.__dict__.get("apply")
+
+    def apply(function, preserve_rng_state, *args):
+        if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            with torch.no_grad():
+                return function(*args)
+        return checkpoint_module.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+
+    cls.apply = staticmethod(apply)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is not None:
+            cls.apply = own  # type: ignore[method-assign]
+        else:
+            del cls.apply

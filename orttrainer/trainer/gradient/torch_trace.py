@@ -1,0 +1,228 @@
+"""How the `torch` gradient builder traces a module: the joint forward+backward aten graph, with dynamic dims when
+asked, and the errors that name what could not be traced.
+
+Rules:
+- Dynamic dims: `trace_joint(..., dynamic_dims)` traces with those dims symbolic (one graph for every size its
+  guards accept); without them, with the sample's concrete shapes. Both use
+  `torch_private.aot_export_joint_dynamic`, which also captures values read from tensors in a custom Function
+  (`.item()` feeding tensor arithmetic) as graph computations; what its descriptor mapping does not support falls
+  back to AOTAutograd's positional export (`torch_private.aot_export_joint`, concrete shapes). The builder falls
+  back from a failed dynamic trace to a concrete-shape one.
+- Plain tensor attributes (`self.offset = torch.tensor(...)`, neither a parameter nor a buffer) are constants of
+  the graph, as PyTorch's own tracers treat them: their value when the graph is traced is baked in. So are
+  tensors read from a global or a closure; only the positional fallback refuses those, with an error asking to
+  register them as buffers.
+- `torch.utils.checkpoint` traces with either implementation (`torch_private.reentrant_checkpoint_traceable`).
+- Exactly the `trainable` parameters require grad while tracing; the flags are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from ..export import _ModelWithLoss
+from . import torch_private
+from .errors import GradientBuildError
+
+
+class UntraceableFunctionError(GradientBuildError):
+    """A custom `torch.autograd.Function`'s forward or backward cannot be traced into a graph."""
+
+    def __init__(self, function: str, phase: str, location: str, reason: str) -> None:
+        self.function, self.phase, self.location = function, phase, location
+        super().__init__(
+            f"The {phase} of the custom torch.autograd.Function '{function}' cannot be traced into the ONNX "
+            f"training graph: {reason} (at {location}). The torch gradient builder records {function}.{phase} "
+            "once, with placeholder tensors that have no values, so it must compute with tensor operations only: "
+            "a value read from a tensor (.item()) may feed tensor arithmetic, but no Python if/while, float() or "
+            "Python math on it (use torch.where or masks), no .numpy() or .tolist(), no outputs whose shape "
+            f"depends on values (torch.nonzero). Rewrite {function}.{phase} that way, or train this model with "
+            "plain PyTorch."
+        )
+
+
+class JointWrapper(torch.nn.Module):
+    """`(loss, *outputs)` of `_ModelWithLoss`, flattened to tensors, with the outputs detached: AOTAutograd
+    differentiates the loss only and rejects other outputs that require grad."""
+
+    def __init__(self, module: torch.nn.Module, loss_fn: Callable | None, input_names: Sequence[str]) -> None:
+        super().__init__()
+        self.inner = _ModelWithLoss(module, loss_fn, list(input_names))
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        loss, *outputs = flatten_tensors(self.inner(*inputs))
+        return (loss, *(t.detach() for t in outputs))
+
+
+def flatten_tensors(value) -> list[torch.Tensor]:
+    """The tensors in nested tuples/lists, in order (other values are dropped)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in flatten_tensors(item)]
+    return []
+
+
+TraceResult = tuple[torch.fx.GraphModule, torch_private.JointSignature, torch_private.ShapeGuards | None]
+
+
+def trace_joint(
+    wrapper: JointWrapper,
+    inputs: Sequence[torch.Tensor],
+    trainable: Sequence[str],
+    dynamic_dims: Sequence[Sequence[int]] | None = None,
+    same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
+) -> TraceResult:
+    """The joint graph of `wrapper` on `inputs` (module docstring): (graph, signature, guards); guards are None
+    for a graph valid for the inputs' own shapes only (no dynamic dims). Raises GradientBuildError naming the
+    parameters without gradient; with dynamic dims, PyTorch's error for any other failure (the builder then
+    traces with concrete shapes); without, GradientBuildError naming what cannot be traced."""
+    dims = [list(d) for d in dynamic_dims] if dynamic_dims is not None else [[] for _ in inputs]
+    dynamic = any(dims)
+    with _requires_grad_only(wrapper, wrapper.inner.model, set(trainable)), tensor_attributes_as_buffers(wrapper):
+        try:
+            with _tracing():
+                groups = same_sizes if dynamic else ()
+                graph, sig, guards = torch_private.aot_export_joint_dynamic(wrapper, inputs, dims, groups)
+            return graph, sig, guards if dynamic else None
+        except Exception as err:
+            explained = _specific_error(err, wrapper, inputs, trainable)
+            if explained is not None and (explained.unreachable or not dynamic):
+                raise explained from err
+            if dynamic:
+                raise
+        try:  # what the descriptor-based trace does not map: AOTAutograd's positional joint export
+            with _tracing():
+                graph, sig = torch_private.aot_export_joint(wrapper, inputs, loss_index=0)
+            return graph, sig, None
+        except Exception as err:
+            raise _explain_trace_error(err, wrapper, inputs, trainable) from err
+
+
+@contextlib.contextmanager
+def _tracing() -> Iterator[None]:
+    with torch_private.math_sdpa(), torch_private.reentrant_checkpoint_traceable():
+        yield
+
+
+@contextlib.contextmanager
+def tensor_attributes_as_buffers(root: torch.nn.Module) -> Iterator[list[str]]:
+    """Within the block, every plain tensor attribute of `root`'s submodules is a non-persistent buffer, so the
+    tracers see it as module state (the torch builder then bakes it in as a constant: it is not trainer state).
+    Yields their qualified names. Why: AOTAutograd refuses a real tensor met during its fake-tensor trace ("Please
+    convert all Tensors to FakeTensors first"), which names neither the tensor nor a fix."""
+    moved: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+    names: list[str] = []
+    for prefix, module in root.named_modules():
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                moved.append((module, attr, value))
+                names.append(f"{prefix}.{attr}" if prefix else attr)
+    try:
+        for module, attr, value in moved:
+            delattr(module, attr)
+            module.register_buffer(attr, value, persistent=False)
+        yield names
+    finally:
+        for module, attr, value in moved:
+            module._buffers.pop(attr, None)
+            setattr(module, attr, value)
+
+
+class _requires_grad_only:
+    """Within the block exactly the module parameters named in `trainable` require grad (AOTAutograd emits
+    gradients for those); parameters of the loss function never do. Restores the flags on exit."""
+
+    def __init__(self, wrapper: torch.nn.Module, module: torch.nn.Module, trainable: set[str]) -> None:
+        wanted = {id(p) for n, p in module.named_parameters() if n in trainable}
+        self._params = list(wrapper.parameters())
+        self._saved = [p.requires_grad for p in self._params]
+        self._wanted = [id(p) in wanted for p in self._params]
+
+    def __enter__(self) -> None:
+        for p, flag in zip(self._params, self._wanted, strict=True):
+            p.requires_grad_(flag)
+
+    def __exit__(self, *exc) -> None:
+        for p, flag in zip(self._params, self._saved, strict=True):
+            p.requires_grad_(flag)
+
+
+def _explain_trace_error(
+    err: Exception, wrapper: JointWrapper, inputs: Sequence[torch.Tensor], trainable: Sequence[str]
+) -> GradientBuildError:
+    """Name the custom Function, the parameters without gradient, or the foreign tensor behind a failed trace."""
+    explained = _specific_error(err, wrapper, inputs, trainable)
+    if explained is not None:
+        return explained
+    model_name = type(wrapper.inner.model).__name__
+    return GradientBuildError(
+        f"PyTorch could not trace the forward and backward of {model_name} into a graph: {type(err).__name__}: {err}"
+    )
+
+
+def _specific_error(
+    err: Exception, wrapper: JointWrapper, inputs: Sequence[torch.Tensor], trainable: Sequence[str]
+) -> GradientBuildError | None:
+    found = _failing_function(err)
+    if found is not None:
+        cls, phase, location = found
+        return UntraceableFunctionError(cls.__qualname__, phase, location, f"{type(err).__name__}: {_first_line(err)}")
+    model_name = type(wrapper.inner.model).__name__
+    if torch_private.is_missing_gradient_error(err):
+        unused = _parameters_without_gradient(wrapper, inputs, trainable)
+        return GradientBuildError(
+            f"PyTorch produced no gradient for {unused or 'some trainable parameters'} of "
+            f"{model_name}: these parameters do not influence the loss. Freeze them with "
+            "options utils.frozen_weights.",
+            unreachable=unused,
+        )
+    if torch_private.is_real_tensor_in_trace_error(err):
+        return GradientBuildError(
+            f"the forward of {model_name} (or its loss_fn) reads a tensor that is neither an input, a parameter, a "
+            "buffer nor a tensor attribute of a torch.nn.Module (a global, a closure variable, or a tensor inside "
+            "a list or dict attribute), which the torch gradient builder cannot trace. Register it as a buffer in "
+            "the module that uses it: self.register_buffer('name', tensor) (persistent=False keeps it out of the "
+            f"state_dict). {_first_line(err)}"
+        )
+    return None
+
+
+def _failing_function(err: BaseException) -> tuple[type, str, str] | None:
+    """(class, phase, "file:line") of the innermost custom Function forward/backward on the failing stack,
+    following chained exceptions."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for frame, line in reversed(list(traceback.walk_tb(current.__traceback__))):
+            found = torch_private.autograd_function_of_frame(frame)
+            if found is not None:
+                return (*found, f"{frame.f_code.co_filename}:{line}")
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _parameters_without_gradient(
+    wrapper: JointWrapper, inputs: Sequence[torch.Tensor], trainable: Sequence[str]
+) -> list[str]:
+    """Eager check on a copy (the forward may update buffers): trainable parameters whose gradient is None."""
+    try:
+        runner = copy.deepcopy(wrapper)
+        params = dict(runner.inner.model.named_parameters())
+        with torch_private.reentrant_checkpoint_traceable():  # the reentrant form refuses autograd.grad
+            loss = runner(*inputs)[0]
+            grads = torch.autograd.grad(loss, [params[n] for n in trainable], allow_unused=True)
+    except Exception:
+        return []
+    return [n for n, g in zip(trainable, grads, strict=True) if g is None]

@@ -1,0 +1,323 @@
+"""The torch path without the TorchScript exporter: models whose TorchScript export fails or is wrong train with
+the `torch` builder and match PyTorch (weights after 4 steps, and eval_step against the module's eval forward);
+the TorchScript exporter is never called; model_desc's string dims give one graph for many batch sizes."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from helpers import clone, make_trainer, max_difference, torch_weights, trainer_weights
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from orttrainer import optim
+
+CE = F.cross_entropy
+TORCH = {"_internal_use": {"gradient_builder": "torch"}}
+NO_CLIP = {"utils": {"grad_norm_clip": False}}
+DESC = {
+    "inputs": [("x", ["batch", 16]), ("target", ["batch"])],
+    "outputs": [("loss", [], True), ("logits", ["batch", 4])],
+}
+
+
+def batches(sizes=(8, 8, 8, 8), seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)) for n in sizes]
+
+
+def train_and_compare(model, data, extra=None, config=None, reference=None):
+    """Train `model` with ORTTrainer and a copy in PyTorch on `data`; assert equal weights and eval outputs."""
+    torch.manual_seed(0)
+    config = config or optim.SGDConfig(lr=0.1)
+    make_reference = reference or (lambda ps: torch.optim.SGD(ps, lr=0.1))
+    ref = clone(model)
+    trainer = make_trainer(model, DESC, config, CE, {**NO_CLIP, **(extra or {})})
+    optimizer = make_reference(ref.parameters())
+    for x, y in data:
+        trainer.train_step(x, y)
+        optimizer.zero_grad()
+        CE(ref(x), y).backward()
+        optimizer.step()
+    assert max_difference(trainer_weights(trainer), trainable_weights(ref, trainer)) < 1e-5
+    x, y = data[0]
+    loss, logits = trainer.eval_step(x, y)
+    ref.eval()
+    with torch.no_grad():
+        want = ref(x)
+    np.testing.assert_allclose(logits.numpy(), want.numpy(), atol=1e-5)
+    np.testing.assert_allclose(loss.item(), CE(want, y).item(), atol=1e-5)
+    return trainer, ref
+
+
+def trainable_weights(ref: nn.Module, trainer) -> dict[str, np.ndarray]:
+    weights = torch_weights(ref)
+    return {n: weights[n] for n in trainer._built.compiled.trainable}
+
+
+# 1. a Function whose forward and backward call TorchScript code (Megatron's fused bias-GeLU) ---------------------
+
+
+@torch.jit.script
+def _bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    x = bias + y
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+@torch.jit.script
+def _bias_gelu_back(g: torch.Tensor, bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    x = bias + y
+    tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+    ff = 0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh_out)
+    return ff * g
+
+
+class FusedBiasGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, bias):
+        ctx.save_for_backward(input, bias)
+        return _bias_gelu(bias, input)
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, bias = ctx.saved_tensors
+        tmp = _bias_gelu_back(grad, bias, input)
+        return tmp, tmp  # autograd sums the bias gradient over the batch
+
+
+class GeluMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32, bias=False)
+        self.bias = nn.Parameter(torch.randn(32) * 0.1)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(FusedBiasGelu.apply(self.fc1(x), self.bias))
+
+
+# 2. torch.utils.checkpoint, both implementations ------------------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool, on_input: bool = False) -> None:
+        super().__init__()
+        self.reentrant, self.on_input = reentrant, on_input
+        self.fc0, self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def block(self, h):
+        return F.gelu(self.fc1(h))
+
+    def forward(self, x):
+        h = x if self.on_input else self.fc0(x)
+        return self.fc2(checkpoint(self.block, h, use_reentrant=self.reentrant))
+
+
+# 3. a Function returning an input unchanged next to a product with a parameter -----------------------------------
+
+
+class PassAndScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input0, x, y):
+        ctx.save_for_backward(x, y)
+        return input0, x * y
+
+    @staticmethod
+    def backward(ctx, g0, g1):
+        x, y = ctx.saved_tensors
+        return g0, g1 * y, (g1 * x).sum(0)
+
+
+class PassModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.scale = nn.Parameter(torch.linspace(0.5, 2.0, 4))  # used only through PassAndScale
+
+    def forward(self, x):
+        h = self.fc(x)
+        passed, scaled = PassAndScale.apply(h, h, self.scale)
+        return passed + scaled
+
+
+# 4. a plain tensor attribute (not a registered buffer) -------------------------------------------------------------
+
+
+class WithOffset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.offset = torch.tensor([0.5, -1.0, 2.0, 0.25])
+
+    def forward(self, x):
+        return self.fc(x) * 2 + self.offset
+
+
+PATTERNS = {
+    "torchscript_function": GeluMLP,
+    "checkpoint_reentrant": lambda: Checkpointed(reentrant=True),
+    "checkpoint_non_reentrant": lambda: Checkpointed(reentrant=False),
+    "pass_through_function": PassModel,
+    "tensor_attribute": WithOffset,
+}
+
+
+@pytest.fixture
+def no_torchscript_export(monkeypatch):
+    """Any use of the TorchScript exporter fails the test: torch.onnx.export must be called with dynamo=True."""
+    from torch.onnx._internal.torchscript_exporter import utils as torchscript_utils
+
+    export = torch.onnx.export
+
+    def dynamo_only(*args, **kwargs):
+        if kwargs.get("dynamo") is not True:
+            raise AssertionError("the torch path called the TorchScript exporter")
+        return export(*args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch path called the TorchScript exporter")
+
+    monkeypatch.setattr(torch.onnx, "export", dynamo_only)
+    monkeypatch.setattr(torchscript_utils, "export", refuse)
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_pattern_trains_like_pytorch_without_the_torchscript_exporter(pattern, no_torchscript_export, tmp_path):
+    torch.manual_seed(0)
+    extra = {**TORCH, "debug": {"check_model_export": True}}  # the eval graph reproduces PyTorch's outputs
+    trainer, ref = train_and_compare(PATTERNS[pattern](), batches(), extra)
+    assert trainer.gradient_builder == "torch"
+    assert set(trainer._built.compiled.trainable) == {n for n, _ in ref.named_parameters()}
+    path = str(tmp_path / "model.onnx")
+    trainer.save_as_onnx(path)
+    saved = onnx.load(path)
+    assert {i.name for i in saved.graph.initializer} >= set(trainer._built.compiled.trainable)
+    x, y = batches()[1]
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    loss, logits = session.run(["loss", "logits"], {"x": x.numpy(), "target": y.numpy()})
+    with torch.no_grad():
+        want = ref(x)  # ref is in eval mode: the saved model is the eval-mode forward with the trained weights
+    np.testing.assert_allclose(logits, want.numpy(), atol=1e-5)
+    np.testing.assert_allclose(loss, CE(want, y).item(), atol=1e-5)
+
+
+def test_a_parameter_used_only_through_a_custom_function_trains_with_adam():
+    model = PassModel()
+    before = model.scale.detach().clone()
+    trainer, _ = train_and_compare(
+        model, batches(), config=optim.AdamConfig(lr=1e-2), reference=lambda ps: torch.optim.Adam(ps, lr=1e-2)
+    )  # 'auto': the custom Function picks the torch builder
+    assert trainer.gradient_builder == "torch" and "scale" in trainer._built.compiled.trainable
+    assert np.abs(trainer_weights(trainer)["scale"] - before.numpy()).max() > 1e-3
+
+
+def test_auto_picks_torch_for_a_torchscript_calling_function_before_any_torchscript_export(no_torchscript_export):
+    trainer, _ = train_and_compare(GeluMLP(), batches())
+    assert trainer.gradient_builder == "torch"
+    assert "FusedBiasGelu" in trainer._built.builder.reason
+
+
+def test_reentrant_checkpoint_on_an_input_gives_its_parameters_no_gradient_as_in_pytorch():
+    """use_reentrant=True on a tensor that requires no grad: PyTorch leaves the inner parameters' grad None (fc0
+    is not used at all). Both are named in the warning and stay as they were, as in PyTorch."""
+    match = r"\['fc0.weight', 'fc0.bias', 'fc1.weight', 'fc1.bias'\] do not influence the loss"
+    with pytest.warns(UserWarning, match=match):
+        trainer, ref = train_and_compare(Checkpointed(reentrant=True, on_input=True), batches(), TORCH)
+    assert "fc1.weight" in trainer._built.compiled.frozen
+    assert ref.fc1.weight.grad is None
+
+
+class GlobalScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(x) * _GLOBAL_SCALE
+
+
+_GLOBAL_SCALE = torch.tensor([1.0, 2.0, 0.5, -1.0])
+
+
+def test_tensors_that_are_not_state_are_constants_and_stay_out_of_the_state_dict():
+    for model in (WithOffset(), GlobalScale()):
+        trainer, _ = train_and_compare(model, batches(), TORCH)
+        assert set(trainer.state_dict(pytorch_format=True)) == set(model.state_dict())
+
+
+class LogAddExp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(torch.logaddexp(h, -h))  # no TorchScript symbolic for aten::logaddexp
+
+
+def test_auto_trains_with_torch_when_the_torchscript_export_fails(caplog):
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, _ = train_and_compare(LogAddExp(), batches())
+    assert trainer.gradient_builder == "torch"
+    assert "auto: the TorchScript exporter failed (exporting LogAddExp to ONNX failed" in trainer._built.builder.reason
+    assert "building with the torch gradient builder" in caplog.text
+
+
+# dynamic shapes ----------------------------------------------------------------------------------------------------
+
+
+class GroupMean(nn.Module):
+    """A view sized by the batch and a mean over a batch-sized axis: both are symbolic in a dynamic trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.view(h.shape[0], 2, 4).mean(dim=1) - h.mean(dim=0, keepdim=True)[:, :4]
+
+
+def test_new_batch_sizes_reuse_the_dynamic_graph(caplog):
+    data = batches(sizes=(8, 5, 3, 8, 6))
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, _ = train_and_compare(GroupMean(), data, TORCH)
+    assert trainer._training_session.training_graph_count == 1
+    assert "the first training graph is traced with dynamic dims [[0], [0]]" in caplog.text
+    assert "input shapes [[5, 16], [5]]: the first training graph serves them" in caplog.text
+    inputs = [i for i in trainer._built.compiled.training.model.graph.input if i.name == "x"]
+    assert inputs[0].type.tensor_type.shape.dim[0].dim_param  # a symbolic batch dim in the ONNX graph
+
+
+def test_shapes_outside_the_dynamic_graphs_guards_get_their_own_graph_on_the_same_state(caplog):
+    """Batch 1 is outside every dynamic trace (PyTorch's tracer specialises sizes 0 and 1): it gets its own graph,
+    sharing the weights with the first one."""
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, _ = train_and_compare(GroupMean(), batches(sizes=(8, 1, 8, 1, 5)), TORCH)
+    assert trainer._training_session.training_graph_count == 2
+    assert "tracing and compiling a training graph for the new input shapes [[1, 16], [1]]" in caplog.text
+
+
+class Specialising(GroupMean):
+    def forward(self, x):
+        if x.shape[0] != 8:  # Python code on a size: the trace specialises the batch to 8
+            x = x * 1.0
+        return super().forward(x)
+
+
+def test_a_model_whose_trace_specialises_the_batch_gets_one_graph_per_batch_size(caplog):
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, ref = train_and_compare(Specialising(), batches(sizes=(8, 5, 8, 5, 3)), TORCH)
+        x, y = batches(sizes=(5,))[0]  # the eval graph is static in the batch too: another one is exported
+        _, logits = trainer.eval_step(x, y)
+    assert trainer._training_session.training_graph_count == 3
+    with torch.no_grad():
+        np.testing.assert_allclose(logits.numpy(), ref(x).numpy(), atol=1e-5)
+    assert "exporting an eval graph for the input shapes [[5, 16], [5]]" in caplog.text
+    trainer, _ = train_and_compare(GeluMLP(), batches(sizes=(8, 5, 8, 5)))  # TorchScript code: either way, exact
