@@ -43,8 +43,16 @@ def owned_ortvalue(array: np.ndarray, device_type: str, device_index: int) -> An
 
 def ortvalue_from_dlpack(capsule: Any, is_bool: bool) -> Any:
     """A C-level OrtValue sharing the memory of a DLPack capsule (`is_bool`: the capsule holds uint8 bytes that
-    are to be read as bool)."""
-    return _capi().OrtValue.from_dlpack(capsule, is_bool)
+    are to be read as bool; only where `dlpack_reads_bool()` is False)."""
+    from_dlpack = _capi().OrtValue.from_dlpack
+    return from_dlpack(capsule) if dlpack_reads_bool() else from_dlpack(capsule, is_bool)
+
+
+def dlpack_reads_bool() -> bool:
+    """Whether `OrtValue.from_dlpack` takes the capsule alone and reads DLPack's bool type itself (the maintained
+    onnxruntime, verified on 1.32); onnxruntime-training 1.19 rejects that type and takes a uint8 capsule with the
+    flag `is_bool_tensor` instead."""
+    return "is_bool_tensor" not in (_capi().OrtValue.from_dlpack.__doc__ or "")
 
 
 def run_with_ort_values(session: Any, feeds: dict[str, Any], fetches: Sequence[str], run_options: Any) -> list:

@@ -309,7 +309,7 @@ def _from_torch(tensor: torch.Tensor):
     tensor = tensor.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    if tensor.dtype == torch.bool:
+    if tensor.dtype == torch.bool and not ort_private.dlpack_reads_bool():
         # torch exports bool as DLPack's kDLBool, which onnxruntime 1.19 rejects ("Unsupported code 6"); a uint8 view
         # of the same memory, flagged as bool, is what it accepts.
         return ort_private.ortvalue_from_dlpack(torch.utils.dlpack.to_dlpack(tensor.view(torch.uint8)), True)
