@@ -7,12 +7,14 @@ Rules:
 - Shapes: a traced graph is valid only for the input shapes and dtypes it was traced with (see `torch_builder.py`);
   the compiler keeps one per shape signature.
 - Mode: the module is traced in the train/eval mode it had when the trainer first saw it.
+- Names: with `state_names` (module name -> trainer name; an ONNX model's `OnnxModule`), `trainable` and `state`
+  are given in trainer names and the gradient model is renamed to them (`state_names.rename_state_pass`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx
@@ -20,6 +22,8 @@ import torch
 from onnx import numpy_helper
 
 from ...debug.subscriber import no_increase_global_step
+from .errors import GradientBuildError
+from .state_names import rename_state_pass
 from .torch_builder import build_torch_gradient_graph
 
 
@@ -32,6 +36,7 @@ class TorchSource:
     input_names: list[str]
     opset_version: int
     training: bool
+    state_names: Mapping[str, str] | None = None  # module state name -> the trainer's name, where they differ
 
 
 def torch_gradient_model(
@@ -39,10 +44,13 @@ def torch_gradient_model(
 ) -> onnx.ModelProto:
     """The gradient model for `inputs`' shapes: the data and the trainer's `state` tensors (trainable and frozen)
     as graph inputs; `outputs` (loss first), then `<p>_grad` for each of `trainable`, as graph outputs."""
+    names = dict(source.state_names or {})
+    to_module = {trainer: module for module, trainer in names.items()}
+    trainable, state = [to_module.get(n, n) for n in trainable], [to_module.get(n, n) for n in state]
     params = {name for name, _ in source.module.named_parameters()}
     frozen = [n for n in state if n in params and n not in set(trainable)]
     # orttrainer.debug hooks pass values through while tracing: no step counted, no file written from fake tensors
-    with _mode(source.module, source.training), no_increase_global_step():
+    with _mode(source.module, source.training), no_increase_global_step(), _trainer_names_in_errors(names):
         graph = build_torch_gradient_graph(
             source.module,
             source.loss_fn,
@@ -54,7 +62,18 @@ def torch_gradient_model(
             source.opset_version,
         )
     values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
-    return bind_foreign_state(graph.model, len(source.input_names), state, values)
+    model = bind_foreign_state(graph.model, len(source.input_names), state, values)
+    return rename_state_pass(names)(model) if names else model
+
+
+@contextlib.contextmanager
+def _trainer_names_in_errors(names: dict[str, str]) -> Iterator[None]:
+    """A GradientBuildError's `unreachable` parameters in the trainer's names: the caller freezes them by those."""
+    try:
+        yield
+    except GradientBuildError as err:
+        err.unreachable = [names.get(n, n) for n in err.unreachable]
+        raise
 
 
 @contextlib.contextmanager
