@@ -35,6 +35,7 @@ class Case:
     grad: str | None = "ort"
     frozen: tuple[str, ...] = ()
     loss_outputs: int = 1
+    smooth: bool = True  # False: ties make finite differences meaningless
     domain: str = ""
     name: str = ""
 
@@ -80,7 +81,7 @@ ELEMENTWISE = [
     case("Where", ("c", np.array([[True], [False], [True]])), X, Y, data=("c",)),
     case("Where", ("c", np.array([[True], [False], [True]])), X, ("y", f(4)), data=("c",), grad="fd", name="Where_b"),
     case("Sum", X, ("y", f(4)), ("z", f(3, 1)), grad="fd"),
-    case("Mean", X, Y, grad="fd"),
+    case("Mean", X, ("y", f(4)), grad="fd"),
     case("Max", X, Y),
     case("Min", X, Y),
     case("Clip", X, ("lo", np.array(-0.5, np.float32)), ("hi", np.array(0.5, np.float32)), grad="fd"),
@@ -215,7 +216,30 @@ NN = [
         name="AveragePool_asym_include",
     ),
     case("AveragePool", IMAGE, attrs={"kernel_shape": [2, 2], "pads": [0, 0, 1, 1]}, name="AveragePool_asym"),
+    case(
+        "Conv", ("x", f(2, 3, 9)), ("w", f(4, 3, 3)), ("b", f(4)), attrs={"strides": [2], "pads": [1, 0]}, name="Conv1d"
+    ),
+    case("Conv", ("x", f(1, 2, 4, 4, 4)), ("w", f(2, 2, 2, 2, 2)), name="Conv3d"),
+    case("MaxPool", IMAGE, attrs={"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, name="MaxPool_pad"),
+    case("MaxPool", IMAGE, attrs={"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}, name="MaxPool_ceil"),
+    case("MaxPool", IMAGE, attrs={"kernel_shape": [2, 2], "dilations": [2, 2]}, name="MaxPool_dilated"),
+    # ties: the first maximum of a window (row-major) takes the gradient, as in ONNX Runtime
+    case(
+        "MaxPool",
+        ("x", np.round(f(2, 3, 5, 5) * 2) / 2),
+        attrs={"kernel_shape": [2, 2]},
+        smooth=False,
+        name="MaxPool_ties",
+    ),
+    case(
+        "AveragePool",
+        IMAGE,
+        attrs={"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 1, 0, 0], "ceil_mode": 1},
+        name="AveragePool_ceil",
+    ),
+    case("AveragePool", ("x", f(2, 3, 7)), attrs={"kernel_shape": [3], "strides": [2]}, name="AveragePool1d"),
     case("GlobalAveragePool", IMAGE),
+    case("GlobalMaxPool", IMAGE, grad="fd"),
     case("SoftmaxCrossEntropyLoss", ("x", f(4, 5)), ("t", i64(0, 4, 2, 2)), outputs=2, opset=13, data=("t",)),
     case(
         "SoftmaxCrossEntropyLoss",

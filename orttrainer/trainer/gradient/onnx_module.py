@@ -18,7 +18,9 @@ Rules:
   neither a data input nor an initializer: `GradientBuildError` at construction.
 - Static values: a node whose inputs are all static and which has a numpy version (`STATIC_OPS`) is computed in
   numpy, unless its result has more than `STATIC_LIMIT` elements (then in torch: large constants would be baked
-  into the traced graph). Intermediate values are released after their last use.
+  into the traced graph). Intermediate values are released after their last use. A node that needs the numbers
+  of a small trained or frozen initializer while tracing (a Dropout ratio, a Pad value) reads the model's value
+  (`onnx_ops_base.Call.numbers`).
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from . import onnx_ops_math, onnx_ops_nn, onnx_ops_shape, onnx_ops_static  # noqa: F401  (they fill the tables)
+from . import onnx_ops_conv, onnx_ops_math, onnx_ops_nn, onnx_ops_shape, onnx_ops_static  # noqa: F401  (tables)
 from .errors import GradientBuildError
 from .onnx_ops_base import MICROSOFT, STATIC_OPS, TORCH_OPS, Call, NodeSpec, OnnxNodeError, OpResult, Value
 
 STATIC_LIMIT = 4096  # elements: larger results of static ops are computed in torch
+GIVEN_LIMIT = 16  # elements: state tensors this small can be read as numbers while tracing (onnx_ops_base.Call)
 _DOMAINS = {"": "", "ai.onnx": "", MICROSOFT: MICROSOFT}
 INSTALL_HINT = (
     "install ONNX Runtime's training build, whose gradient builder differentiates ONNX graphs itself "
@@ -70,6 +73,7 @@ class OnnxModule(torch.nn.Module):
         self.state_names: dict[str, str] = {}  # module name -> initializer name
         self._attributes: dict[str, str] = {}  # initializer name -> module name
         self._static: dict[str, np.ndarray] = {}
+        self._given: dict[str, np.ndarray] = {}  # small state tensors' values in the model (onnx_ops_base.Call)
         _check_names(graph, self.input_names, self.output_names, [*trainable, *frozen])
         self._add_initializers(graph, set(trainable), set(frozen))
         opsets = {_DOMAINS.get(o.domain, o.domain): o.version for o in model.opset_import}
@@ -90,6 +94,8 @@ class OnnxModule(torch.nn.Module):
                 self.register_buffer(name, tensor)
             self.state_names[name] = initializer.name
             self._attributes[initializer.name] = name
+            if array.size <= GIVEN_LIMIT:
+                self._given[initializer.name] = array
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(inputs) != len(self.input_names):
@@ -98,8 +104,9 @@ class OnnxModule(torch.nn.Module):
         env: dict[str, Value] = dict(self._static)
         env.update({name: getattr(self, attribute) for name, attribute in self._attributes.items()})
         env.update(zip(self.input_names, inputs, strict=True))
+        given = {id(env[name]): array for name, array in self._given.items()}
         for node in self._nodes:
-            _run(node, env, device)
+            _run(node, env, device, given)
             for name in node.release:
                 env.pop(name, None)
         return tuple(Call(_OUTPUT, device).tensor(env[name]) for name in self.output_names)
@@ -186,9 +193,9 @@ def _attributes(node: onnx.NodeProto) -> dict[str, object]:
     return values
 
 
-def _run(node: _Node, env: dict[str, Value], device: torch.device) -> None:
+def _run(node: _Node, env: dict[str, Value], device: torch.device, given: dict[int, np.ndarray]) -> None:
     """Compute `node` from `env` and store its named outputs there."""
-    call = Call(node.spec, device)
+    call = Call(node.spec, device, given)
     values = [env[name] if name else None for name in node.inputs]
     static = STATIC_OPS.get(node.key)
     result: OpResult

@@ -83,10 +83,12 @@ class NodeSpec:
 
 @dataclass(frozen=True)
 class Call:
-    """One run of a node: its spec and the device its constants go to."""
+    """One run of a node: its spec, the device its constants go to, and the values the model gave small state
+    tensors (by `id` of the tensor this run sees; see `numbers`)."""
 
     node: NodeSpec
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    given: Mapping[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def opset(self) -> int:
@@ -116,6 +118,9 @@ class Call:
         return [int(v) for v in self.numbers(value, what)]
 
     def numbers(self, value: Value | None, what: str) -> list[float]:
+        """The numbers in `value`: a static value's; a tensor's when it has values (run eagerly); while tracing,
+        for a small trained or frozen initializer (a Dropout ratio, a Pad value), the value the model gave it:
+        read as a number it gets no gradient, so the trainer freezes it (a checkpoint cannot change it)."""
         if value is None:
             raise self.fail(f"input {what} is missing")
         if isinstance(value, np.ndarray):
@@ -123,6 +128,8 @@ class Call:
         try:
             return value.detach().reshape(-1).cpu().tolist()
         except Exception as err:  # a traced placeholder has no values
+            if id(value) in self.given:
+                return self.given[id(value)].reshape(-1).tolist()
             raise self.fail(
                 f"input {what} must be known when the graph is traced (a constant, an initializer that is not "
                 "trained, or computed from shapes), but it is computed from data or weights"

@@ -1,5 +1,5 @@
-"""OnnxModule's torch ops for neural-network layers: Dropout, normalizations, convolution, pooling and the two
-loss ops, written from the ONNX operator specification.
+"""OnnxModule's torch ops for neural-network layers: Dropout, the normalizations and the two loss ops, written from
+the ONNX operator specification (convolution and pooling: `onnx_ops_conv.py`).
 
 Rules: what a node computes is decided by the graph, never by the module's train/eval mode: Dropout drops only
 with a true `training_mode` input (opset >= 12; before, ONNX Runtime runs Dropout as the identity), and
@@ -10,7 +10,7 @@ random op), so PyTorch's autograd sees the mask it applied.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.nn import functional as F
@@ -89,118 +89,6 @@ def batch_norm(
     batch_var = ((t.detach() - batch_mean) ** 2).mean(dim=dims)  # the population variance, as ONNX Runtime's
     new_mean = running_mean * momentum + batch_mean.reshape(-1) * (1 - momentum)
     return [y, new_mean, running_var * momentum + batch_var * (1 - momentum)]
-
-
-def _pads(call: Call, spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]):
-    """(begin, end) padding per spatial dimension: `pads` for auto_pad NOTSET (default zeros), none for VALID, and
-    for SAME_UPPER/SAME_LOWER what makes the output ceil(input / stride) long (the odd one at the end for UPPER,
-    at the beginning for LOWER)."""
-    n = len(spatial)
-    auto_pad = str(call.attr("auto_pad", "NOTSET"))
-    if auto_pad in ("NOTSET", ""):
-        pads = list(call.attr("pads", [0] * (2 * n)))
-        return pads[:n], pads[n:]
-    if auto_pad == "VALID":
-        return [0] * n, [0] * n
-    begin, end = [], []
-    for size, k, s, d in zip(spatial, kernel, strides, dilations, strict=True):
-        total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
-        small, large = total // 2, total - total // 2
-        begin.append(small if auto_pad == "SAME_UPPER" else large)
-        end.append(large if auto_pad == "SAME_UPPER" else small)
-    return begin, end
-
-
-def _torch_pad(begin: Sequence[int], end: Sequence[int]) -> list[int]:
-    """F.pad's order: (begin, end) from the last dimension backwards."""
-    return [p for b, e in zip(reversed(begin), reversed(end), strict=True) for p in (b, e)]
-
-
-def _window(call: Call, t: torch.Tensor, kernel: Sequence[int]):
-    n = t.dim() - 2
-    strides = list(call.attr("strides", [1] * n))
-    dilations = list(call.attr("dilations", [1] * n))
-    begin, end = _pads(call, list(t.shape[2:]), kernel, strides, dilations)
-    return strides, dilations, begin, end
-
-
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-
-
-@torch_op("Conv")
-def conv(call: Call, x: Value, w: Value, b: Value | None = None) -> torch.Tensor:
-    """1-, 2- and 3-D convolution: strides, dilations (default 1), group (1), pads [begin..., end...] or auto_pad;
-    asymmetric pads are applied as zero padding first."""
-    t, weight = call.tensors(x, w)
-    n = weight.dim() - 2
-    if n not in _CONV:
-        raise call.fail(f"{n}-D convolution is not supported")
-    strides, dilations, begin, end = _window(call, t, list(weight.shape[2:]))
-    padding: list[int] | int = begin
-    if begin != end:
-        t, padding = F.pad(t, _torch_pad(begin, end)), 0
-    bias = None if b is None else call.tensor(b)
-    return _CONV[n](t, weight, bias, strides, padding, dilations, int(call.attr("group", 1)))
-
-
-_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
-_AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
-
-
-def _symmetric(begin: Sequence[int], end: Sequence[int], kernel: Sequence[int]) -> bool:
-    """torch's pooling pads both ends alike, by at most half the kernel."""
-    return list(begin) == list(end) and all(p <= k // 2 for p, k in zip(begin, kernel, strict=True))
-
-
-@torch_op("MaxPool")
-def max_pool(call: Call, x: Value) -> torch.Tensor:
-    """kernel_shape, strides (default 1), pads or auto_pad, dilations, ceil_mode; padding never wins the max.
-    The Indices output is not supported."""
-    if call.wants(1):
-        raise call.fail("the Indices output is not supported")
-    t = call.tensor(x)
-    kernel = list(call.attr("kernel_shape"))
-    strides, dilations, begin, end = _window(call, t, kernel)
-    ceil_mode = bool(call.attr("ceil_mode", 0))
-    pool = _MAX_POOL[len(kernel)]
-    if _symmetric(begin, end, kernel):
-        return pool(t, kernel, strides, begin, dilations, ceil_mode=ceil_mode)
-    padded = F.pad(t, _torch_pad(begin, end), value=float("-inf"))
-    return pool(padded, kernel, strides, 0, dilations, ceil_mode=ceil_mode)
-
-
-@torch_op("AveragePool")
-def average_pool(call: Call, x: Value) -> torch.Tensor:
-    """kernel_shape, strides, pads or auto_pad, ceil_mode; count_include_pad (default 0) says whether padding
-    counts in the divisor. Dilations other than 1 are not supported."""
-    t = call.tensor(x)
-    kernel = list(call.attr("kernel_shape"))
-    strides, dilations, begin, end = _window(call, t, kernel)
-    if any(d != 1 for d in dilations):
-        raise call.fail("dilations other than 1 are not supported")
-    ceil_mode, with_pad = bool(call.attr("ceil_mode", 0)), bool(call.attr("count_include_pad", 0))
-    pool: Callable[..., torch.Tensor] = _AVG_POOL[len(kernel)]
-    if _symmetric(begin, end, kernel):
-        return pool(t, kernel, strides, begin, ceil_mode=ceil_mode, count_include_pad=with_pad)
-    padding = _torch_pad(begin, end)
-    total = pool(F.pad(t, padding), kernel, strides, 0, ceil_mode=ceil_mode)
-    if with_pad:
-        return total
-    # the mean over the real elements only: the same pooling of a padded all-ones mask counts them
-    count = pool(F.pad(torch.ones_like(t[:1, :1]), padding), kernel, strides, 0, ceil_mode=ceil_mode)
-    return total / count
-
-
-@torch_op("GlobalAveragePool")
-def global_average_pool(call: Call, x: Value) -> torch.Tensor:
-    t = call.tensor(x)
-    return t.mean(dim=tuple(range(2, t.dim())), keepdim=True)
-
-
-@torch_op("GlobalMaxPool")
-def global_max_pool(call: Call, x: Value) -> torch.Tensor:
-    t = call.tensor(x)
-    return t.amax(dim=tuple(range(2, t.dim())), keepdim=True)
 
 
 def _nll(call: Call, log_prob: torch.Tensor, target: Value, weight: Value | None) -> torch.Tensor:
