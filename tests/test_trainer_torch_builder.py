@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from orttrainer import optim
+from orttrainer.trainer import ort_private
 from orttrainer.trainer.gradient.choice import ort_only_options
 from orttrainer.trainer.gradient.errors import GradientBuildError
 from orttrainer.trainer.gradient.torch_builder import UntraceableFunctionError
@@ -224,15 +225,16 @@ def _onnx_mlp_with_loss() -> onnx.ModelProto:
     return onnx.load_from_string(buffer.getvalue())
 
 
-def test_onnx_models_use_the_ort_builder_and_refuse_torch():
+def test_onnx_models_use_the_ort_builder_and_torch_on_request():
+    """(tests/test_onnx_model_torch_builder.py trains ONNX models with the torch builder.)"""
     desc = {"inputs": [("x", ["batch", 32]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
     model = _onnx_mlp_with_loss()
-    with pytest.raises(
-        ValueError,
-        match="gradient_builder='torch' needs a torch.nn.Module .* the model is an ONNX model; use 'ort' or 'auto'",
-    ):
-        make_trainer(model, desc, optim.SGDConfig(), extra=TORCH)
-    assert make_trainer(model, desc, optim.SGDConfig()).gradient_builder == "ort"
+    on_torch = make_trainer(model, desc, optim.SGDConfig(), extra=TORCH)
+    on_torch.train_step(*batches(1)[0])
+    assert on_torch.gradient_builder == "torch"
+    auto = make_trainer(model, desc, optim.SGDConfig())
+    auto.train_step(*batches(1)[0])
+    assert auto.gradient_builder == ("ort" if ort_private.has_training_build() else "torch")
 
 
 def test_options_that_transform_the_exported_graph_keep_the_ort_builder():

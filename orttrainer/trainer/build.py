@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import onnx
@@ -23,6 +23,7 @@ from .config import TrainerConfig, recompute_plan
 from .distributed import Communicator, broadcast_from_rank0, check_ranks_agree, partition_parameters
 from .gradient.choice import BuilderChoice, choose_builder, ort_only_options
 from .gradient.errors import GradientBuildError
+from .gradient.onnx_module import OnnxModule
 from .gradient.ort_options import GradientOptions
 from .gradient.torch_graphs import TorchSource
 from .graph.data_parallel import DataParallelGraphs, GradientStepGraph
@@ -200,13 +201,52 @@ def _export_info(module: torch.nn.Module, exported: export_mod.ExportedModel) ->
     )
 
 
-def build_from_onnx(config: TrainerConfig, model: onnx.ModelProto) -> Built:
-    """An ONNX model with a loss output: post-process, compile and open the session (at construction)."""
-    choice = choose_builder(config.options._internal_use.gradient_builder, onnx_model=True)
+def build_from_onnx(config: TrainerConfig, model: onnx.ModelProto) -> Built | OnnxFirstStep:
+    """An ONNX model with a loss output, at construction: choose the builder, post-process, record dtypes and split
+    the parameters. With 'ort', compile and open the session now. With 'torch', make the `OnnxModule` the builder
+    traces (an op it cannot run is an error now) and return an `OnnxFirstStep`: the torch builder traces with a
+    batch, so the trainer compiles on its first step, as for a PyTorch model."""
+    options = config.options
+    choice = choose_builder(
+        options._internal_use.gradient_builder,
+        onnx_model=True,
+        ort_only=ort_only_options(options, onnx_model=True),
+        training_build=has_training_build(),
+    )
     forward = postprocess(config, model)
     record_graph_types(config.model_desc, forward)
-    trainable, frozen = split_parameters(forward, list(config.options.utils.frozen_weights), None, None)
-    return _open(config, _Parts(forward, trainable, frozen, choice))
+    trainable, frozen = split_parameters(forward, list(options.utils.frozen_weights), None, None)
+    if choice.builder != "torch":
+        return _open(config, _Parts(forward, trainable, frozen, choice))
+    source = _onnx_source(config, forward, trainable, frozen)
+    return OnnxFirstStep(config, _Parts(forward, trainable, frozen, choice, source=source))
+
+
+@dataclass(frozen=True)
+class OnnxFirstStep:
+    """An ONNX model the torch builder trains, prepared at construction; `build(first_batch)` compiles it."""
+
+    config: TrainerConfig
+    parts: _Parts
+
+    def build(self, sample_inputs: list) -> Built:
+        check_inputs(sample_inputs, self.config.model_desc.inputs)
+        with TRACING:
+            return _open(self.config, replace(self.parts, sample_inputs=sample_inputs))
+
+
+def _onnx_source(
+    config: TrainerConfig, forward: onnx.ModelProto, trainable: list[str], frozen: list[str]
+) -> TorchSource:
+    """The torch builder's source for an ONNX model: an OnnxModule of the post-processed forward model, its state
+    renamed back to initializer names (gradient/onnx_module.py). The torch builder takes output 0 as the loss."""
+    desc = config.model_desc
+    inputs, outputs = [d.name for d in desc.inputs], [d.name for d in desc.outputs]
+    if not desc.outputs[0].is_loss:
+        raise ValueError(f"the 'torch' gradient builder needs the loss as the first model_desc output: {outputs}")
+    module = OnnxModule(forward, inputs, outputs, trainable, frozen)
+    opset = config.options._internal_use.onnx_opset_version
+    return TorchSource(module, None, inputs, opset, True, state_names=module.state_names)
 
 
 def postprocess(config: TrainerConfig, model: onnx.ModelProto) -> onnx.ModelProto:

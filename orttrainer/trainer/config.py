@@ -122,7 +122,7 @@ def make_config(
         checked_options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
     check_supported_options(checked_options)
     check_runtime()
-    check_runtime_supports(checked_options)
+    check_runtime_supports(checked_options, onnx_model=isinstance(model, onnx.ModelProto))
     check_provider_options(checked_options)
     device = Device.parse(checked_options.device.id)
     distributed = resolve_context(checked_options, device.type)
@@ -227,7 +227,7 @@ def checked_provider_options(name: object, opts: object, available: list[str]) -
     return {k: str(v) for k, v in opts.items()}
 
 
-def check_runtime_supports(options: ORTTrainerOptions) -> None:
+def check_runtime_supports(options: ORTTrainerOptions, onnx_model: bool = False) -> None:
     """Options that need onnxruntime-training (its gradient builder and the graph transformations that act on its
     gradient graph) raise NotImplementedError at construction where only the maintained onnxruntime is installed,
     naming the options and the extra to install."""
@@ -239,7 +239,7 @@ def check_runtime_supports(options: ORTTrainerOptions) -> None:
             f"options {BUILDER_OPTION}='ort' needs ONNX Runtime's gradient builder, which only onnxruntime-training "
             f"has: {TRAINING_EXTRA_HINT}; or use 'torch' or 'auto' (which picks 'torch' here)"
         )
-    needs_training = ort_only_options(options)
+    needs_training = ort_only_options(options, onnx_model)
     if needs_training:
         raise NotImplementedError(
             f"options {needs_training} need onnxruntime-training (they transform ONNX Runtime's gradient graph), "

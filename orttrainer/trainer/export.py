@@ -1,9 +1,10 @@
 """Export a PyTorch model (plus loss function) to the forward ONNX model the training graph is compiled from.
 
 Contract (docs/legacy_api.md §3.2): `_ModelWithLoss(model, loss_fn)` takes model_desc inputs positionally, passes them
-to `model.forward` by parameter name, and — with a loss function — uses the last input as the label and returns
-`(loss, *model_outputs)`. The export runs in `TrainingMode.TRAINING` (EVAL exports merge equal-valued parameters,
-docs/engine.md §1.3), without constant folding, with dynamic axes named by the string dims of model_desc.
+to `model.forward` by parameter name (positionally to a `forward(*inputs)`), and — with a loss function — uses the
+last input as the label and returns `(loss, *model_outputs)`. The export runs in `TrainingMode.TRAINING` (EVAL
+exports merge equal-valued parameters, docs/engine.md §1.3), without constant folding, with dynamic axes named by
+the string dims of model_desc.
 """
 
 from __future__ import annotations
@@ -32,10 +33,16 @@ class _ModelWithLoss(torch.nn.Module):
         self.model = model
         self.loss_fn = loss_fn
         self.input_names = list(input_names)
-        self.forward_params = list(inspect.signature(model.forward).parameters)
+        parameters = inspect.signature(model.forward).parameters
+        self.forward_params = list(parameters)
+        # a forward that takes only `*inputs` (gradient/onnx_module.OnnxModule) has no names to pass inputs by
+        self.positional = [p.kind for p in parameters.values()] == [inspect.Parameter.VAR_POSITIONAL]
 
     def forward(self, *inputs):
-        preds = self.model(**self.model_kwargs(inputs))
+        if self.positional:  # forward(*inputs): all model_desc inputs but a loss_fn's label, in order
+            preds = self.model(*(inputs[:-1] if self.loss_fn is not None else inputs))
+        else:
+            preds = self.model(**self.model_kwargs(inputs))
         if self.loss_fn is None:
             return preds
         loss = self.loss_fn(preds, inputs[-1])

@@ -2,7 +2,8 @@
 
 The trainer's state lives in four typed objects with one owner each (module map: docs/architecture.md):
 - `_config` (`config.TrainerConfig`): the validated arguments and options, fixed at construction;
-- `_built` (`build.Built`, None before the first step of a PyTorch model): the forward model, the compiled graphs,
+- `_built` (`build.Built`, None before the first step of a PyTorch model, or of an ONNX model the torch gradient
+  builder trains, which waits in `_onnx_first_step`): the forward model, the compiled graphs,
   the session that holds weights and optimizer state, and what the export learned;
 - `_counters` (`progress.StepCounters`): micro-steps, optimizer steps and the optimizer's update count;
 - `_pending` (`progress.PendingLoad`): a state loaded before the session existed, applied once it does.
@@ -28,7 +29,7 @@ from ..schema.options import ORTTrainerOptions
 from ..train_step_info import TrainStepInfo
 from . import state, state_load
 from .activations import ActivationStatistics
-from .build import Built, build_from_onnx, build_from_torch
+from .build import Built, OnnxFirstStep, build_from_onnx, build_from_torch
 from .config import TrainerConfig, make_config
 from .graph.editor import copy_model
 from .inputs import check_inputs, check_outputs, order_inputs
@@ -65,8 +66,10 @@ class ORTTrainer:
         self._pending: PendingLoad | None = None
         self._activations = ActivationStatistics(self._torch_model)  # orttrainer.debug subscribers, in the graph
         self._lr_override: float | None = None  # set only while `_train_step_with_lr` runs
+        self._onnx_first_step: OnnxFirstStep | None = None  # an ONNX model the torch builder compiles on step 1
         if isinstance(model, onnx.ModelProto):
-            self._built = build_from_onnx(self._config, model)
+            built = build_from_onnx(self._config, model)
+            self._built, self._onnx_first_step = (built, None) if isinstance(built, Built) else (None, built)
 
     # --------------------------------------------------------------------------------- the legacy public attributes
     @property
@@ -180,13 +183,17 @@ class ORTTrainer:
         return ordered[0] if len(ordered) == 1 else ordered
 
     def _ensure_built(self, inputs: list, check_export: bool) -> Built:
-        """The built trainer; a PyTorch model is exported, compiled and opened with its first batch."""
+        """The built trainer; a PyTorch model (or an ONNX model on the torch builder) is exported, compiled and opened
+        with its first batch."""
         if self._built is not None:
             return self._built
-        if self._torch_model is None:
+        if self._onnx_first_step is not None:
+            built = self._onnx_first_step.build(inputs)
+        elif self._torch_model is None:
             raise RuntimeError("Model is uninitialized. Only ONNX and PyTorch models are supported")
-        built = build_from_torch(self._config, self._torch_model, inputs, self._activations)
-        self._built = built
+        else:
+            built = build_from_torch(self._config, self._torch_model, inputs, self._activations)
+        self._built, self._onnx_first_step = built, None
         self._apply_pending(built)
         if check_export and built.torch_export is not None:
             outputs = [d.name for d in self.model_desc.outputs]

@@ -4,7 +4,9 @@
 autograd (`torch_builder.py`); 'auto' (the default) takes 'torch' for a model with a custom
 `torch.autograd.Function` (the exporter inlines its forward, so only the torch builder keeps the user's backward)
 and otherwise tries 'ort', falling back to 'torch' when the TorchScript export fails or ONNX Runtime has no gradient
-for an op (`build.build_from_torch`). The custom Functions come from a dry run in PyTorch, before any export.
+for an op (`build.build_from_torch`). The custom Functions come from a dry run in PyTorch, before any export. An
+ONNX model uses 'ort' where ONNX Runtime's training build is installed and otherwise 'torch', which traces an
+`OnnxModule` (`onnx_module.py`) of it.
 """
 
 from __future__ import annotations
@@ -32,16 +34,17 @@ class BuilderChoice:
     reason: str
 
 
-def ort_only_options(options: ORTTrainerOptions) -> list[str]:
+def ort_only_options(options: ORTTrainerOptions, onnx_model: bool = False) -> list[str]:
     """The options set in `options` (an ORTTrainerOptions) that transform the exported ONNX graph, which only the
-    'ort' builder trains from; recompute, cast propagation other than ONNX Runtime's default and memory-efficient
-    gradients act on ONNX Runtime's gradient graph. (The trainer adds 'orttrainer.debug statistics' when a
-    StatisticsSubscriber's manager is subscribed to the model: the statistics are outputs of the exported graph's
-    marked tensors.)"""
+    'ort' builder trains from (for an ONNX model, the torch builder traces the post-processed model, so
+    `extra_postprocess` applies there too); recompute, cast propagation other than ONNX Runtime's default and
+    memory-efficient gradients act on ONNX Runtime's gradient graph. (The trainer adds 'orttrainer.debug
+    statistics' when a StatisticsSubscriber's manager is subscribed to the model: the statistics are outputs of the
+    exported graph's marked tensors.)"""
     graph = options.graph_transformer
     cast_propagation = not GradientOptions.from_options(options).builtin_cast_propagation
     checks = (
-        ("_internal_use.extra_postprocess", options._internal_use.extra_postprocess is not None),
+        ("_internal_use.extra_postprocess", options._internal_use.extra_postprocess is not None and not onnx_model),
         ("mixed_precision.enabled", bool(options.mixed_precision.enabled)),
         ("graph_transformer.gelu_recompute", graph.gelu_recompute),
         ("graph_transformer.attn_dropout_recompute", graph.attn_dropout_recompute),
@@ -61,20 +64,18 @@ def choose_builder(
     training_build: bool = True,
 ) -> BuilderChoice:
     """Rules, in order:
-    - an ONNX model uses 'ort' ('torch' is a ValueError: the torch builder traces a `torch.nn.Module`);
+    - an ONNX model: 'auto' means 'ort' with ONNX Runtime's training build (`training_build`) and 'torch' (an
+      `OnnxModule` traced) without it; 'ort' without the training build is a ValueError; 'torch' (chosen or
+      implied) with `ort_only` features is a NotImplementedError, where `_internal_use.extra_postprocess` does
+      not count (the OnnxModule runs the post-processed graph);
     - `ort_only` features (see `ort_only_options`) need 'ort': with them 'torch' is a NotImplementedError (so is
-      'auto' with custom Functions), and 'auto' means 'ort';
+      'auto' with custom Functions, or for an ONNX model without the training build), and 'auto' means 'ort';
     - 'ort' with custom Functions is a NotImplementedError naming them (their backward would be ignored);
     - 'torch', and 'auto' with custom Functions, mean 'torch'; 'auto' without the training build
       (`training_build=False`: the maintained onnxruntime) means 'torch'; 'auto' otherwise stays 'auto'."""
     functions, ort_only = list(custom_functions), list(ort_only)
     if onnx_model:
-        if option == "torch":
-            raise ValueError(
-                f"options {OPTION}='torch' needs a torch.nn.Module (it traces PyTorch's autograd), but "
-                "the model is an ONNX model; use 'ort' or 'auto' (ONNX models always use 'ort')"
-            )
-        return BuilderChoice("ort", "the model is an ONNX model")
+        return _choose_for_onnx(option, [o for o in ort_only if o != "_internal_use.extra_postprocess"], training_build)
     if ort_only and not training_build:
         raise NotImplementedError(
             f"{ort_only} need onnxruntime-training (they act on ONNX Runtime's gradient graph), which is not "
@@ -111,3 +112,22 @@ def choose_builder(
             "torch", "auto: onnxruntime-training is not installed, and the torch builder runs on any ONNX Runtime build"
         )
     return BuilderChoice("auto", "auto: no custom torch.autograd.Function")
+
+
+def _choose_for_onnx(option: str, ort_only: list[str], training_build: bool) -> BuilderChoice:
+    if option == "ort" and not training_build:
+        raise ValueError(
+            f"options {OPTION}='ort' needs ONNX Runtime's gradient builder, which only onnxruntime-training has: "
+            f"{TRAINING_EXTRA_HINT}; or use 'torch' or 'auto' to let PyTorch's autograd differentiate the ONNX model"
+        )
+    if ort_only and (option == "torch" or not training_build):
+        raise NotImplementedError(
+            f"{ort_only} need ONNX Runtime's gradient builder, but the ONNX model would be trained with the 'torch' "
+            f"gradient builder ({'as requested' if option == 'torch' else 'onnxruntime-training is not installed'}),"
+            f" which does not support them. Turn them off, or {TRAINING_EXTRA_HINT} and use 'ort' or 'auto'."
+        )
+    if option in ("torch", "ort"):
+        return BuilderChoice(option, f"options {OPTION}={option!r}")
+    if training_build:
+        return BuilderChoice("ort", "auto: an ONNX model, and onnxruntime-training is installed")
+    return BuilderChoice("torch", "auto: an ONNX model, and onnxruntime-training is not installed")

@@ -8,13 +8,15 @@ Rules:
   and is valid for the inputs its `accepts` takes; a graph traced for other inputs keeps their concrete shapes
   (see `torch_builder.py`). The compiler keeps the graph for each shape signature it has seen.
 - Mode: the module is traced in the train/eval mode it had when the trainer first saw it.
+- Names: with `state_names` (module name -> trainer name; an ONNX model's `OnnxModule`), `trainable` and `state`
+  are given in trainer names and the gradient model is renamed to them (`state_names.rename_state_pass`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -22,6 +24,8 @@ import torch
 from onnx import numpy_helper
 
 from ...debug.subscriber import no_increase_global_step
+from .errors import GradientBuildError
+from .state_names import rename_state_pass
 from .torch_builder import build_torch_gradient_graph
 
 _logger = logging.getLogger(__name__)
@@ -40,6 +44,7 @@ class TorchSource:
     training: bool
     dynamic_dims: list[list[int]] = field(default_factory=list)
     same_sizes: list[list[tuple[int, int]]] = field(default_factory=list)
+    state_names: Mapping[str, str] | None = None  # module state name -> the trainer's name, where they differ
 
 
 Accepts = Callable[[Sequence[torch.Tensor]], bool]
@@ -56,10 +61,13 @@ def torch_gradient_model(
     """The gradient model for `inputs` (with `dynamic`: for every shape its trace allows), and the rule saying
     which inputs it is valid for: the data and the trainer's `state` tensors (trainable and frozen) as graph
     inputs; `outputs` (loss first), then `<p>_grad` for each of `trainable`, as graph outputs."""
+    names = dict(source.state_names or {})
+    to_module = {trainer: module for module, trainer in names.items()}
+    trainable, state = [to_module.get(n, n) for n in trainable], [to_module.get(n, n) for n in state]
     params = {name for name, _ in source.module.named_parameters()}
     frozen = [n for n in state if n in params and n not in set(trainable)]
     # orttrainer.debug hooks pass values through while tracing: no step counted, no file written from fake tensors
-    with _mode(source.module, source.training), no_increase_global_step():
+    with _mode(source.module, source.training), no_increase_global_step(), _trainer_names_in_errors(names):
         graph = build_torch_gradient_graph(
             source.module,
             source.loss_fn,
@@ -76,7 +84,18 @@ def torch_gradient_model(
         kind = f"dynamic dims {graph.dynamic_dims}" if graph.dynamic else "the sample's concrete shapes"
         _logger.info("torch gradient builder: the first training graph is traced with %s", kind)
     values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
-    return bind_foreign_state(graph.model, len(source.input_names), state, values), graph.accepts
+    model = bind_foreign_state(graph.model, len(source.input_names), state, values)
+    return (rename_state_pass(names)(model) if names else model), graph.accepts
+
+
+@contextlib.contextmanager
+def _trainer_names_in_errors(names: dict[str, str]) -> Iterator[None]:
+    """A GradientBuildError's `unreachable` parameters in the trainer's names: the caller freezes them by those."""
+    try:
+        yield
+    except GradientBuildError as err:
+        err.unreachable = [names.get(n, n) for n in err.unreachable]
+        raise
 
 
 @contextlib.contextmanager

@@ -1,0 +1,347 @@
+"""OnnxModule's shape, indexing and constant ops, in torch and — for the ones shape arithmetic uses — numpy, written
+from the ONNX operator specification.
+
+Rules: numbers that decide a shape (Reshape's shape, Slice's starts/ends/axes/steps, Squeeze/Unsqueeze axes,
+Split sizes, Expand/Tile/ConstantOfShape shapes) must be static (`onnx_ops_base`). `Shape` and `Size` are always
+static: shapes are concrete while tracing. The numpy and torch versions of an op compute the same values; an op
+whose result is large is computed in torch even from static inputs, so that it is not baked into the graph as a
+constant (`onnx_module.STATIC_LIMIT`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .onnx_ops_base import Call, Value, axes_of, axis_of, numpy_dtype, static_op, torch_dtype, torch_op
+
+Shape = tuple[int, ...]
+
+
+def _shape(value: Value) -> Shape:
+    return tuple(int(d) for d in value.shape)
+
+
+@torch_op("Identity")
+@static_op("Identity")
+def identity(call: Call, x: Value) -> Value:
+    return x
+
+
+@torch_op("Shape")
+def shape(call: Call, x: Value) -> np.ndarray:
+    """Opset 15 `start`/`end` select a part of the shape (negative counts from the end, clamped to the rank)."""
+    dims = _shape(x)
+    rank = len(dims)
+    start = min(max(axis_of(int(call.attr("start", 0)), rank), 0), rank)
+    end = call.attr("end")
+    stop = rank if end is None else min(max(axis_of(int(end), rank), 0), rank)
+    return np.array(dims[start:stop], dtype=np.int64)
+
+
+@torch_op("Size")
+def size(call: Call, x: Value) -> np.ndarray:
+    return np.array(math.prod(_shape(x)), dtype=np.int64)
+
+
+@static_op("Constant")
+def constant(call: Call) -> np.ndarray:
+    """One of the attributes value (a tensor), value_float(s), value_int(s)."""
+    for key, dtype in (("value_float", np.float32), ("value_floats", np.float32)):
+        if key in call.node.attrs:
+            return np.array(call.attr(key), dtype=dtype)
+    for key in ("value_int", "value_ints"):
+        if key in call.node.attrs:
+            return np.array(call.attr(key), dtype=np.int64)
+    value = call.attr("value")
+    if not isinstance(value, np.ndarray):
+        raise call.fail(f"only tensor and number constants are supported, got attributes {sorted(call.node.attrs)}")
+    return value
+
+
+def _fill_value(call: Call) -> np.ndarray:
+    value = call.attr("value")
+    return np.zeros(1, np.float32) if value is None else np.asarray(value).reshape(-1)[:1]
+
+
+@torch_op("ConstantOfShape")
+def constant_of_shape(call: Call, dims: Value) -> torch.Tensor:
+    fill = _fill_value(call)
+    dtype = torch.from_numpy(fill.copy()).dtype
+    return torch.full(tuple(call.ints(dims, "shape")), fill.item(), dtype=dtype, device=call.device)
+
+
+@static_op("ConstantOfShape")
+def constant_of_shape_static(call: Call, dims: np.ndarray) -> np.ndarray:
+    fill = _fill_value(call)
+    return np.full(tuple(int(d) for d in dims.reshape(-1)), fill[0], dtype=fill.dtype)
+
+
+def reshape_target(call: Call, dims: Shape, shape: Value) -> Shape:
+    """Reshape's output shape: a 0 copies the input's dimension unless allowzero (opset 14) is set; -1 is
+    inferred (by torch/numpy)."""
+    target = call.ints(shape, "shape")
+    if call.attr("allowzero", 0):
+        return tuple(target)
+    return tuple(dims[i] if d == 0 else d for i, d in enumerate(target))
+
+
+@torch_op("Reshape")
+@static_op("Reshape")
+def reshape(call: Call, x: Value, shape: Value) -> Value:
+    return x.reshape(reshape_target(call, _shape(x), shape))
+
+
+@torch_op("Transpose")
+@static_op("Transpose")
+def transpose(call: Call, x: Value) -> Value:
+    """`perm` defaults to reversing the dimensions."""
+    rank = len(x.shape)
+    perm = tuple(call.attr("perm", list(range(rank))[::-1]))
+    return x.permute(perm) if isinstance(x, torch.Tensor) else np.transpose(x, perm)
+
+
+@torch_op("Flatten")
+@static_op("Flatten")
+def flatten(call: Call, x: Value) -> Value:
+    """To 2-D: (product of the dimensions before `axis` (default 1), product of the rest)."""
+    dims = _shape(x)
+    axis = axis_of(int(call.attr("axis", 1)), len(dims))
+    return x.reshape(math.prod(dims[:axis]), math.prod(dims[axis:]))
+
+
+def _axes(call: Call, axes: Value | None, since: int) -> list[int] | None:
+    """Axes from the input (opset >= `since`) or the attribute (before); None when neither is given."""
+    if call.opset >= since:
+        return None if axes is None else call.ints(axes, "axes")
+    listed = call.attr("axes")
+    return None if listed is None else list(listed)
+
+
+@torch_op("Squeeze")
+@static_op("Squeeze")
+def squeeze(call: Call, x: Value, axes: Value | None = None) -> Value:
+    """Removes the listed size-1 axes (input since opset 13), or every size-1 axis when none are listed."""
+    dims = _shape(x)
+    listed = _axes(call, axes, 13)
+    drop = set(axes_of(listed, len(dims))) if listed else {i for i, d in enumerate(dims) if d == 1}
+    return x.reshape(tuple(d for i, d in enumerate(dims) if i not in drop))
+
+
+@torch_op("Unsqueeze")
+@static_op("Unsqueeze")
+def unsqueeze(call: Call, x: Value, axes: Value | None = None) -> Value:
+    """Inserts size-1 axes at the listed positions of the output (input since opset 13)."""
+    dims = list(_shape(x))
+    listed = _axes(call, axes, 13) or []
+    for axis in sorted(axes_of(listed, len(dims) + len(listed))):
+        dims.insert(axis, 1)
+    return x.reshape(tuple(dims))
+
+
+@torch_op("Concat")
+def concat(call: Call, *values: Value) -> torch.Tensor:
+    return torch.cat(call.tensors(*values), dim=int(call.attr("axis")))
+
+
+@static_op("Concat")
+def concat_static(call: Call, *values: np.ndarray) -> np.ndarray:
+    return np.concatenate(values, axis=int(call.attr("axis")))
+
+
+def split_sizes(call: Call, dim: int, split: Value | None) -> list[int]:
+    """`split` is an input from opset 13 (an attribute before); without it, the dimension is cut into as many
+    parts as the node has outputs (opset 18 `num_outputs`), of ceil(dim / parts) each, the last one smaller."""
+    given = _axes_like(call, split)
+    if given:
+        return given
+    parts = int(call.attr("num_outputs", len(call.node.outputs)))
+    chunk = -(-dim // parts)
+    return [min(chunk, dim - i * chunk) for i in range(parts)]
+
+
+def _axes_like(call: Call, split: Value | None) -> list[int]:
+    if call.opset >= 13:
+        return [] if split is None else call.ints(split, "split")
+    return list(call.attr("split", []))
+
+
+@torch_op("Split")
+@static_op("Split")
+def split(call: Call, x: Value, sizes: Value | None = None) -> Sequence[Value]:
+    axis = axis_of(int(call.attr("axis", 0)), len(x.shape))
+    lengths = split_sizes(call, int(x.shape[axis]), sizes)
+    if isinstance(x, torch.Tensor):
+        return list(torch.split(x, lengths, dim=axis))
+    return np.split(x, np.cumsum(lengths)[:-1], axis=axis)
+
+
+def slice_plan(
+    dims: Shape, starts: Sequence[int], ends: Sequence[int], axes: Sequence[int], steps: Sequence[int]
+) -> list[tuple[int, int, int, int]]:
+    """(axis, start, end, step) per sliced axis, clamped as the spec says: negative starts/ends count from the end;
+    for a positive step start and end are clamped to [0, dim], for a negative one start to [0, dim-1] and end to
+    [-1, dim-1]."""
+    plan = []
+    for axis, start, end, step in zip(axes_of(axes, len(dims)), starts, ends, steps, strict=True):
+        dim = dims[axis]
+        start, end = start + dim if start < 0 else start, end + dim if end < 0 else end
+        if step > 0:
+            start, end = min(max(start, 0), dim), min(max(end, 0), dim)
+        else:
+            start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
+        plan.append((axis, start, end, step))
+    return plan
+
+
+def _slice_arguments(call: Call, x: Value, inputs: Sequence[Value | None]) -> list[tuple[int, int, int, int]]:
+    """Opset >= 10: inputs starts, ends, axes (default all), steps (default 1); before: attributes."""
+    if call.opset >= 10:
+        starts, ends = call.ints(inputs[0], "starts"), call.ints(inputs[1], "ends")
+        axes = call.ints(inputs[2], "axes") if len(inputs) > 2 and inputs[2] is not None else None
+        steps = call.ints(inputs[3], "steps") if len(inputs) > 3 and inputs[3] is not None else None
+    else:
+        starts, ends, axes, steps = list(call.attr("starts")), list(call.attr("ends")), call.attr("axes"), None
+    axes = list(range(len(starts))) if axes is None else list(axes)
+    return slice_plan(_shape(x), starts, ends, axes, steps or [1] * len(starts))
+
+
+@torch_op("Slice")
+def slice_(call: Call, x: Value, *inputs: Value | None) -> torch.Tensor:
+    t = call.tensor(x)
+    for axis, start, end, step in _slice_arguments(call, x, inputs):
+        if step > 0:
+            t = t[(slice(None),) * axis + (slice(start, end, step),)]
+            continue
+        count = len(range(start, end, step))  # torch slices with positive steps only: take, then flip
+        low = start + step * (count - 1)
+        part = t[(slice(None),) * axis + (slice(low, start + 1, -step) if count else slice(0, 0),)]
+        t = torch.flip(part, [axis])
+    return t
+
+
+@static_op("Slice")
+def slice_static(call: Call, x: np.ndarray, *inputs: np.ndarray | None) -> np.ndarray:
+    for axis, start, end, step in _slice_arguments(call, x, inputs):
+        x = np.take(x, np.arange(start, end, step, dtype=np.int64), axis=axis)
+    return x
+
+
+@torch_op("Gather")
+def gather(call: Call, data: Value, indices: Value) -> torch.Tensor:
+    """Along `axis` (default 0); negative indices count from the end. Output shape: data.shape[:axis] +
+    indices.shape + data.shape[axis+1:]."""
+    t = call.tensor(data)
+    axis = axis_of(int(call.attr("axis", 0)), t.dim())
+    dim = t.shape[axis]
+    if isinstance(indices, np.ndarray):
+        index = call.tensor(np.where(indices < 0, indices + dim, indices).astype(np.int64))
+    else:
+        index = torch.where(indices < 0, indices + dim, indices).to(torch.int64)
+    picked = torch.index_select(t, axis, index.reshape(-1))
+    return picked.reshape(tuple(t.shape[:axis]) + tuple(index.shape) + tuple(t.shape[axis + 1 :]))
+
+
+@static_op("Gather")
+def gather_static(call: Call, data: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    return np.take(data, indices.astype(np.int64), axis=int(call.attr("axis", 0)))
+
+
+@torch_op("GatherElements")
+def gather_elements(call: Call, data: Value, indices: Value) -> torch.Tensor:
+    t, index = call.tensors(data, indices)
+    axis = axis_of(int(call.attr("axis", 0)), t.dim())
+    return torch.gather(t, axis, torch.where(index < 0, index + t.shape[axis], index).to(torch.int64))
+
+
+@torch_op("Cast")
+def cast(call: Call, x: Value) -> torch.Tensor:
+    """To the element type `to`; to bool means 'not zero'; floats to integers truncate toward zero."""
+    dtype = torch_dtype(int(call.attr("to")))
+    t = call.tensor(x)
+    return t != 0 if dtype == torch.bool else t.to(dtype)
+
+
+@static_op("Cast")
+def cast_static(call: Call, x: np.ndarray) -> np.ndarray:
+    return x.astype(numpy_dtype(int(call.attr("to"))))
+
+
+@torch_op("CastLike")
+def cast_like(call: Call, x: Value, like: Value) -> torch.Tensor:
+    dtype = call.tensor(like).dtype
+    t = call.tensor(x)
+    return t != 0 if dtype == torch.bool else t.to(dtype)
+
+
+def expanded_shape(call: Call, dims: Shape, shape: Value) -> Shape:
+    """Expand's output: the numpy broadcast of the input's shape and `shape`."""
+    return tuple(int(d) for d in np.broadcast_shapes(dims, tuple(call.ints(shape, "shape"))))
+
+
+@torch_op("Expand")
+def expand(call: Call, x: Value, shape: Value) -> torch.Tensor:
+    t = call.tensor(x)
+    return t.expand(expanded_shape(call, _shape(t), shape))
+
+
+@static_op("Expand")
+def expand_static(call: Call, x: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    return np.broadcast_to(x, expanded_shape(call, _shape(x), shape)).copy()
+
+
+@torch_op("Where")
+def where(call: Call, condition: Value, x: Value, y: Value) -> torch.Tensor:
+    c, a, b = call.tensors(condition, x, y)
+    return torch.where(c, a, b)
+
+
+@torch_op("Tile")
+def tile(call: Call, x: Value, repeats: Value) -> torch.Tensor:
+    return torch.tile(call.tensor(x), tuple(call.ints(repeats, "repeats")))
+
+
+@static_op("Tile")
+def tile_static(call: Call, x: np.ndarray, repeats: np.ndarray) -> np.ndarray:
+    return np.tile(x, tuple(int(r) for r in repeats.reshape(-1)))
+
+
+@static_op("Range")
+def range_static(call: Call, start: np.ndarray, limit: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """max(ceil((limit - start) / delta), 0) elements start, start + delta, ... of start's type."""
+    count = max(math.ceil((limit.item() - start.item()) / delta.item()), 0)
+    return (start + np.arange(count, dtype=start.dtype) * delta).astype(start.dtype)
+
+
+@torch_op("Range")
+def range_(call: Call, start: Value, limit: Value, delta: Value) -> torch.Tensor:
+    first, last, step = (call.numbers(v, n)[0] for v, n in ((start, "start"), (limit, "limit"), (delta, "delta")))
+    count = max(math.ceil((last - first) / step), 0)
+    dtype = call.tensor(start).dtype if isinstance(start, torch.Tensor) else torch.from_numpy(start.copy()).dtype
+    return (first + torch.arange(count, device=call.device) * step).to(dtype)
+
+
+@torch_op("Pad")
+def pad(call: Call, x: Value, *inputs: Value | None) -> torch.Tensor:
+    """Opset >= 11: inputs pads ([begin..., end...]), constant_value, axes (opset 18); before: attributes pads,
+    value. Modes constant (default), reflect, edge."""
+    t = call.tensor(x)
+    if call.opset >= 11:
+        pads = call.ints(inputs[0], "pads")
+        value = call.scalar(inputs[1] if len(inputs) > 1 else None, "constant_value", 0.0)
+        axes = call.ints(inputs[2], "axes") if len(inputs) > 2 and inputs[2] is not None else None
+    else:
+        pads, value, axes = list(call.attr("pads")), float(call.attr("value", 0.0)), None
+    axes = axes_of(axes, t.dim()) if axes is not None else list(range(t.dim()))
+    half = len(axes)
+    flat: list[int] = []
+    for i in reversed(range(t.dim())):  # torch lists (begin, end) from the last dimension backwards
+        k = axes.index(i) if i in axes else None
+        flat += [0, 0] if k is None else [pads[k], pads[k + half]]
+    mode = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}.get(str(call.attr("mode", "constant")))
+    if mode is None:
+        raise call.fail(f"mode {call.attr('mode')!r} is not supported")
+    return torch.nn.functional.pad(t, flat, mode=mode, value=value if mode == "constant" else None)
