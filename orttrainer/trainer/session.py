@@ -9,6 +9,10 @@ State (weights, frozen tensors, optimizer moments, gradient-accumulation buffers
 device between steps. A step feeds them as inputs and receives the updated values as new, owned `OrtValue`s that
 replace them — outputs are never bound onto input buffers (docs/engine.md §3.2: that corrupts weights still read by the
 backward pass). Data and outputs cross between torch and ONNX Runtime through DLPack, without host copies.
+
+A gradient-only training graph (`graph.outside_update`, graph/training.py) leaves the update to `TorchOptimizer`
+(torch_optimizer.py), which changes the weights and moments in place through DLPack views of the same `OrtValue`s
+after the run; those state values are then never replaced by a run, only by `set_state`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .graph.training import TrainingGraph
 from .ort_session import create_session, providers_for, session_options
 from .rng import ALL_SHAPES, DropoutStreams, signature_key
 from .shapes import ShapeKeyedCache, shape_signature
+from .torch_optimizer import TorchOptimizer
 
 MAX_TRAINING_GRAPHS = 16  # torch builder: input-shape signatures kept compiled at once
 
@@ -135,6 +140,7 @@ class SessionBase(ABC):
         self._eval = self._session(eval_model, "")
         self._eval_inputs = {i.name for i in self._eval.get_inputs()}
         self._state: dict[str, Any] = {name: self._to_device(value) for name, value in state.items()}
+        self._views: dict[str, tuple[Any, torch.Tensor]] = {}
         self._partial_run = ort.RunOptions()
         self._partial_run.only_execute_path_to_fetches = True
 
@@ -210,6 +216,24 @@ class SessionBase(ABC):
             arrays[name] = array.astype(ort_to_numpy(current.data_type()), copy=False)
         self._state.update({name: self._to_device(array) for name, array in arrays.items()})
 
+    def state_view(self, name: str) -> torch.Tensor:
+        """A torch tensor sharing the memory of state `name` (kept while the state holds the same `OrtValue`)."""
+        value = self._state[name]
+        cached = self._views.get(name)
+        if cached is None or cached[0] is not value:
+            cached = (value, to_torch_view(value))
+            self._views[name] = cached
+        return cached[1]
+
+    def _step_feeds(self, g: Any, inputs: frozenset[str] | set[str], lr: float, update_count: int) -> dict[str, Any]:
+        """The learning rate and update number, for a graph that reads them (a gradient-only graph does not)."""
+        feeds = {}
+        if g.lr_input in inputs:
+            feeds[g.lr_input] = self._host_scalar(np.float32(lr))
+        if g.update_count_input in inputs:
+            feeds[g.update_count_input] = self._host_scalar(np.int64(update_count))
+        return feeds
+
     # --------------------------------------------------------------------------------------------------- plumbing
     def _feeds(self, data: dict[str, torch.Tensor], wanted: set[str] | frozenset[str]) -> dict[str, Any]:
         feeds = {name: self._state[name] for name in wanted if name in self._state}
@@ -251,6 +275,8 @@ class TrainingSession(SessionBase):
         self.graph = graph
         self._runners = GraphRunners(self._session, graph, graph_for, config.optimized_model_path, streams)
         self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
+        update = graph.outside_update
+        self._optimizer = TorchOptimizer(update, self.state_view) if update is not None else None
 
     @property
     def train_session(self) -> Any:
@@ -275,10 +301,11 @@ class TrainingSession(SessionBase):
         runner = self._runners.for_data(data)
         g = runner.graph
         feeds = self._feeds(data, runner.inputs)
-        feeds[g.lr_input] = self._host_scalar(np.float32(lr))
-        feeds[g.update_count_input] = self._host_scalar(np.int64(update_count))
+        feeds.update(self._step_feeds(g, runner.inputs, lr, update_count))
         if g.loss_scale_input:
             feeds[g.loss_scale_input] = self._host_scalar(np.float32(loss_scale))
+        if optimizer_step and self._optimizer is not None:
+            return self._train_outside(runner, feeds, outputs, (lr, update_count, loss_scale))
         state_outputs = {**g.weight_updates, **g.optimizer_state} if optimizer_step else g.accumulation
         checks = [g.all_finite_output] if optimizer_step and g.all_finite_output else []
         fetched = self._run_training(runner, feeds, outputs + list(state_outputs.values()) + checks)
@@ -290,6 +317,19 @@ class TrainingSession(SessionBase):
         if optimizer_step:
             self._state.update(self._zeros)  # accumulation restarts from zero after every update (or skipped one)
         return {name: self._to_torch(value) for name, value in results.items()}, finite
+
+    def _train_outside(
+        self, runner: GraphRunner, feeds: dict[str, Any], outputs: list[str], step: tuple[float, int, float | None]
+    ) -> tuple[dict[str, torch.Tensor], bool]:
+        """An optimizer step of a gradient-only graph: run it for the outputs and the gradient sums, then update the
+        state in place (`TorchOptimizer`)."""
+        assert self._optimizer is not None
+        names = list(runner.graph.gradients)
+        fetched = self._run_training(runner, feeds, outputs + [runner.graph.gradients[p] for p in names])
+        grads = {p: to_torch_view(v) for p, v in zip(names, fetched[len(outputs) :], strict=True)}
+        finite = self._optimizer.step(grads, *step)
+        self._state.update(self._zeros)  # accumulation restarts from zero after every update (or skipped one)
+        return {name: self._to_torch(value) for name, value in zip(outputs, fetched, strict=False)}, finite
 
 
 def to_torch_view(value) -> torch.Tensor:

@@ -96,6 +96,7 @@ def build_optimizer_graph(
     clip_grad_norm: bool,
     loss_scale: bool,
     update_only: list[str] | None,
+    update: str = "graph",
 ) -> tuple[TrainingGraph, dict[str, str]]:
     """The optimizer update alone: inputs are the weights, the combined gradients `<p>_grad__reduced`, the optimizer
     state, the learning rate, the update number and (mixed precision) the loss scale.
@@ -133,5 +134,6 @@ def build_optimizer_graph(
         loss_scale_input=loss_scale_input,
         gradient_divisor=gradient_divisor,
         update_only=update_only,
+        update=update,
     )
     return optimizer, reduced
