@@ -4,7 +4,7 @@
                                  [--runners ...] [--variants] [--profile]
 
 Runners: benchmarks/runners.py (eager PyTorch as users run it and with fused Adam, torch.compile, orttrainer with
-each gradient builder, ONNX Runtime's training API; `--variants` adds orttrainer with the other optimizer update
+each gradient builder, ONNX Runtime's training API; `--variants` adds orttrainer[ort] with the other optimizer update
 paths). Each runner has its own process; the processes step in turn (benchmarks/lockstep.py): after `--warmup`
 steps each, `--rounds` rounds of `--steps` steps per runner in a shuffled order, so the load of other jobs on a
 shared machine falls on all runners alike. Reported per runner: the median step time and the range of the
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import WORKLOADS, markdown_table, save_json  # noqa: E402
 from lockstep import Worker, interleave, ratio_statistics, serve, time_statistics  # noqa: E402
-from runners import RUNNERS, VARIANTS, make_runner, runner_env, scalar  # noqa: E402
+from runners import DEFAULT_VARIANTS, RUNNERS, VARIANTS, make_runner, runner_env, scalar  # noqa: E402
 
 BASELINES = ("pytorch", "pytorch-fused")
 
@@ -115,14 +115,14 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=list(RUNNERS + VARIANTS))
-    parser.add_argument("--variants", action="store_true", help="add the other optimizer update paths")
+    parser.add_argument("--variants", action="store_true", help="add orttrainer[ort] with each optimisation off")
     parser.add_argument("--profile", action="store_true", help="kernel time per op type (slows the steps)")
     parser.add_argument("--worker", nargs=2, metavar=("RUNNER", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker, args.threads, args.profile)
         return 0
-    runners = list(dict.fromkeys(args.runners + (list(VARIANTS) if args.variants else [])))
+    runners = list(dict.fromkeys(args.runners + (list(DEFAULT_VARIANTS) if args.variants else [])))
     started = time.perf_counter()
     results = [r for name in args.workloads for r in measure(name, runners, args)]
     text = report(results, args)

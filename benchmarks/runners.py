@@ -5,9 +5,10 @@
 - `pytorch-fused`: eager PyTorch with `torch.optim.Adam(..., fused=True)`, the fastest Adam PyTorch has on a CPU.
 - `torch.compile`: the model compiled by Inductor, Adam eager (foreach); its first step includes the compilation.
 - `orttrainer[ort]`, `orttrainer[torch]`: ORTTrainer with each gradient builder and the default update path.
-- `orttrainer[ort]+graph-update`, `orttrainer[ort]+fused-update`: the same with `ORTTRAINER_OPTIMIZER_UPDATE=graph`
-  (plain-op update in the graph) or `fused` (ONNX Runtime's AdamOptimizer kernel), to show why the default is what
-  it is (orttrainer/trainer/update_path.py).
+- `orttrainer[<builder>]+<variant>`: the same with one optimisation switched, to measure its effect: `graph-update`
+  (`ORTTRAINER_OPTIMIZER_UPDATE=graph`, the plain-op update in the graph), `fused-update` (ONNX Runtime's
+  AdamOptimizer kernel; orttrainer/trainer/update_path.py), `no-rewrites`, `no-static-shapes`, `no-cross-entropy`
+  (`ORTTRAINER_DISABLE_REWRITES`, orttrainer/trainer/graph/switches.py).
 - `ort-training-api`: ONNX Runtime's on-device training API (`artifacts.generate_artifacts`, `Module`, `Optimizer`),
   its AdamW switched to PyTorch's formula (`adam_mode=0`).
 
@@ -24,15 +25,24 @@ from typing import Any
 
 LR = 1e-3
 RUNNERS = ("pytorch", "pytorch-fused", "torch.compile", "orttrainer[ort]", "orttrainer[torch]", "ort-training-api")
-VARIANTS = ("orttrainer[ort]+graph-update", "orttrainer[ort]+fused-update", "orttrainer[torch]+graph-update")
-UPDATE_ENV = {"graph-update": "graph", "fused-update": "fused"}
+# `<orttrainer runner>+<variant>`: the same runner with one optimisation switched (its environment variable)
+VARIANT_ENV = {
+    "graph-update": ("ORTTRAINER_OPTIMIZER_UPDATE", "graph"),
+    "fused-update": ("ORTTRAINER_OPTIMIZER_UPDATE", "fused"),
+    "no-rewrites": ("ORTTRAINER_DISABLE_REWRITES", "all"),
+    "no-static-shapes": ("ORTTRAINER_DISABLE_REWRITES", "static_shapes"),
+    "no-cross-entropy": ("ORTTRAINER_DISABLE_REWRITES", "cross_entropy_as_plain_ops"),
+}
+VARIANTS = tuple(f"{r}+{v}" for r in ("orttrainer[ort]", "orttrainer[torch]") for v in VARIANT_ENV)
+DEFAULT_VARIANTS = ("orttrainer[ort]+graph-update", "orttrainer[ort]+fused-update", "orttrainer[ort]+no-rewrites")
 
 
 def runner_env(runner: str) -> dict[str, str]:
-    """Environment of a runner's process (the update-path variants set ORTTRAINER_OPTIMIZER_UPDATE)."""
+    """Environment of a runner's process (a variant sets its switch)."""
     env = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}  # every torch.compile process compiles, as on a fresh machine
     if "+" in runner:
-        env["ORTTRAINER_OPTIMIZER_UPDATE"] = UPDATE_ENV[runner.split("+", 1)[1]]
+        name, value = VARIANT_ENV[runner.split("+", 1)[1]]
+        env[name] = value
     return env
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from typing import Any
 
@@ -20,12 +21,16 @@ def create_session(
     graph. Every provider option asked for must be in effect, and `device.id` cuda must run on CUDA."""
     import onnxruntime as ort
 
-    saved_path = options.optimized_model_filepath
+    saved = (options.optimized_model_filepath, options.enable_mem_pattern)
     options.optimized_model_filepath = optimized_model_path  # read once, at session creation
+    # The memory pattern (one block per run, planned from the first run) is off: on a graph with static shapes ONNX
+    # Runtime keeps that block besides the first run's arena chunks (docs/engine.md §12: +120 MB on the benchmark
+    # transformer), and it was not faster on the dynamic graph either.
+    options.enable_mem_pattern = False
     try:
         session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
     finally:
-        options.optimized_model_filepath = saved_path
+        options.optimized_model_filepath, options.enable_mem_pattern = saved
     if device.type == "cuda" and session.get_providers()[0] != "CUDAExecutionProvider":
         raise RuntimeError(
             f"options device.id is cuda:{device.index} but ONNX Runtime's CUDAExecutionProvider could not "
@@ -114,3 +119,23 @@ def _check_options_in_effect(session: Any, providers: list) -> None:
                 f"options provider_options.{name}: {dropped} are not options of {name} (ONNX Runtime "
                 f"ignored them); it takes {sorted(in_effect[name])}"
             )
+
+
+def optimized_model(model: onnx.ModelProto, options: Any, providers: list) -> onnx.ModelProto:
+    """`model` after ONNX Runtime's graph optimisations up to the extended level (constant folding, fusions; no
+    layout changes), as ONNX Runtime writes it (`SessionOptions.optimized_model_filepath`). `options` (the
+    session options of the trainer, possibly the user's) is restored afterwards."""
+    import onnxruntime as ort
+
+    saved = (options.optimized_model_filepath, options.graph_optimization_level)
+    extended = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    with tempfile.TemporaryDirectory(prefix="orttrainer_") as directory:
+        path = os.path.join(directory, "optimized.onnx")
+        options.optimized_model_filepath = path
+        if saved[1] == ort.GraphOptimizationLevel.ORT_ENABLE_ALL:
+            options.graph_optimization_level = extended
+        try:
+            ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        finally:
+            options.optimized_model_filepath, options.graph_optimization_level = saved
+        return onnx.load(path)

@@ -17,9 +17,11 @@ after the run; those state values are then never replaced by a run, only by `set
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -29,10 +31,12 @@ import torch
 from ..dtypes import ort_to_numpy
 from . import ort_private
 from .config import Device
+from .graph.passes import verification_enabled
 from .graph.training import TrainingGraph
-from .ort_session import create_session, providers_for, session_options
+from .ort_session import create_session, optimized_model, providers_for, session_options
 from .rng import ALL_SHAPES, DropoutStreams, signature_key
-from .shapes import ShapeKeyedCache, shape_signature
+from .shapes import ShapeKeyedCache, ShapeSignature, shape_signature
+from .static_graphs import MAX_STATIC_SIGNATURES, specializable, specialized
 from .torch_optimizer import TorchOptimizer
 
 MAX_TRAINING_GRAPHS = 16  # torch builder: input-shape signatures kept compiled at once
@@ -88,19 +92,49 @@ class GraphRunners(Generic[G]):
         graph_for: Callable[[Sequence[torch.Tensor]], G] | None,
         optimized_model_path: str,
         streams: DropoutStreams,
+        specialize: Callable[[G, dict[str, torch.Tensor]], G] | None = None,
     ) -> None:
         self.graph, self._create, self._graph_for = graph, create, graph_for
         self.streams = streams
         self._path = optimized_model_path
         self._cache: ShapeKeyedCache[GraphRunner[G]] = ShapeKeyedCache(MAX_TRAINING_GRAPHS)
+        self._specialize = specialize if graph_for is None else None
+        self._static: dict[ShapeSignature, GraphRunner[G]] = {}
         self.latest: GraphRunner[G] | None = None
         if graph_for is None:
-            self.for_data({})  # the only graph: create its session now
+            self.for_data({})  # the (dynamic) graph: create its session now
 
     def for_data(self, data: dict[str, torch.Tensor]) -> GraphRunner[G]:
-        inputs = [data[n] for n in self.graph.data_inputs] if self._graph_for is not None else []
-        self.latest = self._cache.get_or_build(inputs, lambda: self._new(inputs))
+        if self._graph_for is not None:
+            inputs = [data[n] for n in self.graph.data_inputs]
+            self.latest = self._cache.get_or_build(inputs, lambda: self._new(inputs))
+        else:
+            self.latest = self._static_for(data) or self._cache.get_or_build([], lambda: self._new([]))
         return self.latest
+
+    def _static_for(self, data: dict[str, torch.Tensor]) -> GraphRunner[G] | None:
+        """The graph specialised to `data`'s shapes (static_graphs.py): built for the first MAX_STATIC_SIGNATURES
+        signatures, None for later ones (and without `specialize`)."""
+        if self._specialize is None or not data:
+            return None
+        signature = shape_signature([data[n] for n in self.graph.data_inputs])
+        runner = self._static.get(signature)
+        if runner is None and len(self._static) < MAX_STATIC_SIGNATURES:
+            try:
+                runner = self._open(self._specialize(self.graph, data), ALL_SHAPES)
+            except Exception as err:  # a speed-only rewrite must not stop training: the dynamic graph runs
+                if verification_enabled():
+                    raise
+                warnings.warn(
+                    f"specialising the training graph to its input shapes failed ({err}); the dynamic "
+                    "graph runs instead",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                self._specialize = None
+                return None
+            self._static[signature] = runner
+        return runner
 
     def _new(self, inputs: list[torch.Tensor]) -> GraphRunner[G]:
         graph = self._graph_for(inputs) if self._graph_for is not None else self.graph
@@ -116,10 +150,11 @@ class GraphRunners(Generic[G]):
         """Create every kept graph's session again, seeded at the streams' current positions (after a load, or a
         failed run whose draws the positions did not count)."""
         self._cache.replace_all(lambda runner: self._open(runner.graph, runner.key))
+        self._static = {signature: self._open(r.graph, r.key) for signature, r in self._static.items()}
         self.latest = None
 
     def __len__(self) -> int:
-        return len(self._cache)
+        return len(self._cache) + len(self._static)
 
 
 class SessionBase(ABC):
@@ -146,6 +181,12 @@ class SessionBase(ABC):
 
     def _session(self, model: onnx.ModelProto, optimized_model_path: str) -> Any:
         return create_session(model, self._options, self._providers, self.config.device, optimized_model_path)
+
+    def _specializer(self, graph: Any) -> Callable[[Any, dict[str, torch.Tensor]], Any] | None:
+        """How `GraphRunners` specialises `graph` to input shapes, when it should (static_graphs.py)."""
+        if not specializable(graph, self.config.device.type):
+            return None
+        return partial(specialized, optimize=partial(optimized_model, options=self._options, providers=self._providers))
 
     def prepare(self, data: dict[str, torch.Tensor]) -> None:
         """Build (if needed) the training graph and session for this batch's shapes, without running anything."""
@@ -273,7 +314,9 @@ class TrainingSession(SessionBase):
     ) -> None:
         super().__init__(eval_model, state, config, streams)
         self.graph = graph
-        self._runners = GraphRunners(self._session, graph, graph_for, config.optimized_model_path, streams)
+        self._runners = GraphRunners(
+            self._session, graph, graph_for, config.optimized_model_path, streams, self._specializer(graph)
+        )
         self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
         update = graph.outside_update
         self._optimizer = TorchOptimizer(update, self.state_view) if update is not None else None

@@ -52,7 +52,7 @@ class DataParallelSession(SessionBase):
         super().__init__(eval_model, state, config, streams)
         self.graphs, self.graph = graphs, graphs.optimizer
         self.comm = comm
-        self._runners = GraphRunners(self._session, graphs.step, step_for, "", streams)
+        self._runners = GraphRunners(self._session, graphs.step, step_for, "", streams, self._specializer(graphs.step))
         update = graphs.optimizer.outside_update
         self._optimizer = TorchOptimizer(update, self.state_view) if update is not None else None
         self._train = None if update is not None else self._session(graphs.optimizer.model, config.optimized_model_path)

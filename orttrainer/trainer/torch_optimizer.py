@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from .graph.optimizer import moment_names
@@ -57,9 +58,10 @@ class TorchOptimizer:
     def step(self, grads: dict[str, torch.Tensor], lr: float, update_count: int, loss_scale: float | None) -> bool:
         """Update the weights (and moments) in place from the gradient sums `grads` (every trainable tensor's);
         returns False, changing nothing, when the check for non-finite gradients fails."""
+        lr = float(np.float32(lr))  # as the graph's float32 input: an lr given as float32 or float64 acts the same
         coef = 1.0 / self.update.gradient_divisor
         if self.update.check_finite:
-            coef /= float(loss_scale if loss_scale is not None else 1.0)
+            coef /= float(np.float32(loss_scale if loss_scale is not None else 1.0))
         factor = 1.0
         if self.update.clip or self.update.check_finite:
             norm = _global_norm(list(grads.values()))
