@@ -47,11 +47,13 @@ def serve(first: Callable[[], dict], step: StepFn, summary: Callable[[], dict]) 
 class Worker:
     """The driver side of one runner's process."""
 
-    def __init__(self, script: str, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, script: str, args: list[str], env: dict[str, str] | None = None, python: str = sys.executable
+    ) -> None:
         environment = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.args = args
         self.proc = subprocess.Popen(
-            [sys.executable, script, "--worker", *args],
+            [python, script, "--worker", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -1,17 +1,19 @@
 """orttrainer against its peers, in one run on the same models, batches, optimizer and thread count.
 
     python benchmarks/run_all.py [--threads 1] [--rounds 12] [--steps 3] [--warmup 5] [--workloads mlp transformer]
-                                 [--runners ...] [--variants] [--profile]
+                                 [--runners ...] [--no-variants] [--other-python PYTHON] [--profile]
 
 Runners: benchmarks/runners.py (eager PyTorch as users run it and with fused Adam, torch.compile, orttrainer with
-each gradient builder, ONNX Runtime's training API; `--variants` adds orttrainer[ort] with the other optimizer update
-paths). Each runner has its own process; the processes step in turn (benchmarks/lockstep.py): after `--warmup`
-steps each, `--rounds` rounds of `--steps` steps per runner in a shuffled order, so the load of other jobs on a
-shared machine falls on all runners alike. Reported per runner: the median step time and the range of the
-per-round medians; the ratio to eager PyTorch (as users run it, and with fused Adam) as the median of the per-round
-ratios with its interquartile range; the time to the first step (export, compile, artifact generation and session
-creation included; each process starts alone); the process's peak resident memory (`ru_maxrss`) and its growth over
-the same process after importing torch and onnxruntime and making the batches; the loss after the last step (the
+each gradient builder, ONNX Runtime's training API; unless `--no-variants`, orttrainer[ort] also with each
+optimisation switched off; `--other-python` runs the orttrainer runners again under a second interpreter, e.g. a
+virtual environment with the maintained `onnxruntime` instead of `onnxruntime-training`: rows marked `@other`).
+Each runner has its own process; the processes step in turn (benchmarks/lockstep.py): after `--warmup` steps each,
+`--rounds` rounds of `--steps` steps per runner in a shuffled order, so the load of other jobs on a shared machine
+falls on all runners alike. Reported per runner: the median step time and the range of the per-round medians; the
+ratio to eager PyTorch (as users run it, and with fused Adam) as the median of the per-round ratios with its
+interquartile range; the time to the first step (export, compile, artifact generation and session creation
+included; each process starts alone); the process's peak resident memory (`ru_maxrss`) and its growth over the
+same process after importing torch and onnxruntime and making the batches; the loss after the last step (the
 same for runners computing the same thing). `--profile` adds ONNX Runtime's kernel time per op type (and torch's
 self time per op for eager PyTorch); the profilers slow the steps they record. Prints a markdown table and writes
 benchmarks/results/run_all.json.
@@ -44,9 +46,10 @@ def _rss_mb() -> float:
 
 
 def worker(runner: str, workload_name: str, threads: int, profile: bool) -> None:
-    import onnxruntime  # noqa: F401  imported by every runner, so the baseline below includes it
+    import onnxruntime  # imported by every runner, so the baseline below includes it
     import torch
 
+    ort_version = onnxruntime.__version__
     torch.manual_seed(0)
     torch.set_num_threads(threads)
     workload = WORKLOADS[workload_name]
@@ -59,7 +62,8 @@ def worker(runner: str, workload_name: str, threads: int, profile: bool) -> None
         start = time.perf_counter()
         state["step"], state["note"], state["profile"] = make_runner(runner, workload, threads, profile)
         state["loss"] = state["step"](*batches[0])
-        return {"first_step_s": time.perf_counter() - start, "baseline_rss_mb": baseline, "note": state["note"]}
+        first_s = time.perf_counter() - start
+        return {"first_step_s": first_s, "baseline_rss_mb": baseline, "note": state["note"], "onnxruntime": ort_version}
 
     def step() -> None:
         state["i"] += 1
@@ -91,8 +95,10 @@ def measure(name: str, runners: list[str], args: argparse.Namespace) -> list[dic
     workers, results = {}, []
     for runner in runners:
         print(f"{name}: starting {runner} ...", file=sys.stderr, flush=True)
+        base, _, other = runner.partition("@")
+        python = args.other_python if other else sys.executable
         try:
-            workers[runner] = Worker(__file__, [runner, name, *flags], env=runner_env(runner))
+            workers[runner] = Worker(__file__, [base, name, *flags], env=runner_env(base), python=python)
         except RuntimeError as err:  # report the others; the failure is in the table and the exit status
             results.append({"runner": runner, "workload": name, "failed": str(err).strip().splitlines()[-1]})
     print(f"{name}: {args.rounds} interleaved rounds ...", file=sys.stderr, flush=True)
@@ -115,7 +121,17 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=list(RUNNERS + VARIANTS))
-    parser.add_argument("--variants", action="store_true", help="add orttrainer[ort] with each optimisation off")
+    parser.add_argument(
+        "--no-variants",
+        dest="variants",
+        action="store_false",
+        help="leave out orttrainer[ort] with each switch flipped",
+    )
+    parser.add_argument(
+        "--other-python",
+        default="",
+        help="a second interpreter (a venv with the maintained onnxruntime): its orttrainer runners, as '@other'",
+    )
     parser.add_argument("--profile", action="store_true", help="kernel time per op type (slows the steps)")
     parser.add_argument("--worker", nargs=2, metavar=("RUNNER", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -123,6 +139,8 @@ def main() -> int:
         worker(*args.worker, args.threads, args.profile)
         return 0
     runners = list(dict.fromkeys(args.runners + (list(DEFAULT_VARIANTS) if args.variants else [])))
+    if args.other_python:  # the orttrainer runners again, on the other interpreter's onnxruntime
+        runners += [f"{r}@other" for r in runners if r.startswith("orttrainer[")]
     started = time.perf_counter()
     results = [r for name in args.workloads for r in measure(name, runners, args)]
     text = report(results, args)
@@ -166,7 +184,7 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
         rows.append(
             [
                 name,
-                r["runner"],
+                r["runner"] + (f" (onnxruntime {r['onnxruntime']})" if "@" in r["runner"] else ""),
                 f"{t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f})",
                 _ratio(r, "pytorch"),
                 _ratio(r, "pytorch-fused"),

@@ -171,6 +171,7 @@ def _open(config: TrainerConfig, parts: _Parts) -> Built:
     streams = DropoutStreams()
     ort_private.set_seed(streams.base)  # random ops other than Dropout draw from ONNX Runtime's global generator
     session = _create_session(config, compiled, owners, streams)
+    compiled.initial_state = {}  # the session holds the state now: one copy (README § Benchmarks, memory)
     built = Built(parts.forward, compiled, session, owners, parts.torch_export, streams)
     if config.distributed is not None:
         _start_from_rank0(built, config)

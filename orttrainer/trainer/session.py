@@ -100,17 +100,23 @@ class GraphRunners(Generic[G]):
         self._cache: ShapeKeyedCache[GraphRunner[G]] = ShapeKeyedCache(MAX_TRAINING_GRAPHS)
         self._specialize = specialize if graph_for is None else None
         self._static: dict[ShapeSignature, GraphRunner[G]] = {}
+        self._dynamic: GraphRunner[G] | None = None
         self.latest: GraphRunner[G] | None = None
         if graph_for is None:
-            self.for_data({})  # the (dynamic) graph: create its session now
+            self.for_data({})  # the (dynamic) graph: create its session now, so a broken graph fails here
 
     def for_data(self, data: dict[str, torch.Tensor]) -> GraphRunner[G]:
         if self._graph_for is not None:
             inputs = [data[n] for n in self.graph.data_inputs]
             self.latest = self._cache.get_or_build(inputs, lambda: self._new(inputs))
         else:
-            self.latest = self._static_for(data) or self._cache.get_or_build([], lambda: self._new([]))
+            self.latest = self._static_for(data) or self._dynamic_runner()
         return self.latest
+
+    def _dynamic_runner(self) -> GraphRunner[G]:
+        if self._dynamic is None:
+            self._dynamic = self._new([])
+        return self._dynamic
 
     def _static_for(self, data: dict[str, torch.Tensor]) -> GraphRunner[G] | None:
         """The graph specialised to `data`'s shapes (static_graphs.py): built for the first MAX_STATIC_SIGNATURES
@@ -134,6 +140,7 @@ class GraphRunners(Generic[G]):
                 self._specialize = None
                 return None
             self._static[signature] = runner
+            self._dynamic = None  # released (its session and arena) until a signature needs it again
         return runner
 
     def _new(self, inputs: list[torch.Tensor]) -> GraphRunner[G]:
@@ -151,10 +158,12 @@ class GraphRunners(Generic[G]):
         failed run whose draws the positions did not count)."""
         self._cache.replace_all(lambda runner: self._open(runner.graph, runner.key))
         self._static = {signature: self._open(r.graph, r.key) for signature, r in self._static.items()}
+        if self._dynamic is not None:
+            self._dynamic = self._open(self._dynamic.graph, self._dynamic.key)
         self.latest = None
 
     def __len__(self) -> int:
-        return len(self._cache) + len(self._static)
+        return len(self._cache) + len(self._static) + (self._dynamic is not None)
 
 
 class SessionBase(ABC):
