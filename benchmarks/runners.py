@@ -130,29 +130,13 @@ def op_type_profile(path: str) -> dict[str, float]:
 
 def _training_api(workload, threads: int):
     import onnx
-    import torch
     from onnxruntime.training import artifacts, onnxblock
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-    from orttrainer.trainer.export import _ModelWithLoss
     from orttrainer.trainer.graph.fixups import name_optional_outputs
 
-    model = workload.make_model()
-    names = [name for name, _ in workload.model_desc["inputs"]]
     path = tempfile.mkdtemp(prefix="ort_training_api_")
-    exported = os.path.join(path, "model.onnx")
-    torch.onnx.export(
-        _ModelWithLoss(model, workload.loss_fn, names),
-        workload.make_batch(),
-        exported,
-        input_names=names,
-        output_names=["loss"],
-        dynamic_axes={n: {0: "batch"} for n in names},
-        opset_version=14,
-        do_constant_folding=False,
-        training=torch.onnx.TrainingMode.TRAINING,
-        dynamo=False,
-    )
+    exported = _export_with_loss(workload, os.path.join(path, "model.onnx"))
     # onnxblock's gradient builder needs the optional outputs of LayerNormalization/SoftmaxCrossEntropyLoss named
     # (docs/engine.md §3.3); orttrainer's own fix-up pass does exactly that.
     forward = name_optional_outputs(onnx.load(exported))
@@ -185,6 +169,28 @@ def _training_api(workload, threads: int):
         return outputs[0]
 
     return step, "first step includes export and generate_artifacts; AdamW adam_mode patched to 0", None
+
+
+def _export_with_loss(workload, path: str) -> str:
+    """The model and its loss exported as one ONNX graph whose output is the loss (TorchScript exporter)."""
+    import torch
+
+    from orttrainer.trainer.export import _ModelWithLoss
+
+    names = [name for name, _ in workload.model_desc["inputs"]]
+    torch.onnx.export(
+        _ModelWithLoss(workload.make_model(), workload.loss_fn, names),
+        workload.make_batch(),
+        path,
+        input_names=names,
+        output_names=["loss"],
+        dynamic_axes={n: {0: "batch"} for n in names},
+        opset_version=14,
+        do_constant_folding=False,
+        training=torch.onnx.TrainingMode.TRAINING,
+        dynamo=False,
+    )
+    return path
 
 
 def _pytorch_adam_mode(path: str) -> str:

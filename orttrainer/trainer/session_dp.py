@@ -26,8 +26,9 @@ import torch
 
 from .distributed import Communicator
 from .graph.data_parallel import DataParallelGraphs, GradientStepGraph
+from .graph_runners import GraphRunners
 from .rng import DropoutStreams
-from .session import GraphRunners, SessionBase, SessionConfig, from_torch, to_torch_view
+from .session import SessionBase, SessionConfig, from_torch, to_torch_view
 from .torch_optimizer import TorchOptimizer
 
 

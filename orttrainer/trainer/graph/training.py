@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import onnx
@@ -130,24 +131,33 @@ def build_training_graph(
     accumulation: dict[str, str] = {}
     if accumulation_steps > 1:
         grads, accumulation = _append_accumulation(ed, grads, shapes)
-    divisor = gradient_divisor or accumulation_steps
     clip = clip_grad_norm and optimizer_name != "SGDOptimizer"
     updated = [p for p in trainable if update_only is None or p in update_only]
-    if update == "torch":
-        outside = OutsideUpdate(optimizer_name, groups, divisor, clip, bool(loss_scale_input), updated)
-        result = _gradient_only_result(ed, model, (data_inputs, outputs), grads, accumulation, shapes, outside)
-        result.loss_scale_input = loss_scale_input
-        if loss_scale_input:  # the legacy model_desc names the flag; TorchOptimizer.step returns its value
-            result.all_finite_output = ALL_FINITE_OUTPUT
-        return result
-    coef = _gradient_coefficient(ed, divisor, loss_scale_input)
-    optimizers = FUSED_OPTIMIZERS if update == "fused" else OPTIMIZERS
-    updates, total = _append_update(
-        ed, optimizers[optimizer_name], groups, grads, coef, clip, bool(loss_scale_input), set(updated)
+    plan = OutsideUpdate(
+        optimizer_name, groups, gradient_divisor or accumulation_steps, clip, bool(loss_scale_input), updated
     )
-    if any(n.domain == _RUNTIME_DOMAIN for n in model.graph.node) and not _imports(model, _RUNTIME_DOMAIN):
-        model.opset_import.append(helper.make_opsetid(_RUNTIME_DOMAIN, 1))  # update="fused" on a torch-built graph
-    result = _training_result(model, list(data_inputs), list(outputs), updates, accumulation, shapes)
+    tail = _gradient_only_result if update == "torch" else partial(_graph_update_result, fused=update == "fused")
+    return tail(ed, model, (data_inputs, outputs), grads, accumulation, shapes, plan, loss_scale_input)
+
+
+def _graph_update_result(
+    ed: GraphEditor,
+    model: onnx.ModelProto,
+    io: tuple[list[str], list[str]],
+    grads: dict[str, str],
+    accumulation: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+    plan: OutsideUpdate,
+    loss_scale_input: str | None,
+    fused: bool = False,
+) -> TrainingGraph:
+    """`update="graph"` or `"fused"`: the update `plan` describes, appended to the graph."""
+    coef = _gradient_coefficient(ed, plan.gradient_divisor, loss_scale_input)
+    append = (FUSED_OPTIMIZERS if fused else OPTIMIZERS)[plan.optimizer_name]
+    updates, total = _append_update(
+        ed, append, plan.groups, grads, coef, plan.clip, plan.check_finite, set(plan.updated)
+    )
+    result = _training_result(model, list(io[0]), list(io[1]), updates, accumulation, shapes)
     _declare_state(ed, result, {**shapes, **result.state_shapes})
     if loss_scale_input and total:
         result.loss_scale_input = loss_scale_input
@@ -163,6 +173,7 @@ def _gradient_only_result(
     accumulation: dict[str, str],
     shapes: dict[str, tuple[int, ...]],
     outside: OutsideUpdate,
+    loss_scale_input: str | None,
 ) -> TrainingGraph:
     """`update="torch"`: the graph outputs the forward outputs and each gradient sum `G` (with accumulation, the
     running sum is also the buffer's new value); the moments are state the graph never reads."""
@@ -183,6 +194,9 @@ def _gradient_only_result(
     )
     result.state_shapes = {**buffers, **moments}
     result.gradients, result.outside_update = dict(grads), outside
+    result.loss_scale_input = loss_scale_input
+    if loss_scale_input:  # the legacy model_desc names the flag; TorchOptimizer.step returns its value
+        result.all_finite_output = ALL_FINITE_OUTPUT
     return result
 
 
@@ -195,6 +209,8 @@ def _training_result(
     shapes: dict[str, tuple[int, ...]],
 ) -> TrainingGraph:
     """The contract of the assembled graph; `state_shapes` lists the accumulation buffers, then the moments."""
+    if any(n.domain == _RUNTIME_DOMAIN for n in model.graph.node) and not _imports(model, _RUNTIME_DOMAIN):
+        model.opset_import.append(helper.make_opsetid(_RUNTIME_DOMAIN, 1))  # update="fused" on a torch-built graph
     result = TrainingGraph(
         model,
         data_inputs,
