@@ -229,3 +229,25 @@ def test_specialisation_folds_the_shape_arithmetic_and_keeps_the_values():
     feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
     for ours, theirs in itertools.zip_longest(_run(graph.model, feeds), _run(model, feeds)):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def test_a_graph_fused_into_inference_only_ops_is_not_specialised():
+    """ONNX Runtime's inference fusions (SkipLayerNormalization, ...) declare outputs their CPU kernels do not
+    compute; should one appear in the optimised model, the specialisation is refused (None: the dynamic graph runs)."""
+    from dataclasses import dataclass
+
+    import torch
+
+    from orttrainer.trainer.static_graphs import specialized
+
+    @dataclass
+    class Graph:
+        model: onnx.ModelProto
+        data_inputs: list
+
+    def fused(model: onnx.ModelProto) -> onnx.ModelProto:
+        node = helper.make_node("SkipLayerNormalization", ["x", "x", "g"], ["y"], domain="com.microsoft")
+        return _model([node], list(model.graph.input), [_vi("y", None)])
+
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", ["batch", 4])], [_vi("y", None)])
+    assert specialized(Graph(model, ["x"]), {"x": torch.zeros(2, 4)}, fused) is None

@@ -145,3 +145,17 @@ def test_the_debug_stages_show_the_default_graphs(tmp_path):
     assert "SoftmaxCrossEntropyLossGrad" not in ops["model_with_gradient_graph_path"]
     assert "Sqrt" not in ops["model_with_training_graph_path"]  # no optimizer update in the graph
     assert ops["model_with_training_graph_after_optimization_path"]
+
+
+def test_memory_efficient_gradients_are_specialised_without_inference_fusions(monkeypatch):
+    """docs/engine.md §12: with static shapes ONNX Runtime would fuse Add + LayerNormalization into
+    SkipLayerNormalization, whose CPU kernel does not compute the inverse std InvertibleLayerNormalizationGrad
+    reads; the trainer's sessions keep that fusion off (ort_session.TRAINING_UNSAFE_FUSIONS)."""
+    batches = _batches([4, 4, 4])
+    extra = {"utils": {"memory_efficient_gradient": True}}
+    specialised = _train(batches, extra=extra)
+    ops = _ops(specialised)
+    assert specialised._training_session.training_graph_count == 1 and "BroadcastGradientArgs" not in ops
+    assert ops["InvertibleLayerNormalizationGrad"] == 4 and "SkipLayerNormalization" not in ops
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, "static_shapes")
+    assert _difference(specialised, _train(batches, extra=extra)) < 1e-5

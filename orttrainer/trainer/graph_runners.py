@@ -64,7 +64,7 @@ class GraphRunners(Generic[G]):
         graph_for: Callable[[Sequence[torch.Tensor]], G] | None,
         optimized_model_path: str,
         streams: DropoutStreams,
-        specialize: Callable[[G, dict[str, torch.Tensor]], G] | None = None,
+        specialize: Callable[[G, dict[str, torch.Tensor]], G | None] | None = None,
     ) -> None:
         self.graph, self._create, self._graph_for = graph, create, graph_for
         self.streams = streams
@@ -99,7 +99,11 @@ class GraphRunners(Generic[G]):
         runner = self._static.get(signature)
         if runner is None and len(self._static) < MAX_STATIC_SIGNATURES:
             try:
-                runner = self._open(self._specialize(self.graph, data), ALL_SHAPES)
+                graph = self._specialize(self.graph, data)
+                if graph is None:  # refused (static_graphs.specialized): the dynamic graph runs
+                    self._specialize = None
+                    return None
+                runner = self._open(graph, ALL_SHAPES)
             except Exception as err:  # a speed-only rewrite must not stop training: the dynamic graph runs
                 if verification_enabled():
                     raise

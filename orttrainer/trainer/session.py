@@ -32,7 +32,7 @@ from . import ort_private
 from .config import Device
 from .graph.training import TrainingGraph
 from .graph_runners import GraphRunner, GraphRunners
-from .ort_session import create_session, optimized_model, providers_for, session_options
+from .ort_session import TRAINING_UNSAFE_FUSIONS, create_session, optimized_model, providers_for, session_options
 from .rng import DropoutStreams
 from .static_graphs import specializable, specialized
 from .torch_optimizer import TorchOptimizer
@@ -65,17 +65,18 @@ class SessionBase(ABC):
         self.streams = streams
         self._options = session_options(config.session_options, config.deterministic, config.device, config.mem_limit)
         self._providers = providers_for(config.device, config.mem_limit, config.provider_options or {})
-        self._eval = self._session(eval_model, "")
+        self._eval = self._session(eval_model, "", training=False)
         self._eval_inputs = {i.name for i in self._eval.get_inputs()}
         self._state: dict[str, Any] = {name: self._to_device(value) for name, value in state.items()}
         self._views: dict[str, tuple[Any, torch.Tensor]] = {}
         self._partial_run = ort.RunOptions()
         self._partial_run.only_execute_path_to_fetches = True
 
-    def _session(self, model: onnx.ModelProto, optimized_model_path: str) -> Any:
-        return create_session(model, self._options, self._providers, self.config.device, optimized_model_path)
+    def _session(self, model: onnx.ModelProto, optimized_model_path: str, training: bool = True) -> Any:
+        unsafe = TRAINING_UNSAFE_FUSIONS if training else ()
+        return create_session(model, self._options, self._providers, self.config.device, optimized_model_path, unsafe)
 
-    def _specializer(self, graph: Any) -> Callable[[Any, dict[str, torch.Tensor]], Any] | None:
+    def _specializer(self, graph: Any) -> Callable[[Any, dict[str, torch.Tensor]], Any | None] | None:
         """How `GraphRunners` specialises `graph` to input shapes, when it should (static_graphs.py)."""
         if not specializable(graph, self.config.device.type):
             return None

@@ -51,13 +51,32 @@ def specializable(graph: Any, device_type: str) -> bool:
     )
 
 
-def specialized(graph: G, data: dict[str, torch.Tensor], optimize: Optimize) -> G:
-    """A copy of `graph` whose model is specialised to the shapes of `data` (its data inputs)."""
+# Ops of ONNX Runtime's inference-only fusions: a specialised training graph that contains one it did not have is
+# refused (ort_session.TRAINING_UNSAFE_FUSIONS keeps them off; this is the check that they stayed off).
+_INFERENCE_ONLY_OPS = frozenset(
+    {
+        "SkipLayerNormalization",
+        "SkipSimplifiedLayerNormalization",
+        "EmbedLayerNormalization",
+        "Attention",
+        "MultiHeadAttention",
+    }
+)
+
+
+def specialized(graph: G, data: dict[str, torch.Tensor], optimize: Optimize) -> G | None:
+    """A copy of `graph` whose model is specialised to the shapes of `data` (its data inputs); None when ONNX
+    Runtime's optimiser brought in an inference-only fused op (`_INFERENCE_ONLY_OPS`): the dynamic graph runs then."""
     names: list[str] = graph.data_inputs  # type: ignore[attr-defined]
     shapes = {name: tuple(data[name].shape) for name in names if name in data}
     _logger.info("specialising the training graph to the input shapes %s", shapes)
+    before = {n.op_type for n in graph.model.graph.node}  # type: ignore[attr-defined]
     model = run_passes(graph.model, [static_inputs_pass(shapes)])  # type: ignore[attr-defined]
     model = _release_fills(optimize(_hold_fills(model)))
+    unsafe = sorted(({n.op_type for n in model.graph.node} - before) & _INFERENCE_ONLY_OPS)
+    if unsafe:
+        _logger.info("not specialising the training graph: ONNX Runtime fused it into %s", unsafe)
+        return None
     model = run_passes(model, STATIC_SHAPE_PASSES)
     return dataclasses.replace(graph, model=model)  # type: ignore[type-var]
 
