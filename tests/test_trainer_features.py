@@ -302,7 +302,11 @@ def test_returned_tensors_are_not_overwritten_by_later_steps():
     assert torch.equal(loss, kept[0]) and torch.equal(logits, kept[1])
 
 
-def test_debug_graph_save_paths_write_the_four_stages(tmp_path):
+def test_debug_graph_save_paths_write_the_four_stages(tmp_path, monkeypatch):
+    # the plain-op update in the graph and ONNX Runtime's cross-entropy kernels (the default update runs in torch
+    # and the loss as plain ops: tests/test_rewrites_trainer.py checks the stages then)
+    monkeypatch.setenv("ORTTRAINER_OPTIMIZER_UPDATE", "graph")
+    monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "cross_entropy_as_plain_ops")
     names = [
         "model_after_graph_transforms_path",
         "model_with_gradient_graph_path",

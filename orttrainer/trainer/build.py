@@ -294,6 +294,7 @@ def _open(config: TrainerConfig, parts: _Parts) -> Built:
     streams = DropoutStreams()
     ort_private.set_seed(streams.base)  # random ops other than Dropout draw from ONNX Runtime's global generator
     session = _create_session(config, compiled, owners, streams, parts.eval_graphs)
+    compiled.initial_state = {}  # the session holds the state now: one copy (README § Benchmarks, memory)
     forward = parts.eval_graphs.forward_model if parts.eval_graphs is not None else parts.forward
     built = Built(forward, compiled, session, owners, parts.torch_export, streams)
     if config.distributed is not None:

@@ -35,6 +35,7 @@ from .locks import TRACING
 from .ort_session import writable_debug_path
 from .parameters import initializer_values, param_groups
 from .shapes import shape_signature
+from .update_path import choose_update_path
 
 _logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class CompileRequest:
     gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients ('ort' only)
     statistics: StatisticsInstrument | None = None  # orttrainer.debug statistics ('ort' builder only)
     lazy_eval: bool = False  # the torch route: `forward` holds only the state, eval graphs come from torch_forward
+    update: str = "auto"  # where the optimizer update runs (update_path.py); resolved by compile_model
 
 
 ShapeGraph = TrainingGraph | GradientStepGraph
@@ -109,6 +111,9 @@ class CompiledModel:
 
 def compile_model(request: CompileRequest) -> CompiledModel:
     """Run the pipeline on `request` (which is not modified)."""
+    if request.update == "auto":
+        groups = param_groups(request.optim_config, request.trainable)
+        request = replace(request, update=choose_update_path(request.optim_config.name, groups))
     state = request.trainable + request.frozen
     save = _debug_paths(request.graph_save_paths)
     passes = forward_passes(request.dropout_off)
@@ -217,6 +222,7 @@ def _training_graph(gradient_model: onnx.ModelProto, request: CompileRequest, lo
         accumulation_steps=request.accumulation_steps,
         clip_grad_norm=request.clip_grad_norm,
         loss_scale_input=loss_scale,
+        update=request.update,
     )
 
 
@@ -255,6 +261,7 @@ def _compile_data_parallel(
         clip_grad_norm=request.clip_grad_norm,
         loss_scale=loss_scale is not None,
         update_only=plan.owned,
+        update=request.update,
     )
     record_stage(_TRAINING, optimizer.model, save=save)
     buffers = {accumulation_buffer_name(p): shapes[p] for p in request.trainable} if k > 1 else {}

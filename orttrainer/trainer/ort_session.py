@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import onnx
@@ -12,20 +14,37 @@ import torch
 
 from .config import CPU_PROVIDER, Device, checked_provider_options
 
+# ONNX Runtime's inference-only fusions, off for training graphs: their fused CPU kernels declare the optional
+# outputs a gradient reads (a LayerNormalization's inverse standard deviation, for InvertibleLayerNormalizationGrad)
+# without computing them ("Missing Input" at run time). They fire once input shapes are static (docs/engine.md §14).
+TRAINING_UNSAFE_FUSIONS = ("SkipLayerNormFusion", "EmbedLayerNormFusion", "AttentionFusion")
+
 
 def create_session(
-    model: onnx.ModelProto, options: Any, providers: list, device: Device, optimized_model_path: str
+    model: onnx.ModelProto,
+    options: Any,
+    providers: list,
+    device: Device,
+    optimized_model_path: str,
+    disabled_optimizers: Sequence[str] = (),
 ) -> Any:
     """An `onnxruntime.InferenceSession` for `model`; `optimized_model_path` (may be "") receives the optimized
-    graph. Every provider option asked for must be in effect, and `device.id` cuda must run on CUDA."""
+    graph; `disabled_optimizers` names ONNX Runtime graph transformers not to run. Every provider option asked for
+    must be in effect, and `device.id` cuda must run on CUDA."""
     import onnxruntime as ort
 
-    saved_path = options.optimized_model_filepath
+    saved = (options.optimized_model_filepath, options.enable_mem_pattern)
     options.optimized_model_filepath = optimized_model_path  # read once, at session creation
+    # The memory pattern (one block per run, planned from the first run) is off: on a graph with static shapes ONNX
+    # Runtime keeps that block besides the first run's arena chunks (docs/engine.md §14: +120 MB on the benchmark
+    # transformer), and it was not faster on the dynamic graph either.
+    options.enable_mem_pattern = False
     try:
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        session = ort.InferenceSession(
+            model.SerializeToString(), options, providers=providers, disabled_optimizers=list(disabled_optimizers)
+        )
     finally:
-        options.optimized_model_filepath = saved_path
+        options.optimized_model_filepath, options.enable_mem_pattern = saved
     if device.type == "cuda" and session.get_providers()[0] != "CUDAExecutionProvider":
         raise RuntimeError(
             f"options device.id is cuda:{device.index} but ONNX Runtime's CUDAExecutionProvider could not "
@@ -114,3 +133,26 @@ def _check_options_in_effect(session: Any, providers: list) -> None:
                 f"options provider_options.{name}: {dropped} are not options of {name} (ONNX Runtime "
                 f"ignored them); it takes {sorted(in_effect[name])}"
             )
+
+
+def optimized_model(model: onnx.ModelProto, options: Any, providers: list) -> onnx.ModelProto:
+    """`model` after ONNX Runtime's graph optimisations up to the extended level (constant folding, fusions; no
+    layout changes; not the inference-only fusions, `TRAINING_UNSAFE_FUSIONS`), as ONNX Runtime writes it
+    (`SessionOptions.optimized_model_filepath`). `options` (the trainer's session options, possibly the user's) is
+    restored afterwards."""
+    import onnxruntime as ort
+
+    saved = (options.optimized_model_filepath, options.graph_optimization_level)
+    extended = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    with tempfile.TemporaryDirectory(prefix="orttrainer_") as directory:
+        path = os.path.join(directory, "optimized.onnx")
+        options.optimized_model_filepath = path
+        if saved[1] == ort.GraphOptimizationLevel.ORT_ENABLE_ALL:
+            options.graph_optimization_level = extended
+        try:
+            ort.InferenceSession(
+                model.SerializeToString(), options, providers=providers, disabled_optimizers=TRAINING_UNSAFE_FUSIONS
+            )
+        finally:
+            options.optimized_model_filepath, options.graph_optimization_level = saved
+        return onnx.load(path)

@@ -1,16 +1,20 @@
 """TrainingSession: runs the compiled training and eval graphs with ONNX Runtime, owning the training state.
 
-Training graphs: one with the `ort` gradient builder (its graph has dynamic batch and sequence dims); with the
-`torch` builder, the compiler's `graph_for` gives the graph for each input-shape signature on first sight (a graph
-traced with dynamic dims serves every signature its guards accept, with one ONNX Runtime session), kept in a
-`ShapeKeyedCache` (`GraphRunners`; least recently used evicted beyond `MAX_TRAINING_GRAPHS`). Every training graph
-has the same state contract, so all of them read and replace the same state values. The eval graph works the same
-way: one, or (torch route, `eval_for`) the graph `eval_for` gives for each signature, created when first needed.
+Training graphs (graph_runners.py): one with the `ort` gradient builder (dynamic batch and sequence dims; on the
+CPU also specialised to the first few input-shape signatures); with the `torch` builder, the compiler's `graph_for`
+gives the graph for each input-shape signature on first sight (a graph traced with dynamic dims serves every
+signature its guards accept, with one ONNX Runtime session). Every training graph has the same state contract, so
+all of them read and replace the same state values. The eval graph works the same way: one, or (torch route,
+`eval_for`) the graph `eval_for` gives for each signature, created when first needed.
 
 State (weights, frozen tensors, optimizer moments, gradient-accumulation buffers) lives in `OrtValue`s on the
 device between steps. A step feeds them as inputs and receives the updated values as new, owned `OrtValue`s that
 replace them — outputs are never bound onto input buffers (docs/engine.md §3.2: that corrupts weights still read by the
 backward pass). Data and outputs cross between torch and ONNX Runtime through DLPack, without host copies.
+
+A gradient-only training graph (`graph.outside_update`, graph/training.py) leaves the update to `TorchOptimizer`
+(torch_optimizer.py), which changes the weights and moments in place through DLPack views of the same `OrtValue`s
+after the run; those state values are then never replaced by a run, only by `set_state`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from functools import partial
+from typing import Any
 
 import numpy as np
 import onnx
@@ -28,11 +33,11 @@ from ..dtypes import ort_to_numpy
 from . import ort_private
 from .config import Device
 from .graph.training import TrainingGraph
-from .ort_session import create_session, providers_for, session_options
-from .rng import DropoutStreams, stream_key
-from .shapes import ShapeKeyedCache
-
-MAX_TRAINING_GRAPHS = 16  # torch builder: input-shape signatures kept compiled at once
+from .graph_runners import EvalGraph, EvalGraphs, GraphRunner, GraphRunners
+from .ort_session import TRAINING_UNSAFE_FUSIONS, create_session, optimized_model, providers_for, session_options
+from .rng import DropoutStreams
+from .static_graphs import specializable, specialized
+from .torch_optimizer import TorchOptimizer
 
 
 @dataclass(frozen=True)
@@ -45,109 +50,6 @@ class SessionConfig:
     session_options: Any = None  # onnxruntime.SessionOptions given by the user
     deterministic: bool = False
     optimized_model_path: str = ""
-
-
-class RunnableGraph(Protocol):
-    """What `GraphRunners` needs of a graph: its model and its data inputs (a TrainingGraph or GradientStepGraph)."""
-
-    @property
-    def model(self) -> onnx.ModelProto: ...
-
-    @property
-    def data_inputs(self) -> list[str]: ...
-
-
-G = TypeVar("G", bound=RunnableGraph)
-
-
-class EvalGraphs(Protocol):
-    """The torch route's eval graphs: `self(inputs)` for the data (in `data_inputs` order); the same graph for
-    inputs it also serves."""
-
-    data_inputs: list[str]
-
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph: ...
-
-
-@dataclass(frozen=True)
-class GraphRunner(Generic[G]):
-    """A graph, its onnxruntime.InferenceSession, and the inputs the session kept (ONNX Runtime prunes unused
-    ones)."""
-
-    graph: G
-    session: Any
-    inputs: frozenset[str]
-    key: str  # the dropout stream key of the graph (rng.py)
-
-
-@dataclass(frozen=True)
-class EvalGraph:
-    """An eval model and its data inputs (model_desc order), as `GraphRunners` runs it."""
-
-    model: onnx.ModelProto
-    data_inputs: list[str]
-
-
-class GraphRunners(Generic[G]):
-    """The graph (and ONNX Runtime session) that runs a batch: `graph` for every batch, or — given `graph_for`
-    (torch builder) — `graph_for(inputs)` for the shape signature of `inputs` (the data in `graph.data_inputs`
-    order), asked on the first batch with that signature; a graph it returned before keeps its session.
-    `optimized_model_path` receives the first graph's optimized model (every later one would overwrite it). Each
-    session is created with its graph's Dropout nodes seeded at the position `streams` has reached for it (rng.py)."""
-
-    def __init__(
-        self,
-        create: Callable[[onnx.ModelProto, str], Any],
-        graph: G,
-        graph_for: Callable[[Sequence[torch.Tensor]], G] | None,
-        optimized_model_path: str,
-        streams: DropoutStreams,
-    ) -> None:
-        self.graph, self._create, self._graph_for = graph, create, graph_for
-        self.streams = streams
-        self._path = optimized_model_path
-        self._cache: ShapeKeyedCache[GraphRunner[G]] = ShapeKeyedCache(MAX_TRAINING_GRAPHS)
-        self.latest: GraphRunner[G] | None = None
-        if graph_for is None:
-            self.for_data({})  # the only graph: create its session now
-
-    def for_data(self, data: dict[str, torch.Tensor]) -> GraphRunner[G]:
-        inputs = [data[n] for n in self.graph.data_inputs] if self._graph_for is not None else []
-        self.latest = self._cache.get_or_build(inputs, lambda: self._new(inputs))
-        return self.latest
-
-    def _new(self, inputs: list[torch.Tensor]) -> GraphRunner[G]:
-        graph = self._graph_for(inputs) if self._graph_for is not None else self.graph
-        known = next((r for r in self._cache.values() if r.graph is graph), None)
-        if known is not None:  # a dynamic-shape graph serving another signature
-            return known
-        return self._open(graph, stream_key(graph.model, inputs))
-
-    def _open(self, graph: G, key: str) -> GraphRunner[G]:
-        path, self._path = self._path, ""
-        session = self._create(self.streams.seeded(graph.model, key), path)
-        return GraphRunner(graph, session, frozenset(i.name for i in session.get_inputs()), key)
-
-    def reopen(self) -> None:
-        """Create every kept graph's session again, seeded at the streams' current positions (after a load, or a
-        failed run whose draws the positions did not count)."""
-        reopened: dict[int, GraphRunner[G]] = {}  # signatures sharing a graph keep sharing one session
-
-        def again(runner: GraphRunner[G]) -> GraphRunner[G]:
-            if id(runner.graph) not in reopened:
-                reopened[id(runner.graph)] = self._open(runner.graph, runner.key)
-            return reopened[id(runner.graph)]
-
-        self._cache.replace_all(again)
-        self.latest = None
-
-    def __len__(self) -> int:
-        return len(self._cache)
-
-    @property
-    def graph_count(self) -> int:
-        """How many distinct graphs (and sessions) the kept signatures use."""
-        return len({id(r.graph) for r in self._cache.values()})
 
 
 class SessionBase(ABC):
@@ -172,13 +74,24 @@ class SessionBase(ABC):
         self._providers = providers_for(config.device, config.mem_limit, config.provider_options or {})
         # with eval_for, `first` only names the data inputs: the graphs are created when first needed
         first = EvalGraph(eval_model, eval_for.data_inputs if eval_for is not None else [])
-        self._evals = GraphRunners(self._session, first, eval_for, "", streams)
+        self._evals = GraphRunners(self._eval_session, first, eval_for, "", streams)
         self._state: dict[str, Any] = {name: self._to_device(value) for name, value in state.items()}
+        self._views: dict[str, tuple[Any, torch.Tensor]] = {}
         self._partial_run = ort.RunOptions()
         self._partial_run.only_execute_path_to_fetches = True
 
-    def _session(self, model: onnx.ModelProto, optimized_model_path: str) -> Any:
-        return create_session(model, self._options, self._providers, self.config.device, optimized_model_path)
+    def _session(self, model: onnx.ModelProto, optimized_model_path: str, training: bool = True) -> Any:
+        unsafe = TRAINING_UNSAFE_FUSIONS if training else ()
+        return create_session(model, self._options, self._providers, self.config.device, optimized_model_path, unsafe)
+
+    def _eval_session(self, model: onnx.ModelProto, optimized_model_path: str) -> Any:
+        return self._session(model, optimized_model_path, training=False)
+
+    def _specializer(self, graph: Any) -> Callable[[Any, dict[str, torch.Tensor]], Any | None] | None:
+        """How `GraphRunners` specialises `graph` to input shapes, when it should (static_graphs.py)."""
+        if not specializable(graph, self.config.device.type):
+            return None
+        return partial(specialized, optimize=partial(optimized_model, options=self._options, providers=self._providers))
 
     def prepare(self, data: dict[str, torch.Tensor]) -> None:
         """Build (if needed) the training graph and session for this batch's shapes, without running anything."""
@@ -251,6 +164,24 @@ class SessionBase(ABC):
             arrays[name] = array.astype(ort_to_numpy(current.data_type()), copy=False)
         self._state.update({name: self._to_device(array) for name, array in arrays.items()})
 
+    def state_view(self, name: str) -> torch.Tensor:
+        """A torch tensor sharing the memory of state `name` (kept while the state holds the same `OrtValue`)."""
+        value = self._state[name]
+        cached = self._views.get(name)
+        if cached is None or cached[0] is not value:
+            cached = (value, to_torch_view(value))
+            self._views[name] = cached
+        return cached[1]
+
+    def _step_feeds(self, g: Any, inputs: frozenset[str] | set[str], lr: float, update_count: int) -> dict[str, Any]:
+        """The learning rate and update number, for a graph that reads them (a gradient-only graph does not)."""
+        feeds = {}
+        if g.lr_input in inputs:
+            feeds[g.lr_input] = self._host_scalar(np.float32(lr))
+        if g.update_count_input in inputs:
+            feeds[g.update_count_input] = self._host_scalar(np.int64(update_count))
+        return feeds
+
     # --------------------------------------------------------------------------------------------------- plumbing
     def _feeds(self, data: dict[str, torch.Tensor], wanted: set[str] | frozenset[str]) -> dict[str, Any]:
         feeds = {name: self._state[name] for name in wanted if name in self._state}
@@ -291,8 +222,12 @@ class TrainingSession(SessionBase):
     ) -> None:
         super().__init__(eval_model, state, config, streams, eval_for)
         self.graph = graph
-        self._runners = GraphRunners(self._session, graph, graph_for, config.optimized_model_path, streams)
+        self._runners = GraphRunners(
+            self._session, graph, graph_for, config.optimized_model_path, streams, self._specializer(graph)
+        )
         self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
+        update = graph.outside_update
+        self._optimizer = TorchOptimizer(update, self.state_view) if update is not None else None
 
     @property
     def train_session(self) -> Any:
@@ -317,10 +252,11 @@ class TrainingSession(SessionBase):
         runner = self._runners.for_data(data)
         g = runner.graph
         feeds = self._feeds(data, runner.inputs)
-        feeds[g.lr_input] = self._host_scalar(np.float32(lr))
-        feeds[g.update_count_input] = self._host_scalar(np.int64(update_count))
+        feeds.update(self._step_feeds(g, runner.inputs, lr, update_count))
         if g.loss_scale_input:
             feeds[g.loss_scale_input] = self._host_scalar(np.float32(loss_scale))
+        if optimizer_step and self._optimizer is not None:
+            return self._train_outside(runner, feeds, outputs, (lr, update_count, loss_scale))
         state_outputs = {**g.weight_updates, **g.optimizer_state} if optimizer_step else g.accumulation
         checks = [g.all_finite_output] if optimizer_step and g.all_finite_output else []
         fetched = self._run_training(runner, feeds, outputs + list(state_outputs.values()) + checks)
@@ -332,6 +268,19 @@ class TrainingSession(SessionBase):
         if optimizer_step:
             self._state.update(self._zeros)  # accumulation restarts from zero after every update (or skipped one)
         return {name: self._to_torch(value) for name, value in results.items()}, finite
+
+    def _train_outside(
+        self, runner: GraphRunner, feeds: dict[str, Any], outputs: list[str], step: tuple[float, int, float | None]
+    ) -> tuple[dict[str, torch.Tensor], bool]:
+        """An optimizer step of a gradient-only graph: run it for the outputs and the gradient sums, then update the
+        state in place (`TorchOptimizer`)."""
+        assert self._optimizer is not None
+        names = list(runner.graph.gradients)
+        fetched = self._run_training(runner, feeds, outputs + [runner.graph.gradients[p] for p in names])
+        grads = {p: to_torch_view(v) for p, v in zip(names, fetched[len(outputs) :], strict=True)}
+        finite = self._optimizer.step(grads, *step)
+        self._state.update(self._zeros)  # accumulation restarts from zero after every update (or skipped one)
+        return {name: self._to_torch(value) for name, value in zip(outputs, fetched, strict=False)}, finite
 
 
 def to_torch_view(value) -> torch.Tensor:

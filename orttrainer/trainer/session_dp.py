@@ -10,6 +10,9 @@ finite step the owners broadcast their updated weights, so every rank keeps full
 
 Torch gradient builder: the gradient-step graph depends on the input shapes, so `step_for` gives one per shape
 signature (`GraphRunners`); the optimizer graph does not.
+
+With `update="torch"` (update_path.py) there is no optimizer graph: `TorchOptimizer` updates the state in place
+from the combined gradients (torch_optimizer.py), with the same semantics.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import torch
 
 from .distributed import Communicator
 from .graph.data_parallel import DataParallelGraphs, GradientStepGraph
+from .graph_runners import EvalGraphs, GraphRunners
 from .rng import DropoutStreams
-from .session import EvalGraphs, GraphRunners, SessionBase, SessionConfig, from_torch, to_torch_view
+from .session import SessionBase, SessionConfig, from_torch, to_torch_view
+from .torch_optimizer import TorchOptimizer
 
 
 class DataParallelSession(SessionBase):
@@ -49,9 +54,11 @@ class DataParallelSession(SessionBase):
         super().__init__(eval_model, state, config, streams, eval_for)
         self.graphs, self.graph = graphs, graphs.optimizer
         self.comm = comm
-        self._runners = GraphRunners(self._session, graphs.step, step_for, "", streams)
-        self._train = self._session(graphs.optimizer.model, config.optimized_model_path)
-        self._train_inputs = {i.name for i in self._train.get_inputs()}
+        self._runners = GraphRunners(self._session, graphs.step, step_for, "", streams, self._specializer(graphs.step))
+        update = graphs.optimizer.outside_update
+        self._optimizer = TorchOptimizer(update, self.state_view) if update is not None else None
+        self._train = None if update is not None else self._session(graphs.optimizer.model, config.optimized_model_path)
+        self._train_inputs = {i.name for i in self._train.get_inputs()} if self._train is not None else set()
         self._accumulating = accumulation_steps > 1
         self._adasum, self._owners, self._rank = adasum, owners, rank
         self._buffers = [f"{p}_grad_accumulation_buffer" for p in graphs.step.gradients] if self._accumulating else []
@@ -96,13 +103,20 @@ class DataParallelSession(SessionBase):
 
     @property
     def train_session(self) -> Any:
-        """The optimizer graph's onnxruntime.InferenceSession."""
+        """The optimizer graph's onnxruntime.InferenceSession (without one: the last gradient-step graph's)."""
+        if self._train is None:
+            return self._runners.latest.session if self._runners.latest is not None else None
         return self._train
 
     def _combine(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.comm.adasum(grads) if self._adasum else self.comm.sum(grads)
 
     def _optimize(self, grads: dict[str, torch.Tensor], lr: float, update_count: int, loss_scale: float | None) -> bool:
+        if self._optimizer is not None:
+            finite = self._optimizer.step(grads, lr, update_count, loss_scale)
+            if finite and self._owners is not None:
+                self._share_weights()
+            return finite
         g = self.graph
         feeds = {name: self._state[name] for name in self._train_inputs if name in self._state}
         feeds.update(
@@ -112,8 +126,7 @@ class DataParallelSession(SessionBase):
                 if self.graphs.reduced_inputs[p] in self._train_inputs
             }
         )
-        feeds[g.lr_input] = self._host_scalar(np.float32(lr))
-        feeds[g.update_count_input] = self._host_scalar(np.int64(update_count))
+        feeds.update(self._step_feeds(g, self._train_inputs, lr, update_count))
         if g.loss_scale_input:
             feeds[g.loss_scale_input] = self._host_scalar(np.float32(loss_scale))
         state_outputs = {**g.weight_updates, **g.optimizer_state}

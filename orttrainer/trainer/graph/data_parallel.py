@@ -96,9 +96,11 @@ def build_optimizer_graph(
     clip_grad_norm: bool,
     loss_scale: bool,
     update_only: list[str] | None,
+    update: str = "graph",
 ) -> tuple[TrainingGraph, dict[str, str]]:
     """The optimizer update alone: inputs are the weights, the combined gradients `<p>_grad__reduced`, the optimizer
-    state, the learning rate, the update number and (mixed precision) the loss scale.
+    state, the learning rate, the update number and (mixed precision) the loss scale (`update`: as
+    `build_training_graph`'s; with "torch" the graph holds no update, its `outside_update` says what to apply).
 
     Precondition: the optimizer is known, `shapes` has every trainable tensor, the groups split the trainable
     tensors, `update_only` names trainable tensors and the divisor is positive."""
@@ -113,10 +115,8 @@ def build_optimizer_graph(
     inputs = [helper.make_tensor_value_info(p, TensorProto.FLOAT, list(shapes[p])) for p in trainable]
     inputs += [helper.make_tensor_value_info(reduced[p], TensorProto.FLOAT, list(shapes[p])) for p in trainable]
     nodes = [helper.make_node("Identity", [reduced[p]], [f"{p}_grad"], name=f"{p}_grad_in") for p in trainable]
-    loss_scale_input = None
-    if loss_scale:
-        loss_scale_input = "loss_scale"
-        inputs.append(helper.make_tensor_value_info(loss_scale_input, TensorProto.FLOAT, []))
+    loss_scale_input = "loss_scale" if loss_scale else None
+    inputs += [helper.make_tensor_value_info("loss_scale", TensorProto.FLOAT, [])] if loss_scale else []
     outputs = [helper.make_tensor_value_info(f"{p}_grad", TensorProto.FLOAT, list(shapes[p])) for p in trainable]
     graph = helper.make_graph(nodes, "optimizer", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
@@ -133,5 +133,6 @@ def build_optimizer_graph(
         loss_scale_input=loss_scale_input,
         gradient_divisor=gradient_divisor,
         update_only=update_only,
+        update=update,
     )
     return optimizer, reduced

@@ -11,10 +11,14 @@ the moment updates: `m' = b1·m + ((1-b1)·coef)·G`, `v' = b2·v + ((1-b2)·coe
 
 These append onto a `GraphEditor` rather than map a model to a model; each checks that the group's hyper-parameters
 hold what its update reads (`PassPreconditionError` naming the missing ones).
+
+`FUSED_OPTIMIZERS` (`update="fused"`, training.py) writes Adam as ONNX Runtime's fused `AdamOptimizer` kernel, one
+node per tensor, each with its own copy of the step count (docs/engine.md §12): the training build only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from onnx import TensorProto
@@ -27,10 +31,12 @@ Scalar = str | float  # a 0-d tensor name, or a Python float folded into constan
 
 @dataclass(frozen=True)
 class StepScalars:
-    """Per-step 0-d inputs shared by every group: learning rate and the 1-based update number (as double)."""
+    """Per-step 0-d inputs shared by every group: learning rate and the 1-based update number (as double; `count`
+    is the int64 input it comes from)."""
 
     lr: str
     update_count: str
+    count: str = ""
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,51 @@ def append_lamb(
     return updates
 
 
-OPTIMIZERS = {"SGDOptimizer": append_sgd, "AdamOptimizer": append_adam, "LambOptimizer": append_lamb}
+def append_adam_fused(
+    ed: GraphEditor, weights: list[str], grads: list[str], coef: Scalar, step: StepScalars, hyper: dict
+) -> list[TensorUpdate]:
+    """Adam in weight-decay mode 0 as ONNX Runtime's `AdamOptimizer` (com.microsoft), one node per tensor: `g = coef·G`
+    materialised (the CPU kernel ignores its loss-scale and gradient-norm inputs), then the kernel's
+    `m' = β1·m + (1-β1)·g`, `v' = β2·v + (1-β2)·g²`, `w' = w - lr·(m̂/(√v̂ + ε) + λ·w)` — torch.optim.AdamW's update.
+
+    The kernel writes its step output into its step input's buffer (docs/engine.md §2.3): each node reads its own
+    copy, `(count + i) - i` with a distinct constant `i`, which no graph optimisation merges (docs/engine.md §12).
+    Mode 1 (decay after the update) has no kernel: such a group gets the plain-op update of `append_adam`."""
+    require("AdamOptimizer", not_among(_ADAM_HYPER, set(hyper), "hyper-parameters", "the group's"))
+    if int(hyper["weight_decay_mode"]) == 1 or not step.count:
+        return append_adam(ed, weights, grads, coef, step, hyper)
+    attributes = {
+        "alpha": float(hyper["alpha"]),
+        "beta": float(hyper["beta"]),
+        "lambda": float(hyper["lambda"]),
+        "epsilon": float(hyper["epsilon"]),
+        "do_bias_correction": int(bool(hyper["do_bias_correction"])),
+    }
+    updates = []
+    for w, g in zip(weights, grads, strict=True):
+        m_in, v_in = moment_names(w)
+        tag = ed.constant(len(ed.graph.node) + 1, dtype="int64", hint="adam/step_tag")
+        own_step = ed.op("Sub", [ed.op("Add", [step.count, tag], "adam/step_tagged"), tag], "adam/step")
+        names = [ed.fresh(hint) for hint in ("adam/step_next", f"{m_in}.new", f"{v_in}.new", f"{w}.new")]
+        ed.op_outputs(
+            "AdamOptimizer",
+            [step.lr, own_step, w, _scale(ed, g, coef, "adam/grad"), m_in, v_in],
+            "adam/fused",
+            names,
+            domain="com.microsoft",
+            **attributes,
+        )
+        updates.append(TensorUpdate(w, names[3], ((m_in, names[1]), (v_in, names[2]))))
+    return updates
+
+
+OptimizerAppender = Callable[[GraphEditor, list[str], list[str], Scalar, StepScalars, dict], list[TensorUpdate]]
+OPTIMIZERS: dict[str, OptimizerAppender] = {
+    "SGDOptimizer": append_sgd,
+    "AdamOptimizer": append_adam,
+    "LambOptimizer": append_lamb,
+}
+FUSED_OPTIMIZERS: dict[str, OptimizerAppender] = {**OPTIMIZERS, "AdamOptimizer": append_adam_fused}
 
 
 def _moments(ed: GraphEditor, m: str, v: str, g: str, b1: float, b2: float, s1: Scalar, s2: Scalar):

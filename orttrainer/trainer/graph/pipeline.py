@@ -10,6 +10,7 @@ saves the training graph with `passes.record_stage`.
 
 from __future__ import annotations
 
+from .cross_entropy import CROSS_ENTROPY_AS_PLAIN_OPS
 from .fixups import (
     BATCHNORM_TO_INFERENCE,
     DROPOUT_TO_IDENTITY,
@@ -22,6 +23,7 @@ from .outputs import without_outputs_pass
 from .passes import GraphPass
 from .scatter_grad import GATHER_GRAD_TO_SCATTER_ADD
 from .state_inputs import move_initializers_to_inputs_pass
+from .switches import rewrite_enabled
 
 __all__ = ["forward_passes", "gradient_model_passes", "mixed_precision_passes"]
 
@@ -43,11 +45,14 @@ def mixed_precision_passes(state: list[str], keep_float32: list[str], loss: str)
 def gradient_model_passes(*, mixed_precision: bool, cpu: bool, scaled_loss: str) -> list[GraphPass]:
     """On the gradient model (forward outputs + `<p>_grad`), the same for both builders and every input-shape
     signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels get
-    casts; embedding gradients become scatter-adds."""
+    casts; embedding gradients become scatter-adds; on the CPU in float32, softmax cross-entropy becomes plain ops
+    (graph/cross_entropy.py, switchable: graph/switches.py)."""
     passes: list[GraphPass] = []
     if mixed_precision:
         passes.append(without_outputs_pass([scaled_loss]))
         if cpu:
             passes.append(CAST_FP32_ONLY_KERNELS)
     passes.append(GATHER_GRAD_TO_SCATTER_ADD)
+    if cpu and not mixed_precision and rewrite_enabled("cross_entropy_as_plain_ops"):
+        passes.append(CROSS_ENTROPY_AS_PLAIN_OPS)
     return passes

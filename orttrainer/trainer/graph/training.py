@@ -13,25 +13,35 @@ into the optimizer's moment updates, so no pass over the gradients materialises 
 Mixed precision: with a `loss_scale_input` the gradients are of the scaled loss; `coef` divides by the scale, and
 the graph also outputs `all_gradients_finite` (bool [1]): false when the sum of squares of all gradients is inf or
 NaN. The session then discards that step's updated state, so a skipped step leaves everything exactly unchanged.
+
+Where the update runs (`update`, chosen by `trainer/update_path.py`): `"graph"` appends it as plain ONNX ops (every
+runtime, every provider); `"fused"` writes each Adam group in weight-decay mode 0 as ONNX Runtime's fused
+`AdamOptimizer` kernel, one node per tensor (the training build; optimizer.append_adam_fused); `"torch"` appends no
+update at all: the graph is gradient-only (forward outputs and the gradient sums `G`, `gradients`), and the session
+runs the same update in place on the state buffers with torch's fused/foreach kernels (`trainer/torch_optimizer.py`,
+described by `outside_update`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import onnx
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from .conditions import Problem, dynamic_shape, first_problem, graph_input_names, graph_output_names, not_among, require
 from .editor import GraphEditor, copy_model
-from .optimizer import OPTIMIZERS, StepScalars, TensorUpdate
+from .optimizer import FUSED_OPTIMIZERS, OPTIMIZERS, OptimizerAppender, StepScalars, TensorUpdate, moment_names
 
 LEARNING_RATE_INPUT = "__learning_rate"
 UPDATE_COUNT_INPUT = "__update_count"
 CLIP_EPSILON = 1e-6  # as torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
 ALL_FINITE_OUTPUT = "all_gradients_finite"
+UPDATE_PATHS = ("graph", "fused", "torch")
+_RUNTIME_DOMAIN = "com.microsoft"
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,20 @@ class ParamGroup:
 
     hyper: dict
     params: list[str]
+
+
+@dataclass(frozen=True)
+class OutsideUpdate:
+    """The update a gradient-only graph leaves to the session (`update="torch"`): the same semantics as the graph's
+    (optimizer, groups, mean over `gradient_divisor` summed gradients, global-norm clipping, the finite check under
+    mixed precision), applied to the tensors in `updated` (ZeRO: this rank's)."""
+
+    optimizer_name: str
+    groups: list[ParamGroup]
+    gradient_divisor: int
+    clip: bool
+    check_finite: bool
+    updated: list[str]
 
 
 @dataclass
@@ -51,12 +75,14 @@ class TrainingGraph:
     outputs: list[str]
     lr_input: str
     update_count_input: str
-    weight_updates: dict[str, str]  # trainable weight -> output with its updated value
-    optimizer_state: dict[str, str]  # optimizer state input (moments) -> output with its updated value
+    weight_updates: dict[str, str]  # trainable weight -> output with its updated value (outside_update: itself)
+    optimizer_state: dict[str, str]  # optimizer state input (moments) -> output with its updated value (ditto)
     accumulation: dict[str, str]  # accumulation buffer input -> output with the new running sum
     state_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # moments and buffers (zero-initialised)
     loss_scale_input: str | None = None
-    all_finite_output: str | None = None
+    all_finite_output: str | None = None  # a graph output, except with outside_update (the session computes it)
+    gradients: dict[str, str] = field(default_factory=dict)  # update="torch": trainable -> output holding `G`
+    outside_update: OutsideUpdate | None = None  # update="torch": what the session applies after the run
 
 
 def accumulation_buffer_name(weight: str) -> str:
@@ -76,21 +102,23 @@ def build_training_graph(
     loss_scale_input: str | None = None,
     gradient_divisor: int | None = None,
     update_only: list[str] | None = None,
+    update: str = "graph",
 ) -> TrainingGraph:
     """Append accumulation, clipping and the optimizer update to `gradient_model` (which is not modified).
 
     `gradient_divisor` (default: `accumulation_steps`) is the number of micro-batch gradients summed into `G` — data
     parallelism sums over ranks too. `update_only` (ZeRO) restricts the update to those tensors; clipping still
-    uses the norm over every trainable gradient.
+    uses the norm over every trainable gradient. `update` says where the update runs (module docstring).
 
-    Precondition (`PassPreconditionError`): the optimizer is known; each trainable tensor is a graph input with a
-    static shape and its gradient `<p>_grad` a graph output; the loss-scale input, if any, is a graph input; the
-    groups split the trainable tensors (each in exactly one group); `update_only` names trainable tensors; the
-    accumulation steps and the divisor are positive.
+    Precondition (`PassPreconditionError`): the optimizer and the update path are known; each trainable tensor is a
+    graph input with a static shape and its gradient `<p>_grad` a graph output; the loss-scale input, if any, is a
+    graph input; the groups split the trainable tensors (each in exactly one group); `update_only` names trainable
+    tensors; the accumulation steps and the divisor are positive.
     """
     require(
         "build_training_graph",
         optimizer_problem(optimizer_name),
+        None if update in UPDATE_PATHS else f"unknown update path {update!r}; expected one of {list(UPDATE_PATHS)}",
         gradient_model_problem(gradient_model, trainable, loss_scale_input),
         groups_problem(trainable, groups, update_only),
         _counts_problem(accumulation_steps, gradient_divisor),
@@ -103,15 +131,72 @@ def build_training_graph(
     accumulation: dict[str, str] = {}
     if accumulation_steps > 1:
         grads, accumulation = _append_accumulation(ed, grads, shapes)
-    coef = _gradient_coefficient(ed, gradient_divisor or accumulation_steps, loss_scale_input)
     clip = clip_grad_norm and optimizer_name != "SGDOptimizer"
-    updated = set(trainable if update_only is None else update_only)
-    updates, total = _append_update(ed, optimizer_name, groups, grads, coef, clip, bool(loss_scale_input), updated)
-    result = _training_result(model, list(data_inputs), list(outputs), updates, accumulation, shapes)
+    updated = [p for p in trainable if update_only is None or p in update_only]
+    plan = OutsideUpdate(
+        optimizer_name, groups, gradient_divisor or accumulation_steps, clip, bool(loss_scale_input), updated
+    )
+    tail = _gradient_only_result if update == "torch" else partial(_graph_update_result, fused=update == "fused")
+    return tail(ed, model, (data_inputs, outputs), grads, accumulation, shapes, plan, loss_scale_input)
+
+
+def _graph_update_result(
+    ed: GraphEditor,
+    model: onnx.ModelProto,
+    io: tuple[list[str], list[str]],
+    grads: dict[str, str],
+    accumulation: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+    plan: OutsideUpdate,
+    loss_scale_input: str | None,
+    fused: bool = False,
+) -> TrainingGraph:
+    """`update="graph"` or `"fused"`: the update `plan` describes, appended to the graph."""
+    coef = _gradient_coefficient(ed, plan.gradient_divisor, loss_scale_input)
+    append = (FUSED_OPTIMIZERS if fused else OPTIMIZERS)[plan.optimizer_name]
+    updates, total = _append_update(
+        ed, append, plan.groups, grads, coef, plan.clip, plan.check_finite, set(plan.updated)
+    )
+    result = _training_result(model, list(io[0]), list(io[1]), updates, accumulation, shapes)
     _declare_state(ed, result, {**shapes, **result.state_shapes})
     if loss_scale_input and total:
         result.loss_scale_input = loss_scale_input
         result.all_finite_output = _append_all_finite(ed, total)
+    return result
+
+
+def _gradient_only_result(
+    ed: GraphEditor,
+    model: onnx.ModelProto,
+    io: tuple[list[str], list[str]],
+    grads: dict[str, str],
+    accumulation: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+    outside: OutsideUpdate,
+    loss_scale_input: str | None,
+) -> TrainingGraph:
+    """`update="torch"`: the graph outputs the forward outputs and each gradient sum `G` (with accumulation, the
+    running sum is also the buffer's new value); the moments are state the graph never reads."""
+    for p, g in grads.items():
+        ed.add_output(g, TensorProto.FLOAT, list(shapes[p]))
+    buffers = {accumulation_buffer_name(p): shapes[p] for p in shapes} if accumulation else {}
+    has_moments = outside.optimizer_name != "SGDOptimizer"
+    moments = {m: shapes[p] for p in outside.updated for m in moment_names(p)} if has_moments else {}
+    result = TrainingGraph(
+        model,
+        list(io[0]),
+        list(io[1]),
+        LEARNING_RATE_INPUT,
+        UPDATE_COUNT_INPUT,
+        {p: p for p in outside.updated},  # updated in place: the state name is its own "output"
+        {m: m for m in moments},
+        accumulation,
+    )
+    result.state_shapes = {**buffers, **moments}
+    result.gradients, result.outside_update = dict(grads), outside
+    result.loss_scale_input = loss_scale_input
+    if loss_scale_input:  # the legacy model_desc names the flag; TorchOptimizer.step returns its value
+        result.all_finite_output = ALL_FINITE_OUTPUT
     return result
 
 
@@ -124,6 +209,8 @@ def _training_result(
     shapes: dict[str, tuple[int, ...]],
 ) -> TrainingGraph:
     """The contract of the assembled graph; `state_shapes` lists the accumulation buffers, then the moments."""
+    if any(n.domain == _RUNTIME_DOMAIN for n in model.graph.node) and not _imports(model, _RUNTIME_DOMAIN):
+        model.opset_import.append(helper.make_opsetid(_RUNTIME_DOMAIN, 1))  # update="fused" on a torch-built graph
     result = TrainingGraph(
         model,
         data_inputs,
@@ -150,7 +237,7 @@ def _gradient_coefficient(ed: GraphEditor, divisor: int, loss_scale_input: str |
 
 def _append_update(
     ed: GraphEditor,
-    optimizer_name: str,
+    append: OptimizerAppender,
     groups: list[ParamGroup],
     grads: dict[str, str],
     coef: str | float,
@@ -167,7 +254,7 @@ def _append_update(
     for group, group_coef in zip(groups, group_coefs, strict=True):
         params = [p for p in group.params if p in updated]
         if params:
-            updates += OPTIMIZERS[optimizer_name](ed, params, [grads[p] for p in params], group_coef, step, group.hyper)
+            updates += append(ed, params, [grads[p] for p in params], group_coef, step, group.hyper)
     return updates, total
 
 
@@ -219,7 +306,7 @@ def _append_accumulation(ed: GraphEditor, grads: dict[str, str], shapes: dict[st
 def _append_step_inputs(ed: GraphEditor) -> StepScalars:
     lr = ed.add_input(LEARNING_RATE_INPUT, TensorProto.FLOAT, [])
     count = ed.add_input(UPDATE_COUNT_INPUT, TensorProto.INT64, [])
-    return StepScalars(lr=lr, update_count=ed.op("Cast", [count], "update_count_d", to=TensorProto.DOUBLE))
+    return StepScalars(lr, ed.op("Cast", [count], "update_count_d", to=TensorProto.DOUBLE), count)
 
 
 def _total_square(ed: GraphEditor, grads: dict[str, str]) -> str:
@@ -286,3 +373,7 @@ def _drop_gradient_outputs(model: onnx.ModelProto, trainable: list[str]) -> None
 def zero_state(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     """Initial values of optimizer moments and accumulation buffers."""
     return {name: np.zeros(shape, dtype=np.float32) for name, shape in shapes.items()}
+
+
+def _imports(model: onnx.ModelProto, domain: str) -> bool:
+    return any(o.domain == domain for o in model.opset_import)

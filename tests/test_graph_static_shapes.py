@@ -1,0 +1,253 @@
+"""graph/static_shapes.py on hand-built graphs: each pass gives the values the graph gave before, and leaves alone
+what its rule does not cover; static_graphs.py's specialisation round trip on a small model."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from orttrainer.trainer.graph.errors import PassPreconditionError
+from orttrainer.trainer.graph.passes import run_passes
+from orttrainer.trainer.graph.static_shapes import (
+    DROP_NOOP_REDUCTIONS,
+    FOLD_BROADCAST_GRADIENT_ARGS,
+    SCATTER_SUM_TO_CONCAT,
+    WITHOUT_DEAD_NODES,
+    broadcast_gradient_axes,
+    static_inputs_pass,
+)
+
+
+def _model(nodes, inputs, outputs, initializers=(), opset=16):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    return model
+
+
+def _vi(name, shape, elem=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _run(model, feeds, outputs=None):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(outputs, feeds)
+
+
+def _ops(model):
+    return [n.op_type for n in model.graph.node]
+
+
+# ----------------------------------------------------------------------------------------------------- static inputs
+def test_static_inputs_declare_the_dims_and_check_them():
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", ["batch", 4])], [_vi("y", ["batch", 4])])
+    static = run_passes(model, [static_inputs_pass({"x": (3, 4)})], verify=True)
+    assert [d.dim_value for d in static.graph.input[0].type.tensor_type.shape.dim] == [3, 4]
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"  # a copy
+    for shapes, message in [({"z": (3, 4)}, "missing"), ({"x": (3,)}, "rank"), ({"x": (3, 5)}, "differ")]:
+        with pytest.raises(PassPreconditionError, match=message):
+            run_passes(model, [static_inputs_pass(shapes)])
+
+
+# --------------------------------------------------------------------------------------- BroadcastGradientArgs
+SHAPE_PAIRS = [
+    ([16, 128, 1000], [1000]),
+    ([1000], [16, 128, 1000]),
+    ([16, 128, 256], [16, 128, 256]),
+    ([16, 4, 128, 64], [1]),
+    ([3, 1, 5], [1, 4, 1]),
+    ([2, 3], [4, 1, 3]),
+    ([], [2, 2]),
+]
+
+
+def _bga_model(a, b):
+    node = helper.make_node("BroadcastGradientArgs", ["a", "b"], ["ra", "rb"], domain="com.microsoft")
+    inits = [numpy_helper.from_array(np.array(a, np.int64), "a"), numpy_helper.from_array(np.array(b, np.int64), "b")]
+    return _model([node], [], [_vi("ra", None, TensorProto.INT64), _vi("rb", None, TensorProto.INT64)], inits)
+
+
+@pytest.mark.parametrize(("a", "b"), SHAPE_PAIRS)
+def test_the_axes_are_onnx_runtime_s(a, b):
+    """The rule's axes equal the BroadcastGradientArgs kernel's (as sets: ReduceSum does not care about order)."""
+    kernel = _run(_bga_model(a, b), {})
+    mine = broadcast_gradient_axes(a, b)
+    assert [sorted(k.tolist()) for k in kernel] == [sorted(m) for m in mine]
+    folded = run_passes(_bga_model(a, b), [FOLD_BROADCAST_GRADIENT_ARGS], verify=True)
+    assert _ops(folded) == []
+    assert [sorted(v.tolist()) for v in _run(folded, {})] == [sorted(m) for m in mine]
+
+
+def test_shapes_that_do_not_broadcast_are_a_precondition_error():
+    with pytest.raises(PassPreconditionError, match="do not broadcast"):
+        run_passes(_bga_model([3, 4], [5]), [FOLD_BROADCAST_GRADIENT_ARGS])
+
+
+def test_a_runtime_shape_is_not_folded():
+    node = helper.make_node("BroadcastGradientArgs", ["a", "b"], ["ra", "rb"], domain="com.microsoft")
+    model = _model(
+        [node],
+        [_vi("a", [2], TensorProto.INT64)],
+        [_vi("ra", None, TensorProto.INT64), _vi("rb", None, TensorProto.INT64)],
+        [numpy_helper.from_array(np.array([3], np.int64), "b")],
+    )
+    assert _ops(run_passes(model, [FOLD_BROADCAST_GRADIENT_ARGS])) == ["BroadcastGradientArgs"]
+
+
+# ----------------------------------------------------------------------------------------------- no-op reductions
+def _reduce_model(axes, noop):
+    nodes = [
+        helper.make_node("ReduceSum", ["x", "axes"], ["r"], noop_with_empty_axes=noop),
+        helper.make_node("Sum", ["r"], ["y"]),
+    ]
+    return _model(
+        nodes, [_vi("x", [2, 3])], [_vi("y", None)], [numpy_helper.from_array(np.array(axes, np.int64), "axes")]
+    )
+
+
+def test_an_empty_reduction_becomes_an_identity():
+    model = _reduce_model([], 1)
+    dropped = run_passes(model, [DROP_NOOP_REDUCTIONS], verify=True)
+    assert _ops(dropped) == ["Identity", "Identity"]
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(_run(dropped, {"x": x})[0], _run(model, {"x": x})[0])
+
+
+@pytest.mark.parametrize(("axes", "noop"), [([], 0), ([0], 1)])
+def test_real_reductions_stay(axes, noop):
+    """With noop_with_empty_axes=0 an empty list sums everything; a non-empty one sums."""
+    dropped = run_passes(_reduce_model(axes, noop), [DROP_NOOP_REDUCTIONS])
+    assert _ops(dropped) == ["ReduceSum", "Identity"]
+
+
+# -------------------------------------------------------------------------------------------- scatter-sum -> concat
+def _scatter_model(rows, first_dim=3, cast=True, fill_initializer=False, elem=TensorProto.FLOAT):
+    """Sum over k of ScatterND(zeros[first_dim, 4, 5], [[rows[k]]], u_k), u_k inputs of shape [1, 4, 5]."""
+    nodes, inputs, inits = [], [], [numpy_helper.from_array(np.array([first_dim, 4, 5], np.int64), "shape")]
+    parts = []
+    for k, row in enumerate(rows):
+        zeros = f"zeros{k}"
+        if fill_initializer:
+            inits.append(numpy_helper.from_array(np.zeros((first_dim, 4, 5), np.float32), zeros))
+        else:
+            nodes.append(helper.make_node("ConstantOfShape", ["shape"], [zeros]))
+        inits.append(numpy_helper.from_array(np.array([[row]], np.int64), f"index{k}"))
+        inputs.append(_vi(f"u{k}", [1, 4, 5], elem))
+        nodes.append(helper.make_node("ScatterND", [zeros, f"index{k}", f"u{k}"], [f"s{k}"], reduction="add"))
+        part = f"s{k}"
+        if cast:
+            nodes.append(helper.make_node("Cast", [part], [f"c{k}"], to=TensorProto.FLOAT))
+            part = f"c{k}"
+        parts.append(part)
+    nodes.append(helper.make_node("Sum", parts, ["y"], name="accumulate"))
+    return _model(nodes, inputs, [_vi("y", [first_dim, 4, 5], elem)], inits)
+
+
+def _feeds(n):
+    rng = np.random.default_rng(0)
+    return {f"u{k}": rng.standard_normal((1, 4, 5)).astype(np.float32) for k in range(n)}
+
+
+@pytest.mark.parametrize(("rows", "cast", "fill_initializer"), [((2, 0, 1), True, False), ((0, 1, 2), False, True)])
+def test_the_scatter_sum_becomes_a_concat(rows, cast, fill_initializer):
+    model = _scatter_model(rows, cast=cast, fill_initializer=fill_initializer)
+    concat = run_passes(model, [SCATTER_SUM_TO_CONCAT, WITHOUT_DEAD_NODES], verify=True)
+    assert _ops(concat) == ["Concat"] and not concat.graph.initializer
+    np.testing.assert_array_equal(_run(concat, _feeds(3))[0], _run(model, _feeds(3))[0])
+
+
+@pytest.mark.parametrize(("rows", "first_dim"), [((0, 0, 2), 3), ((0, 1, 2), 4), ((0, 1), 3)])
+def test_rows_that_do_not_cover_the_tensor_stay_scattered(rows, first_dim):
+    model = _scatter_model(rows, first_dim=first_dim)
+    assert "Concat" not in _ops(run_passes(model, [SCATTER_SUM_TO_CONCAT]))
+
+
+def test_float16_graphs_are_refused():
+    with pytest.raises(PassPreconditionError, match="float16"):
+        run_passes(_scatter_model((0, 1, 2), cast=False, elem=TensorProto.FLOAT16), [SCATTER_SUM_TO_CONCAT])
+
+
+def test_dead_nodes_and_initializers_go_live_ones_stay():
+    nodes = [
+        helper.make_node("Relu", ["x"], ["dead"]),
+        helper.make_node("Neg", ["dead"], ["dead2"]),
+        helper.make_node("Add", ["x", "one"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.ones(2, np.float32), n) for n in ("one", "unused")]
+    model = run_passes(_model(nodes, [_vi("x", [2])], [_vi("y", [2])], inits), [WITHOUT_DEAD_NODES], verify=True)
+    assert _ops(model) == ["Add"] and [i.name for i in model.graph.initializer] == ["one"]
+
+
+# ------------------------------------------------------------------------------------------- the specialisation
+def _broadcast_gradient_model():
+    """y = x + b with the gradient written for any shape, as ONNX Runtime's builder writes it."""
+    nodes = [
+        helper.make_node("Add", ["x", "b"], ["y"]),
+        helper.make_node("Shape", ["x"], ["sx"]),
+        helper.make_node("Shape", ["b"], ["sb"]),
+        helper.make_node("BroadcastGradientArgs", ["sx", "sb"], ["ax", "ab"], domain="com.microsoft"),
+        helper.make_node("ReduceSum", ["dy", "ax"], ["rx"], noop_with_empty_axes=1, keepdims=1),
+        helper.make_node("Reshape", ["rx", "sx"], ["dx"]),
+        helper.make_node("ReduceSum", ["dy", "ab"], ["rb"], noop_with_empty_axes=1, keepdims=1),
+        helper.make_node("Reshape", ["rb", "sb"], ["db"]),
+        helper.make_node("ConstantOfShape", ["sx"], ["zeros"]),
+        helper.make_node("Add", ["zeros", "dx"], ["dx_plus_zero"]),
+    ]
+    inputs = [_vi("x", ["batch", 5]), _vi("b", [5]), _vi("dy", ["batch", 5])]
+    return _model(nodes, inputs, [_vi("y", None), _vi("dx_plus_zero", None), _vi("db", None)])
+
+
+def test_specialisation_folds_the_shape_arithmetic_and_keeps_the_values():
+    from dataclasses import dataclass
+
+    import torch
+
+    from orttrainer.trainer.ort_session import optimized_model
+    from orttrainer.trainer.static_graphs import specialized
+
+    @dataclass
+    class Graph:
+        model: onnx.ModelProto
+        data_inputs: list
+
+    model = _broadcast_gradient_model()
+    options = ort.SessionOptions()
+    optimize = lambda m: optimized_model(m, options, ["CPUExecutionProvider"])  # noqa: E731
+    graph = specialized(Graph(model, ["x", "dy"]), {"x": torch.zeros(3, 5), "dy": torch.zeros(3, 5)}, optimize)
+    ops = _ops(graph.model)
+    assert "BroadcastGradientArgs" not in ops and "Shape" not in ops and ops.count("ReduceSum") == 1
+    assert "ConstantOfShape" in ops  # the fill is not materialised into an initializer (_hold_fills)
+    assert not [i for i in graph.model.graph.input if "hold" in i.name]
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((3, 5)), "b": rng.standard_normal(5), "dy": rng.standard_normal((3, 5))}
+    feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
+    for ours, theirs in itertools.zip_longest(_run(graph.model, feeds), _run(model, feeds)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def test_a_graph_fused_into_inference_only_ops_is_not_specialised():
+    """ONNX Runtime's inference fusions (SkipLayerNormalization, ...) declare outputs their CPU kernels do not
+    compute; should one appear in the optimised model, the specialisation is refused (None: the dynamic graph runs)."""
+    from dataclasses import dataclass
+
+    import torch
+
+    from orttrainer.trainer.static_graphs import specialized
+
+    @dataclass
+    class Graph:
+        model: onnx.ModelProto
+        data_inputs: list
+
+    def fused(model: onnx.ModelProto) -> onnx.ModelProto:
+        node = helper.make_node("SkipLayerNormalization", ["x", "x", "g"], ["y"], domain="com.microsoft")
+        return _model([node], list(model.graph.input), [_vi("y", None)])
+
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", ["batch", 4])], [_vi("y", None)])
+    assert specialized(Graph(model, ["x"]), {"x": torch.zeros(2, 4)}, fused) is None

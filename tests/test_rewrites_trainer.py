@@ -1,0 +1,161 @@
+"""The speed-only graph rewrites at the trainer (graph/switches.py): on and off give the same training, and the
+static-shape specialisation (static_graphs.py) applies where it should and nowhere else.
+
+The rest of the suite runs with every rewrite on (the default); here they are also switched off.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import test_trainer_parity as parity
+import torch
+from helpers import make_trainer, trainer_weights
+from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
+
+from orttrainer import optim
+from orttrainer.trainer.graph.switches import ENVIRONMENT_VARIABLE, rewrite_enabled
+from orttrainer.trainer.static_graphs import MAX_STATIC_SIGNATURES
+
+
+def _train(batches, dropout=0.0, eval_mode=True, extra=None):
+    torch.manual_seed(0)
+    model = TinyTransformer(dropout=dropout)
+    if eval_mode:
+        model.eval()
+    trainer = make_trainer(model, transformer_desc(), optim.AdamConfig(lr=1e-3), transformer_loss, extra)
+    for tokens, target in batches:
+        trainer.train_step(tokens, target)
+    return trainer
+
+
+def _batches(sizes, seq=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 50, (b, seq), generator=g), torch.randint(0, 50, (b, seq), generator=g)) for b in sizes]
+
+
+def _difference(a, b) -> float:
+    """Max weight difference, the attention key bias aside: its gradient is rounding noise that Adam normalises
+    into lr-sized steps (test_trainer_parity.key_bias_slice)."""
+    ours, theirs = trainer_weights(a), trainer_weights(b)
+    skip = parity.key_bias_slice()
+    return max(
+        float(np.abs(np.delete(ours[n], np.flatnonzero(skip(n))) - np.delete(theirs[n], np.flatnonzero(skip(n)))).max())
+        if skip(n) is not None
+        else float(np.abs(ours[n] - theirs[n]).max())
+        for n in ours
+    )
+
+
+def _ops(trainer) -> collections.Counter:
+    return collections.Counter(n.op_type for n in trainer._training_session._runners.latest.graph.model.graph.node)
+
+
+@pytest.mark.parametrize("disabled", ["all", "static_shapes", "cross_entropy_as_plain_ops"])
+def test_each_rewrite_off_trains_the_same(monkeypatch, disabled):
+    batches = _batches([4, 4, 2, 4, 2, 4])
+    with_rewrites = _train(batches)
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, disabled)
+    without = _train(batches)
+    assert _difference(with_rewrites, without) < 1e-5
+    ops = _ops(without)
+    assert ("SoftmaxCrossEntropyLoss" in ops) == (disabled != "static_shapes")
+    assert ("BroadcastGradientArgs" in ops) == (disabled != "cross_entropy_as_plain_ops")
+
+
+def test_the_default_graph_is_specialised_and_rewritten():
+    trainer = _train(_batches([4]))
+    ops = _ops(trainer)
+    assert "SoftmaxCrossEntropyLoss" not in ops and "LogSoftmax" in ops
+    assert "BroadcastGradientArgs" not in ops and "Shape" not in ops
+    assert ops["Concat"] >= 2  # the two layers' q/k/v gradients: no ScatterND into zeros, no Sum
+    assert trainer._training_session.training_graph_count == 1  # the specialised graph (the dynamic one released)
+
+
+def test_signatures_beyond_the_cap_run_the_dynamic_graph():
+    sizes = [1, 2, 3, 4, 5, 6, 1, 6]
+    batches = _batches(sizes)
+    trainer = _train(batches)
+    assert trainer._training_session.training_graph_count == 1 + MAX_STATIC_SIGNATURES
+    assert "BroadcastGradientArgs" in _ops(trainer)  # the last batch (size 6) ran the dynamic graph
+
+
+def test_the_specialised_transformer_matches_pytorch():
+    trainer, reference = parity.train_both(parity._transformer_case, "adamw_before_update", True)
+    assert trainer._training_session.training_graph_count == 1
+    assert parity.max_weight_difference(trainer, reference, parity.key_bias_slice()) < parity.TOLERANCE
+
+
+def test_graphs_with_dropout_are_not_specialised():
+    trainer = _train(_batches([4, 2]), dropout=0.1, eval_mode=False)
+    assert trainer._training_session.training_graph_count == 1
+    assert "Dropout" in _ops(trainer)
+
+
+def test_mixed_precision_graphs_are_not_specialised():
+    torch.manual_seed(0)
+    trainer = make_trainer(
+        MLP(), mlp_desc(), optim.AdamConfig(), torch.nn.functional.cross_entropy, {"mixed_precision": {"enabled": True}}
+    )
+    trainer.train_step(torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    assert trainer._training_session.training_graph_count == 1
+    assert "SoftmaxCrossEntropyLoss" in _ops(trainer)  # float16 graphs keep the fused kernel
+
+
+def test_unknown_rewrite_names_are_an_error(monkeypatch):
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, "static_shapes,speed")
+    with pytest.raises(ValueError, match="unknown rewrites"):
+        rewrite_enabled("static_shapes")
+    with pytest.raises(ValueError, match="unknown rewrite 'fast'"):
+        rewrite_enabled("fast")
+
+
+def test_the_torch_builder_s_graphs_are_not_specialised_again():
+    torch.manual_seed(0)
+    trainer = make_trainer(
+        MLP(),
+        mlp_desc(),
+        optim.AdamConfig(),
+        torch.nn.functional.cross_entropy,
+        {"_internal_use": {"gradient_builder": "torch"}},
+    )
+    for x, y in [(torch.randn(8, 32), torch.randint(0, 10, (8,))), (torch.randn(4, 32), torch.randint(0, 10, (4,)))]:
+        trainer.train_step(x, y)
+    assert trainer._training_session.training_graph_count == 2  # one traced graph per signature, as before
+    assert np.isfinite(trainer_weights(trainer)["fc1.weight"]).all()
+
+
+def test_the_debug_stages_show_the_default_graphs(tmp_path):
+    """With the default update path and rewrites: the gradient stage has the plain-op cross-entropy, the training
+    stage is gradient-only (the update runs in torch), the optimised stage is the dynamic graph's."""
+    import onnx
+
+    names = ["model_with_gradient_graph_path", "model_with_training_graph_path"]
+    names.append("model_with_training_graph_after_optimization_path")
+    paths = {name: str(tmp_path / f"{name}.onnx") for name in names}
+    torch.manual_seed(0)
+    trainer = make_trainer(
+        MLP(), mlp_desc(), optim.AdamConfig(), torch.nn.functional.cross_entropy, {"debug": {"graph_save_paths": paths}}
+    )
+    trainer.train_step(torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    ops = {name: {n.op_type for n in onnx.load(path).graph.node} for name, path in paths.items()}
+    assert "LogSoftmax" in ops["model_with_gradient_graph_path"]
+    assert "SoftmaxCrossEntropyLossGrad" not in ops["model_with_gradient_graph_path"]
+    assert "Sqrt" not in ops["model_with_training_graph_path"]  # no optimizer update in the graph
+    assert ops["model_with_training_graph_after_optimization_path"]
+
+
+def test_memory_efficient_gradients_are_specialised_without_inference_fusions(monkeypatch):
+    """docs/engine.md §14: with static shapes ONNX Runtime would fuse Add + LayerNormalization into
+    SkipLayerNormalization, whose CPU kernel does not compute the inverse std InvertibleLayerNormalizationGrad
+    reads; the trainer's sessions keep that fusion off (ort_session.TRAINING_UNSAFE_FUSIONS)."""
+    batches = _batches([4, 4, 4])
+    extra = {"utils": {"memory_efficient_gradient": True}}
+    specialised = _train(batches, extra=extra)
+    ops = _ops(specialised)
+    assert specialised._training_session.training_graph_count == 1 and "BroadcastGradientArgs" not in ops
+    assert ops["InvertibleLayerNormalizationGrad"] == 4 and "SkipLayerNormalization" not in ops
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, "static_shapes")
+    assert _difference(specialised, _train(batches, extra=extra)) < 1e-5
