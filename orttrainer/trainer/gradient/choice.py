@@ -76,6 +76,28 @@ def choose_builder(
     functions, ort_only = list(custom_functions), list(ort_only)
     if onnx_model:
         return _choose_for_onnx(option, [o for o in ort_only if o != "_internal_use.extra_postprocess"], training_build)
+    _refuse_for_module(option, functions, ort_only, training_build)
+    if option == "torch":
+        return BuilderChoice("torch", f"options {OPTION}='torch'")
+    if option == "ort":
+        return BuilderChoice("ort", f"options {OPTION}='ort'")
+    if functions:
+        return BuilderChoice(
+            "torch",
+            f"auto: the model uses custom torch.autograd.Function(s) {functions}, whose "
+            "backward only the torch builder keeps",
+        )
+    if ort_only:
+        return BuilderChoice("ort", f"auto: {ort_only} need the 'ort' builder")
+    if not training_build:
+        return BuilderChoice(
+            "torch", "auto: onnxruntime-training is not installed, and the torch builder runs on any ONNX Runtime build"
+        )
+    return BuilderChoice("auto", "auto: no custom torch.autograd.Function")
+
+
+def _refuse_for_module(option: str, functions: list[str], ort_only: list[str], training_build: bool) -> None:
+    """The combinations `choose_builder` refuses for a PyTorch model (its rules 2 and 3)."""
     if ort_only and not training_build:
         raise NotImplementedError(
             f"{ort_only} need onnxruntime-training (they act on ONNX Runtime's gradient graph), which is not "
@@ -95,23 +117,6 @@ def choose_builder(
             "and ONNX Runtime's gradient builder would ignore their backward (a silently wrong gradient). Set "
             f"options {OPTION} to 'torch' or 'auto' (the default) to train it with PyTorch's autograd."
         )
-    if option == "torch":
-        return BuilderChoice("torch", f"options {OPTION}='torch'")
-    if option == "ort":
-        return BuilderChoice("ort", f"options {OPTION}='ort'")
-    if functions:
-        return BuilderChoice(
-            "torch",
-            f"auto: the model uses custom torch.autograd.Function(s) {functions}, whose "
-            "backward only the torch builder keeps",
-        )
-    if ort_only:
-        return BuilderChoice("ort", f"auto: {ort_only} need the 'ort' builder")
-    if not training_build:
-        return BuilderChoice(
-            "torch", "auto: onnxruntime-training is not installed, and the torch builder runs on any ONNX Runtime build"
-        )
-    return BuilderChoice("auto", "auto: no custom torch.autograd.Function")
 
 
 def _choose_for_onnx(option: str, ort_only: list[str], training_build: bool) -> BuilderChoice:
