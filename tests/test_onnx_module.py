@@ -170,7 +170,7 @@ def test_the_torch_builder_exports_gradients_that_onnxruntime_runs_like_pytorch(
     model = loss_model(c)
     trainable = trainable_of(model, c)
     module = OnnxModule(model, list(c.data), ["loss"], trainable, c.frozen)
-    source = TorchSource(module, None, list(c.data), 18, True, module.state_names)
+    source = TorchSource(module, None, list(c.data), 18, True, state_names=module.state_names)
     batch = [torch.from_numpy(a.copy()) for a in feeds(c).values()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -190,7 +190,7 @@ def _exported_or_frozen(source, batch, trainable, state) -> onnx.ModelProto:
 
     while True:
         try:
-            return torch_gradient_model(source, batch, ["loss"], trainable, state)
+            return torch_gradient_model(source, batch, ["loss"], trainable, state)[0]
         except GradientBuildError as err:
             if not err.unreachable:
                 raise
@@ -296,8 +296,8 @@ def _trace(model: onnx.ModelProto, inputs: list[str], batch: list[torch.Tensor])
     from orttrainer.trainer.gradient.torch_graphs import TorchSource, torch_gradient_model
 
     module = OnnxModule(model, inputs, ["loss"], ["W"])
-    source = TorchSource(module, None, inputs, 17, True, module.state_names)
-    return torch_gradient_model(source, batch, ["loss"], ["W"], ["W"])
+    source = TorchSource(module, None, inputs, 17, True, state_names=module.state_names)
+    return torch_gradient_model(source, batch, ["loss"], ["W"], ["W"])[0]
 
 
 def test_shapes_computed_in_the_graph_are_numbers_when_the_torch_builder_traces():

@@ -49,10 +49,14 @@ def training_decompositions() -> dict:
 
 def trace_decompositions() -> dict:
     """What the torch builder traces with: `training_decompositions()`, and `onnx_decompositions()` for the ops
-    left that torch.onnx has no ONNX translation for (so its graphs export without a decomposition pass)."""
+    left that torch.onnx has no ONNX translation for (so its graphs export without a decomposition pass) — except
+    `lift`/`lift_fresh`: the tracer itself turns a tensor created during the trace (`torch.from_numpy` in an
+    OnnxModule, a constant) into a graph constant through them; decomposed, they alias the real tensor, which the
+    fake-tensor mode refuses ("Please convert all Tensors to FakeTensors first")."""
     table = training_decompositions()
+    tracer_ops = {torch.ops.aten.lift.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.out}
     for op, decomposition in onnx_decompositions().items():
-        if op not in table:  # not setdefault: torch's CustomDecompTable ignores it (verified on 2.13)
+        if op not in table and op not in tracer_ops:  # not setdefault: CustomDecompTable ignores it (torch 2.13)
             table[op] = decomposition
     return table
 
