@@ -9,9 +9,9 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from orttrainer.trainer.gradient.state_names import rename_state, rename_state_pass
 from orttrainer.trainer.graph.errors import PassPreconditionError
 from orttrainer.trainer.graph.passes import run_passes
+from orttrainer.trainer.graph.state_names import rename_state, rename_state_pass
 
 
 def gradient_like_model() -> onnx.ModelProto:

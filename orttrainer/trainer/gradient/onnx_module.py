@@ -9,7 +9,7 @@ Rules:
   initializer is a static value (a constant of the traced graph, readable as numbers by shape ops).
 - Names: `register_parameter` refuses names with dots, and the torch builder names graph inputs after the module's
   parameters, so each state tensor gets a module name made from its initializer name (`module_name`);
-  `state_names` maps module names back to initializer names, and `state_names.rename_state_pass` renames the
+  `state_names` maps module names back to initializer names, and `graph/state_names.rename_state_pass` renames the
   gradient model's inputs `<module name>` and outputs `<module name>_grad` to the initializer names the trainer's
   session, optimizer and checkpoints use.
 - `forward(*inputs)` takes the data inputs positionally and returns the outputs as a tuple of tensors. Nodes run

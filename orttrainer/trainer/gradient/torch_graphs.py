@@ -9,7 +9,7 @@ Rules:
   (see `torch_builder.py`). The compiler keeps the graph for each shape signature it has seen.
 - Mode: the module is traced in the train/eval mode it had when the trainer first saw it.
 - Names: with `state_names` (module name -> trainer name; an ONNX model's `OnnxModule`), `trainable` and `state`
-  are given in trainer names and the gradient model is renamed to them (`state_names.rename_state_pass`).
+  are given in trainer names and the gradient model is renamed to them (`graph/state_names.rename_state_pass`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import torch
 from onnx import numpy_helper
 
 from ...debug.subscriber import no_increase_global_step
+from ..graph.passes import run_passes
+from ..graph.state_names import rename_state_pass
 from .errors import GradientBuildError
-from .state_names import rename_state_pass
 from .torch_builder import build_torch_gradient_graph
 
 _logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def torch_gradient_model(
         _logger.info("torch gradient builder: the first training graph is traced with %s", kind)
     values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
     model = bind_foreign_state(graph.model, len(source.input_names), state, values)
-    return (rename_state_pass(names)(model) if names else model), graph.accepts
+    return (run_passes(model, [rename_state_pass(names)]) if names else model), graph.accepts
 
 
 @contextlib.contextmanager

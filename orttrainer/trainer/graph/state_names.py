@@ -14,9 +14,9 @@ from functools import partial
 
 import onnx
 
-from ..graph.conditions import Problem, first_problem
-from ..graph.editor import copy_model, fresh_name
-from ..graph.passes import FunctionPass
+from .conditions import Problem, first_problem
+from .editor import copy_model, fresh_name
+from .passes import FunctionPass
 
 
 def rename_state(model: onnx.ModelProto, names: Mapping[str, str]) -> onnx.ModelProto:
