@@ -184,6 +184,18 @@ def test_dead_nodes_and_initializers_go_live_ones_stay():
     assert _ops(model) == ["Add"] and [i.name for i in model.graph.initializer] == ["one"]
 
 
+def test_dead_node_removal_needs_a_sorted_graph():
+    nodes = [helper.make_node("Neg", ["h"], ["y"]), helper.make_node("Relu", ["x"], ["h"])]
+    with pytest.raises(PassPreconditionError, match="reads 'h' before"):
+        run_passes(_model(nodes, [_vi("x", [2])], [_vi("y", [2])]), [WITHOUT_DEAD_NODES])
+
+
+def test_reduction_removal_needs_one_writer_per_name():
+    nodes = [helper.make_node("Sum", ["x"], ["y"]), helper.make_node("Relu", ["x"], ["y"])]
+    with pytest.raises(PassPreconditionError, match="assigned twice"):
+        run_passes(_model(nodes, [_vi("x", [2])], [_vi("y", [2])]), [DROP_NOOP_REDUCTIONS])
+
+
 # ------------------------------------------------------------------------------------------- the specialisation
 def _broadcast_gradient_model():
     """y = x + b with the gradient written for any shape, as ONNX Runtime's builder writes it."""

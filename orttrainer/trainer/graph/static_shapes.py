@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .conditions import Problem, first_problem, graph_input_names, not_among, require
+from .conditions import Problem, first_problem, graph_input_names, not_among, repeated_output, require, unsorted_input
 from .editor import copy_model
 from .passes import FunctionPass
 
@@ -249,6 +249,16 @@ def without_dead_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
+def _single_assignment_problem(model: onnx.ModelProto) -> Problem:
+    """The rule replaces a node by the node writing the same output name: every name must have one writer."""
+    return repeated_output(model.graph)
+
+
+def _unsorted_problem(model: onnx.ModelProto) -> Problem:
+    """The rule walks the nodes backwards from the outputs: a node must come after the nodes it reads."""
+    return unsorted_input(model.graph)
+
+
 def _graph_reads(graph: onnx.GraphProto) -> set[str]:
     """Names a subgraph reads (outer-scope values included, conservatively every input of its nodes)."""
     return {name for node in graph.node for name in node.input if name}
@@ -272,9 +282,9 @@ def _small_or_zero(initializer: onnx.TensorProto) -> bool:
 FOLD_BROADCAST_GRADIENT_ARGS = FunctionPass(
     "fold_broadcast_gradient_args", fold_broadcast_gradient_args, _broadcast_problem
 )
-DROP_NOOP_REDUCTIONS = FunctionPass("drop_noop_reductions", drop_noop_reductions)
+DROP_NOOP_REDUCTIONS = FunctionPass("drop_noop_reductions", drop_noop_reductions, _single_assignment_problem)
 SCATTER_SUM_TO_CONCAT = FunctionPass("scatter_sum_to_concat", scatter_sum_to_concat, _float16_problem)
-WITHOUT_DEAD_NODES = FunctionPass("without_dead_nodes", without_dead_nodes)
+WITHOUT_DEAD_NODES = FunctionPass("without_dead_nodes", without_dead_nodes, _unsorted_problem)
 STATIC_SHAPE_PASSES = [FOLD_BROADCAST_GRADIENT_ARGS, DROP_NOOP_REDUCTIONS, SCATTER_SUM_TO_CONCAT, WITHOUT_DEAD_NODES]
 
 
