@@ -248,7 +248,7 @@ def test_state_dict_round_trip_keeps_float32_master_weights_and_the_scaler():
     assert scales[0] == scales[1] == 1024.0  # grown back after 4 finite steps in both
 
 
-def test_outputs_keep_their_precision_in_training_and_evaluation():
+def test_outputs_keep_their_precision_in_training_and_evaluation(tmp_path):
     torch.manual_seed(0)
     trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE, _amp())
     assert isinstance(trainer.options.mixed_precision.loss_scaler, amp.DynamicLossScaler)
@@ -264,6 +264,10 @@ def test_outputs_keep_their_precision_in_training_and_evaluation():
     assert outputs[1].dtype_amp == torch.float16 and outputs[0].dtype_amp is None
     assert trainer.model_desc.loss_scale_input.name == trainer.options.mixed_precision.loss_scaler.input_name
     assert "all_gradients_finite" in trainer.model_desc.all_finite.name
+    trainer.save_as_onnx(str(tmp_path / "mlp.onnx"))  # the float16-computing forward, with the master weights
+    saved = onnx.load(str(tmp_path / "mlp.onnx"))
+    weights = {i.name: onnx.numpy_helper.to_array(i) for i in saved.graph.initializer}
+    assert max_difference(weights, trainer_weights(trainer)) == 0.0
 
 
 def test_a_batch_the_first_graph_rejects_gets_its_own_mixed_precision_graph():
