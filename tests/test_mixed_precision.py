@@ -15,6 +15,7 @@ from helpers import make_trainer, max_difference, torch_weights, trainer_weights
 from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
 
 from orttrainer import amp, optim
+from orttrainer.trainer import ort_private
 
 CE = torch.nn.functional.cross_entropy
 FP16_TOLERANCE = 5e-3  # max abs weight difference to an fp32 reference after 30 Adam steps at lr 1e-3
@@ -205,6 +206,10 @@ def test_mixed_precision_checkpoints_load_into_fp32_trainers_and_back(tmp_path):
     assert back._counters.optimizer_updates == full._counters.optimizer_updates == mixed._counters.optimizer_updates + 1
 
 
+@pytest.mark.skipif(
+    not ort_private.has_training_build(),
+    reason="needs onnxruntime-training (an ONNX model's mixed precision needs the 'ort' builder)",
+)
 def test_an_onnx_model_trains_in_mixed_precision():
     import io
 

@@ -1,4 +1,4 @@
-"""The `rename_state` pass (orttrainer/trainer/gradient/state_names.py) on a hand-built gradient-model-like graph:
+"""The `rename_state` pass (orttrainer/trainer/graph/state_names.py) on a hand-built gradient-model-like graph:
 state inputs and `<name>_grad` outputs renamed, references followed, clashing intermediates moved aside."""
 
 from __future__ import annotations

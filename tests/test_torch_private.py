@@ -305,3 +305,25 @@ def test_aot_export_joint_dynamic_same_sizes_share_one_symbol():
     _, _, shared = torch_private.aot_export_joint_dynamic(Pair(), args, [[0], [0]], [[(0, 0), (1, 0)]])
     assert separate.accepts([torch.randn(6, 4), torch.randn(6, 4)]) and shared.accepts([torch.randn(6, 4)] * 2)
     assert not shared.accepts([torch.randn(6, 4), torch.randn(7, 4)])  # one size: a mismatch is another graph
+
+
+def test_float16_traces_lower_layer_norm_and_the_exporter_folds_casts_of_state_unless_told():
+    from orttrainer.trainer.gradient.torch_private.tracing import trace_decompositions
+
+    assert aten.native_layer_norm.default not in trace_decompositions()  # float32: ONNX LayerNormalization
+    assert aten.native_layer_norm.default in trace_decompositions(float16=True)  # docs/engine.md §15
+
+    class Half(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            return (x.half() * self.weight.half(),)
+
+    def initializers(fold: bool) -> set[str]:
+        model, _ = torch_private.export_module_to_onnx(Half(), [torch.randn(2, 3)], ["x"], ["y"], 18, [[]], fold)
+        return {i.name for i in model.graph.initializer}
+
+    assert "weight" not in initializers(True)  # the Cast folded into a new float16 initializer
+    assert initializers(False) == {"weight"}

@@ -175,10 +175,10 @@ def _torch_route(
     AOTAutograd with model_desc's string dims dynamic, the forward model from torch.export when first needed."""
     desc, options = config.model_desc, config.options
     names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
-    dims = named_dims(desc.inputs)
+    dims, outputs, amp = named_dims(desc.inputs), [d.name for d in desc.outputs], options.mixed_precision.enabled
     trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
     source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, same_size_groups(desc.inputs))
-    forward = ForwardSource(module, config.loss_fn, names, [d.name for d in desc.outputs], dims, opset)
+    forward = ForwardSource(module, config.loss_fn, names, outputs, dims, opset, bool(amp))  # torch_amp.py
     evals = TorchEvalGraphs(
         forward, shape_signature(sample_inputs), lambda m: postprocess(config, m), trainable + frozen
     )

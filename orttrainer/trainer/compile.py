@@ -23,6 +23,7 @@ from .gradient.choice import BuilderChoice
 from .gradient.differentiate import GradientRequest, differentiate
 from .gradient.ort_options import GradientOptions
 from .gradient.torch_graphs import TorchSource, torch_gradient_model
+from .gradient.torch_graphs import loss_scale_names as loss_scale_names_torch
 from .graph.data_parallel import GradientStepGraph, build_gradient_step_graph, build_optimizer_graph
 from .graph.eval_model import eval_model_passes
 from .graph.mixed_precision import loss_scale_names, to_float16_pass
@@ -116,13 +117,9 @@ def compile_model(request: CompileRequest) -> CompiledModel:
         request = replace(request, update=choose_update_path(request.optim_config.name, groups))
     state = request.trainable + request.frozen
     save = _debug_paths(request.graph_save_paths)
-    passes = forward_passes(request.dropout_off)
-    loss, loss_scale = request.loss_name, None
-    if request.mixed_precision:  # the 'ort' builder only (gradient/choice.choose_builder)
-        passes += mixed_precision_passes(state, _keep_float32(request, state), request.loss_name)
-    forward = run_passes(request.forward, passes, save={passes[-1].name: save.get(_AFTER_TRANSFORMS, "")})
-    if request.mixed_precision:
-        loss, loss_scale = loss_scale_names(forward)
+    if request.mixed_precision and request.torch_source is not None and request.builder.builder == "torch":
+        request = replace(request, torch_source=replace(request.torch_source, mixed_precision=True))
+    forward, loss, loss_scale = _forward_and_loss(request, state, save)
     gradient = differentiate(_gradient_request(request, forward, loss))
     request = replace(request, trainable=gradient.trainable, frozen=gradient.frozen, builder=gradient.builder)
     passes = gradient_passes(request, loss)
@@ -145,6 +142,32 @@ def compile_model(request: CompileRequest) -> CompiledModel:
     if gradient.builder.builder == "torch":
         compiled.graph_for = TorchShapeGraphs(request, compiled.step or compiled.training, gradient.accepts)
     return compiled
+
+
+def _forward_and_loss(
+    request: CompileRequest, state: list[str], save: dict[str, str]
+) -> tuple[onnx.ModelProto, str, str | None]:
+    """The forward model after `forward_passes`, the loss the gradient passes see and the loss-scale input (None
+    without mixed precision). Mixed precision: the 'ort' builder differentiates the forward converted to float16
+    with the scaled loss appended (`mixed_precision_passes`); the torch builder traces the module in float16 with
+    the loss scale itself (`TorchSource.mixed_precision`, gradient/torch_graphs.py)."""
+    passes = forward_passes(request.dropout_off)
+    torch_traced = request.torch_source is not None and request.torch_source.mixed_precision
+    if request.mixed_precision and not torch_traced:
+        passes += mixed_precision_passes(state, _keep_float32(request, state), request.loss_name)
+    forward = run_passes(request.forward, passes, save={passes[-1].name: save.get(_AFTER_TRANSFORMS, "")})
+    if not request.mixed_precision:
+        return forward, request.loss_name, None
+    if torch_traced:
+        return forward, *loss_scale_names_torch(request.data_inputs, request.outputs, state)
+    return forward, *loss_scale_names(forward)
+
+
+def _torch_loss_names(request: CompileRequest) -> tuple[str, str | None]:
+    """A torch-built gradient model's loss for `gradient_passes` and its loss-scale input (mixed precision)."""
+    if not request.mixed_precision:
+        return request.loss_name, None
+    return loss_scale_names_torch(request.data_inputs, request.outputs, request.trainable + request.frozen)
 
 
 _AFTER_TRANSFORMS = "model_after_graph_transforms_path"
@@ -319,10 +342,13 @@ class TorchShapeGraphs:
             model, _ = torch_gradient_model(
                 self._source, inputs, request.outputs, request.trainable, request.trainable + request.frozen
             )
-        model = run_passes(model, gradient_passes(request, request.loss_name))
+        loss, scale = _torch_loss_names(request)
+        model = run_passes(model, gradient_passes(request, loss))
         plan = request.data_parallel
         graph = (
-            _training_graph(model, request, None) if plan is None else _gradient_step_graph(model, request, plan, None)
+            _training_graph(model, request, scale)
+            if plan is None
+            else _gradient_step_graph(model, request, plan, scale)
         )
         check_same_state_contract(self.first, graph)
         return graph

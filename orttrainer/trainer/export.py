@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import onnx
 import torch
 
+from . import torch_amp
 from .gradient import torch_private
 from .graph.editor import copy_model
 from .graph.fixups import restore_dropout_training_mode
@@ -28,7 +29,7 @@ MODEL_PREFIX = "model."
 class _ModelWithLoss(torch.nn.Module):
     """`forward(*inputs)`: model outputs, or `(loss_fn(preds, inputs[-1]), *preds)` when a loss function is set."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn, input_names: list[str]) -> None:
+    def __init__(self, model: torch.nn.Module, loss_fn, input_names: list[str], float16: bool = False) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
@@ -37,15 +38,23 @@ class _ModelWithLoss(torch.nn.Module):
         self.forward_params = list(parameters)
         # a forward that takes only `*inputs` (gradient/onnx_module.OnnxModule) has no names to pass inputs by
         self.positional = [p.kind for p in parameters.values()] == [inspect.Parameter.VAR_POSITIONAL]
+        self.float16 = float16  # mixed precision on the torch route: the model computes in float16 (torch_amp.py)
 
     def forward(self, *inputs):
+        label = inputs[-1] if self.loss_fn is not None else None
+        if self.float16:
+            inputs = tuple(torch_amp.float16_inputs(inputs, label=self.loss_fn is not None))
         if self.positional:  # forward(*inputs): all model_desc inputs but a loss_fn's label, in order
-            preds = self.model(*(inputs[:-1] if self.loss_fn is not None else inputs))
+            args, kwargs = (inputs[:-1] if self.loss_fn is not None else inputs), {}
         else:
-            preds = self.model(**self.model_kwargs(inputs))
+            args, kwargs = (), self.model_kwargs(inputs)
+        if self.float16:
+            preds = torch.func.functional_call(self.model, torch_amp.float16_state(self.model), args, kwargs)
+        else:
+            preds = self.model(*args, **kwargs)
         if self.loss_fn is None:
             return preds
-        loss = self.loss_fn(preds, inputs[-1])
+        loss = self.loss_fn(torch_amp.float32_values(preds) if self.float16 else preds, label)
         return (loss, *preds) if isinstance(preds, (tuple, list)) else (loss, preds)
 
     def model_kwargs(self, inputs) -> dict:

@@ -56,7 +56,8 @@ def describe_mixed_precision(config: TrainerConfig, compiled: CompiledModel) -> 
     desc.loss_scale_input = graph.loss_scale_input
     desc.all_finite = graph.all_finite_output
     opts.loss_scaler.input_name = graph.loss_scale_input
-    types = output_elem_types(compiled.eval_model)
+    trained = compiled.step or compiled.training  # the torch route exports its eval graphs later
+    types = {**output_elem_types(trained.model), **output_elem_types(compiled.eval_model)}
     for i, output in enumerate(desc.outputs):
         dtype = getattr(output, "dtype", None)  # set only once the type is known
         if dtype == torch.float32 and types.get(output.name) == onnx.TensorProto.FLOAT16:

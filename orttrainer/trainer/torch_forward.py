@@ -16,6 +16,8 @@ Rules:
   specialises) another eval graph is exported for their shapes.
 - Mode: eval (dropout off, BatchNorm on running statistics), whatever mode the module trains in. The legacy
   `save_as_onnx` wrote the training-mode graph; see README § Gradient builders.
+- Mixed precision (`ForwardSource.mixed_precision`): the module computes in float16 on the float32 state, as in
+  training (trainer/torch_amp.py); the loss output is float32, the other float outputs the module's float16.
 """
 
 from __future__ import annotations
@@ -78,17 +80,19 @@ class ForwardSource:
     output_names: list[str]
     dynamic_dims: list[list[int]]
     opset_version: int
+    mixed_precision: bool = False
 
 
 class _EvalForward(_ModelWithLoss):
     """`_ModelWithLoss` returning its first `count` output tensors, flattened."""
 
     def __init__(self, source: ForwardSource) -> None:
-        super().__init__(source.module, source.loss_fn, source.input_names)
+        super().__init__(source.module, source.loss_fn, source.input_names, float16=source.mixed_precision)
         self.count = len(source.output_names)
 
     def forward(self, *inputs):
-        return tuple(flatten_tensors(super().forward(*inputs))[: self.count])
+        loss, *outputs = flatten_tensors(super().forward(*inputs))[: self.count]
+        return (loss.float() if self.float16 else loss, *outputs)  # the loss is float32 under mixed precision
 
 
 def export_forward(
@@ -109,6 +113,7 @@ def export_forward(
                 source.output_names,
                 opset,
                 dims,
+                fold_state=not source.mixed_precision,
             )
     except Exception as err:
         raise RuntimeError(

@@ -26,6 +26,12 @@ but their updates are not outputs (as with the `ort` builder): they are listed i
 `loss_fn` (a loss module's `weight` buffer) and plain tensor attributes are baked into the graph as constants.
 Every trainable parameter must influence the loss. Tied parameters are one input and one summed gradient under
 their first name.
+
+Mixed precision (`loss_scale=(scaled_loss, loss_scale_input)`): the module computes in float16 on its float32 state
+(trainer/torch_amp.py), the graph takes one more input after the state, the float32 scalar `loss_scale_input`, and
+outputs `scaled_loss` = loss · loss_scale (float32) before the forward outputs; the backward starts from the scaled
+loss, so the gradients are those of the scaled loss (float32, through each parameter's cast) — the contract of the
+'ort' path's mixed-precision gradient model (graph/mixed_precision.py), which the shared tail unscales.
 """
 
 from __future__ import annotations
@@ -41,7 +47,13 @@ from ...dtypes import torch_to_onnx
 from ..shapes import ShapeSignature, shape_signature
 from . import torch_private
 from .errors import GradientBuildError
-from .torch_trace import JointWrapper, UntraceableFunctionError, tensor_attributes_as_buffers, trace_joint
+from .torch_trace import (
+    LOSS_SCALE_BUFFER,
+    JointWrapper,
+    UntraceableFunctionError,
+    tensor_attributes_as_buffers,
+    trace_joint,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -57,12 +69,13 @@ class TorchGradientGraph:
     model: onnx.ModelProto
     input_names: list[str]  # data inputs: the first graph inputs
     state_names: list[str]  # then every parameter and buffer of the module
-    output_names: list[str]  # forward outputs, loss first
+    output_names: list[str]  # forward outputs, loss first (mixed precision: the scaled loss before them)
     gradient_names: list[str]  # then `<p>_grad` for each trainable parameter, in `trainable` order
     signature: ShapeSignature  # input shapes and dtypes this graph was traced with
     opset_version: int
     mutated_buffers: list[str]  # buffers the forward updates in place; this graph does not output the updates
     guards: torch_private.ShapeGuards | None = None  # a dynamic-shape graph: the shapes it is valid for
+    loss_scale_input: str | None = None  # mixed precision: the last graph input (module docstring)
 
     @property
     def dynamic(self) -> bool:
@@ -104,6 +117,7 @@ def build_torch_gradient_graph(
     opset_version: int = torch_private.MIN_DYNAMO_OPSET,
     dynamic_dims: Sequence[Sequence[int]] | None = None,
     same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
+    loss_scale: tuple[str, str] | None = None,
 ) -> TorchGradientGraph:
     """Trace `module` (+ `loss_fn`) on `sample_inputs` and return its forward+backward ONNX graph.
 
@@ -111,14 +125,16 @@ def build_torch_gradient_graph(
     `output_names` name the first outputs of `(loss, *module outputs)`; `trainable` get `<p>_grad` outputs;
     `frozen` parameters (and parameters in neither list) get none. `opset_version` below 18 is raised to 18 (the
     exporter's minimum); above 21 is an error. `dynamic_dims[i]` lists the dims of input i to keep dynamic (see
-    the module docstring; None: none), `same_sizes` groups of (input, dim) that are one size. Raises
+    the module docstring; None: none), `same_sizes` groups of (input, dim) that are one size, `loss_scale` the
+    (scaled loss, loss-scale input) names under mixed precision (module docstring). Raises
     GradientBuildError (UntraceableFunctionError for a custom Function that cannot be traced) when PyTorch
     cannot trace or export the model.
     """
     _check_arguments(module, input_names, sample_inputs, trainable, frozen)
     opset = _effective_opset(opset_version)
     inputs = [t.detach() for t in sample_inputs]  # gradients are for parameters only
-    request = _Trace(module, loss_fn, list(input_names), inputs, list(output_names), list(trainable), opset, same_sizes)
+    names = [loss_scale[0], *output_names] if loss_scale else list(output_names)
+    request = _Trace(module, loss_fn, list(input_names), inputs, names, list(trainable), opset, same_sizes, loss_scale)
     if dynamic_dims is not None and any(dynamic_dims):
         try:
             return _build(request, dynamic_dims)
@@ -151,16 +167,15 @@ class _Trace:
     trainable: list[str]
     opset: int
     same_sizes: Sequence[Sequence[tuple[int, int]]]
+    loss_scale: tuple[str, str] | None  # (scaled loss output, loss-scale input) under mixed precision
 
 
 def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> TorchGradientGraph:
     module, input_names, inputs, trainable = request.module, request.input_names, request.inputs, request.trainable
-    wrapper = JointWrapper(module, request.loss_fn, input_names)
-    canonical = _canonical_names(module)  # before tracing: tensor attributes are buffers only while it runs
+    wrapper, canonical, state = _wrap(request)
     graph, sig, guards = trace_joint(wrapper, inputs, trainable, dynamic_dims, request.same_sizes)
     if guards is not None and not any(guards.dynamic_dims):
         guards = None  # the trace specialised every dynamic dim: valid for the sample's shapes only
-    state = {name: tensor.detach() for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
     state_inputs, mutated = _rewrite_joint(
         graph, sig, _traced_state(wrapper), canonical, trainable, len(request.output_names), type(module).__name__
     )
@@ -179,12 +194,35 @@ def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> Tor
             f"torch.onnx could not export the traced forward+backward graph of "
             f"{type(module).__name__} to ONNX opset {request.opset}: {err}"
         ) from err
-    state_names = list(canonical.values())
-    model = _order_inputs(model, list(input_names), {n: state[n] for n in state_names})
+    model = _order_inputs(model, list(input_names), {n: state[n] for n in canonical.values()})  # the scale last
+    scale_input = request.loss_scale[1] if request.loss_scale else None
+    state_names = [n for n in canonical.values() if n != scale_input]
     signature = shape_signature(inputs)
     return TorchGradientGraph(
-        model, input_names, state_names, request.output_names, gradient_names, signature, request.opset, mutated, guards
+        model,
+        input_names,
+        state_names,
+        request.output_names,
+        gradient_names,
+        signature,
+        request.opset,
+        mutated,
+        guards,
+        scale_input,
     )
+
+
+def _wrap(request: _Trace) -> tuple[JointWrapper, dict[int, str], dict[str, torch.Tensor]]:
+    """The wrapper to trace, id(tensor) -> its state name (`_canonical_names`; under mixed precision the wrapper's
+    loss-scale buffer too, last, named as the loss-scale input) and the state tensors by those names."""
+    module = request.module
+    wrapper = JointWrapper(module, request.loss_fn, request.input_names, request.loss_scale is not None)
+    canonical = _canonical_names(module)  # before tracing: tensor attributes are buffers only while it runs
+    state = {name: tensor.detach() for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
+    if request.loss_scale:
+        scale = getattr(wrapper, LOSS_SCALE_BUFFER)
+        canonical[id(scale)], state[request.loss_scale[1]] = request.loss_scale[1], scale
+    return wrapper, canonical, state
 
 
 def _check_arguments(

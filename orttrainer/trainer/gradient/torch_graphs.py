@@ -10,6 +10,9 @@ Rules:
 - Mode: the module is traced in the train/eval mode it had when the trainer first saw it.
 - Names: with `state_names` (module name -> trainer name; an ONNX model's `OnnxModule`), `trainable` and `state`
   are given in trainer names and the gradient model is renamed to them (`graph/state_names.rename_state_pass`).
+- Mixed precision (`TorchSource.mixed_precision`): the module is traced in float16 on its float32 state, with the
+  loss-scale input and the scaled-loss output `loss_scale_names` gives (gradient/torch_builder.py); every graph
+  traced from that source, for any input shapes, has them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import torch
 from onnx import numpy_helper
 
 from ...debug.subscriber import no_increase_global_step
+from ..graph.editor import fresh_name
+from ..graph.mixed_precision import LOSS_SCALE_INPUT
 from ..graph.passes import run_passes
 from ..graph.state_names import rename_state_pass
 from .errors import GradientBuildError
@@ -46,6 +51,7 @@ class TorchSource:
     dynamic_dims: list[list[int]] = field(default_factory=list)
     same_sizes: list[list[tuple[int, int]]] = field(default_factory=list)
     state_names: Mapping[str, str] | None = None  # module state name -> the trainer's name, where they differ
+    mixed_precision: bool = False  # traced in float16 with a loss-scale input (module docstring)
 
 
 Accepts = Callable[[Sequence[torch.Tensor]], bool]
@@ -61,8 +67,10 @@ def torch_gradient_model(
 ) -> tuple[onnx.ModelProto, Accepts]:
     """The gradient model for `inputs` (with `dynamic`: for every shape its trace allows), and the rule saying
     which inputs it is valid for: the data and the trainer's `state` tensors (trainable and frozen) as graph
-    inputs; `outputs` (loss first), then `<p>_grad` for each of `trainable`, as graph outputs."""
+    inputs; `outputs` (loss first), then `<p>_grad` for each of `trainable`, as graph outputs. Under mixed
+    precision, also the loss-scale input (last) and the scaled-loss output (first), named by `loss_scale_names`."""
     names = dict(source.state_names or {})
+    scale = loss_scale_names(source.input_names, outputs, state) if source.mixed_precision else None
     to_module = {trainer: module for module, trainer in names.items()}
     trainable, state = [to_module.get(n, n) for n in trainable], [to_module.get(n, n) for n in state]
     params = {name for name, _ in source.module.named_parameters()}
@@ -80,13 +88,22 @@ def torch_gradient_model(
             source.opset_version,
             source.dynamic_dims if dynamic else None,
             source.same_sizes,
+            scale,
         )
     if dynamic:
         kind = f"dynamic dims {graph.dynamic_dims}" if graph.dynamic else "the sample's concrete shapes"
         _logger.info("torch gradient builder: the first training graph is traced with %s", kind)
     values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
-    model = bind_foreign_state(graph.model, len(source.input_names), state, values)
+    model = bind_foreign_state(graph.model, len(source.input_names), [*state, *scale[1:]] if scale else state, values)
     return (run_passes(model, [rename_state_pass(names)]) if names else model), graph.accepts
+
+
+def loss_scale_names(data_inputs: Sequence[str], outputs: Sequence[str], state: Sequence[str]) -> tuple[str, str]:
+    """(scaled loss, loss-scale input) of a mixed-precision torch gradient model: `<loss>_scaled` and
+    `LOSS_SCALE_INPUT`, each made unique among the data inputs, outputs and state (the same names for every graph
+    of one trainer)."""
+    taken = {*data_inputs, *outputs, *state}
+    return fresh_name(f"{outputs[0]}_scaled", taken), fresh_name(LOSS_SCALE_INPUT, taken)
 
 
 @contextlib.contextmanager

@@ -48,15 +48,36 @@ class UntraceableFunctionError(GradientBuildError):
 
 class JointWrapper(torch.nn.Module):
     """`(loss, *outputs)` of `_ModelWithLoss`, flattened to tensors, with the outputs detached: AOTAutograd
-    differentiates the loss only and rejects other outputs that require grad."""
+    differentiates the loss only and rejects other outputs that require grad.
 
-    def __init__(self, module: torch.nn.Module, loss_fn: Callable | None, input_names: Sequence[str]) -> None:
+    With `mixed_precision`: the model computes in float16 on float32 state (trainer/torch_amp.py), and the result
+    is `(loss · loss_scale, loss, *outputs)` with the loss float32 and `loss_scale` a float32 scalar buffer (the
+    builder makes it a graph input, `LOSS_SCALE_BUFFER`): the backward starts from the scaled loss, so its seed
+    d(loss · s)/d loss = s enters where the backward starts, as the 'ort' path's `append_loss_scale` does."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        loss_fn: Callable | None,
+        input_names: Sequence[str],
+        mixed_precision: bool = False,
+    ) -> None:
         super().__init__()
-        self.inner = _ModelWithLoss(module, loss_fn, list(input_names))
+        self.inner = _ModelWithLoss(module, loss_fn, list(input_names), float16=mixed_precision)
+        self.mixed_precision = mixed_precision
+        if mixed_precision:
+            self.register_buffer(LOSS_SCALE_BUFFER, torch.ones((), dtype=torch.float32))
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         loss, *outputs = flatten_tensors(self.inner(*inputs))
-        return (loss, *(t.detach() for t in outputs))
+        detached = tuple(t.detach() for t in outputs)
+        if not self.mixed_precision:
+            return (loss, *detached)
+        loss = loss.float()
+        return (loss * getattr(self, LOSS_SCALE_BUFFER), loss.detach(), *detached)
+
+
+LOSS_SCALE_BUFFER = "orttrainer_loss_scale"  # JointWrapper's own buffer: the qualified name is unique
 
 
 def flatten_tensors(value) -> list[torch.Tensor]:
@@ -88,7 +109,9 @@ def trace_joint(
         try:
             with _tracing():
                 groups = same_sizes if dynamic else ()
-                graph, sig, guards = torch_private.aot_export_joint_dynamic(wrapper, inputs, dims, groups)
+                graph, sig, guards = torch_private.aot_export_joint_dynamic(
+                    wrapper, inputs, dims, groups, float16=wrapper.mixed_precision
+                )
             return graph, sig, guards if dynamic else None
         except Exception as err:
             explained = _specific_error(err, wrapper, inputs, trainable)
@@ -98,7 +121,7 @@ def trace_joint(
                 raise
         try:  # what the descriptor-based trace does not map: AOTAutograd's positional joint export
             with _tracing():
-                graph, sig = torch_private.aot_export_joint(wrapper, inputs, loss_index=0)
+                graph, sig = torch_private.aot_export_joint(wrapper, inputs, 0, float16=wrapper.mixed_precision)
             return graph, sig, None
         except Exception as err:
             raise _explain_trace_error(err, wrapper, inputs, trainable) from err

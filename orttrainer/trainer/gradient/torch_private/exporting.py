@@ -133,12 +133,16 @@ def export_module_to_onnx(
     output_names: list[str],
     opset_version: int,
     dynamic_dims: Sequence[Sequence[int]],
+    fold_state: bool = True,
 ) -> tuple[onnx.ModelProto, list[list[DimSpec]]]:
     """`export_graph_to_onnx(..., allow_static=True)` for a module, and each input's dims as torch.export traced
     them: the size of a static (or specialised) dim, the range of a dynamic one. The ONNX inputs get those
     static sizes too. Why: torch.onnx leaves a dim declared dynamic symbolic in the ONNX inputs even when
-    torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges."""
-    program = _export(module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True)
+    torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges.
+
+    `fold_state=False` skips torch.onnx's optimiser: it folds ops on the module's state into new initializers
+    (a `Cast` of each parameter under mixed precision), so the graph would no longer read the state by name."""
+    program = _export(module, args, input_names, output_names, opset_version, dynamic_dims, True, fold_state)
     exported = program.exported_program
     if exported is None:
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no exported program")
@@ -178,6 +182,7 @@ def _export(
     opset_version: int,
     dynamic_dims: Sequence[Sequence[int]] | None,
     allow_static: bool,
+    optimize: bool = True,
 ) -> Any:
     if opset_version < MIN_DYNAMO_OPSET:
         raise ValueError(f"torch.onnx's dynamo exporter writes opset >= {MIN_DYNAMO_OPSET}, got {opset_version}")
@@ -198,7 +203,7 @@ def _export(
             opset_version=opset_version,
             dynamic_shapes=shapes,
             dynamo=True,
-            optimize=True,
+            optimize=optimize,
             verify=False,
             report=False,
             verbose=False,

@@ -47,13 +47,22 @@ def training_decompositions() -> dict:
     return table
 
 
-def trace_decompositions() -> dict:
+def trace_decompositions(float16: bool = False) -> dict:
     """What the torch builder traces with: `training_decompositions()`, and `onnx_decompositions()` for the ops
     left that torch.onnx has no ONNX translation for (so its graphs export without a decomposition pass) — except
     `lift`/`lift_fresh`: the tracer itself turns a tensor created during the trace (`torch.from_numpy` in an
     OnnxModule, a constant) into a graph constant through them; decomposed, they alias the real tensor, which the
-    fake-tensor mode refuses ("Please convert all Tensors to FakeTensors first")."""
+    fake-tensor mode refuses ("Please convert all Tensors to FakeTensors first").
+
+    With `float16` (mixed precision), `native_layer_norm` is lowered too (to arithmetic computing in float32, as
+    its kernel does): written as ONNX LayerNormalization on float16 input, its backward mixed the float32
+    statistics with float16 constants, which ONNX Runtime rejects ("Type parameter (T) of Optype (Div) bound to
+    different types", verified with torch 2.13 and onnxscript 0.7.2); lowered, every dtype is explicit."""
+    from torch._decomp import get_decompositions
+
     table = training_decompositions()
+    if float16:
+        table.update(get_decompositions([torch.ops.aten.native_layer_norm.default]))
     tracer_ops = {torch.ops.aten.lift.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.out}
     for op, decomposition in onnx_decompositions().items():
         if op not in table and op not in tracer_ops:  # not setdefault: CustomDecompTable ignores it (torch 2.13)
@@ -89,12 +98,13 @@ class JointSignature:
 
 
 def aot_export_joint(
-    module: torch.nn.Module, args: Sequence[Any], loss_index: int = 0
+    module: torch.nn.Module, args: Sequence[Any], loss_index: int = 0, float16: bool = False
 ) -> tuple[torch.fx.GraphModule, JointSignature]:
     """Trace `module(*args)` and PyTorch's backward of its output `loss_index` into one functional aten graph.
 
-    Decompositions: `training_decompositions()`. Placeholders are (parameters, buffers, user inputs); outputs
-    are (mutated inputs, user outputs, parameter gradients), as `JointSignature` spells out. Custom
+    Decompositions: `trace_decompositions(float16)` (`float16`: the module computes in float16). Placeholders
+    are (parameters, buffers, user inputs); outputs are (mutated inputs, user outputs, parameter gradients), as
+    `JointSignature` spells out. Custom
     `torch.autograd.Function`s contribute their own forward and backward. `module` must return a tuple; every
     non-loss output must not require grad (detach it); every parameter that requires grad must receive a
     gradient (see `is_missing_gradient_error`)."""
@@ -104,7 +114,11 @@ def aot_export_joint(
         # anomaly-mode and pytree deprecation warnings fire on every trace; failures raise instead
         warnings.simplefilter("ignore")
         graph, sig = aot_export_module(
-            module, list(args), trace_joint=True, output_loss_index=loss_index, decompositions=trace_decompositions()
+            module,
+            list(args),
+            trace_joint=True,
+            output_loss_index=loss_index,
+            decompositions=trace_decompositions(float16),
         )
     if not isinstance(graph, torch.fx.GraphModule):  # the joint trace always returns one
         raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
@@ -135,10 +149,12 @@ def aot_export_joint_dynamic(
     args: Sequence[torch.Tensor],
     dynamic_dims: Sequence[Sequence[int]],
     same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
+    float16: bool = False,
 ) -> tuple[torch.fx.GraphModule, JointSignature, ShapeGuards]:
     """`aot_export_joint` with the dims `dynamic_dims[i]` of `args[i]` symbolic: one graph for every size of
     those dims that satisfies the returned guards. Each group of `same_sizes` ((input, dim) pairs) is one size
-    (model_desc names them alike): one symbol, which keeps the symbolic arithmetic small.
+    (model_desc names them alike): one symbol, which keeps the symbolic arithmetic small. `float16`: as
+    `aot_export_joint`'s.
 
     How: the user inputs become fake tensors with symbolic sizes in a ShapeEnv, and
     `aot_export_joint_with_descriptors` traces the joint graph (aot_export_module re-traces its joint without
@@ -170,7 +186,8 @@ def aot_export_joint_dynamic(
             torch._check(fakes[i].shape[d] == fakes[first].shape[first_dim])
     with contextlib.ExitStack() as stack, torch.enable_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        joint = aot_export_joint_with_descriptors(stack, module, tuple(fakes), decompositions=trace_decompositions())
+        table = trace_decompositions(float16)
+        joint = aot_export_joint_with_descriptors(stack, module, tuple(fakes), decompositions=table)
     graph = joint.graph_module
     requiring = [n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
     sig = _descriptor_signature(graph, requiring)
