@@ -159,12 +159,46 @@ class WithOffset(nn.Module):
         return self.fc(x) * 2 + self.offset
 
 
+# 6. parameters at values an exporter could fold (zero biases, LayerNorm at 1 and 0), and a tied bias whose
+# first name is not the one the forward reads (Hugging Face BERT's decoder bias) ------------------------------------
+
+
+class TiedZeroBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(4))  # first name; the forward reads it as head.bias
+        self.body, self.norm, self.head = nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+        nn.init.zeros_(self.body.bias)
+        self.head.bias = self.bias
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.body(x))))
+
+
+# 7. a forward that skips a step in eager mode after reading a tensor's value, unless torch is tracing it
+# (transformers' attention masks: `padding_mask.all()` unless torch.compiler.is_compiling()) ---------------------
+
+
+class EagerShortcut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        keep = x > -100.0  # all true for these batches
+        if not torch.compiler.is_compiling() and bool(keep.all()):
+            return self.fc(x)
+        return self.fc(x.masked_fill(~keep, 0.0))
+
+
 PATTERNS = {
     "torchscript_function": GeluMLP,
     "checkpoint_reentrant": lambda: Checkpointed(reentrant=True),
     "checkpoint_non_reentrant": lambda: Checkpointed(reentrant=False),
     "pass_through_function": PassModel,
     "tensor_attribute": WithOffset,
+    "tied_zero_bias": TiedZeroBias,
+    "eager_shortcut": EagerShortcut,
 }
 
 

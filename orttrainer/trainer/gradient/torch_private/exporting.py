@@ -138,7 +138,9 @@ def export_module_to_onnx(
     them: the size of a static (or specialised) dim, the range of a dynamic one. The ONNX inputs get those
     static sizes too. Why: torch.onnx leaves a dim declared dynamic symbolic in the ONNX inputs even when
     torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges."""
-    program = _export(module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True)
+    program = _export(
+        module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True, keep_state=True
+    )
     exported = program.exported_program
     if exported is None:
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no exported program")
@@ -178,7 +180,12 @@ def _export(
     opset_version: int,
     dynamic_dims: Sequence[Sequence[int]] | None,
     allow_static: bool,
+    keep_state: bool = False,
 ) -> Any:
+    """`torch.onnx.export(dynamo=True)`. With `keep_state`, the module's parameters and buffers stay initializers
+    of the graph with all their uses, whatever their values (`_optimize_keeping_state`). Why: the optimiser folds
+    initializers as constants (a zero Gemm bias is dropped, verified with onnxscript 0.7.2), but the trainer feeds
+    the eval graph the trained values under those names (`set_initializers`, the session's state)."""
     if opset_version < MIN_DYNAMO_OPSET:
         raise ValueError(f"torch.onnx's dynamo exporter writes opset >= {MIN_DYNAMO_OPSET}, got {opset_version}")
     if isinstance(graph, torch.fx.GraphModule):
@@ -198,14 +205,37 @@ def _export(
             opset_version=opset_version,
             dynamic_shapes=shapes,
             dynamo=True,
-            optimize=True,
+            optimize=not keep_state,
             verify=False,
             report=False,
             verbose=False,
         )
     if program is None:  # dynamo=True always returns a program
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNX program")
+    if keep_state:
+        _optimize_keeping_state(program)
     return program
+
+
+def _optimize_keeping_state(program: Any) -> None:
+    """`program.optimize()` with the module's parameters and buffers out of its reach: meanwhile each is a plain
+    graph input without a value (the optimiser reads an initializer's value even when it is also an input), then
+    an initializer again, with its value."""
+    signature = program.exported_program.graph_signature
+    names = {*signature.parameters, *signature.buffers}
+    graph = program.model.graph
+    state = {name: (value, value.const_value) for name, value in graph.initializers.items() if name in names}
+    for name, (value, _) in state.items():
+        graph.initializers.pop(name)
+        value.const_value = None
+        graph.inputs.append(value)
+    with _quiet_exporter():
+        program.optimize()
+    graph = program.model.graph
+    for value, const in state.values():
+        graph.inputs.remove(value)
+        value.const_value = const
+        graph.register_initializer(value)
 
 
 def _takes_varargs(module: torch.nn.Module) -> bool:
