@@ -355,3 +355,23 @@ def test_a_model_whose_trace_specialises_the_batch_gets_one_graph_per_batch_size
         np.testing.assert_allclose(logits.numpy(), ref(x).numpy(), atol=1e-5)
     assert "exporting an eval graph for the input shapes [[5, 16], [5]]" in caplog.text
     trainer, _ = train_and_compare(GeluMLP(), batches(sizes=(8, 5, 8, 5)))  # TorchScript code: either way, exact
+
+
+def test_a_model_saved_from_the_torch_route_trains_again_as_an_onnx_model_on_it(tmp_path):
+    """save_as_onnx's file names its constants `val_<k>`, as torch.onnx names its values: as state of the ONNX
+    model, they are the inputs of the new training graph, whose exporter gives the same names to values of its own
+    (two values of one name, once)."""
+    torch.manual_seed(0)
+    trainer = make_trainer(GeluMLP(), DESC, optim.SGDConfig(lr=0.1), CE, TORCH)
+    data = batches()
+    trainer.train_step(*data[0])
+    path = str(tmp_path / "model.onnx")
+    trainer.save_as_onnx(path)
+    saved = onnx.load(path)
+    again = make_trainer(saved, DESC, optim.SGDConfig(lr=0.1), None, TORCH)
+    for ours, theirs in zip(trainer.eval_step(*data[1]), again.eval_step(*data[1]), strict=True):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=1e-6)
+    again.train_step(*data[1])
+    trainer.train_step(*data[1])
+    ours = trainer_weights(trainer)  # the ONNX model also trains its float constants (initializers), as legacy
+    assert max_difference({n: v for n, v in trainer_weights(again).items() if n in ours}, ours) < 1e-6

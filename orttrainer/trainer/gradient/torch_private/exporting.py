@@ -104,7 +104,7 @@ def _export_decomposed(
     torch.export, explicit type promotion, no assertion nodes, translation, opset conversion, optimisation,
     renaming. A dim torch.export would specialise raises (no refinement from its suggested fixes)."""
     from torch.onnx._internal._lazy_import import onnxscript_apis
-    from torch.onnx._internal.exporter import _core, _fx_passes, _ir_passes
+    from torch.onnx._internal.exporter import _core, _fx_passes
 
     graph.eval()  # an aten graph has no train/eval behaviour; this only silences the exporter's training warning
     shapes = None
@@ -118,8 +118,7 @@ def _export_decomposed(
         program = _core._exported_program_to_onnx_program(exported, registry=_registry(opset_version))
         program.model = onnxscript_apis.convert_version(program.model, opset_version)
         program.optimize()
-    _ir_passes.rename_inputs(program.model, input_names)
-    _ir_passes.rename_outputs(program.model, output_names)
+    _name_ends(program.model, input_names, output_names)
     return program.model_proto
 
 
@@ -200,8 +199,6 @@ def _export(
         program = torch.onnx.export(
             graph,
             tuple(args),
-            input_names=input_names,
-            output_names=output_names,
             opset_version=opset_version,
             dynamic_shapes=shapes,
             dynamo=True,
@@ -214,7 +211,35 @@ def _export(
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNX program")
     if keep_state:
         _optimize_keeping_state(program)
+    _name_ends(program.model, input_names, output_names)
     return program
+
+
+def _name_ends(model: Any, input_names: Sequence[str], output_names: Sequence[str]) -> None:
+    """Name the graph's first inputs `input_names` and first outputs `output_names`, in order. A value of the graph
+    that already has one of these names (the exporter names values `val_<k>`, and an ONNX model saved from the
+    torch route has initializers so named) is renamed first. Why not the exporter's own renaming: it renames
+    without looking, leaving two values with one name (verified on torch 2.13)."""
+    from onnx_ir.traversal import RecursiveGraphIterator
+
+    graph = model.graph
+    ends = [*zip(graph.inputs, input_names, strict=False), *zip(graph.outputs, output_names, strict=False)]
+    wanted = [name for _, name in ends]
+    if len(set(wanted)) < len(wanted):
+        raise ValueError(f"input and output names must be distinct: {wanted}")
+    values = [*graph.inputs, *graph.initializers.values()]
+    values += [value for node in RecursiveGraphIterator(graph) for value in node.outputs]
+    taken = {v.name for v in values} | set(wanted)
+    ours = {id(v) for v, _ in ends}
+    for value in values:
+        if value.name in wanted and id(value) not in ours:
+            k = 1
+            while f"{value.name}_{k}" in taken:
+                k += 1
+            value.name = f"{value.name}_{k}"
+            taken.add(value.name)
+    for value, name in ends:
+        value.name = name
 
 
 def _optimize_keeping_state(program: Any) -> None:
