@@ -11,7 +11,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import clone, make_trainer, max_difference, torch_weights, trainer_weights
+from helpers import clone, make_trainer, max_difference, needs_training_build, torch_weights, trainer_weights
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -295,6 +295,7 @@ class LogAddExp(nn.Module):
         return self.fc2(torch.logaddexp(h, -h))  # no TorchScript symbolic for aten::logaddexp
 
 
+@needs_training_build
 def test_auto_trains_with_torch_when_the_torchscript_export_fails(caplog):
     with caplog.at_level(logging.INFO, logger="orttrainer"):
         trainer, _ = train_and_compare(LogAddExp(), batches())

@@ -47,7 +47,8 @@ def module_state(module: torch.nn.Module, frozen_weights: list[str], dry: DryRun
     params = dict(module.named_parameters())  # tied parameters once, under their first name
     unknown = [name for name in frozen_weights if name not in params]
     if unknown:
-        raise RuntimeError(f"{unknown} params from 'frozen_weights' not found in the model's parameters.")
+        # the legacy text (docs/legacy_api.md §3.3), whichever builder: scripts match it
+        raise RuntimeError(f"{unknown} params from 'frozen_weights' not found in the ONNX model.")
     listed = set(frozen_weights)
     trainable = [n for n, p in params.items() if p.requires_grad and n not in listed]
     canonical = {id(t): n for n, t in reversed([*module.named_parameters(), *module.named_buffers()])}
