@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import needs_training_build
 from torch import nn
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
@@ -26,6 +27,7 @@ from orttrainer.debug import (
 )
 from orttrainer.debug.merge_activation_summary import main as merge_main
 from orttrainer.debug.subscriber import managers_of
+from orttrainer.trainer.runtime import has_training_build
 
 DESC = {
     "inputs": [("x", ["batch", 3]), ("target", ["batch", 2])],
@@ -147,6 +149,7 @@ def assert_same_dumps(pt, ort, sign_slack: float = 0.0) -> None:
 
 
 # --------------------------------------------------------------------------------------- PyTorch vs the trainer
+@needs_training_build
 def test_pytorch_and_trainer_write_the_same_files_and_statistics(tmp_path):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt")
@@ -163,6 +166,7 @@ def test_pytorch_and_trainer_write_the_same_files_and_statistics(tmp_path):
     assert len(merged[0]) == len(merged[1]) and headers[0] == headers[1] and len(headers[0]) == len(SAMPLE_ORDER)
 
 
+@needs_training_build
 def test_transformer_dumps_agree(tmp_path):
     from models import TinyTransformer, transformer_desc, transformer_loss
 
@@ -194,6 +198,7 @@ def test_transformer_dumps_agree(tmp_path):
     assert_same_dumps(tmp_path / "pt", tmp_path / "ort", sign_slack=0.01)
 
 
+@needs_training_build
 def test_merge_names_the_activation_where_a_perturbed_weight_first_shows_up(tmp_path, capsys):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt")
@@ -218,6 +223,7 @@ def test_merge_names_the_activation_where_a_perturbed_weight_first_shows_up(tmp_
     assert "step_0: first divergence: Linear_4_0th_output_forward" in capsys.readouterr().out
 
 
+@needs_training_build
 def test_gradients_of_an_inspected_tensor_with_two_consumers(tmp_path):
     model = make_model(TwoUses)
     pytorch_run(copy.deepcopy(model), tmp_path / "pt", "tt")
@@ -228,6 +234,7 @@ def test_gradients_of_an_inspected_tensor_with_two_consumers(tmp_path):
     assert inspected["depth"] == -1 and inspected["mean"] != pytest.approx(total["mean"])  # not the summed gradient
 
 
+@needs_training_build
 def test_an_eval_step_is_a_forward_only_step_in_both_paths(tmp_path):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt", "ttet")
@@ -237,6 +244,7 @@ def test_an_eval_step_is_a_forward_only_step_in_both_paths(tmp_path):
     assert_same_dumps(tmp_path / "pt", tmp_path / "ort")
 
 
+@needs_training_build
 def test_a_first_eval_step_under_no_grad_still_traces_the_backward_order(tmp_path):
     model = make_model()
     subscribe(model, tmp_path / "o")
@@ -249,6 +257,7 @@ def test_a_first_eval_step_under_no_grad_still_traces_the_backward_order(tmp_pat
     assert order(tmp_path / "o", 1) == SAMPLE_ORDER
 
 
+@needs_training_build
 @pytest.mark.parametrize("schedule", ["tttt", "tete"])
 def test_step_ranges_in_both_paths(tmp_path, schedule):
     model = make_model()
@@ -260,6 +269,7 @@ def test_step_ranges_in_both_paths(tmp_path, schedule):
     assert GlobalSubscriberManager.get_run_context().global_states.execution_step == 4
 
 
+@needs_training_build
 def test_override_output_dir_in_both_paths(tmp_path):
     for out in (tmp_path / "pt", tmp_path / "ort"):
         (out / "step_0").mkdir(parents=True)
@@ -275,6 +285,7 @@ def test_override_output_dir_in_both_paths(tmp_path):
     assert_same_dumps(tmp_path / "pt", tmp_path / "ort")
 
 
+@needs_training_build
 def test_gradient_accumulation_micro_steps_are_steps(tmp_path):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt", "t")
@@ -287,6 +298,7 @@ def test_gradient_accumulation_micro_steps_are_steps(tmp_path):
         assert b["mean"] == pytest.approx(a["mean"], rel=1e-4, abs=1e-6)
 
 
+@needs_training_build
 def test_mixed_precision_dumps_float16_activations_and_scaled_gradients(tmp_path):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt", "t")
@@ -304,10 +316,13 @@ def test_mixed_precision_dumps_float16_activations_and_scaled_gradients(tmp_path
 # ------------------------------------------------------------------------------------------ without subscribers
 def test_without_subscribers_the_graphs_and_steps_are_unchanged():
     trainer = trainer_run(make_model(), None, "te")  # inspect_activation is a no-op while nothing is subscribed
-    for model in (trainer._built.compiled.training.model, trainer._built.compiled.eval_model, trainer._onnx_model):
+    # the eval graph eval_step ran (the torch builder's is exported on the first eval, not compiled with the rest)
+    evaluated = trainer._training_session._evals.latest.graph.model
+    compiled = trainer._built.compiled
+    for model in (compiled.training.model, compiled.eval_model, evaluated, trainer._onnx_model):
         names = [n.name for n in model.graph.node] + [o.name for o in model.graph.output]
         assert not any(name.startswith(("orttrainer/activation", "orttrainer/statistics")) for name in names)
-    assert [o.name for o in trainer._built.compiled.eval_model.graph.output] == ["loss", "out"]
+    assert [o.name for o in evaluated.graph.output] == ["loss", "out"]
     assert not trainer._activations.instrumented and trainer._activations.begin_step("train") == []
 
 
@@ -323,6 +338,7 @@ def test_subscribing_after_compilation_counts_steps_but_warns(tmp_path):
     assert not (tmp_path / "late").exists()
 
 
+@needs_training_build
 def test_resubscribing_restarts_the_step_counter_in_the_new_directory(tmp_path):
     model = make_model()
     trainer = trainer_run(model, tmp_path / "a", "tt")
@@ -335,6 +351,7 @@ def test_resubscribing_restarts_the_step_counter_in_the_new_directory(tmp_path):
     assert trainer._activations.begin_step("train") == []  # unsubscribed: nothing fetched, nothing counted
 
 
+@needs_training_build
 def test_only_statistics_subscribers_are_collected(tmp_path):
     class Counting(SubscriberBase):
         def __init__(self):
@@ -352,6 +369,7 @@ def test_only_statistics_subscribers_are_collected(tmp_path):
     assert counting.calls == 0 and order(tmp_path / "o", 0) == SAMPLE_ORDER
 
 
+@needs_training_build
 def test_a_private_manager_and_the_global_one_keep_their_own_steps(tmp_path):
     model = make_model()
     private = SubscriberManager()
@@ -368,6 +386,7 @@ def test_a_private_manager_and_the_global_one_keep_their_own_steps(tmp_path):
         private.unsubscribe()
 
 
+@needs_training_build
 def test_fused_log_probabilities_have_no_backward_file(tmp_path):
     class LogSoftmaxNet(nn.Module):
         def __init__(self):
@@ -397,6 +416,7 @@ def test_fused_log_probabilities_have_no_backward_file(tmp_path):
     ]
 
 
+@needs_training_build
 def test_no_warning_for_a_plain_subscribed_run(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the exporter's TracerWarnings are not ours
@@ -404,9 +424,15 @@ def test_no_warning_for_a_plain_subscribed_run(tmp_path):
 
 
 def test_statistics_need_the_ort_gradient_builder(tmp_path):
-    """The statistics are outputs of the exported graph's marked tensors, which only the 'ort' builder trains."""
+    """The statistics are outputs of the exported graph's marked tensors, which only the 'ort' builder trains;
+    without onnxruntime-training, a subscribed model is refused on its first step, whatever the builder."""
+    without_training_build = r"\['orttrainer.debug statistics'\] need onnxruntime-training .* pip install"
     subscribe(make_model(), tmp_path / "auto")
-    assert trainer_run(GlobalSubscriberManager._module, None, "t").gradient_builder == "ort"  # 'auto' stays
+    if has_training_build():
+        assert trainer_run(GlobalSubscriberManager._module, None, "t").gradient_builder == "ort"  # 'auto' stays
+    else:
+        with pytest.raises(NotImplementedError, match=without_training_build):
+            trainer_run(GlobalSubscriberManager._module, None, "t")
     GlobalSubscriberManager.unsubscribe()
     model = make_model()
     subscribe(model, tmp_path / "torch")
@@ -414,7 +440,9 @@ def test_statistics_need_the_ort_gradient_builder(tmp_path):
     with pytest.raises(
         NotImplementedError,
         match=r"\['orttrainer.debug statistics'\] transform the exported ONNX "
-        "graph, which only the 'ort' gradient builder trains",
+        "graph, which only the 'ort' gradient builder trains"
+        if has_training_build()
+        else without_training_build,
     ):
         trainer.train_step(*batches(1)[0])
 

@@ -8,13 +8,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import make_trainer, max_difference, torch_weights, trainer_weights
+from helpers import make_trainer, max_difference, needs_training_build, torch_weights, trainer_weights
 from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
 from test_graph_gradient_options import _amp_graph
 from test_mixed_precision import FP16_TOLERANCE
 from torch import nn
 
 from orttrainer import PropagateCastOpsStrategy, amp, optim
+from orttrainer.trainer.runtime import has_training_build
 
 AMP_DESC = {"inputs": [("x", ["batch", 8]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
 
@@ -47,6 +48,7 @@ S = PropagateCastOpsStrategy
 
 
 # Cast counts as test_graph_gradient_options documents for this graph; 4 needs both level 2 and the allowed Sigmoid
+@needs_training_build
 @pytest.mark.parametrize(
     "strategy, level, allow, casts",
     [
@@ -79,6 +81,7 @@ def test_cast_propagation_reaches_the_graph_and_training_stays_within_the_float1
     assert max_difference(trainer_weights(trainer), torch_weights(reference)) < FP16_TOLERANCE
 
 
+@needs_training_build
 @pytest.mark.parametrize("strategy", list(PropagateCastOpsStrategy))
 def test_every_strategy_trains_a_mixed_precision_model_within_the_float16_tolerance(strategy):
     torch.manual_seed(0)
@@ -101,6 +104,7 @@ def test_every_strategy_trains_a_mixed_precision_model_within_the_float16_tolera
     assert max_difference(trainer_weights(trainer), torch_weights(reference)) < FP16_TOLERANCE
 
 
+@needs_training_build
 def test_memory_efficient_gradient_uses_the_invertible_layer_norm_gradient_and_trains_identically():
     def train(memory_efficient: bool):
         torch.manual_seed(0)
@@ -145,12 +149,12 @@ def test_these_options_need_the_ort_gradient_builder():
         "utils.memory_efficient_gradient",
     ]
     assert ort_only_options(cpu_options({"graph_transformer": {"propagate_cast_ops_config": {"level": 1}}})) == []
-    trainer = make_trainer(
-        MLP(),
-        mlp_desc(),
-        optim.SGDConfig(),
-        nn.functional.cross_entropy,
-        {"utils": {"memory_efficient_gradient": True}, "_internal_use": {"gradient_builder": "torch"}},
-    )
+    extra = {"utils": {"memory_efficient_gradient": True}, "_internal_use": {"gradient_builder": "torch"}}
+    if not has_training_build():  # refused at construction: no builder here could honour it
+        refused = r"\['utils.memory_efficient_gradient'\] need onnxruntime-training"
+        with pytest.raises(NotImplementedError, match=refused):
+            make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), nn.functional.cross_entropy, extra)
+        return
+    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), nn.functional.cross_entropy, extra)
     with pytest.raises(NotImplementedError, match=r"\['utils.memory_efficient_gradient'\] transform"):
         trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))

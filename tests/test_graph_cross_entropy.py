@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from helpers import needs_training_build
 from onnx import TensorProto, helper
 
 from orttrainer.trainer.graph.cross_entropy import CROSS_ENTROPY_AS_PLAIN_OPS, cross_entropy_as_plain_ops
@@ -61,6 +62,7 @@ def _run(model, scores_shape, reduction, ignore_index=None, seed=0):
     return session.run(["loss", "dx"], feeds)
 
 
+@needs_training_build
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("ignore_index", [None, -100])
 @pytest.mark.parametrize("shape", [[32, 10], [4, 7, 5]])
@@ -77,6 +79,7 @@ def test_plain_ops_equal_the_fused_kernels(reduction, ignore_index, shape):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7)
 
 
+@needs_training_build
 def test_all_labels_ignored_gives_the_kernels_values():
     shape = [6, 4]
     model = _model(shape, "sum", ignore_index=3)

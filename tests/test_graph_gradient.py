@@ -7,6 +7,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from helpers import needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.gradient.ort_builder import (
@@ -115,6 +116,7 @@ def test_move_nothing_is_a_copy():
 
 
 # ----------------------------------------------------------------------------------------- build_ort_gradient_graph
+@needs_training_build
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_gradients_match_torch_and_outputs_are_ordered(reduction):
     forward = name_optional_outputs(_classifier(reduction))
@@ -130,6 +132,7 @@ def test_gradients_match_torch_and_outputs_are_ordered(reduction):
     assert forward.graph.initializer[0].name == "W" and len(forward.graph.input) == 2  # the argument is untouched
 
 
+@needs_training_build
 def test_state_is_fed_per_step():
     forward = name_optional_outputs(_classifier())
     graded = build_ort_gradient_graph(forward, "loss", ["W"], ["W", "B", "s"])
@@ -146,6 +149,7 @@ def test_state_is_fed_per_step():
     np.testing.assert_allclose(grad, _torch_reference()["W_grad"], rtol=1e-5, atol=1e-7)
 
 
+@needs_training_build
 def test_an_op_without_gradient_is_named_with_its_node():
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
@@ -160,6 +164,7 @@ def test_an_op_without_gradient_is_named_with_its_node():
     assert "'gradient_builder': 'torch'" in str(info.value)
 
 
+@needs_training_build
 def test_negative_log_likelihood_has_no_gradient():
     # Why postprocess fuses LogSoftmax + NegativeLogLikelihoodLoss into SoftmaxCrossEntropyLoss.
     nodes = [
@@ -178,6 +183,7 @@ def test_negative_log_likelihood_has_no_gradient():
     assert "frozen_weights" in str(info.value)
 
 
+@needs_training_build
 def test_a_parameter_that_does_not_reach_the_loss_is_reported():
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),

@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.gradient.ort_builder import build_ort_gradient_graph
@@ -73,6 +74,7 @@ CASES = [
 ]
 
 
+@needs_training_build
 @pytest.mark.parametrize("options, casts, float16_ops", CASES, ids=[str(c[0]) for c in CASES])
 def test_each_cast_propagation_setting_changes_the_graph_as_documented(options, casts, float16_ops):
     model = move_initializers_to_inputs(_amp_graph(), WEIGHTS)
@@ -108,6 +110,7 @@ def _feeds(model):
     return {"x": rng.standard_normal((4, 8)).astype(np.float32), "y": np.array([0, 3, 5, 7]), **weights}
 
 
+@needs_training_build
 def test_the_configured_builder_keeps_the_gradient_contract_and_the_gradients():
     model = _amp_graph()
     plain = build_ort_gradient_graph(model, "loss", WEIGHTS, WEIGHTS)
@@ -149,6 +152,7 @@ def _layer_norm_graph(extra_output: bool = False) -> onnx.ModelProto:
     return model
 
 
+@needs_training_build
 def test_memory_efficient_gradient_computes_the_layer_norm_gradient_from_its_output():
     model, weights = _layer_norm_graph(), ["W0", "W1", "gamma", "b"]
     plain = build_ort_gradient_graph(model, "loss", weights, weights)
@@ -163,6 +167,7 @@ def test_memory_efficient_gradient_computes_the_layer_norm_gradient_from_its_out
         np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
+@needs_training_build
 def test_an_output_the_loss_does_not_depend_on_stays_an_output():
     model = _layer_norm_graph(extra_output=True)
     graded = build_ort_gradient_graph(

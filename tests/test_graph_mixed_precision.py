@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnxruntime as ort
+from helpers import needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.mixed_precision import append_loss_scale, cast_fp32_only_kernels, to_float16
@@ -110,6 +111,7 @@ def _slice_grad_model(dtype: int):
     )
 
 
+@needs_training_build
 def test_cast_fp32_only_kernels_makes_a_float16_slice_grad_run_on_the_cpu():
     g = np.array([1.0, 2.0, 3.0], np.float32)
     broken = _slice_grad_model(HALF)

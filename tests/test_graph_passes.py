@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from helpers import needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.editor import copy_model, raise_opset_pass
@@ -192,6 +193,7 @@ def test_the_checker_accepts_onnx_runtime_ops_of_imported_domains_without_checki
         verify_model(_with_node(contrib, (("", 14),)), "contrib_op")
 
 
+@needs_training_build
 def test_the_checker_accepts_onnx_runtime_s_gradient_graph_and_the_passes_after_it():
     from orttrainer.trainer.gradient.ort_builder import build_ort_gradient_graph
     from orttrainer.trainer.graph.fixups import name_optional_outputs

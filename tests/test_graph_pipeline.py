@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.eval_model import build_eval_model
@@ -152,6 +153,7 @@ def _gradient_model() -> onnx.ModelProto:
     return _model(nodes, inputs, outputs, inits, ms=True)
 
 
+@needs_training_build
 def test_gradient_model_passes_drop_the_scaled_loss_cast_cpu_kernels_and_scatter_embedding_gradients():
     model = _gradient_model()
     before = model.SerializeToString()

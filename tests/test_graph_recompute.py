@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from helpers import needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.gradient.ort_builder import build_ort_gradient_graph
@@ -114,6 +115,7 @@ def _by_name(model):
     return {n.name: n for n in model.graph.node}
 
 
+@needs_training_build
 def test_a_gelu_is_copied_behind_a_gate_right_before_its_backward_reader_and_gradients_are_unchanged():
     model = _gelu_mlp()
     forward = forward_nodes(model.graph, ["loss"])
@@ -136,6 +138,7 @@ def test_a_gelu_is_copied_behind_a_gate_right_before_its_backward_reader_and_gra
         np.testing.assert_array_equal(actual[name], expected[name])
 
 
+@needs_training_build
 def test_attention_dropout_is_recomputed_from_its_mask_with_dropout_grad():
     model = _attention("const")
     forward = forward_nodes(model.graph, ["loss"])
@@ -157,6 +160,7 @@ def test_attention_dropout_is_recomputed_from_its_mask_with_dropout_grad():
         np.testing.assert_array_equal(actual[name], expected[name])
 
 
+@needs_training_build
 def test_inference_dropout_is_copied_as_identity_and_a_run_time_training_mode_is_never_copied():
     model = _attention(None)
     result = recompute(model, ["loss"], attention_dropout_nodes(model.graph, forward_nodes(model.graph, ["loss"])))
@@ -188,6 +192,7 @@ def _layered():
     return build_ort_gradient_graph(forward, "loss", ["W1", "W2", "W3", "W4"], ["W1", "W2", "W3", "W4"])
 
 
+@needs_training_build
 def test_transformer_layers_follow_the_exporter_scopes_and_keep_each_layer_output():
     model = _layered()
     layers = transformer_layers(model.graph, forward_nodes(model.graph, ["loss"]))
@@ -197,6 +202,7 @@ def test_transformer_layers_follow_the_exporter_scopes_and_keep_each_layer_outpu
     assert "BiasGelu_fused" in names[1]  # found through its output's name
 
 
+@needs_training_build
 @pytest.mark.parametrize("layers", [0, 5])
 def test_layer_recompute_copies_what_the_backward_reads_of_every_layer_but_the_last(layers):
     model = _layered()
@@ -209,6 +215,7 @@ def test_layer_recompute_copies_what_the_backward_reads_of_every_layer_but_the_l
         np.testing.assert_array_equal(actual[name], expected[name])
 
 
+@needs_training_build
 def test_options_that_find_nothing_say_so():
     model = _attention("const")
     result, notes = apply_plan(model, ["loss"], RecomputePlan(gelu=True, layers=0))
@@ -216,6 +223,7 @@ def test_options_that_find_nothing_say_so():
     assert any("gelu_recompute" in n for n in notes) and any("transformer_layer_recompute" in n for n in notes)
 
 
+@needs_training_build
 def test_an_unsorted_graph_is_refused():
     model = _gelu_mlp()
     nodes = list(model.graph.node)

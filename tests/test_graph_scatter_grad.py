@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from helpers import needs_training_build
 from onnx import TensorProto, helper
 
 from orttrainer.trainer.graph.scatter_grad import gather_grad_to_scatter_add
@@ -46,6 +47,7 @@ def _run(model, data_shape=(7, 3, 2)):
     return session.run(["dw"], feeds)[0], feeds
 
 
+@needs_training_build
 def test_scatter_add_equals_gather_grad_with_repeated_indices():
     model = _gather_grad_model()
     rewritten = gather_grad_to_scatter_add(model)

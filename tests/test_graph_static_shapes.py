@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.errors import PassPreconditionError
@@ -73,6 +74,7 @@ def _bga_model(a, b):
     return _model([node], [], [_vi("ra", None, TensorProto.INT64), _vi("rb", None, TensorProto.INT64)], inits)
 
 
+@needs_training_build
 @pytest.mark.parametrize(("a", "b"), SHAPE_PAIRS)
 def test_the_axes_are_onnx_runtime_s(a, b):
     """The rule's axes equal the BroadcastGradientArgs kernel's (as sets: ReduceSum does not care about order)."""
@@ -215,6 +217,7 @@ def _broadcast_gradient_model():
     return _model(nodes, inputs, [_vi("y", None), _vi("dx_plus_zero", None), _vi("db", None)])
 
 
+@needs_training_build
 def test_specialisation_folds_the_shape_arithmetic_and_keeps_the_values():
     from dataclasses import dataclass
 

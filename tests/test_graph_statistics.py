@@ -11,10 +11,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from helpers import needs_training_build
 from onnx import TensorProto, helper
-from onnxruntime.capi import _pybind_state as C
 
 from orttrainer.debug import compute_statistics, format_statistics
+from orttrainer.trainer import ort_private
 from orttrainer.trainer.graph.postprocess import fuse_log_softmax_nll
 from orttrainer.trainer.graph.statistics import (
     MARK_DOMAIN,
@@ -115,9 +116,9 @@ def _summarise(tensor: torch.Tensor):
     model = _model([helper.make_node("Identity", ["x"], ["y"])], [_vi("x", None, elem)], [_vi("y", None, elem)])
     with_stats, outputs = append_statistics(model, {"t": StatisticsTarget("y", elem)})
     assert list(with_stats.graph.output)[:1] == list(model.graph.output)
-    # bfloat16 through DLPack: numpy has no bfloat16.
+    # bfloat16 through DLPack (the wrapper speaks each runtime's from_dlpack): numpy has no bfloat16.
     value = (
-        C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False)
+        ort_private.ortvalue_from_torch(tensor)
         if tensor.dtype == torch.bfloat16
         else ort.OrtValue.ortvalue_from_numpy(tensor.numpy())._get_c_value()
     )
@@ -172,6 +173,7 @@ def test_statistics_need_existing_tensors_and_keep_the_graph():
     np.testing.assert_array_equal(values_b, [0.0, 3.0, 3.0, 4.5])
 
 
+@needs_training_build
 def test_unfetched_statistics_do_not_run(tmp_path):
     model = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", [64])], [_vi("y", [64])])
     with_stats, outputs = append_statistics(model, {"t": StatisticsTarget("y", TensorProto.FLOAT)})

@@ -11,11 +11,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import make_trainer, max_difference, torch_weights, trainer_weights
+from helpers import make_trainer, max_difference, needs_training_build, torch_weights, trainer_weights
 from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
 
 from orttrainer import amp, optim
-from orttrainer.trainer import ort_private
 
 CE = torch.nn.functional.cross_entropy
 FP16_TOLERANCE = 5e-3  # max abs weight difference to an fp32 reference after 30 Adam steps at lr 1e-3
@@ -37,6 +36,7 @@ def _everything(trainer) -> dict[str, np.ndarray]:
     return state
 
 
+@needs_training_build
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_an_overflowing_step_changes_nothing_halves_the_scale_and_the_next_step_updates(accumulation):
     torch.manual_seed(0)
@@ -72,6 +72,7 @@ def test_an_overflowing_step_changes_nothing_halves_the_scale_and_the_next_step_
     assert max_difference(trainer_weights(trainer), {k: before[k] for k in trainer_weights(trainer)}) > 0
 
 
+@needs_training_build
 def test_the_scale_grows_after_each_window_of_finite_steps_up_to_the_cap():
     torch.manual_seed(0)
     scaler = amp.DynamicLossScaler(loss_scale=8.0, up_scale_window=3, max_loss_scale=32.0)
@@ -85,6 +86,7 @@ def test_the_scale_grows_after_each_window_of_finite_steps_up_to_the_cap():
     assert seen == [8.0, 8.0, 16.0, 16.0, 16.0, 32.0, 32.0, 32.0, 32.0, 32.0]
 
 
+@needs_training_build
 def test_a_scaler_with_automatic_update_off_keeps_its_scale():
     torch.manual_seed(0)
     scaler = amp.DynamicLossScaler(automatic_update=False, loss_scale=4.0, up_scale_window=1)
@@ -94,6 +96,7 @@ def test_a_scaler_with_automatic_update_off_keeps_its_scale():
     assert scaler.loss_scale == 4.0 and trainer._train_step_info.optimization_step == 3
 
 
+@needs_training_build
 def test_mixed_precision_tracks_fp32_on_the_transformer():
     torch.manual_seed(0)
     model = TinyTransformer(dropout=0.1).eval()
@@ -124,6 +127,7 @@ def test_mixed_precision_tracks_fp32_on_the_transformer():
     assert max_difference(ours, theirs) < FP16_TOLERANCE
 
 
+@needs_training_build
 def test_outputs_keep_their_graph_precision_and_model_desc_records_it():
     torch.manual_seed(0)
     trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE, _amp())
@@ -154,6 +158,7 @@ def test_a_loss_scaler_without_mixed_precision_is_the_legacy_error():
         trainer.train_step(*_batches(1)[0])
 
 
+@needs_training_build
 def test_resume_under_mixed_precision_is_exact(tmp_path):
     torch.manual_seed(0)
     model, batches = MLP(), _batches(10)
@@ -187,6 +192,7 @@ def test_resume_under_mixed_precision_is_exact(tmp_path):
     assert scalers[0].loss_scale == scalers[1].loss_scale
 
 
+@needs_training_build
 def test_mixed_precision_checkpoints_load_into_fp32_trainers_and_back(tmp_path):
     torch.manual_seed(0)
     mixed = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(lr=1e-2), CE, _amp())
@@ -206,10 +212,7 @@ def test_mixed_precision_checkpoints_load_into_fp32_trainers_and_back(tmp_path):
     assert back._counters.optimizer_updates == full._counters.optimizer_updates == mixed._counters.optimizer_updates + 1
 
 
-@pytest.mark.skipif(
-    not ort_private.has_training_build(),
-    reason="needs onnxruntime-training (an ONNX model's mixed precision needs the 'ort' builder)",
-)
+@needs_training_build
 def test_an_onnx_model_trains_in_mixed_precision():
     import io
 

@@ -14,22 +14,17 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import make_trainer, max_difference, trainer_weights
+from helpers import make_trainer, max_difference, needs_training_build, trainer_weights
 from models import TinyTransformer, transformer_desc, transformer_loss
 from onnx import helper, numpy_helper
 from test_trainer_features import _batches, _export_with_loss, _log_softmax_nll_model, _ModelWithLoss
 
 from orttrainer import optim
-from orttrainer.trainer import build, ort_private
+from orttrainer.trainer import build
 from orttrainer.trainer.gradient.choice import choose_builder
 from orttrainer.trainer.gradient.errors import GradientBuildError
 from orttrainer.trainer.graph.passes import VERIFY_ENVIRONMENT_VARIABLE
 
-TRAINING_BUILD = pytest.mark.skipif(
-    not ort_private.has_training_build(),
-    reason="needs onnxruntime-training: compares with ONNX Runtime's gradient builder ('ort'), which only the "
-    "training build has",
-)
 TORCH = {"_internal_use": {"gradient_builder": "torch"}}
 ORT = {"_internal_use": {"gradient_builder": "ort"}}
 MLP_DESC = {
@@ -187,7 +182,7 @@ def train(model, desc, config, data, extra):
     return trainer
 
 
-@TRAINING_BUILD
+@needs_training_build
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_the_torch_builder_trains_an_onnx_model_like_the_ort_builder(name, config, monkeypatch):
@@ -281,7 +276,7 @@ def test_checkpoint_files_keep_the_initializer_names(tmp_path):
     assert max_difference(trainer_weights(resumed), trainer_weights(trainer)) == 0.0
 
 
-@TRAINING_BUILD
+@needs_training_build
 def test_a_torch_builder_checkpoint_continues_on_the_ort_builder(tmp_path):
     model, desc, data = oddly_named(bias="dense.bias:0")
     trainer = train(model, desc, optim.AdamConfig(lr=1e-2), data[:2], TORCH)

@@ -11,18 +11,15 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from helpers import needs_training_build
 from onnx import helper, numpy_helper
 from onnx_op_cases import CASES, Case
 
-from orttrainer.trainer import ort_private
 from orttrainer.trainer.gradient.errors import GradientBuildError
 from orttrainer.trainer.gradient.onnx_module import OnnxModule, module_name
 from orttrainer.trainer.graph.passes import run_passes
 from orttrainer.trainer.graph.pipeline import forward_passes
 
-TRAINING_BUILD = pytest.mark.skipif(
-    not ort_private.has_training_build(), reason="needs onnxruntime-training (ONNX Runtime's gradient builder)"
-)
 FLOATS = (np.float32, np.float64)
 
 
@@ -129,7 +126,7 @@ DIFFERENTIABLE = [c for c in CASES if c.grad is not None]
 WITH_ORT_GRADIENT = [c for c in CASES if c.grad == "ort"]
 
 
-@TRAINING_BUILD
+@needs_training_build
 @pytest.mark.parametrize("c", WITH_ORT_GRADIENT, ids=[c.id for c in WITH_ORT_GRADIENT])
 def test_gradients_match_onnxruntime_gradient_builder(c):
     model = loss_model(c)

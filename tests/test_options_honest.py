@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import onnx
 import pytest
 import torch
-from helpers import make_trainer
+from helpers import make_trainer, needs_training_build
 from models import MLP, mlp_desc
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
@@ -220,6 +220,7 @@ class Sampler(torch.nn.Module):
         return self.fc(x + sampled)
 
 
+@needs_training_build
 @pytest.mark.parametrize("enabled", [True, False])
 def test_enable_onnx_contrib_ops_exports_grid_sample_as_the_contrib_op(enabled, tmp_path):
     desc = {

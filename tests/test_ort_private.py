@@ -6,16 +6,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
-import pytest
 import torch
+from helpers import needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer import ort_private
 from orttrainer.trainer.session import to_torch_view
-
-needs_training_build = pytest.mark.skipif(
-    not ort_private.has_training_build(), reason="needs onnxruntime-training (the gradient graph builders)"
-)
 
 
 def _model(nodes, inputs, outputs, initializers=()):

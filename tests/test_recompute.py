@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import make_trainer, max_difference, trainer_weights
+from helpers import make_trainer, max_difference, needs_training_build, trainer_weights
 from models import MLP, mlp_desc
 from torch import nn
 
@@ -85,6 +85,7 @@ def _copied_layers(trainer) -> set[str]:
     return found
 
 
+@needs_training_build
 def test_gelu_recompute_copies_each_gelu_and_trains_identically(reference):
     trainer = _train({"gelu_recompute": True})
     assert count_recompute_nodes(trainer._built.compiled.training.model) == {
@@ -93,12 +94,14 @@ def test_gelu_recompute_copies_each_gelu_and_trains_identically(reference):
     assert max_difference(trainer_weights(trainer), reference) <= 1e-6
 
 
+@needs_training_build
 def test_attn_dropout_recompute_copies_each_attention_dropout_and_trains_identically(reference):
     trainer = _train({"attn_dropout_recompute": True})
     assert count_recompute_nodes(trainer._built.compiled.training.model) == {"DropoutGrad": 2}  # from the kept masks
     assert max_difference(trainer_weights(trainer), reference) <= 1e-6  # dropout is on: the same masks are reused
 
 
+@needs_training_build
 def test_transformer_layer_recompute_copies_every_layer_but_the_last_and_trains_identically(reference):
     trainer = _train({"transformer_layer_recompute": True})
     counts = count_recompute_nodes(trainer._built.compiled.training.model)
@@ -112,11 +115,13 @@ def test_transformer_layer_recompute_copies_every_layer_but_the_last_and_trains_
 @pytest.mark.parametrize(
     "number, expected", [(0, {"layers.0", "layers.1"}), (1, {"layers.0"}), (2, {"layers.0", "layers.1"})]
 )
+@needs_training_build
 def test_number_recompute_layers_counts_from_the_first_layer(number, expected):
     trainer = _train({"transformer_layer_recompute": True, "number_recompute_layers": number}, layers=3, steps=1)
     assert _copied_layers(trainer) == expected
 
 
+@needs_training_build
 def test_more_layers_than_can_be_recomputed_is_clipped_with_a_warning():
     with pytest.warns(UserWarning, match="number_recompute_layers=5 is more than the 1 layers"):
         trainer = _train({"transformer_layer_recompute": True, "number_recompute_layers": 5}, steps=1)
@@ -133,6 +138,7 @@ def test_number_recompute_layers_alone_is_an_error():
         )
 
 
+@needs_training_build
 def test_a_recompute_option_that_finds_nothing_warns():
     trainer = make_trainer(
         MLP(),
@@ -146,6 +152,7 @@ def test_a_recompute_option_that_finds_nothing_warns():
     assert count_recompute_nodes(trainer._built.compiled.training.model) == {}
 
 
+@needs_training_build
 def test_nn_multihead_attention_dropout_is_recomputed_and_a_gelu_before_a_dropout_is_not():
     from models import TinyTransformer, transformer_desc, transformer_loss
 

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import make_trainer
+from helpers import make_trainer, needs_training_build
 from models import MLP, mlp_desc
 
 from orttrainer import optim
@@ -126,6 +126,7 @@ def test_debug_graph_dumps_that_cannot_be_written_warn_and_training_goes_on(tmp_
     assert named == set(paths) and torch.isfinite(loss)
 
 
+@needs_training_build
 def test_extra_postprocess_must_return_a_model_on_the_pytorch_path_too():
     options = {"_internal_use": {"extra_postprocess": lambda model: None}}
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, options)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import test_trainer_parity as parity
 import torch
-from helpers import make_trainer, trainer_weights
+from helpers import make_trainer, needs_training_build, trainer_weights
 from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
 
 from orttrainer import optim
@@ -53,6 +53,7 @@ def _ops(trainer) -> collections.Counter:
     return collections.Counter(n.op_type for n in trainer._training_session._runners.latest.graph.model.graph.node)
 
 
+@needs_training_build
 @pytest.mark.parametrize("disabled", ["all", "static_shapes", "cross_entropy_as_plain_ops"])
 def test_each_rewrite_off_trains_the_same(monkeypatch, disabled):
     batches = _batches([4, 4, 2, 4, 2, 4])
@@ -65,6 +66,7 @@ def test_each_rewrite_off_trains_the_same(monkeypatch, disabled):
     assert ("BroadcastGradientArgs" in ops) == (disabled != "cross_entropy_as_plain_ops")
 
 
+@needs_training_build
 def test_the_default_graph_is_specialised_and_rewritten():
     trainer = _train(_batches([4]))
     ops = _ops(trainer)
@@ -74,6 +76,7 @@ def test_the_default_graph_is_specialised_and_rewritten():
     assert trainer._training_session.training_graph_count == 1  # the specialised graph (the dynamic one released)
 
 
+@needs_training_build
 def test_signatures_beyond_the_cap_run_the_dynamic_graph():
     sizes = [1, 2, 3, 4, 5, 6, 1, 6]
     batches = _batches(sizes)
@@ -82,8 +85,9 @@ def test_signatures_beyond_the_cap_run_the_dynamic_graph():
     assert "BroadcastGradientArgs" in _ops(trainer)  # the last batch (size 6) ran the dynamic graph
 
 
+@needs_training_build
 def test_the_specialised_transformer_matches_pytorch():
-    trainer, reference = parity.train_both(parity._transformer_case, "adamw_before_update", True)
+    trainer, reference = parity.train_both(parity._transformer_case, "adamw_before_update", True, "ort")
     assert trainer._training_session.training_graph_count == 1
     assert parity.max_weight_difference(trainer, reference, parity.key_bias_slice()) < parity.TOLERANCE
 
@@ -94,6 +98,7 @@ def test_graphs_with_dropout_are_not_specialised():
     assert "Dropout" in _ops(trainer)
 
 
+@needs_training_build
 def test_mixed_precision_graphs_are_not_specialised():
     torch.manual_seed(0)
     trainer = make_trainer(
@@ -148,6 +153,7 @@ def test_the_debug_stages_show_the_default_graphs(tmp_path):
     assert ops["model_with_training_graph_after_optimization_path"]
 
 
+@needs_training_build
 def test_memory_efficient_gradients_are_specialised_without_inference_fusions(monkeypatch):
     """docs/engine.md §14: with static shapes ONNX Runtime would fuse Add + LayerNormalization into
     SkipLayerNormalization, whose CPU kernel does not compute the inverse std InvertibleLayerNormalizationGrad

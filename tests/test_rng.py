@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import make_trainer
+from helpers import make_trainer, needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer import optim
@@ -113,7 +113,7 @@ def test_streams_state_round_trip_and_keys():
 
 
 # -------------------------------------------------------------------------------------------- in the trainer
-@pytest.mark.parametrize("builder", ["ort", "torch"])
+@pytest.mark.parametrize("builder", [pytest.param("ort", marks=needs_training_build), "torch"])
 def test_two_trainers_with_dropout_do_not_change_each_other(builder):
     batches = _batches(4)
     alone = _losses(_trainer(builder=builder), batches)

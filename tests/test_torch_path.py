@@ -11,7 +11,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import clone, make_trainer, max_difference, torch_weights, trainer_weights
+from helpers import clone, make_trainer, max_difference, needs_training_build, torch_weights, trainer_weights
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -159,12 +159,46 @@ class WithOffset(nn.Module):
         return self.fc(x) * 2 + self.offset
 
 
+# 6. parameters at values an exporter could fold (zero biases, LayerNorm at 1 and 0), and a tied bias whose
+# first name is not the one the forward reads (Hugging Face BERT's decoder bias) ------------------------------------
+
+
+class TiedZeroBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(4))  # first name; the forward reads it as head.bias
+        self.body, self.norm, self.head = nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+        nn.init.zeros_(self.body.bias)
+        self.head.bias = self.bias
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.body(x))))
+
+
+# 7. a forward that skips a step in eager mode after reading a tensor's value, unless torch is tracing it
+# (transformers' attention masks: `padding_mask.all()` unless torch.compiler.is_compiling()) ---------------------
+
+
+class EagerShortcut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        keep = x > -100.0  # all true for these batches
+        if not torch.compiler.is_compiling() and bool(keep.all()):
+            return self.fc(x)
+        return self.fc(x.masked_fill(~keep, 0.0))
+
+
 PATTERNS = {
     "torchscript_function": GeluMLP,
     "checkpoint_reentrant": lambda: Checkpointed(reentrant=True),
     "checkpoint_non_reentrant": lambda: Checkpointed(reentrant=False),
     "pass_through_function": PassModel,
     "tensor_attribute": WithOffset,
+    "tied_zero_bias": TiedZeroBias,
+    "eager_shortcut": EagerShortcut,
 }
 
 
@@ -261,6 +295,7 @@ class LogAddExp(nn.Module):
         return self.fc2(torch.logaddexp(h, -h))  # no TorchScript symbolic for aten::logaddexp
 
 
+@needs_training_build
 def test_auto_trains_with_torch_when_the_torchscript_export_fails(caplog):
     with caplog.at_level(logging.INFO, logger="orttrainer"):
         trainer, _ = train_and_compare(LogAddExp(), batches())
@@ -321,3 +356,23 @@ def test_a_model_whose_trace_specialises_the_batch_gets_one_graph_per_batch_size
         np.testing.assert_allclose(logits.numpy(), ref(x).numpy(), atol=1e-5)
     assert "exporting an eval graph for the input shapes [[5, 16], [5]]" in caplog.text
     trainer, _ = train_and_compare(GeluMLP(), batches(sizes=(8, 5, 8, 5)))  # TorchScript code: either way, exact
+
+
+def test_a_model_saved_from_the_torch_route_trains_again_as_an_onnx_model_on_it(tmp_path):
+    """save_as_onnx's file names its constants `val_<k>`, as torch.onnx names its values: as state of the ONNX
+    model, they are the inputs of the new training graph, whose exporter gives the same names to values of its own
+    (two values of one name, once)."""
+    torch.manual_seed(0)
+    trainer = make_trainer(GeluMLP(), DESC, optim.SGDConfig(lr=0.1), CE, TORCH)
+    data = batches()
+    trainer.train_step(*data[0])
+    path = str(tmp_path / "model.onnx")
+    trainer.save_as_onnx(path)
+    saved = onnx.load(path)
+    again = make_trainer(saved, DESC, optim.SGDConfig(lr=0.1), None, TORCH)
+    for ours, theirs in zip(trainer.eval_step(*data[1]), again.eval_step(*data[1]), strict=True):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=1e-6)
+    again.train_step(*data[1])
+    trainer.train_step(*data[1])
+    ours = trainer_weights(trainer)  # the ONNX model also trains its float constants (initializers), as legacy
+    assert max_difference({n: v for n, v in trainer_weights(again).items() if n in ours}, ours) < 1e-6

@@ -307,7 +307,7 @@ def test_aot_export_joint_dynamic_same_sizes_share_one_symbol():
     assert not shared.accepts([torch.randn(6, 4), torch.randn(7, 4)])  # one size: a mismatch is another graph
 
 
-def test_float16_traces_lower_layer_norm_and_the_exporter_folds_casts_of_state_unless_told():
+def test_float16_traces_lower_layer_norm_and_the_export_keeps_the_state_read_through_casts():
     from orttrainer.trainer.gradient.torch_private.tracing import trace_decompositions
 
     assert aten.native_layer_norm.default not in trace_decompositions()  # float32: ONNX LayerNormalization
@@ -321,9 +321,46 @@ def test_float16_traces_lower_layer_norm_and_the_exporter_folds_casts_of_state_u
         def forward(self, x):
             return (x.half() * self.weight.half(),)
 
-    def initializers(fold: bool) -> set[str]:
-        model, _ = torch_private.export_module_to_onnx(Half(), [torch.randn(2, 3)], ["x"], ["y"], 18, [[]], fold)
-        return {i.name for i in model.graph.initializer}
+    model, _ = torch_private.export_module_to_onnx(Half(), [torch.randn(2, 3)], ["x"], ["y"], 18, [[]])
+    assert {i.name for i in model.graph.initializer} == {"weight"}  # the Cast is not folded into a new constant
+    assert "weight" in {name for node in model.graph.node for name in node.input}
 
-    assert "weight" not in initializers(True)  # the Cast folded into a new float16 initializer
-    assert initializers(False) == {"weight"}
+
+def test_export_tracing_flags_are_torch_export_s_and_restored():
+    assert not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    with torch_private.export_tracing_flags():
+        assert torch.compiler.is_compiling() and torch.compiler.is_exporting()
+    assert not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
+def test_aot_export_joint_dynamic_gives_a_tied_parameter_its_gradient_under_the_name_the_forward_reads():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(4))  # the first name; the forward reads it as fc.bias
+            self.fc = nn.Linear(3, 4)
+            self.fc.bias = self.bias
+
+        def forward(self, x):
+            return (self.fc(x).pow(2).mean(),)
+
+    graph, sig, _ = torch_private.aot_export_joint_dynamic(Tied(), [torch.randn(5, 3)], [[0]])
+    assert ("gradient", "fc.bias") in sig.outputs and ("gradient", "fc.weight") in sig.outputs
+
+
+def test_export_module_to_onnx_keeps_parameters_whatever_their_values():
+    class ZeroBias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.norm = nn.Linear(3, 4), nn.LayerNorm(4)  # LayerNorm: weight 1, bias 0
+            nn.init.zeros_(self.fc.bias)
+
+        def forward(self, x):
+            return (self.norm(self.fc(x)) * 2,)
+
+    model, _ = torch_private.export_module_to_onnx(ZeroBias(), [torch.randn(5, 3)], ["x"], ["y"], 18, [[0]])
+    names = {i.name for i in model.graph.initializer}
+    assert {"fc.weight", "fc.bias", "norm.weight", "norm.bias"} <= names
+    used = {name for node in model.graph.node for name in node.input}
+    assert {"fc.bias", "norm.weight", "norm.bias"} <= used
+    assert not {i.name for i in model.graph.input} - {"x"}

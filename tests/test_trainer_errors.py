@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 import pytest
 import torch
-from helpers import cpu_options, make_trainer, trainer_weights
+from helpers import cpu_options, make_trainer, needs_training_build, trainer_weights
 from models import MLP, mlp_desc
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
@@ -140,6 +140,7 @@ def test_a_model_desc_without_a_loss_output_fails_at_session_creation():
         trainer.train_step(X)
 
 
+@needs_training_build
 def test_an_op_without_a_gradient_is_named_with_its_node():
     class CumulativeHead(MLP):
         def forward(self, x):
@@ -152,6 +153,7 @@ def test_an_op_without_a_gradient_is_named_with_its_node():
         trainer.train_step(X, Y)
 
 
+@needs_training_build
 def test_custom_autograd_functions_are_refused_by_the_ort_gradient_builder():
     """The exporter inlines a Function's forward, so the 'ort' builder would ignore its backward: refused. 'auto'
     (the default) trains it with the torch builder instead (tests/test_trainer_torch_builder.py)."""

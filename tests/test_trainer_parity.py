@@ -7,7 +7,8 @@ LayerNorm, dropout p=0.1 — the model is handed over in eval mode, so both side
 Both gradient builders are checked: 'ort' (ONNX Runtime's gradient builder) runs every case; 'torch' (PyTorch's
 autograd traced into the graph, ~7 s to build the transformer's graph) runs every MLP case and the transformer with
 SGD, Adam in decay mode 1 and clamped LAMB. The accumulation, clipping and optimizer graph after the gradients is the
-same code for both builders, so the transformer's remaining optimizer cases would only repeat that code.
+same code for both builders, so the transformer's remaining optimizer cases would only repeat that code. The 'ort'
+cases need onnxruntime-training; a few cases also run with the default options, whichever builder they pick.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import needs_training_build
 from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
 from reference_optim import ReferenceAdam, ReferenceLamb
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer.trainer.runtime import has_training_build
 
 STEPS = 20
 TOLERANCE = 1e-4
@@ -73,17 +76,21 @@ def _transformer_case():
     return model, transformer_desc(), transformer_loss, batches
 
 
-BUILDERS = ("ort", "torch")
+BUILDERS = (pytest.param("ort", marks=needs_training_build), "torch")
 
 
-def train_both(case, opt_name: str, clip: bool, builder: str = "ort"):
+def train_both(case, opt_name: str, clip: bool, builder: str | None = None):
+    """`builder` None: the default options ('auto': 'ort' with onnxruntime-training, 'torch' without it)."""
     torch.manual_seed(0)
     model, desc, loss_fn, batches = case()
     reference = copy.deepcopy(model)
     config, make_reference = _optimizers()[opt_name]
-    options = ORTTrainerOptions(
-        {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": clip}, "_internal_use": {"gradient_builder": builder}}
-    )
+    opts: dict = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": clip}}
+    if builder is not None:
+        opts["_internal_use"] = {"gradient_builder": builder}
+    else:
+        builder = "ort" if has_training_build() else "torch"
+    options = ORTTrainerOptions(opts)
     trainer = ORTTrainer(model, desc, config, loss_fn=loss_fn, options=options)
     ref_opt = make_reference(list(reference.parameters()))
     for inputs, target in batches:
@@ -139,9 +146,9 @@ def test_mlp_matches_pytorch(opt_name, clip, builder):
 
 TORCH_TRANSFORMER_CASES = ("sgd", "adamw_after_update", "lamb_bias_correction_clamped")
 TRANSFORMER_CASES = [
-    (name, builder)
+    pytest.param(name, "ort", marks=needs_training_build) if builder == "ort" else (name, builder)
     for name in _optimizers()
-    for builder in BUILDERS
+    for builder in ("ort", "torch")
     if builder == "ort" or name in TORCH_TRANSFORMER_CASES
 ]
 
@@ -149,6 +156,19 @@ TRANSFORMER_CASES = [
 @pytest.mark.parametrize(("opt_name", "builder"), TRANSFORMER_CASES)
 def test_transformer_matches_pytorch(opt_name, builder):
     trainer, reference = train_both(_transformer_case, opt_name, opt_name != "sgd", builder)
+    assert max_weight_difference(trainer, reference, key_bias_slice()) < TOLERANCE
+
+
+# The default options ('auto', no gradient_builder set): the 'ort' builder with onnxruntime-training, 'torch' with the
+# maintained onnxruntime (make test-maintained).
+@pytest.mark.parametrize(("opt_name", "clip"), [("adam", True), ("lamb", True), ("sgd", False)])
+def test_mlp_matches_pytorch_with_the_default_options(opt_name, clip):
+    trainer, reference = train_both(_mlp_case, opt_name, clip)
+    assert max_weight_difference(trainer, reference) < TOLERANCE
+
+
+def test_transformer_matches_pytorch_with_the_default_options():
+    trainer, reference = train_both(_transformer_case, "adamw_after_update", True)
     assert max_weight_difference(trainer, reference, key_bias_slice()) < TOLERANCE
 
 

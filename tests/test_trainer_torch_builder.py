@@ -11,7 +11,15 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import clone, cpu_options, make_trainer, max_difference, torch_weights, trainer_weights
+from helpers import (
+    clone,
+    cpu_options,
+    make_trainer,
+    max_difference,
+    needs_training_build,
+    torch_weights,
+    trainer_weights,
+)
 from models import MLP, ScalarAndTupleFunction, StraightThrough, mlp_desc
 from torch import nn
 from torch.nn import functional as F
@@ -168,6 +176,7 @@ class CumulativeHead(MLP):
         return torch.cumsum(super().forward(x), dim=1)
 
 
+@needs_training_build
 def test_auto_picks_ort_for_a_plain_model(caplog):
     with caplog.at_level(logging.INFO, logger="orttrainer"):
         trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE)
@@ -179,6 +188,7 @@ def test_auto_picks_ort_for_a_plain_model(caplog):
     )
 
 
+@needs_training_build
 def test_auto_falls_back_to_torch_for_an_op_without_an_ort_gradient(caplog):
     torch.manual_seed(0)
     with caplog.at_level(logging.INFO, logger="orttrainer"):
@@ -237,6 +247,7 @@ def test_onnx_models_use_the_ort_builder_and_torch_on_request():
     assert auto.gradient_builder == ("ort" if ort_private.has_training_build() else "torch")
 
 
+@needs_training_build
 def test_options_that_transform_the_exported_graph_keep_the_ort_builder():
     def postprocess(model):
         return model
@@ -345,7 +356,12 @@ class ConvNormalised(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("builder", "model_class"), [("ort", Normalised), ("torch", Normalised), ("ort", ConvNormalised)]
+    ("builder", "model_class"),
+    [
+        pytest.param("ort", Normalised, marks=needs_training_build),
+        ("torch", Normalised),
+        pytest.param("ort", ConvNormalised, marks=needs_training_build),
+    ],
 )  # torch: no Conv, see below
 @pytest.mark.parametrize("training", [True, False], ids=["train_mode", "eval_mode"])
 def test_batch_norm_matches_pytorch(training, builder, model_class):
@@ -412,7 +428,7 @@ class DropoutProbe(nn.Module):
         return self.drop(x * self.w)
 
 
-@pytest.mark.parametrize("builder", ["ort", "torch"])
+@pytest.mark.parametrize("builder", [pytest.param("ort", marks=needs_training_build), "torch"])
 def test_dropout_backward_uses_the_forward_mask_and_eval_is_deterministic(builder):
     torch.manual_seed(0)  # seed 0 once drew the same mask in the first two steps (see _seed_onnxruntime)
     n, p, lr = 512, 0.5, 0.1

@@ -15,6 +15,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from helpers import needs_training_build
 from onnx import TensorProto, helper
 from test_graph_optimizer import (
     ATOL,
@@ -32,6 +33,7 @@ from test_graph_optimizer import (
 
 from orttrainer.trainer.graph.optimizer import moment_names
 from orttrainer.trainer.graph.training import OutsideUpdate, ParamGroup, TrainingGraph, build_training_graph, zero_state
+from orttrainer.trainer.runtime import has_training_build
 from orttrainer.trainer.torch_optimizer import TorchOptimizer, supports
 from orttrainer.trainer.update_path import ENVIRONMENT_VARIABLE, choose_update_path
 
@@ -133,7 +135,7 @@ def train_path(update: str, optimizer: str, groups, params, *, accumulation_step
     return graph, runner
 
 
-@pytest.mark.parametrize("update", ["fused", "torch"])
+@pytest.mark.parametrize("update", [pytest.param("fused", marks=needs_training_build), "torch"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize(("accumulation", "clip"), [(1, False), (3, True)])
 def test_every_optimizer_matches_the_reference(update, case, accumulation, clip):
@@ -142,7 +144,7 @@ def test_every_optimizer_matches_the_reference(update, case, accumulation, clip)
     train_path(update, optimizer, [ParamGroup(hyper, ["w", "b"])], params, accumulation_steps=accumulation, clip=clip)
 
 
-@pytest.mark.parametrize("update", ["fused", "torch"])
+@pytest.mark.parametrize("update", [pytest.param("fused", marks=needs_training_build), "torch"])
 def test_parameter_groups_keep_their_own_hyper_parameters(update):
     params = initial_params(w=(4, 3), b=(3,), c=(2, 2))
     groups = [
@@ -152,6 +154,7 @@ def test_parameter_groups_keep_their_own_hyper_parameters(update):
     train_path(update, "AdamOptimizer", groups, params, accumulation_steps=2, clip=True)
 
 
+@needs_training_build
 def test_fused_adam_is_one_kernel_per_tensor_each_with_its_own_step():
     """docs/engine.md §12: the kernel writes its step output into its step input, so every node reads a distinct
     copy of the update count (a shared one advanced once per node: the second tensor saw step 2)."""
@@ -229,6 +232,12 @@ def test_supports_and_the_environment_switch(monkeypatch):
     assert choose_update_path("AdamOptimizer", groups) == "graph"  # auto: the one case torch does not cover
     for value in ("graph", "fused"):
         monkeypatch.setenv(ENVIRONMENT_VARIABLE, value)
+        if (
+            value == "fused" and not has_training_build()
+        ):  # no training kernels here: test_fused_needs_the_training_build
+            with pytest.raises(ValueError, match="needs onnxruntime-training"):
+                choose_update_path("LambOptimizer", groups)
+            continue
         assert choose_update_path("LambOptimizer", groups) == value
     monkeypatch.setenv(ENVIRONMENT_VARIABLE, "torch")
     with pytest.raises(ValueError, match="cannot drop the bias correction"):

@@ -126,8 +126,11 @@ class ORTTrainer:
 
     @property
     def _onnx_model(self) -> onnx.ModelProto | None:
-        """The post-processed forward model (legacy attribute; None before the first step)."""
-        return self._built.forward if self._built else None
+        """The post-processed forward model (legacy attribute; for a PyTorch model, None before the first step). An
+        ONNX model has it from construction, whichever builder compiles it (the torch builder on the first step)."""
+        if self._built is not None:
+            return self._built.forward
+        return self._onnx_first_step.parts.forward if self._onnx_first_step is not None else None
 
     # ------------------------------------------------------------------------------------------------- steps
     def train_step(self, *args: Any, **kwargs: Any) -> Outputs:

@@ -49,7 +49,8 @@ def module_state(module: torch.nn.Module, frozen_weights: list[str], dry: DryRun
     params = dict(module.named_parameters())  # tied parameters once, under their first name
     unknown = [name for name in frozen_weights if name not in params]
     if unknown:
-        raise RuntimeError(f"{unknown} params from 'frozen_weights' not found in the model's parameters.")
+        # the legacy text (docs/legacy_api.md §3.3), whichever builder: scripts match it
+        raise RuntimeError(f"{unknown} params from 'frozen_weights' not found in the ONNX model.")
     listed = set(frozen_weights)
     trainable = [n for n, p in params.items() if p.requires_grad and n not in listed]
     canonical = {id(t): n for n, t in reversed([*module.named_parameters(), *module.named_buffers()])}
@@ -113,16 +114,41 @@ def export_forward(
                 source.output_names,
                 opset,
                 dims,
-                fold_state=not source.mixed_precision,
             )
     except Exception as err:
         raise RuntimeError(
             f"torch.export could not trace the eval-mode forward of {type(module).__name__} (the torch path's eval "
             f"graph, also used by save_as_onnx and debug.check_model_export): {type(err).__name__}: {err}"
         ) from err
-    model = strip_prefix(model, MODEL_PREFIX)
+    model = first_names(strip_prefix(model, MODEL_PREFIX), module)
     state = {n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()]}
     return set_initializers(model, state), specs
+
+
+def first_names(model: onnx.ModelProto, module: torch.nn.Module) -> onnx.ModelProto:
+    """Rule: an initializer named after another name of a tied tensor (torch.export names it as the forward reads
+    it, `decoder.bias`) takes the tensor's first name (`bias`), under which the trainer holds it; two of them
+    become one. `model` is modified and returned."""
+    first: dict[int, str] = {}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        first.setdefault(id(tensor), name)
+    every = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    renamed = {name: first[id(tensor)] for name, tensor in every if first[id(tensor)] != name}
+    if not any(init.name in renamed for init in model.graph.initializer):
+        return model
+    kept: dict[str, onnx.TensorProto] = {}
+    for init in model.graph.initializer:
+        name = renamed.get(init.name, init.name)
+        if name not in kept:
+            kept[name] = onnx.TensorProto()
+            kept[name].CopyFrom(init)
+            kept[name].name = name
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept.values())
+    for node in model.graph.node:
+        for k, name in enumerate(node.input):
+            node.input[k] = renamed.get(name, name)
+    return model
 
 
 @contextlib.contextmanager

@@ -129,7 +129,11 @@ def trace_joint(
 
 @contextlib.contextmanager
 def _tracing() -> Iterator[None]:
-    with torch_private.math_sdpa(), torch_private.reentrant_checkpoint_traceable():
+    with (
+        torch_private.math_sdpa(),
+        torch_private.reentrant_checkpoint_traceable(),
+        torch_private.export_tracing_flags(),  # the model sees what torch.export shows it
+    ):
         yield
 
 

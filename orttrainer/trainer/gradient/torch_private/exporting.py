@@ -104,7 +104,7 @@ def _export_decomposed(
     torch.export, explicit type promotion, no assertion nodes, translation, opset conversion, optimisation,
     renaming. A dim torch.export would specialise raises (no refinement from its suggested fixes)."""
     from torch.onnx._internal._lazy_import import onnxscript_apis
-    from torch.onnx._internal.exporter import _core, _fx_passes, _ir_passes
+    from torch.onnx._internal.exporter import _core, _fx_passes
 
     graph.eval()  # an aten graph has no train/eval behaviour; this only silences the exporter's training warning
     shapes = None
@@ -118,8 +118,7 @@ def _export_decomposed(
         program = _core._exported_program_to_onnx_program(exported, registry=_registry(opset_version))
         program.model = onnxscript_apis.convert_version(program.model, opset_version)
         program.optimize()
-    _ir_passes.rename_inputs(program.model, input_names)
-    _ir_passes.rename_outputs(program.model, output_names)
+    _name_ends(program.model, input_names, output_names)
     return program.model_proto
 
 
@@ -133,16 +132,14 @@ def export_module_to_onnx(
     output_names: list[str],
     opset_version: int,
     dynamic_dims: Sequence[Sequence[int]],
-    fold_state: bool = True,
 ) -> tuple[onnx.ModelProto, list[list[DimSpec]]]:
     """`export_graph_to_onnx(..., allow_static=True)` for a module, and each input's dims as torch.export traced
     them: the size of a static (or specialised) dim, the range of a dynamic one. The ONNX inputs get those
     static sizes too. Why: torch.onnx leaves a dim declared dynamic symbolic in the ONNX inputs even when
-    torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges.
-
-    `fold_state=False` skips torch.onnx's optimiser: it folds ops on the module's state into new initializers
-    (a `Cast` of each parameter under mixed precision), so the graph would no longer read the state by name."""
-    program = _export(module, args, input_names, output_names, opset_version, dynamic_dims, True, fold_state)
+    torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges."""
+    program = _export(
+        module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True, keep_state=True
+    )
     exported = program.exported_program
     if exported is None:
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no exported program")
@@ -182,8 +179,12 @@ def _export(
     opset_version: int,
     dynamic_dims: Sequence[Sequence[int]] | None,
     allow_static: bool,
-    optimize: bool = True,
+    keep_state: bool = False,
 ) -> Any:
+    """`torch.onnx.export(dynamo=True)`. With `keep_state`, the module's parameters and buffers stay initializers
+    of the graph with all their uses, whatever their values (`_optimize_keeping_state`). Why: the optimiser folds
+    initializers as constants (a zero Gemm bias is dropped, verified with onnxscript 0.7.2), but the trainer feeds
+    the eval graph the trained values under those names (`set_initializers`, the session's state)."""
     if opset_version < MIN_DYNAMO_OPSET:
         raise ValueError(f"torch.onnx's dynamo exporter writes opset >= {MIN_DYNAMO_OPSET}, got {opset_version}")
     if isinstance(graph, torch.fx.GraphModule):
@@ -198,19 +199,68 @@ def _export(
         program = torch.onnx.export(
             graph,
             tuple(args),
-            input_names=input_names,
-            output_names=output_names,
             opset_version=opset_version,
             dynamic_shapes=shapes,
             dynamo=True,
-            optimize=optimize,
+            optimize=not keep_state,
             verify=False,
             report=False,
             verbose=False,
         )
     if program is None:  # dynamo=True always returns a program
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNX program")
+    if keep_state:
+        _optimize_keeping_state(program)
+    _name_ends(program.model, input_names, output_names)
     return program
+
+
+def _name_ends(model: Any, input_names: Sequence[str], output_names: Sequence[str]) -> None:
+    """Name the graph's first inputs `input_names` and first outputs `output_names`, in order. A value of the graph
+    that already has one of these names (the exporter names values `val_<k>`, and an ONNX model saved from the
+    torch route has initializers so named) is renamed first. Why not the exporter's own renaming: it renames
+    without looking, leaving two values with one name (verified on torch 2.13)."""
+    from onnx_ir.traversal import RecursiveGraphIterator
+
+    graph = model.graph
+    ends = [*zip(graph.inputs, input_names, strict=False), *zip(graph.outputs, output_names, strict=False)]
+    wanted = [name for _, name in ends]
+    if len(set(wanted)) < len(wanted):
+        raise ValueError(f"input and output names must be distinct: {wanted}")
+    values = [*graph.inputs, *graph.initializers.values()]
+    values += [value for node in RecursiveGraphIterator(graph) for value in node.outputs]
+    taken = {v.name for v in values} | set(wanted)
+    ours = {id(v) for v, _ in ends}
+    for value in values:
+        if value.name in wanted and id(value) not in ours:
+            k = 1
+            while f"{value.name}_{k}" in taken:
+                k += 1
+            value.name = f"{value.name}_{k}"
+            taken.add(value.name)
+    for value, name in ends:
+        value.name = name
+
+
+def _optimize_keeping_state(program: Any) -> None:
+    """`program.optimize()` with the module's parameters and buffers out of its reach: meanwhile each is a plain
+    graph input without a value (the optimiser reads an initializer's value even when it is also an input), then
+    an initializer again, with its value."""
+    signature = program.exported_program.graph_signature
+    names = {*signature.parameters, *signature.buffers}
+    graph = program.model.graph
+    state = {name: (value, value.const_value) for name, value in graph.initializers.items() if name in names}
+    for name, (value, _) in state.items():
+        graph.initializers.pop(name)
+        value.const_value = None
+        graph.inputs.append(value)
+    with _quiet_exporter():
+        program.optimize()
+    graph = program.model.graph
+    for value, const in state.values():
+        graph.inputs.remove(value)
+        value.const_value = const
+        graph.register_initializer(value)
 
 
 def _takes_varargs(module: torch.nn.Module) -> bool:

@@ -82,6 +82,20 @@ def math_sdpa() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def export_tracing_flags() -> Iterator[None]:
+    """Within the block, `torch.compiler.is_compiling()` and `torch.compiler.is_exporting()` are True, as they are
+    while torch.export traces a module (non-strict mode, the same make_fx tracer as AOTAutograd).
+
+    Why: library code reads these flags to leave eager-only steps out of a traced graph. transformers' attention
+    masks (5.x) otherwise branch in Python on `padding_mask.all()`, a value no fake-tensor trace has
+    (DataDependentOutputException); the eval-mode forward, exported with torch.export, already sees them set."""
+    from torch._export.utils import _compiling_state_context
+
+    with _compiling_state_context():
+        yield
+
+
 @dataclass(frozen=True)
 class JointSignature:
     """What each placeholder and output of a joint forward+backward graph is, in graph order.
@@ -189,8 +203,11 @@ def aot_export_joint_dynamic(
         table = trace_decompositions(float16)
         joint = aot_export_joint_with_descriptors(stack, module, tuple(fakes), decompositions=table)
     graph = joint.graph_module
-    requiring = [n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
-    sig = _descriptor_signature(graph, requiring)
+    tied: dict[int, list[str]] = {}  # a parameter's names (several when tied), in module order
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            tied.setdefault(id(param), []).append(name)
+    sig = _descriptor_signature(graph, list(tied.values()))
     pairs = zip(fakes, dynamic_dims, strict=True)
     kept = [[d for d in dims if _still_symbolic(shape_env, fake.shape[d])] for fake, dims in pairs]
     return graph, sig, ShapeGuards(shape_env, shape_env.produce_guards_expression(fakes, ignore_static=False), kept)
@@ -201,8 +218,10 @@ def _still_symbolic(shape_env: Any, size: Any) -> bool:
     return isinstance(size, torch.SymInt) and not shape_env.replace(size.node.expr).is_number
 
 
-def _descriptor_signature(graph: torch.fx.GraphModule, requiring_grad: list[str]) -> JointSignature:
-    """Rewrite a descriptor-annotated joint graph to `aot_export_joint`'s form, in place, and describe it."""
+def _descriptor_signature(graph: torch.fx.GraphModule, requiring_grad: list[list[str]]) -> JointSignature:
+    """Rewrite a descriptor-annotated joint graph to `aot_export_joint`'s form, in place, and describe it.
+    `requiring_grad`: the names of each parameter that requires grad; a tied parameter has several, one
+    placeholder each, and has a gradient when the forward reads it under any of them (the others get None)."""
     from torch._functorch._aot_autograd import descriptors as d
 
     fx = graph.graph
@@ -238,7 +257,7 @@ def _descriptor_signature(graph: torch.fx.GraphModule, requiring_grad: list[str]
         else:
             raise NotImplementedError(f"dynamic-shape trace: unsupported graph output {desc}")
         kept.append(value)
-    missing = [n for n in requiring_grad if ("gradient", n) not in outputs]
+    missing = [names[0] for names in requiring_grad if not any(("gradient", n) in outputs for n in names)]
     if missing:
         raise MissingGradientError(f"parameters {missing} did not receive a gradient")
     out.args = (tuple(kept),)
