@@ -29,6 +29,7 @@ import argparse
 import os
 import platform
 import resource
+import subprocess
 import sys
 import time
 
@@ -140,7 +141,7 @@ def main() -> int:
         return 0
     runners = list(dict.fromkeys(args.runners + (list(DEFAULT_VARIANTS) if args.variants else [])))
     if args.other_python:  # the orttrainer runners again, on the other interpreter's onnxruntime
-        runners += [f"{r}@other" for r in runners if r.startswith("orttrainer[")]
+        runners += [f"{r}@other" for r in other_runners(runners, args.other_python)]
     started = time.perf_counter()
     results = [r for name in args.workloads for r in measure(name, runners, args)]
     text = report(results, args)
@@ -149,6 +150,17 @@ def main() -> int:
     payload["wall_s"] = time.perf_counter() - started
     print(f"\nJSON: {save_json('run_all.json', payload)}")
     return 1 if any("failed" in r for r in results) else 0
+
+
+def other_runners(runners: list[str], python: str) -> list[str]:
+    """The orttrainer runners that `python`'s onnxruntime can run: without the training build, those of the
+    `torch` builder (the 'ort' builder needs onnxruntime-training), and that builder with the update in the graph."""
+    probe = "from orttrainer.trainer.runtime import has_training_build; print(has_training_build())"
+    training = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    chosen = [r for r in runners if r.startswith("orttrainer[")]
+    if training == "True":
+        return chosen
+    return [r for r in chosen if r.startswith("orttrainer[torch]")] + ["orttrainer[torch]+graph-update"]
 
 
 def environment() -> dict:
