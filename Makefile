@@ -10,7 +10,11 @@ export PYENV_VERSION ?= $(shell pyenv versions --bare 2>/dev/null | sort -rV | t
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-PYVER := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+# (make 4.3 passes no exported variable to $(shell): PYENV_VERSION is given explicitly)
+PYVER := $(shell PYENV_VERSION='$(PYENV_VERSION)' $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+ifeq ($(PYVER),)
+$(error $(PYTHON) was not found: set PYTHON to a Python 3.11-3.13 interpreter, e.g. make test-maintained PYTHON=python3.12)
+endif
 VENV_M := .venv-maintained$(if $(filter 3.11,$(PYVER)),,-$(PYVER))
 PY_M := $(VENV_M)/bin/python
 STAMP_M := $(VENV_M)/.installed
