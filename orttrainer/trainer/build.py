@@ -106,7 +106,8 @@ def _build_from_torch(
     desc, options = config.model_desc, config.options
     check_inputs(sample_inputs, desc.inputs)
     with no_increase_global_step():  # counts no debug step and writes no file
-        dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs)
+        reads = options._internal_use.gradient_builder == "torch" or not has_training_build()  # the torch route's
+        dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs, record_reads=reads)
     ort_only = ort_only_options(options) + (["orttrainer.debug statistics"] if activations.subscribed else [])
     choice = choose_builder(
         options._internal_use.gradient_builder,
@@ -129,12 +130,10 @@ def _build_from_torch(
 
 def _auto_fallback(choice: BuilderChoice, err: Exception) -> str | None:
     """Why 'auto' switches to the torch builder after `err` on the TorchScript route, or None (no switch)."""
-    if choice.builder != "auto":
-        return None
-    if isinstance(err, export_mod.TorchScriptExportError):
+    if choice.builder == "auto" and isinstance(err, export_mod.TorchScriptExportError):
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return f"auto: the TorchScript exporter failed ({first_line})"
-    if isinstance(err, GradientBuildError) and err.op_type is not None:
+    if choice.builder == "auto" and isinstance(err, GradientBuildError) and err.op_type is not None:
         return f"auto: ONNX Runtime's gradient builder cannot differentiate op '{err.op_type}'"
     return None
 
@@ -174,6 +173,9 @@ def _torch_route(
     """The torch builder's route (`torch_forward.py`): state from the module itself, the training graph from
     AOTAutograd with model_desc's string dims dynamic, the forward model from torch.export when first needed."""
     desc, options = config.model_desc, config.options
+    if dry.read_state is None:  # 'auto' came from the TorchScript route: the reads are recorded now
+        with no_increase_global_step():
+            dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs)
     names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
     dims, outputs, amp = named_dims(desc.inputs), [d.name for d in desc.outputs], options.mixed_precision.enabled
     trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)

@@ -71,7 +71,8 @@ class DryRun:
     output_dtypes: list[torch.dtype]  # of the model_desc outputs
     was_training: bool  # the model's train/eval mode when it was handed over (eval: dropout off in training)
     custom_functions: list[str]  # custom torch.autograd.Functions met in the dry run
-    read_state: list[str]  # state_dict entries the eval-mode forward reads (state_dict order; tied names too)
+    # state_dict entries the eval-mode forward reads (state_dict order; tied names too); None: not recorded
+    read_state: list[str] | None
 
 
 @dataclass
@@ -121,13 +122,17 @@ def custom_autograd_functions(outputs) -> list[str]:
     return sorted(found)
 
 
-def dry_run(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: list[torch.Tensor]) -> DryRun:
+def dry_run(
+    model: torch.nn.Module, loss_fn, model_desc, sample_inputs: list[torch.Tensor], record_reads: bool = True
+) -> DryRun:
     """Check that `model.forward` takes the model_desc inputs, run an eval-mode copy of `model` (+ `loss_fn`) on
-    `sample_inputs` and check that it returns at least the model_desc outputs."""
+    `sample_inputs` and check that it returns at least the model_desc outputs. `record_reads`: also record the state
+    the forward reads (the torch route's frozen state). Why optional: the recording mode makes PyTorch import
+    torch._dynamo (~40 MB resident, measured on torch 2.13), which the TorchScript route never needs."""
     input_names = [d.name for d in model_desc.inputs]
     output_names = [d.name for d in model_desc.outputs]
     check_forward_accepts(model, input_names, loss_fn is not None)
-    sample_outputs, functions, read = _dry_run(_ModelWithLoss(model, loss_fn, input_names), sample_inputs)
+    sample_outputs, functions, read = _dry_run(_ModelWithLoss(model, loss_fn, input_names), sample_inputs, record_reads)
     if len(sample_outputs) < len(output_names):
         raise ValueError(
             f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
@@ -135,7 +140,7 @@ def dry_run(model: torch.nn.Module, loss_fn, model_desc, sample_inputs: list[tor
         )
     input_dtypes = [t.dtype for t in sample_inputs]
     output_dtypes = [t.dtype for t in sample_outputs[: len(output_names)]]
-    read_state = [name for name in model.state_dict() if name in read]
+    read_state = [name for name in model.state_dict() if name in read] if read is not None else None
     return DryRun(sample_outputs, input_dtypes, output_dtypes, model.training, functions, read_state)
 
 
@@ -267,7 +272,9 @@ def strip_prefix(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
     return result
 
 
-def _dry_run(wrapper: _ModelWithLoss, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str], set[str]]:
+def _dry_run(
+    wrapper: _ModelWithLoss, inputs: list[torch.Tensor], record_reads: bool
+) -> tuple[list[torch.Tensor], list[str], set[str] | None]:
     """Run an eval-mode copy of the wrapper: its outputs give the output dtypes, its autograd graph shows the
     custom autograd Functions (which the TorchScript exporter would silently inline, dropping their backward),
     and the state it reads is the torch route's frozen state (torch_forward.module_state)."""
@@ -284,7 +291,11 @@ def _dry_run(wrapper: _ModelWithLoss, inputs: list[torch.Tensor]) -> tuple[list[
     runner.eval()
     state = runner.model.state_dict(keep_vars=True)
     try:
-        outputs, read = _run_recording_reads(runner, inputs, state)
+        if record_reads:
+            outputs, read = _run_recording_reads(runner, inputs, state)
+        else:
+            with torch.enable_grad():
+                outputs, read = runner(*[copy.deepcopy(t) for t in inputs]), None
     finally:
         runner.train(was_training)
     functions = custom_autograd_functions(outputs)

@@ -55,6 +55,7 @@ def module_state(module: torch.nn.Module, frozen_weights: list[str], dry: DryRun
     trainable = [n for n, p in params.items() if p.requires_grad and n not in listed]
     canonical = {id(t): n for n, t in reversed([*module.named_parameters(), *module.named_buffers()])}
     state = module.state_dict(keep_vars=True)
+    assert dry.read_state is not None, "the torch route's dry run records the state reads (build._torch_route)"
     read = [canonical[id(state[n])] for n in dry.read_state if id(state[n]) in canonical]
     frozen = list(dict.fromkeys([*frozen_weights, *(n for n in read if n not in trainable)]))
     return trainable, frozen
