@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import io
+import warnings
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -49,3 +52,31 @@ def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
+
+
+def export_training_onnx(
+    module: torch.nn.Module,
+    args: tuple,
+    input_names: list[str],
+    output_names: list[str],
+    dynamic_axes: dict[str, dict[int, str]],
+    opset_version: int = 14,
+) -> onnx.ModelProto:
+    """`module` (returning the loss first) as an ONNX model the way legacy users made theirs: the TorchScript
+    exporter in training mode, no constant folding."""
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's, chosen on purpose
+        torch.onnx.export(
+            module,
+            args,
+            buffer,
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_axes=dynamic_axes,
+            opset_version=opset_version,
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+            dynamo=False,
+        )
+    return onnx.load_from_string(buffer.getvalue())

@@ -8,10 +8,16 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import onnx
 import pytest
 import torch
-from helpers import make_trainer, max_difference, needs_training_build, torch_weights, trainer_weights
+from helpers import (
+    export_training_onnx,
+    make_trainer,
+    max_difference,
+    needs_training_build,
+    torch_weights,
+    trainer_weights,
+)
 from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
 
 from orttrainer import amp, optim
@@ -214,7 +220,6 @@ def test_mixed_precision_checkpoints_load_into_fp32_trainers_and_back(tmp_path):
 
 @needs_training_build
 def test_an_onnx_model_trains_in_mixed_precision():
-    import io
 
     class WithLoss(torch.nn.Module):
         def __init__(self) -> None:
@@ -226,19 +231,8 @@ def test_an_onnx_model_trains_in_mixed_precision():
             return CE(logits, target), logits
 
     torch.manual_seed(0)
-    buffer = io.BytesIO()
-    torch.onnx.export(
-        WithLoss(),
-        _batches(1)[0],
-        buffer,
-        input_names=["x", "target"],
-        output_names=["loss", "logits"],
-        opset_version=14,
-        do_constant_folding=False,
-        dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}},
-        training=torch.onnx.TrainingMode.TRAINING,
-        dynamo=False,
-    )
-    trainer = make_trainer(onnx.load_from_string(buffer.getvalue()), mlp_desc(), optim.SGDConfig(lr=0.1), None, _amp())
+    axes = {"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}}
+    model = export_training_onnx(WithLoss(), _batches(1)[0], ["x", "target"], ["loss", "logits"], axes)
+    trainer = make_trainer(model, mlp_desc(), optim.SGDConfig(lr=0.1), None, _amp())
     losses = [trainer.train_step(x, y)[0].item() for x, y in _batches(8) * 3]
     assert losses[-1] < losses[0]

@@ -5,7 +5,6 @@ build, the first-step build, initializer names in checkpoints, and what is refus
 from __future__ import annotations
 
 import copy
-import io
 import os
 import sys
 import warnings
@@ -14,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import make_trainer, max_difference, needs_training_build, trainer_weights
+from helpers import export_training_onnx, make_trainer, max_difference, needs_training_build, trainer_weights
 from models import TinyTransformer, transformer_desc, transformer_loss
 from onnx import helper, numpy_helper
 from test_trainer_features import _batches, _export_with_loss, _log_softmax_nll_model, _ModelWithLoss
@@ -78,21 +77,10 @@ def exported_transformer(seq: int = 8):
     module = _TransformerWithLoss()
     g = torch.Generator().manual_seed(4)
     data = [(torch.randint(0, 50, (b, seq), generator=g), torch.randint(0, 50, (b, seq), generator=g)) for b in (2, 3)]
-    buffer = io.BytesIO()
     dims = {0: "batch", 1: "seq"}
-    torch.onnx.export(
-        module,
-        data[0],
-        buffer,
-        input_names=["tokens", "target"],
-        output_names=["loss", "logits"],
-        dynamic_axes={"tokens": dims, "target": dims, "logits": dims},
-        opset_version=17,
-        do_constant_folding=False,
-        training=torch.onnx.TrainingMode.TRAINING,
-        dynamo=False,
-    )
-    return onnx.load_from_string(buffer.getvalue()), transformer_desc(), data + data
+    axes = {"tokens": dims, "target": dims, "logits": dims}
+    model = export_training_onnx(module, data[0], ["tokens", "target"], ["loss", "logits"], axes, opset_version=17)
+    return model, transformer_desc(), data + data
 
 
 class _SmallCNN(torch.nn.Module):
@@ -113,21 +101,10 @@ def exported_cnn():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(6)
     data = [(torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(4)]
-    buffer = io.BytesIO()
-    torch.onnx.export(
-        _SmallCNN(),
-        data[0],
-        buffer,
-        input_names=["x", "target"],
-        output_names=["loss", "logits"],
-        dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}},
-        opset_version=14,
-        do_constant_folding=False,
-        training=torch.onnx.TrainingMode.TRAINING,
-        dynamo=False,
-    )
+    axes = {"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}}
+    model = export_training_onnx(_SmallCNN(), data[0], ["x", "target"], ["loss", "logits"], axes)
     desc = {"inputs": [("x", ["batch", 1, 8, 8]), ("target", ["batch"])], "outputs": MLP_DESC["outputs"]}
-    return onnx.load_from_string(buffer.getvalue()), desc, data
+    return model, desc, data
 
 
 def oddly_named(bias: str = "/layer/b:0"):

@@ -3,7 +3,6 @@ LR schedulers, eval semantics and the input conventions of docs/legacy_api.md §
 
 from __future__ import annotations
 
-import io
 import warnings
 
 import numpy as np
@@ -11,7 +10,15 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import clone, make_trainer, max_difference, needs_training_build, torch_weights, trainer_weights
+from helpers import (
+    clone,
+    export_training_onnx,
+    make_trainer,
+    max_difference,
+    needs_training_build,
+    torch_weights,
+    trainer_weights,
+)
 from models import MLP, mlp_desc
 
 from orttrainer import optim
@@ -125,21 +132,8 @@ class _ModelWithLoss(torch.nn.Module):
 
 
 def _export_with_loss(model: torch.nn.Module) -> onnx.ModelProto:
-    buffer = io.BytesIO()
-    x, y = _batches(1)[0]
-    torch.onnx.export(
-        model,
-        (x, y),
-        buffer,
-        input_names=["x", "target"],
-        output_names=["loss", "logits"],
-        dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}},
-        opset_version=14,
-        do_constant_folding=False,
-        training=torch.onnx.TrainingMode.TRAINING,
-        dynamo=False,
-    )
-    return onnx.load_from_string(buffer.getvalue())
+    axes = {"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}}
+    return export_training_onnx(model, tuple(_batches(1)[0]), ["x", "target"], ["loss", "logits"], axes)
 
 
 def test_an_onnx_model_with_a_loss_output_trains_like_pytorch():

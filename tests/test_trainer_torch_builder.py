@@ -3,9 +3,7 @@ picks the builder, one graph per input-shape signature on shared state, checkpoi
 
 from __future__ import annotations
 
-import io
 import logging
-import warnings
 
 import numpy as np
 import onnx
@@ -14,6 +12,7 @@ import torch
 from helpers import (
     clone,
     cpu_options,
+    export_training_onnx,
     make_trainer,
     max_difference,
     needs_training_build,
@@ -217,22 +216,8 @@ def _onnx_mlp_with_loss() -> onnx.ModelProto:
         def forward(self, x, target):
             return CE(self.mlp(x), target)
 
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's, chosen on purpose
-        torch.onnx.export(
-            WithLoss(),
-            batches(1)[0],
-            buffer,
-            input_names=["x", "target"],
-            output_names=["loss"],
-            dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}},
-            opset_version=14,
-            dynamo=False,
-            training=torch.onnx.TrainingMode.TRAINING,
-            do_constant_folding=False,
-        )
-    return onnx.load_from_string(buffer.getvalue())
+    axes = {"x": {0: "batch"}, "target": {0: "batch"}}
+    return export_training_onnx(WithLoss(), batches(1)[0], ["x", "target"], ["loss"], axes)
 
 
 def test_onnx_models_use_the_ort_builder_and_torch_on_request():

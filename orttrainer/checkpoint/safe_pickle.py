@@ -50,7 +50,9 @@ class UnsafePickleError(pickle.UnpicklingError, ValueError):
 
 
 class _Refused:
-    """A refused global, and everything the pickle builds by calling it or setting its state: inert."""
+    """A refused global, and everything the pickle builds by calling it or setting its state: inert. Every pickle
+    operation on it (construction, BUILD, SETITEM(S), APPEND(S), ADDITEMS) is accepted and ignored, so loading
+    reaches the end of the stream and reports every refused global at once, and no code of the refused global runs."""
 
     global_name = ""
 
@@ -58,22 +60,22 @@ class _Refused:
         return object.__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        """Ignored: the arguments are not kept."""
 
     def __setstate__(self, state: Any) -> None:
-        pass
+        """Ignored: BUILD on a refused object sets nothing."""
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        pass
+        """Ignored: SETITEM(S) on a refused object stores nothing."""
 
     def append(self, item: Any) -> None:
-        pass
+        """Ignored: APPEND on a refused object stores nothing."""
 
     def extend(self, items: Any) -> None:
-        pass
+        """Ignored: APPENDS on a refused object stores nothing."""
 
     def add(self, item: Any) -> None:
-        pass
+        """Ignored: ADDITEMS on a refused object stores nothing."""
 
 
 def _numpy(module: str, name: str) -> Callable[[], Any]:
