@@ -7,8 +7,8 @@
 - `orttrainer[ort]`, `orttrainer[torch]`: ORTTrainer with each gradient builder and the default update path.
 - `orttrainer[<builder>]+<variant>`: the same with one optimisation switched, to measure its effect: `graph-update`
   (`ORTTRAINER_OPTIMIZER_UPDATE=graph`, the plain-op update in the graph), `fused-update` (ONNX Runtime's
-  AdamOptimizer kernel; orttrainer/trainer/update_path.py), `no-rewrites`, `no-static-shapes`, `no-cross-entropy`
-  (`ORTTRAINER_DISABLE_REWRITES`, orttrainer/trainer/graph/switches.py).
+  AdamOptimizer kernel; orttrainer/trainer/update/path.py), `no-rewrites`, `no-static-shapes`, `no-cross-entropy`
+  (`ORTTRAINER_DISABLE_REWRITES`, orttrainer/trainer/graph/passes.py).
 - `ort-training-api`: ONNX Runtime's on-device training API (`artifacts.generate_artifacts`, `Module`, `Optimizer`),
   its AdamW switched to PyTorch's formula (`adam_mode=0`).
 
@@ -175,7 +175,7 @@ def _export_with_loss(workload, path: str) -> str:
     """The model and its loss exported as one ONNX graph whose output is the loss (TorchScript exporter)."""
     import torch
 
-    from orttrainer.trainer.export import _ModelWithLoss
+    from orttrainer.trainer.build.export import _ModelWithLoss
 
     names = [name for name, _ in workload.model_desc["inputs"]]
     torch.onnx.export(

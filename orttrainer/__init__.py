@@ -8,8 +8,11 @@ loss scalers) import without onnxruntime; ``ORTTrainer`` (and with it onnxruntim
 from __future__ import annotations
 
 from . import amp, optim
+from .compat.former_names import install_finder
 from .schema.options import ORTTrainerOptions, PropagateCastOpsStrategy
 from .train_step_info import TrainStepInfo
+
+install_finder()  # the package's former module names (orttrainer.legacy, orttrainer._utils, ...): orttrainer.compat
 
 __version__ = "0.1.0"
 

@@ -94,7 +94,7 @@ def run(cfg: dict) -> dict:
         "counters": [
             trainer._train_step_info.step,
             trainer._train_step_info.optimization_step,
-            trainer._counters.optimizer_updates,
+            trainer._state.counters.optimizer_updates,
         ],
         "calls": dict(getattr(session, "comm", None).calls) if hasattr(session, "comm") else {},
         "moment_elements": sum(

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from orttrainer import optim
-from orttrainer.trainer.compile import check_same_state_contract
+from orttrainer.trainer.compile.contract import check_same_state_contract
 from orttrainer.trainer.gradient.choice import BuilderChoice, choose_builder
 from orttrainer.trainer.gradient.torch_graphs import bind_foreign_state
 from orttrainer.trainer.graph.training import build_training_graph
-from orttrainer.trainer.parameters import param_groups
+from orttrainer.trainer.update.path import param_groups
 
 
 def test_builder_choice_rules():

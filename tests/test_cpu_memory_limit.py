@@ -1,4 +1,4 @@
-"""device.mem_limit on the CPU caps ONNX Runtime's CPU arena (trainer/cpu_memory.py). The cap is per process, so the
+"""device.mem_limit on the CPU caps ONNX Runtime's CPU arena (trainer/runtime/ort.py). The cap is per process, so the
 test runs in a fresh interpreter."""
 
 from __future__ import annotations

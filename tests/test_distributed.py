@@ -15,7 +15,7 @@ import torch
 from helpers import needs_training_build
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.trainer.distributed import adasum_pair, partition_parameters
+from orttrainer.trainer.runtime.data_parallel import adasum_pair, partition_parameters
 
 pytestmark = pytest.mark.distributed
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")

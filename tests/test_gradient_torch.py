@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from models import ScalarAndTupleFunction, StraightThrough
 from torch import nn
 
-from orttrainer.trainer.export import _ModelWithLoss
+from orttrainer.trainer.build.export import _ModelWithLoss
 from orttrainer.trainer.gradient.errors import GradientBuildError
 from orttrainer.trainer.gradient.torch_builder import (
     TorchGradientGraph,
     UntraceableFunctionError,
     build_torch_gradient_graph,
 )
-from orttrainer.trainer.shapes import ShapeKeyedCache, shape_signature
+from orttrainer.trainer.runtime.session import ShapeKeyedCache, shape_signature
 
 ATOL = 1e-5
 

@@ -10,10 +10,15 @@ import pytest
 from onnx import TensorProto, helper
 from test_graph_optimizer import Reference, adam_hyper, gradient_model, initial_params, sgd_hyper
 
+from orttrainer.trainer.compile.contract import (
+    LEARNING_RATE_INPUT,
+    UPDATE_COUNT_INPUT,
+    ParamGroup,
+    moment_names,
+    zero_state,
+)
 from orttrainer.trainer.graph.data_parallel import build_gradient_step_graph, build_optimizer_graph
-from orttrainer.trainer.graph.optimizer import moment_names
 from orttrainer.trainer.graph.passes import PassPreconditionError, verify_model
-from orttrainer.trainer.graph.training import LEARNING_RATE_INPUT, UPDATE_COUNT_INPUT, ParamGroup, zero_state
 
 SHAPES = {"w": (3, 2), "b": (2,)}
 

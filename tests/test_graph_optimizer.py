@@ -1,4 +1,4 @@
-"""Optimizer update subgraphs (optimizer.py): SGD, Adam (both decay modes, bias correction on/off) and LAMB.
+"""Optimizer update subgraphs (update/in_graph.py): SGD, Adam (both decay modes, bias correction on/off) and LAMB.
 
 Every test compiles a hand-built gradient model with `build_training_graph`, runs three consecutive updates with
 onnxruntime and compares weights and moments with a float64 numpy reference of the documented formula. The harness
@@ -16,14 +16,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from orttrainer.trainer.compile.contract import ParamGroup, TrainingGraph, moment_names, zero_state
 from orttrainer.trainer.graph.editor import GraphEditor
-from orttrainer.trainer.graph.optimizer import StepScalars, append_adam, moment_names
-from orttrainer.trainer.graph.training import (
-    ParamGroup,
-    TrainingGraph,
-    build_training_graph,
-    zero_state,
-)
+from orttrainer.trainer.graph.training import build_training_graph
+from orttrainer.trainer.update.in_graph import StepScalars, append_adam
 
 LRS = (0.1, 0.05, 0.2)  # a different learning rate per update, so the lr input is really read
 RTOL, ATOL = 2e-6, 1e-7

@@ -1,4 +1,4 @@
-"""Output selection (graph/outputs.py), the eval graph (graph/eval_model.py) and the compile pipeline's pass lists
+"""Output selection (graph/outputs.py), the eval graph and the compile pipeline's pass lists
 (graph/pipeline.py) on hand-built graphs, run in ONNX Runtime against numpy."""
 
 from __future__ import annotations
@@ -10,10 +10,14 @@ import pytest
 from helpers import needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
-from orttrainer.trainer.graph.eval_model import build_eval_model
 from orttrainer.trainer.graph.outputs import keep_outputs, keep_outputs_pass, without_outputs, without_outputs_pass
 from orttrainer.trainer.graph.passes import PassPreconditionError, run_passes
-from orttrainer.trainer.graph.pipeline import forward_passes, gradient_model_passes, mixed_precision_passes
+from orttrainer.trainer.graph.pipeline import (
+    build_eval_model,
+    forward_passes,
+    gradient_model_passes,
+    mixed_precision_passes,
+)
 
 FLOAT, HALF, INT64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64
 

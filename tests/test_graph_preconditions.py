@@ -11,8 +11,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph import fixups, mixed_precision, postprocess, recompute, scatter_grad, statistics
 from orttrainer.trainer.graph.editor import GraphEditor
-from orttrainer.trainer.graph.optimizer import StepScalars, append_adam, append_lamb
 from orttrainer.trainer.graph.passes import FunctionPass, PassPreconditionError, run_passes
+from orttrainer.trainer.update.in_graph import StepScalars, append_adam, append_lamb
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 
@@ -213,7 +213,7 @@ def test_append_statistics_pass_outputs_are_read_back_in_target_order():
     assert statistics.statistics_outputs(model, {}) == {}
 
 
-# ---------------------------------------------------------------------------------------------------- optimizer.py
+# --------------------------------------------------------------------------------------------- update/in_graph.py
 @pytest.mark.parametrize(("append", "name"), [(append_adam, "AdamOptimizer"), (append_lamb, "LambOptimizer")])
 def test_optimizers_need_their_hyper_parameters(append, name):
     model = _model([], [_vi("w", [2]), _vi("g", [2])], [])

@@ -1,5 +1,5 @@
 """graph/static_shapes.py on hand-built graphs: each pass gives the values the graph gave before, and leaves alone
-what its rule does not cover; static_graphs.py's specialisation round trip on a small model."""
+what its rule does not cover; runtime/static_graphs.py's specialisation round trip on a small model."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import pytest
 from helpers import needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
-from orttrainer.trainer.graph.errors import PassPreconditionError
-from orttrainer.trainer.graph.passes import run_passes
+from orttrainer.trainer.graph.passes import PassPreconditionError, run_passes
 from orttrainer.trainer.graph.static_shapes import (
     DROP_NOOP_REDUCTIONS,
     FOLD_BROADCAST_GRADIENT_ARGS,
@@ -223,8 +222,8 @@ def test_specialisation_folds_the_shape_arithmetic_and_keeps_the_values():
 
     import torch
 
-    from orttrainer.trainer.ort_session import optimized_model
-    from orttrainer.trainer.static_graphs import specialized
+    from orttrainer.trainer.runtime.ort import optimized_model
+    from orttrainer.trainer.runtime.static_graphs import specialized
 
     @dataclass
     class Graph:
@@ -253,7 +252,7 @@ def test_a_graph_fused_into_inference_only_ops_is_not_specialised():
 
     import torch
 
-    from orttrainer.trainer.static_graphs import specialized
+    from orttrainer.trainer.runtime.static_graphs import specialized
 
     @dataclass
     class Graph:

@@ -15,7 +15,6 @@ from helpers import needs_training_build
 from onnx import TensorProto, helper
 
 from orttrainer.debug import compute_statistics, format_statistics
-from orttrainer.trainer import ort_private
 from orttrainer.trainer.graph.postprocess import fuse_log_softmax_nll
 from orttrainer.trainer.graph.statistics import (
     MARK_DOMAIN,
@@ -25,6 +24,7 @@ from orttrainer.trainer.graph.statistics import (
     gradient_tensor,
     marks_to_identity,
 )
+from orttrainer.trainer.runtime import ort_private
 
 
 def _vi(name: str, shape=None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:

@@ -22,14 +22,14 @@ from test_graph_optimizer import (
     train_and_compare,
 )
 
-from orttrainer.trainer.graph.training import (
+from orttrainer.trainer.compile.contract import (
     LEARNING_RATE_INPUT,
     UPDATE_COUNT_INPUT,
     ParamGroup,
     accumulation_buffer_name,
-    build_training_graph,
     zero_state,
 )
+from orttrainer.trainer.graph.training import build_training_graph
 
 
 def _names(values) -> list[str]:

@@ -38,7 +38,7 @@ def _amp(scaler=None, **extra) -> dict:
 def _everything(trainer) -> dict[str, np.ndarray]:
     state = trainer._training_session.get_state()
     info = trainer._train_step_info
-    state["counters"] = np.array([info.step, info.optimization_step, trainer._counters.optimizer_updates])
+    state["counters"] = np.array([info.step, info.optimization_step, trainer._state.counters.optimizer_updates])
     return state
 
 
@@ -215,7 +215,11 @@ def test_mixed_precision_checkpoints_load_into_fp32_trainers_and_back(tmp_path):
     back.load_checkpoint(str(tmp_path / "full.ortcp"))
     back.eval_step(x, y)
     assert max_difference(trainer_weights(back), trainer_weights(full)) == 0.0
-    assert back._counters.optimizer_updates == full._counters.optimizer_updates == mixed._counters.optimizer_updates + 1
+    assert (
+        back._state.counters.optimizer_updates
+        == full._state.counters.optimizer_updates
+        == mixed._state.counters.optimizer_updates + 1
+    )
 
 
 @needs_training_build

@@ -1,4 +1,4 @@
-"""Mixed precision with the torch gradient builder (trainer/torch_amp.py): the module traced in float16 on float32
+"""Mixed precision with the torch gradient builder (trainer/build/export.py): the module traced in float16 on float32
 master weights, the backward seeded by the loss scale, and the shared tail (unscaling, the finite check, clipping,
 accumulation, the update) — parity with PyTorch and with the 'ort' builder, overflow skips, checkpoints, new input
 shapes, data parallelism, and the refusal that remains (an ONNX model).
@@ -26,9 +26,9 @@ from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer
 from test_mixed_precision import FP16_TOLERANCE
 
 from orttrainer import ORTTrainer, amp, optim
-from orttrainer.trainer import ort_private, torch_amp
-from orttrainer.trainer.export import _ModelWithLoss
-from orttrainer.trainer.update_path import ENVIRONMENT_VARIABLE
+from orttrainer.trainer.build.export import _ModelWithLoss, float16_inputs, float16_state, float32_values
+from orttrainer.trainer.runtime import ort_private
+from orttrainer.trainer.update.path import ENVIRONMENT_VARIABLE
 
 CE = torch.nn.functional.cross_entropy
 SAME_ARITHMETIC = 1e-4  # max weight difference to `_float16_reference` after 30 steps (module docstring)
@@ -159,7 +159,7 @@ def test_the_torch_builder_agrees_with_the_ort_builder_as_well_as_that_agrees_wi
 def _everything(trainer) -> dict[str, np.ndarray]:
     state = trainer._training_session.get_state()
     info = trainer._train_step_info
-    state["counters"] = np.array([info.step, info.optimization_step, trainer._counters.optimizer_updates])
+    state["counters"] = np.array([info.step, info.optimization_step, trainer._state.counters.optimizer_updates])
     return state
 
 
@@ -325,12 +325,12 @@ def test_two_ranks_equal_one_process(tmp_path):
 def test_float16_helpers():
     linear = torch.nn.Linear(2, 2)
     tied = torch.nn.Sequential(linear, linear)
-    state = torch_amp.float16_state(tied)
+    state = float16_state(tied)
     assert set(state) == {"0.weight", "0.bias", "1.weight", "1.bias"} and state["0.weight"] is state["1.weight"]
     assert {t.dtype for t in state.values()} == {torch.float16}
     x, label, tokens = torch.ones(2), torch.ones(2), torch.ones(2, dtype=torch.int64)
-    cast = torch_amp.float16_inputs([x, tokens, label], label=True)
+    cast = float16_inputs([x, tokens, label], label=True)
     assert [t.dtype for t in cast] == [torch.float16, torch.int64, torch.float32]
     Pair = namedtuple("Pair", "a b")
-    back = torch_amp.float32_values(Pair(x.half(), [tokens, x.half()]))
+    back = float32_values(Pair(x.half(), [tokens, x.half()]))
     assert isinstance(back, Pair) and back.a.dtype == torch.float32 and back.b[1].dtype == torch.float32

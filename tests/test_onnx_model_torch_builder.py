@@ -19,7 +19,7 @@ from onnx import helper, numpy_helper
 from test_trainer_features import _batches, _export_with_loss, _log_softmax_nll_model, _ModelWithLoss
 
 from orttrainer import optim
-from orttrainer.trainer import build
+from orttrainer.trainer.build import forward as build_forward
 from orttrainer.trainer.gradient.choice import choose_builder
 from orttrainer.trainer.gradient.errors import GradientBuildError
 from orttrainer.trainer.graph.passes import VERIFY_ENVIRONMENT_VARIABLE
@@ -193,7 +193,7 @@ def _listed(outputs) -> list[torch.Tensor]:
 def test_auto_trains_with_the_torch_builder_without_the_training_build(monkeypatch, caplog):
     """Like PyTorch: SGD on the exported MLP gives PyTorch's weights (with the training build installed, the
     check that chooses is made to say it is not)."""
-    monkeypatch.setattr(build, "has_training_build", lambda: False)
+    monkeypatch.setattr(build_forward, "has_training_build", lambda: False)
     torch.manual_seed(0)
     module = _ModelWithLoss()
     reference = copy.deepcopy(module)

@@ -23,8 +23,8 @@ from models import MLP, mlp_desc
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer.schema.options import _ORTTRAINER_OPTIONS_SCHEMA
 from orttrainer.trainer import config as config_module
-from orttrainer.trainer.config import Device
-from orttrainer.trainer.distributed import DistributedContext
+from orttrainer.trainer.runtime.data_parallel import DistributedContext
+from orttrainer.trainer.runtime.ort import Device
 
 CE = torch.nn.functional.cross_entropy
 

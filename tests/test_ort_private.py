@@ -1,5 +1,5 @@
-"""Pins the behaviour of every wrapper in orttrainer/trainer/ort_private.py, the one module that uses ONNX Runtime's
-private API: an ONNX Runtime upgrade that changes one of them fails here first."""
+"""Pins the behaviour of every wrapper in orttrainer/trainer/runtime/ort_private.py, the one module that uses ONNX
+Runtime's private API: an ONNX Runtime upgrade that changes one of them fails here first."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from helpers import needs_training_build
 from onnx import TensorProto, helper, numpy_helper
 
-from orttrainer.trainer import ort_private
-from orttrainer.trainer.session import to_torch_view
+from orttrainer.trainer.runtime import ort_private
+from orttrainer.trainer.runtime.session import to_torch_view
 
 
 def _model(nodes, inputs, outputs, initializers=()):

@@ -23,7 +23,7 @@ def _batch(seed: int = 0, label: int | None = None):
 
 def _snapshot(trainer) -> tuple[dict, tuple]:
     info = trainer._train_step_info
-    counters = (info.step, info.optimization_step, trainer._counters.optimizer_updates)
+    counters = (info.step, info.optimization_step, trainer._state.counters.optimizer_updates)
     return trainer._training_session.get_state(), counters
 
 
@@ -33,7 +33,7 @@ def _same(a: dict, b: dict) -> bool:
 
 def _fail_once(monkeypatch):
     """ONNX Runtime raises in the next training run (a fault injected at the one call into its run API)."""
-    from orttrainer.trainer import ort_private
+    from orttrainer.trainer.runtime import ort_private
 
     real = ort_private.run_with_ort_values
     calls = {"n": 0}

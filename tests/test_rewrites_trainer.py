@@ -1,5 +1,5 @@
-"""The speed-only graph rewrites at the trainer (graph/switches.py): on and off give the same training, and the
-static-shape specialisation (static_graphs.py) applies where it should and nowhere else.
+"""The speed-only graph rewrites at the trainer (graph/passes.rewrite_enabled): on and off give the same training, and
+the static-shape specialisation (runtime/static_graphs.py) applies where it should and nowhere else.
 
 The rest of the suite runs with every rewrite on (the default); here they are also switched off.
 """
@@ -16,8 +16,9 @@ from helpers import make_trainer, needs_training_build, trainer_weights
 from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
 
 from orttrainer import optim
-from orttrainer.trainer.graph.switches import ENVIRONMENT_VARIABLE, rewrite_enabled
-from orttrainer.trainer.static_graphs import MAX_STATIC_SIGNATURES
+from orttrainer.trainer.graph.passes import REWRITES_ENVIRONMENT_VARIABLE as ENVIRONMENT_VARIABLE
+from orttrainer.trainer.graph.passes import rewrite_enabled
+from orttrainer.trainer.runtime.static_graphs import MAX_STATIC_SIGNATURES
 
 
 def _train(batches, dropout=0.0, eval_mode=True, extra=None):
@@ -157,7 +158,7 @@ def test_the_debug_stages_show_the_default_graphs(tmp_path):
 def test_memory_efficient_gradients_are_specialised_without_inference_fusions(monkeypatch):
     """docs/engine.md §14: with static shapes ONNX Runtime would fuse Add + LayerNormalization into
     SkipLayerNormalization, whose CPU kernel does not compute the inverse std InvertibleLayerNormalizationGrad
-    reads; the trainer's sessions keep that fusion off (ort_session.TRAINING_UNSAFE_FUSIONS)."""
+    reads; the trainer's sessions keep that fusion off (runtime/ort.TRAINING_UNSAFE_FUSIONS)."""
     batches = _batches([4, 4, 4])
     extra = {"utils": {"memory_efficient_gradient": True}}
     specialised = _train(batches, extra=extra)

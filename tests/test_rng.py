@@ -1,6 +1,6 @@
-"""Each trainer owns its dropout random stream (trainer/rng.py): masks do not depend on other trainers in the
-process, and a resumed run draws exactly the masks the uninterrupted run draws — in a fresh process, also in the
-middle of an accumulation window."""
+"""Each trainer owns its dropout random stream (trainer/state.py `DropoutStreams`, runtime/session.py `seeded`): masks
+do not depend on other trainers in the process, and a resumed run draws exactly the masks the uninterrupted run
+draws — in a fresh process, also in the middle of an accumulation window."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer import optim
 from orttrainer.trainer.graph.dropout_seeds import SEED_MODULUS, dropout_seed, seed_dropouts
-from orttrainer.trainer.graph.errors import PassPreconditionError
-from orttrainer.trainer.rng import DropoutStreams, signature_key
+from orttrainer.trainer.graph.passes import PassPreconditionError
+from orttrainer.trainer.runtime.session import signature_key
+from orttrainer.trainer.state import DropoutStreams
 
 HERE = os.path.dirname(__file__)
 

@@ -9,8 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from orttrainer.trainer.graph.errors import PassPreconditionError
-from orttrainer.trainer.graph.passes import run_passes
+from orttrainer.trainer.graph.passes import PassPreconditionError, run_passes
 from orttrainer.trainer.graph.state_names import rename_state, rename_state_pass
 
 

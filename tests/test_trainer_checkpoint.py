@@ -44,7 +44,7 @@ def _full_state(trainer) -> dict[str, np.ndarray]:
     """Every state tensor plus the step counters, flattened for comparison."""
     state = trainer._training_session.get_state()
     info = trainer._train_step_info
-    state["counters"] = np.array([info.step, info.optimization_step, trainer._counters.optimizer_updates])
+    state["counters"] = np.array([info.step, info.optimization_step, trainer._state.counters.optimizer_updates])
     return state
 
 
@@ -368,7 +368,7 @@ def test_a_checkpoint_written_in_the_legacy_layout_loads(tmp_path, optimizer, pr
     trainer.eval_step(x, y)
     assert max_difference(trainer_weights(trainer), weights) == 0.0
     assert trainer._training_session.get_state(["Moment_1_fc1.weight"])["Moment_1_fc1.weight"].max() == np.float32(0.01)
-    assert (trainer._train_step_info.step, trainer._counters.optimizer_updates) == (7, 7)
+    assert (trainer._train_step_info.step, trainer._state.counters.optimizer_updates) == (7, 7)
     trainer.train_step(x, y)
     key = "Update_Count" if optimizer == "AdamOptimizer" else None
     state = trainer.state_dict()["optimizer"]
@@ -418,4 +418,4 @@ def test_experimental_checkpoint_api_round_trips_through_a_real_trainer(tmp_path
     assert extra == {"epoch": 3}
     fresh.eval_step(*_batches(1)[0])
     assert max_difference(trainer_weights(fresh), trainer_weights(trainer)) == 0.0
-    assert fresh._counters.optimizer_updates == 1
+    assert fresh._state.counters.optimizer_updates == 1

@@ -9,6 +9,7 @@ from helpers import cpu_options, make_trainer, needs_training_build, trainer_wei
 from models import MLP, mlp_desc
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer.trainer.model import Unbuilt
 
 CE = torch.nn.functional.cross_entropy
 X, Y = torch.randn(8, 32), torch.randint(0, 10, (8,))
@@ -224,6 +225,6 @@ def test_a_malformed_device_id_is_rejected_in_the_constructor(device):
 
 def test_eval_step_on_a_trainer_without_a_model_is_a_runtime_error():
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE)
-    trainer._torch_model = None
+    trainer._model = Unbuilt()  # neither a module nor a prepared ONNX model
     with pytest.raises(RuntimeError, match="^Model is uninitialized. Only ONNX and PyTorch models are supported$"):
         trainer.eval_step(X, Y)

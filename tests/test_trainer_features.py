@@ -23,7 +23,7 @@ from models import MLP, mlp_desc
 
 from orttrainer import optim
 from orttrainer.optim import LinearWarmupLRScheduler
-from orttrainer.trainer import ort_private
+from orttrainer.trainer.runtime import ort_private
 
 CE = torch.nn.functional.cross_entropy
 
@@ -425,8 +425,7 @@ def test_internal_postprocess_fuses_log_softmax_and_nll_so_the_model_trains():
 
 
 def test_provider_options_are_merged_into_the_provider_list_given_to_onnxruntime(monkeypatch):
-    from orttrainer.trainer.config import Device
-    from orttrainer.trainer.ort_session import providers_for
+    from orttrainer.trainer.runtime.ort import Device, providers_for
 
     with monkeypatch.context() as patched:  # a build with the CUDA provider (the maintained CPU wheel has none)
         patched.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])

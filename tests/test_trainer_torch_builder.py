@@ -24,10 +24,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from orttrainer import optim
-from orttrainer.trainer import ort_private
 from orttrainer.trainer.gradient.choice import ort_only_options
 from orttrainer.trainer.gradient.errors import GradientBuildError
 from orttrainer.trainer.gradient.torch_builder import UntraceableFunctionError
+from orttrainer.trainer.runtime import ort_private
 
 CE = F.cross_entropy
 TORCH = {"_internal_use": {"gradient_builder": "torch"}}
@@ -397,7 +397,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
     assert max_difference(resumed._training_session.get_state(), straight._training_session.get_state()) < 1e-7
     assert (
         resumed._train_step_info.step == 6
-        and resumed._counters.optimizer_updates == straight._counters.optimizer_updates == 3
+        and resumed._state.counters.optimizer_updates == straight._state.counters.optimizer_updates == 3
     )
 
 

@@ -1,4 +1,4 @@
-"""The optimizer update paths on hand-built graphs (graph/training.py `update`, torch_optimizer.py, update_path.py).
+"""The optimizer update paths on hand-built graphs (graph/training.py `update`, update/torch_fused.py, update/path.py).
 
 `"fused"` (ONNX Runtime's AdamOptimizer kernel in the graph) and `"torch"` (a gradient-only graph, then
 `TorchOptimizer` in place on torch tensors) must compute what the plain-op graph computes: every case runs three
@@ -31,11 +31,11 @@ from test_graph_optimizer import (
     sgd_hyper,
 )
 
-from orttrainer.trainer.graph.optimizer import moment_names
-from orttrainer.trainer.graph.training import OutsideUpdate, ParamGroup, TrainingGraph, build_training_graph, zero_state
+from orttrainer.trainer.compile.contract import OutsideUpdate, ParamGroup, TrainingGraph, moment_names, zero_state
+from orttrainer.trainer.graph.training import build_training_graph
 from orttrainer.trainer.runtime import has_training_build
-from orttrainer.trainer.torch_optimizer import TorchOptimizer, supports
-from orttrainer.trainer.update_path import ENVIRONMENT_VARIABLE, choose_update_path
+from orttrainer.trainer.update.path import ENVIRONMENT_VARIABLE, choose_update_path
+from orttrainer.trainer.update.torch_fused import TorchOptimizer, supports
 
 # ONNX Runtime's kernel takes β2 as a float32 attribute and forms 1 - β2 in float32: 1 - float32(0.999) is
 # 0.00099998713, 1.3e-5 below 0.001, and v carries that relative error (docs/engine.md §12). Without bias
@@ -248,7 +248,7 @@ def test_supports_and_the_environment_switch(monkeypatch):
 
 
 def test_fused_needs_the_training_build(monkeypatch):
-    import orttrainer.trainer.update_path as update_path
+    import orttrainer.trainer.update.path as update_path
 
     monkeypatch.setenv(ENVIRONMENT_VARIABLE, "fused")
     monkeypatch.setattr(update_path.ort_private, "has_training_build", lambda: False)

@@ -1,4 +1,4 @@
-"""The trainer on every optimizer update path (update_path.py): the existing checks, run again off the default.
+"""The trainer on every optimizer update path (update/path.py): the existing checks, run again off the default.
 
 The default path (`auto`: the torch update after a gradient-only graph) is what the rest of the suite runs;
 here the plain-op graph update (`graph`, the update before the switch) and ONNX Runtime's fused kernel (`fused`)
@@ -17,7 +17,7 @@ from models import MLP, mlp_desc
 
 from orttrainer import optim
 from orttrainer.trainer.runtime import has_training_build
-from orttrainer.trainer.update_path import ENVIRONMENT_VARIABLE
+from orttrainer.trainer.update.path import ENVIRONMENT_VARIABLE
 
 PATHS = ("graph", pytest.param("fused", marks=needs_training_build))
 

@@ -161,9 +161,9 @@ class ORTTrainer:
         updates_before = info.optimization_step
         self.current_step += 1
         with self._fetches(fetches):
-            results = _as_list(self._trainer._train_step_with_lr(inputs, lr))
+            results = _as_list(self._trainer._train(list(inputs), lr=float(lr)))
         self.global_step_ += info.optimization_step - updates_before
-        optimizer_step = info.step % self.gradient_accumulation_steps == 0
+        optimizer_step = self._trainer._state.window.ends_at(info.step)
         if optimizer_step and self.use_mixed_precision and self.loss_scaler_ is None and not fetches:
             results.append(_all_finite_tensor(info.all_finite))
         return results[0] if len(results) == 1 else results

@@ -54,9 +54,9 @@ def _require(condition: Any, message: str) -> None:
 
 
 def _load(path: Any, key: str | None = None) -> Any:
-    from .. import _checkpoint_storage  # looked up per call so that patching the legacy module path takes effect
+    from ..compat import checkpoint_storage  # looked up per call: patching the legacy module path takes effect
 
-    return _checkpoint_storage.load(path, key=key) if key else _checkpoint_storage.load(path)
+    return checkpoint_storage.load(path, key=key) if key else checkpoint_storage.load(path)
 
 
 # --- public entry point -------------------------------------------------------------------------------------------

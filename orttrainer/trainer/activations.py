@@ -93,7 +93,7 @@ class ActivationStatistics:
     """The trainer's side of `orttrainer.debug` for one model (`None` for an ONNX model: nothing to do)."""
 
     def __init__(self, model: torch.nn.Module | None) -> None:
-        self._model = model
+        self.model = model  # the PyTorch model the subscribers watch (debug.subscriber.WATCHED)
         self._marked = False  # the last export ran with markers
         self._marks: dict[str, str] = {}  # activation name -> marked tensor
         self._order: list[ActivationRecord] | None = None  # None: the graph carries no marks
@@ -105,7 +105,7 @@ class ActivationStatistics:
     @property
     def subscribed(self) -> bool:
         """Whether a manager is subscribed to the model now (its statistics need the 'ort' gradient builder)."""
-        return self._model is not None and bool(managers_of(self._model))
+        return self.model is not None and bool(managers_of(self.model))
 
     @property
     def marked(self) -> bool:
@@ -117,18 +117,17 @@ class ActivationStatistics:
         """Whether the graphs compiled from the last export get activation statistics (it marked activations)."""
         return self._order is not None
 
-    # ------------------------------------------------------------------------------------------------- compile
     @contextlib.contextmanager
     def marking(self) -> Iterator[None]:
         """Context for the export: no step counted and no file written; activations marked when subscribed."""
         with no_increase_global_step():
-            if self._model is None or not managers_of(self._model):
+            if self.model is None or not managers_of(self.model):
                 yield
                 return
-            _warn_unserved(self._model)
+            _warn_unserved(self.model)
             manager = SubscriberManager()
             with exclusive(manager):
-                manager.subscribe(self._model, [MarkingSubscriber()])
+                manager.subscribe(self.model, [MarkingSubscriber()])
                 try:
                     yield
                 finally:
@@ -137,11 +136,11 @@ class ActivationStatistics:
 
     def prepare(self, model: onnx.ModelProto, loss_fn, model_desc, inputs: list) -> onnx.ModelProto:
         """The exported model with its markers made Identity nodes; traces the dump order when it has marks."""
-        if not self._marked or self._model is None:
+        if not self._marked or self.model is None:
             return model
         model, marks = marks_to_identity(model)
         self._marks = dict(marks)
-        self._order = trace_order(self._model, loss_fn, model_desc, inputs)
+        self._order = trace_order(self.model, loss_fn, model_desc, inputs)
         return model
 
     def instrument(self, model: onnx.ModelProto, kind: str) -> onnx.ModelProto:
@@ -178,19 +177,18 @@ class ActivationStatistics:
         ]
         return model
 
-    # ---------------------------------------------------------------------------------------------------- steps
     def begin_step(self, kind: str) -> list[str]:
         """Graph outputs to fetch in this `train`/`eval` step (none unless a subscriber collects this step)."""
         self._pending, self._kind = [], kind
-        if self._model is None:
+        if self.model is None:
             return []
-        managers = [m for m in managers_of(self._model) if m.is_live()]
+        managers = [m for m in managers_of(self.model) if m.is_live()]
         if not managers:
             return []
         if self._order is None and not self._warned_late:
             self._warned_late = True
             warnings.warn(
-                f"{type(self._model).__name__} was subscribed after ORTTrainer compiled its graph: steps "
+                f"{type(self.model).__name__} was subscribed after ORTTrainer compiled its graph: steps "
                 "are counted but no activation statistics are collected. Subscribe before the first "
                 "train_step/eval_step.",
                 stacklevel=3,
@@ -219,7 +217,7 @@ class ActivationStatistics:
 
 def trace_order(model: torch.nn.Module, loss_fn, model_desc, inputs: list) -> list[ActivationRecord]:
     """The dumps of one PyTorch train step of `model` on `inputs` with the trainer's loss, in order.txt order."""
-    from .export import _ModelWithLoss, flatten_outputs
+    from .build.export import _ModelWithLoss, flatten_outputs
 
     wrapper = _ModelWithLoss(model, loss_fn, [d.name for d in model_desc.inputs])
     if loss_fn is not None:

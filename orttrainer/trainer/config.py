@@ -20,43 +20,18 @@ from .._require import require
 from ..optim.config import _OptimizerConfig
 from ..schema.model_desc import _ORTTrainerModelDesc
 from ..schema.options import ORTTrainerOptions
-from .distributed import DistributedContext, check_adasum_world_size, resolve_context
 from .gradient.choice import OPTION as BUILDER_OPTION
 from .gradient.choice import ort_only_options
 from .graph.recompute import RecomputePlan
-from .runtime import TRAINING_EXTRA_HINT, check_runtime, has_training_build
-
-
-@dataclass(frozen=True)
-class Device:
-    """`device.id` parsed: 'cpu', or 'cuda' with an index."""
-
-    type: str
-    index: int = 0
-
-    @classmethod
-    def parse(cls, device_id: str) -> Device:
-        """'cpu', 'cuda' or 'cuda:<index>' (case and surrounding spaces ignored); ValueError otherwise."""
-        text = device_id.strip().lower()
-        if text == "cpu":
-            return cls("cpu")
-        if text == "cuda" or text.startswith("cuda:"):
-            index = text.partition(":")[2]
-            if index and not index.isdigit():
-                raise ValueError(f"options device.id {device_id!r}: expected 'cpu', 'cuda' or 'cuda:<index>'")
-            return cls("cuda", int(index or 0))
-        raise ValueError(f"options device.id {device_id!r}: expected 'cpu', 'cuda' or 'cuda:<index>'")
-
-    @property
-    def torch_device(self) -> torch.device:
-        """The same device as a `torch.device`."""
-        return torch.device(self.type, self.index) if self.type == "cuda" else torch.device("cpu")
+from .runtime.data_parallel import DistributedContext, check_adasum_world_size, resolve_context
+from .runtime.ort import TRAINING_EXTRA_HINT, Device, check_provider_options, check_runtime, has_training_build
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """Everything `ORTTrainer` was configured with, validated. `model_desc` is the one mutable part: the trainer
-    records input and output dtypes in it once they are known (as the original did, docs/legacy_api.md §3.4)."""
+    """Everything `ORTTrainer` was configured with, validated at construction and not changed afterwards.
+    `model_desc` is the description as declared; the dtypes building learns go into the copy the built model
+    carries (`model.Built.model_desc`, docs/legacy_api.md §3.4)."""
 
     model_desc: _ORTTrainerModelDesc
     optim_config: _OptimizerConfig
@@ -64,6 +39,8 @@ class TrainerConfig:
     loss_fn: Callable[..., Any] | None
     device: Device
     distributed: DistributedContext | None  # None: one process
+    accumulation_steps: int  # batch.gradient_accumulation_steps (state.AccumulationWindow decides with it)
+    zero_stage: int  # distributed.deepspeed_zero_optimization.stage
 
     @property
     def rank(self) -> int:
@@ -72,20 +49,6 @@ class TrainerConfig:
     @property
     def world_size(self) -> int:
         return self.distributed.world_size if self.distributed else 1
-
-    @property
-    def accumulation_steps(self) -> int:
-        return int(self.options.batch.gradient_accumulation_steps)
-
-    @property
-    def zero_stage(self) -> int:
-        return int(self.options.distributed.deepspeed_zero_optimization.stage)
-
-    @property
-    def loss_scaler(self) -> amp.LossScaler | None:
-        """The loss scaler under mixed precision (a DynamicLossScaler unless the options name one), else None."""
-        mixed_precision = self.options.mixed_precision
-        return mixed_precision.loss_scaler if mixed_precision.enabled else None
 
 
 def make_config(
@@ -96,7 +59,7 @@ def make_config(
     options: object,
 ) -> TrainerConfig:
     """Check `ORTTrainer`'s arguments (legacy errors first) and return the configuration; may initialise
-    `torch.distributed` (see `distributed.resolve_context`)."""
+    `torch.distributed` (see `runtime.data_parallel.resolve_context`)."""
     require(model is not None, "'model' is required and must be either a 'torch.nn.Module' or ONNX model")
     require(isinstance(model_desc, dict), "'model_desc' must be a 'dict'")
     require(
@@ -130,7 +93,16 @@ def make_config(
         device = Device("cuda", distributed.local_rank)  # one GPU per local rank
     check_data_parallel_options(checked_options, distributed.world_size if distributed else 1)
     function = loss_fn if callable(loss_fn) else None
-    return TrainerConfig(description, optim_config, checked_options, function, device, distributed)
+    return TrainerConfig(
+        description,
+        optim_config,
+        checked_options,
+        function,
+        device,
+        distributed,
+        accumulation_steps=int(checked_options.batch.gradient_accumulation_steps),
+        zero_stage=int(checked_options.distributed.deepspeed_zero_optimization.stage),
+    )
 
 
 def _takes_two_arguments(fn: object) -> bool:
@@ -146,8 +118,6 @@ def _takes_two_arguments(fn: object) -> bool:
         return True
     return True
 
-
-CPU_PROVIDER = "CPUExecutionProvider"
 
 # option path -> (predicate on the value that means "cannot be honoured", what to do instead)
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -200,33 +170,6 @@ def check_data_parallel_options(options: ORTTrainerOptions, world_size: int) -> 
             )
 
 
-def checked_provider_options(name: object, opts: object, available: list[str]) -> dict[str, str]:
-    """Rules: the provider is a str this onnxruntime build provides (ONNX Runtime would only log a warning and drop
-    it); its options are a dict of str keys to str, int, float or bool values; the CPU provider takes none from
-    Python (its arena is `device.mem_limit` / SessionOptions)."""
-    if not isinstance(name, str) or name not in available:
-        raise ValueError(
-            f"options provider_options names {name!r}, which this onnxruntime build does not provide; "
-            f"available: {available}"
-        )
-    if not isinstance(opts, dict):
-        raise ValueError(
-            f"options provider_options.{name} must be a dict of option names to values, got {type(opts).__name__}"
-        )
-    bad = [k for k, v in opts.items() if not isinstance(k, str) or not isinstance(v, (str, int, float, bool))]
-    if bad:
-        raise ValueError(
-            f"options provider_options.{name}: option names must be str and values str, int, float or "
-            f"bool; these are not: {bad}"
-        )
-    if name == CPU_PROVIDER and opts:
-        raise ValueError(
-            f"options provider_options.{CPU_PROVIDER}={opts!r}: ONNX Runtime's CPU provider takes no options "
-            "from Python and would ignore them; cap its memory with options device.mem_limit"
-        )
-    return {k: str(v) for k, v in opts.items()}
-
-
 def check_runtime_supports(options: ORTTrainerOptions, onnx_model: bool = False) -> None:
     """Options that need onnxruntime-training (its gradient builder and the graph transformations that act on its
     gradient graph) raise NotImplementedError at construction where only the maintained onnxruntime is installed,
@@ -246,15 +189,6 @@ def check_runtime_supports(options: ORTTrainerOptions, onnx_model: bool = False)
             f"and the maintained onnxruntime installed here trains with the torch gradient builder: turn them off, or "
             f"{TRAINING_EXTRA_HINT}"
         )
-
-
-def check_provider_options(options: ORTTrainerOptions) -> None:
-    """`provider_options` by the rules of `checked_provider_options`, at construction."""
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
-    for name, opts in options._validated_opts["provider_options"].items():
-        checked_provider_options(name, opts, available)
 
 
 def _lookup(tree: dict, path: str) -> Any:

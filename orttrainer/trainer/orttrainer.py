@@ -1,12 +1,13 @@
 """`ORTTrainer`: the legacy training front end (docs/legacy_api.md §3) on orttrainer's compiler and session.
 
-The trainer's state lives in four typed objects with one owner each (module map: docs/architecture.md):
+The trainer's state lives in four typed fields with one owner each (module map: docs/architecture.md):
 - `_config` (`config.TrainerConfig`): the validated arguments and options, fixed at construction;
-- `_built` (`build.Built`, None before the first step of a PyTorch model, or of an ONNX model the torch gradient
-  builder trains, which waits in `_onnx_first_step`): the forward model, the compiled graphs,
-  the session that holds weights and optimizer state, and what the export learned;
-- `_counters` (`progress.StepCounters`): micro-steps, optimizer steps and the optimizer's update count;
-- `_pending` (`progress.PendingLoad`): a state loaded before the session existed, applied once it does.
+- `_model` (`model.Unbuilt` or `model.Built`): a PyTorch model (or an ONNX model the torch gradient builder trains)
+  waits for its first batch; once built it holds the forward model, the compiled graphs, the session that holds
+  weights and optimizer state, and what the export learned;
+- `_state` (`state.TrainerState`): step counters, the gradient-accumulation window, the loss scaler, the dropout
+  stream, and a state loaded before the session existed;
+- `_activations` (`activations.ActivationStatistics`): the `orttrainer.debug` statistics collected in the graphs.
 """
 
 from __future__ import annotations
@@ -23,19 +24,20 @@ from onnx import numpy_helper
 from .. import amp
 from .._require import require
 from ..checkpoint import storage
+from ..debug.subscriber import WATCHED
 from ..optim.config import _OptimizerConfig
 from ..schema.model_desc import _ORTTrainerModelDesc
 from ..schema.options import ORTTrainerOptions
 from ..train_step_info import TrainStepInfo
-from . import state, state_load
+from . import state_dict as state_dicts
 from .activations import ActivationStatistics
-from .build import Built, OnnxFirstStep, build_from_onnx, build_from_torch
+from .build.export import check_model_export
 from .config import TrainerConfig, make_config
 from .graph.editor import copy_model
 from .inputs import check_inputs, check_outputs, order_inputs
-from .model_types import check_model_export
-from .progress import PendingLoad, StepCounters
-from .session import SessionBase
+from .model import Built, Unbuilt, build_model, build_onnx_model
+from .runtime.session import SessionBase
+from .state import AccumulationWindow, PendingLoad, StepCounters, TrainerState
 
 Outputs = torch.Tensor | list[torch.Tensor]
 
@@ -60,22 +62,23 @@ class ORTTrainer:
         options: ORTTrainerOptions | None = None,
     ) -> None:
         self._config: TrainerConfig = make_config(model, model_desc, optim_config, loss_fn, options)
-        self._torch_model = model if isinstance(model, torch.nn.Module) else None
-        self._counters = StepCounters(TrainStepInfo(optim_config))
-        self._built: Built | None = None
-        self._pending: PendingLoad | None = None
-        self._activations = ActivationStatistics(self._torch_model)  # orttrainer.debug subscribers, in the graph
-        self._lr_override: float | None = None  # set only while `_train_step_with_lr` runs
-        self._onnx_first_step: OnnxFirstStep | None = None  # an ONNX model the torch builder compiles on step 1
+        mixed_precision = self._config.options.mixed_precision
+        self._state = TrainerState(
+            StepCounters(TrainStepInfo(optim_config)),
+            AccumulationWindow(self._config.accumulation_steps),
+            loss_scaler=mixed_precision.loss_scaler if mixed_precision.enabled else None,
+        )
+        module = model if isinstance(model, torch.nn.Module) else None
+        self._activations = ActivationStatistics(module)  # orttrainer.debug subscribers, in the graph
+        self._model: Built | Unbuilt = Unbuilt(module=module)
         if isinstance(model, onnx.ModelProto):
-            built = build_from_onnx(self._config, model)
-            self._built, self._onnx_first_step = (built, None) if isinstance(built, Built) else (None, built)
+            self._model = build_onnx_model(self._config, self._state, model)
 
-    # --------------------------------------------------------------------------------- the legacy public attributes
     @property
     def model_desc(self) -> _ORTTrainerModelDesc:
         """The validated model description; dtypes are filled in once the model is exported."""
-        return self._config.model_desc
+        model = self._model
+        return model.model_desc if isinstance(model, Built) else self._config.model_desc
 
     @property
     def optim_config(self) -> _OptimizerConfig:
@@ -95,123 +98,137 @@ class ORTTrainer:
     @property
     def torch_sample_outputs(self) -> list[torch.Tensor] | None:
         """PyTorch's outputs for the first batch (a PyTorch model, after the first step)."""
-        return self._built.torch_export.sample_outputs if self._built and self._built.torch_export else None
+        built = self._built
+        return built.torch_export.sample_outputs if built and built.torch_export else None
 
-    # ------------------------------------------------------------------------------------------- progress and build
     @property
     def step(self) -> int:
         """`train_step` calls so far (micro-steps; with gradient accumulation, several per optimizer step)."""
-        return self._counters.info.step
+        return self._state.counters.info.step
 
     @property
     def optimization_step(self) -> int:
         """Optimizer steps that updated the weights so far (a skipped non-finite mixed-precision step does not
         count)."""
-        return self._counters.info.optimization_step
+        return self._state.counters.info.optimization_step
 
     @property
     def gradient_builder(self) -> str | None:
         """The gradient builder that made the training graph ('ort' or 'torch'); None before it is built."""
-        return self._built.builder.builder if self._built else None
+        built = self._built
+        return built.builder.builder if built else None
 
     @property
     def _train_step_info(self) -> TrainStepInfo:
         """The legacy TrainStepInfo: step counters, `fetches`, `all_finite`."""
-        return self._counters.info
+        return self._state.counters.info
 
     @property
     def _training_session(self) -> SessionBase | None:
         """The session holding weights and optimizer state (legacy attribute; None before the first step)."""
-        return self._built.session if self._built else None
+        built = self._built
+        return built.session if built else None
 
     @property
     def _onnx_model(self) -> onnx.ModelProto | None:
         """The post-processed forward model (legacy attribute; for a PyTorch model, None before the first step). An
         ONNX model has it from construction, whichever builder compiles it (the torch builder on the first step)."""
-        if self._built is not None:
-            return self._built.forward
-        return self._onnx_first_step.parts.forward if self._onnx_first_step is not None else None
+        model = self._model
+        if isinstance(model, Built):
+            return model.forward
+        return model.onnx.forward if model.onnx is not None else None
 
-    # ------------------------------------------------------------------------------------------------- steps
+    @property
+    def _built(self) -> Built | None:
+        """The built model, or None before it is built."""
+        model = self._model
+        return model if isinstance(model, Built) else None
+
     def train_step(self, *args: Any, **kwargs: Any) -> Outputs:
         """One training micro-step; returns the model_desc outputs (or `_train_step_info.fetches`).
 
         A step that raises (bad input, an ONNX Runtime error) changes nothing: counters, accumulation buffers,
         weights and the dropout stream stay as they were, so the same step can be retried."""
-        inputs = order_inputs(args, kwargs, self.model_desc.inputs)
-        built = self._ensure_built(inputs, check_export=self.options.debug.check_model_export)
-        sizes = check_inputs(inputs, self.model_desc.inputs)
-        info = self._counters.info
+        return self._train(order_inputs(args, kwargs, self.model_desc.inputs))
+
+    def _train(self, inputs: list, lr: float | None = None) -> Outputs:
+        """`train_step` on ordered inputs; `lr` is this step's learning rate instead of `optim_config.lr` or the
+        `lr_scheduler` (the older API, `orttrainer.capi`, takes the rate as an input)."""
+        built = self._built_for(inputs, check_export=self.options.debug.check_model_export)
+        sizes = check_inputs(inputs, built.model_desc.inputs)
+        state = self._state
+        info = state.counters.info
         names = self._requested_outputs(info.fetches)
         data = self._data(inputs)
         built.session.prepare(data)  # a graph for new input shapes (torch builder) fails before any count
         step = info.step + 1
-        optimizer_step = step % self._config.accumulation_steps == 0
-        lr = self._learning_rate()
-        scaler = self._config.loss_scaler
-        statistics = self._activations.begin_step("train")
+        optimizer_step = state.window.ends_at(step)
+        if lr is None:
+            lr = state.learning_rate(self.optim_config.lr, self.options.lr_scheduler)
+        scaler = state.loss_scaler
+        watched = self._activations.model in WATCHED  # no statistics bookkeeping unless a manager watches the model
+        statistics = self._activations.begin_step("train") if watched else []
         scale = scaler.loss_scale if scaler else None
         results, finite = built.session.train(
-            data, lr, self._counters.next_update, names + statistics, optimizer_step, scale
+            data, lr, state.counters.next_update, names + statistics, optimizer_step, scale
         )
         info.step = step  # counted only now: a step that raised above changed nothing
-        self._activations.end_step(results)
+        if watched:
+            self._activations.end_step(results)
         if optimizer_step:
             self._after_optimizer_step(finite, scaler)
-        check_outputs(results, self.model_desc.outputs, sizes)
+        check_outputs(results, built.model_desc.outputs, sizes)
         ordered = [results[n] for n in (info.fetches or names)]
         return ordered[0] if len(ordered) == 1 else ordered
 
     def _after_optimizer_step(self, finite: bool, scaler: amp.LossScaler | None) -> None:
         """Count the update (only a finite one under mixed precision) and let the loss scaler see every optimizer
         step — with or without fetches, unlike the original, whose scaler silently stopped updating with fetches."""
-        info = self._counters.info
+        counters = self._state.counters
         if scaler is not None:
-            info.all_finite = torch.tensor([finite])
-            scaler.update(info)
+            counters.info.all_finite = torch.tensor([finite])
+            scaler.update(counters.info)
         if finite:
-            self._counters.count_update()
+            counters.count_update()
 
     def eval_step(self, *args: Any, **kwargs: Any) -> Outputs:
         """Forward pass with dropout off; changes no state. Returns outputs in model_desc order."""
         inputs = order_inputs(args, kwargs, self.model_desc.inputs)
-        built = self._ensure_built(inputs, check_export=False)
-        sizes = check_inputs(inputs, self.model_desc.inputs)
-        names = self._requested_outputs(self._counters.info.fetches)
-        statistics = self._activations.begin_step("eval")
+        built = self._built_for(inputs, check_export=False)
+        sizes = check_inputs(inputs, built.model_desc.inputs)
+        names = self._requested_outputs(self._state.counters.info.fetches)
+        watched = self._activations.model in WATCHED
+        statistics = self._activations.begin_step("eval") if watched else []
         results = built.session.evaluate(self._data(inputs), names + statistics)
-        self._activations.end_step(results)
-        check_outputs(results, self.model_desc.outputs, sizes)
+        if watched:
+            self._activations.end_step(results)
+        check_outputs(results, built.model_desc.outputs, sizes)
         ordered = [results[n] for n in names]
         return ordered[0] if len(ordered) == 1 else ordered
 
-    def _ensure_built(self, inputs: list, check_export: bool) -> Built:
-        """The built trainer; a PyTorch model (or an ONNX model on the torch builder) is exported, compiled and opened
-        with its first batch."""
-        if self._built is not None:
-            return self._built
-        if self._onnx_first_step is not None:
-            built = self._onnx_first_step.build(inputs)
-        elif self._torch_model is None:
-            raise RuntimeError("Model is uninitialized. Only ONNX and PyTorch models are supported")
-        else:
-            built = build_from_torch(self._config, self._torch_model, inputs, self._activations)
-        self._built, self._onnx_first_step = built, None
+    def _built_for(self, inputs: list, check_export: bool) -> Built:
+        """The built model; a PyTorch model (or an ONNX model on the torch builder) is exported, compiled and
+        opened with its first batch (trainer/model.py)."""
+        model = self._model
+        if isinstance(model, Built):
+            return model
+        built = build_model(self._config, self._state, model, inputs, self._activations)
+        self._model = built
         self._apply_pending(built)
         if check_export and built.torch_export is not None:
-            outputs = [d.name for d in self.model_desc.outputs]
+            outputs = [d.name for d in built.model_desc.outputs]
             check_model_export(
                 outputs, built.session.evaluate(self._data(inputs), outputs), built.torch_export.sample_outputs
             )
         return built
 
     def _data(self, inputs: list) -> dict[str, torch.Tensor]:
-        return {d.name: t for d, t in zip(self.model_desc.inputs, inputs, strict=True)}
+        return {d.name: t for d, t in zip(self._config.model_desc.inputs, inputs, strict=True)}
 
-    # ---------------------------------------------------------------------------------------------- persistence
     def save_as_onnx(self, path: str) -> None:
         """Write the forward (+loss) ONNX model with the current weights to `path`."""
-        if self._built is None:
+        built = self._built
+        if built is None:
             warnings.warn(
                 "Training session is not initialized yet. 'train_step' or 'eval_step' methods must be "
                 "executed at least once before calling 'save_as_onnx()'.",
@@ -223,7 +240,7 @@ class ORTTrainer:
         if (directory and not os.path.isdir(directory)) or not filename:
             warnings.warn("'path' is not valid or does not exist", stacklevel=2)
             return
-        model = _with_weights(self._built)
+        model = _with_weights(built)
         temporary = f"{path}.tmp-{os.getpid()}"
         try:
             with open(temporary, "wb") as f:
@@ -234,32 +251,34 @@ class ORTTrainer:
                 os.remove(temporary)
 
     def state_dict(self, pytorch_format: bool = False) -> dict[str, Any]:
-        """Model, optimizer, trainer options and step counters in the legacy layout (see `trainer/state.py`), or
-        with `pytorch_format=True` a flat `{name: torch.Tensor}` that the original module's `load_state_dict`
+        """Model, optimizer, trainer options and step counters in the legacy layout (see `trainer/state_dict.py`),
+        or with `pytorch_format=True` a flat `{name: torch.Tensor}` that the original module's `load_state_dict`
         accepts."""
-        if self._built is None:
+        built, pending = self._built, self._state.pending
+        if built is None:
             warnings.warn(
                 "ONNX Runtime training session is not initialized yet. Please run train_step or eval_step at "
                 "least once before calling ORTTrainer.state_dict().",
                 stacklevel=2,
             )
-            return self._pending.state if self._pending is not None and not self._pending.flat else {}
+            return pending.state if pending is not None and not pending.flat else {}
         if pytorch_format:
             if self._config.zero_stage > 0:
                 warnings.warn("Incomplete state_dict: ZeRO enabled", stacklevel=2)
             if self.options.distributed.horizontal_parallel_size > 1:
                 warnings.warn("Incomplete state_dict: Megatron enabled", stacklevel=2)
-        return state.build_state_dict(self._built, self._config, self._counters, pytorch_format)
+        return state_dicts.build_state_dict(built, self._config, self._state, pytorch_format)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Load a state_dict in the legacy layout, or a plain PyTorch `state_dict` of the model.
 
         Before the first step (PyTorch model) it is kept and applied, with the same checks, once the session exists.
         """
-        if self._built is None:
-            self._pending = PendingLoad(state_dict, strict)
+        built = self._built
+        if built is None:
+            self._state.pending = PendingLoad(state_dict, strict)
             return
-        state_load.apply_state_dict(self._built, self._config, self._counters, state_dict, strict)
+        state_dicts.apply_state_dict(built, self._config, self._state, state_dict, strict)
 
     def save_checkpoint(
         self,
@@ -313,74 +332,59 @@ class ORTTrainer:
         self.load_state_dict(loaded, strict=strict)
         return user_dict
 
-    # ----------------------------------------------------------------- the experimental flat API and older API
     @property
     def _torch_state_dict_keys(self) -> list[str] | None:
         """The PyTorch module's state_dict keys (known once exported)."""
-        return self._built.torch_export.state_dict_keys if self._built and self._built.torch_export else None
+        built = self._built
+        return built.torch_export.state_dict_keys if built and built.torch_export else None
 
     @property
     def _state_dict(self) -> dict[str, Any] | None:
         """The flat state parked by `experimental_load_state_dict` before the first step (legacy attribute)."""
-        return self._pending.state if self._pending is not None and self._pending.flat else None
+        pending = self._state.pending
+        return pending.state if pending is not None and pending.flat else None
 
     @property
     def _load_state_dict_strict(self) -> bool:
         """The `strict` flag of the parked flat state (legacy attribute)."""
-        return bool(self._pending and self._pending.flat and self._pending.strict)
+        pending = self._state.pending
+        return bool(pending and pending.flat and pending.strict)
 
     def _flat_state(self) -> dict[str, torch.Tensor]:
         """Weights and optimizer tensors by their graph names; the session must exist."""
-        built = self._require_built()
-        return state.flat_state(built, self._config, self._counters)
+        return state_dicts.flat_state(self._require_built(), self._config, self._state.counters)
 
     def _load_flat_state(self, flat: dict[str, Any], strict: bool) -> None:
         """Load (or before the first step: park) the experimental API's flat state."""
-        if self._built is None:
-            self._pending = PendingLoad(flat, strict, flat=True)
+        built = self._built
+        if built is None:
+            self._state.pending = PendingLoad(flat, strict, flat=True)
             return
-        state_load.load_flat_state(self._built, self._counters, flat, strict)
+        state_dicts.load_flat_state(built, self._state.counters, flat, strict)
 
     def _apply_pending(self, built: Built) -> None:
-        pending, self._pending = self._pending, None
+        pending, self._state.pending = self._state.pending, None
         if pending is None:
             return
         if pending.flat:
-            state_load.load_flat_state(built, self._counters, pending.state, pending.strict)
+            state_dicts.load_flat_state(built, self._state.counters, pending.state, pending.strict)
         else:
-            state_load.apply_state_dict(built, self._config, self._counters, pending.state, pending.strict)
+            state_dicts.apply_state_dict(built, self._config, self._state, pending.state, pending.strict)
 
-    def _train_step_with_lr(self, inputs: list, lr: float) -> Outputs:
-        """`train_step(*inputs)` with `lr` fed as this step's learning rate instead of `optim_config.lr` or the
-        `lr_scheduler` (which is not consulted). The older API (`orttrainer.capi`) takes the rate as an input."""
-        self._lr_override = float(lr)
-        try:
-            return self.train_step(list(inputs))
-        finally:
-            self._lr_override = None
-
-    # -------------------------------------------------------------------------------------------------- helpers
     def _require_built(self) -> Built:
-        if self._built is None:
+        built = self._built
+        if built is None:
             raise RuntimeError("the training session does not exist yet: run train_step or eval_step first")
-        return self._built
+        return built
 
     def _requested_outputs(self, fetches: list[str]) -> list[str]:
-        names = [d.name for d in self.model_desc.outputs]
+        names = [d.name for d in self._config.model_desc.outputs]
         if not fetches:
             return names
         selected = [n for n in names if n in fetches]
         if len(selected) != len(fetches):
             raise RuntimeError("The specified fetches list contains invalid output names")
         return selected
-
-    def _learning_rate(self) -> float:
-        if self._lr_override is not None:
-            return self._lr_override
-        scheduler = self.options.lr_scheduler
-        if scheduler is None:
-            return float(self.optim_config.lr)
-        return float(scheduler._step(self._counters.info)[0])
 
 
 def _with_weights(built: Built) -> onnx.ModelProto:

@@ -1,162 +1,153 @@
-"""The trainer's state in the legacy state_dict layout (docs/legacy_api.md §3.10–§3.11); loading is `state_load.py`.
+"""The trainer's mutable training state, in one typed object: `TrainerState`.
 
-Layout (pytorch_format=False):
-  model/full_precision/<name>                 weights, frozen weights and buffers (float32 master weights)
-  optimizer/<weight>/Moment_1, Moment_2       Adam and LAMB
-  optimizer/<weight>/Update_Count             Adam: int64 [1], the 1-based number of the next update
-  optimizer/shared_optimizer_state/Step       LAMB: the same counter, shared
-  trainer_options/...                         mixed_precision, zero_stage, world_rank, world_size, optimizer_name,
-                                              data_parallel_size, horizontal_parallel_size
-  train_step_info/optimization_step, step
-  gradient_accumulation/<weight>              only mid accumulation window: the running gradient sums, so a resumed
-                                              run continues the window exactly (the original lost them)
-  loss_scaler/loss_scale, stable_steps        mixed precision only: the loss scaler's state, so a resumed run
-                                              continues with the same scale (the original restarted from 2^16)
-  rng/seed, rng/positions/<graph key>         the trainer's dropout stream (trainer/rng.py), so a resumed run
-                                              draws the masks the uninterrupted run would have drawn
+Everything that changes as the trainer trains, except the tensors themselves (the session holds weights, moments and
+accumulation buffers on the device, runtime/session.py), lives here: the step counters, the gradient-accumulation
+window, the loss scaler under mixed precision, the dropout stream's position, and a state loaded before there is a
+session to load it into. The configuration the trainer was given is `config.TrainerConfig` (frozen); what building
+produced is `model.Built` (frozen).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..checkpoint import layout
-from .build import Built
-from .config import TrainerConfig
-from .graph.training import accumulation_buffer_name
-from .progress import StepCounters
-
-BUFFER_SUFFIX = accumulation_buffer_name("")  # buffer of weight w: f"{w}{BUFFER_SUFFIX}"
+from .. import amp
+from ..train_step_info import TrainStepInfo
 
 
-def build_state_dict(
-    built: Built, config: TrainerConfig, counters: StepCounters, pytorch_format: bool = False
-) -> dict[str, Any]:
-    """The trainer's current state."""
-    model = built.session.get_state(_model_state_names(built, config))
-    if pytorch_format:
-        return _pytorch_state_dict(built, model)
-    state: dict[str, Any] = {
-        layout.MODEL: {layout.FULL_PRECISION: model},
-        layout.OPTIMIZER: _optimizer_state(built, config, counters),
-        layout.TRAINER_OPTIONS: _trainer_options(config),
-        layout.TRAIN_STEP_INFO: {
-            layout.OPTIMIZATION_STEP: counters.info.optimization_step,
-            layout.TRAIN_STEP: counters.info.step,
-        },
-    }
-    accumulation = _accumulation_state(built, config, counters)
-    if accumulation:
-        state[layout.GRADIENT_ACCUMULATION] = accumulation
-    partition_info = _partition_info(built, config)
-    if partition_info is not None:
-        state[layout.PARTITION_INFO] = partition_info
-    if built.streams.active:
-        state[layout.RNG] = built.streams.state()
-    scaler = config.loss_scaler
-    if scaler is not None:
-        stable_steps = int(getattr(scaler, "_stable_steps_count", 0))  # only DynamicLossScaler counts them
-        state[layout.LOSS_SCALER] = {layout.LOSS_SCALE: float(scaler.loss_scale), layout.STABLE_STEPS: stable_steps}
-    return state
+@dataclass(frozen=True)
+class AccumulationWindow:
+    """Gradient accumulation over `steps` micro-steps (`batch.gradient_accumulation_steps`): the one place that
+    decides which micro-step is an optimizer step (docs/design.md § Gradient semantics).
+
+    Rule: micro-steps are counted from 1 (`TrainStepInfo.step` after the step); micro-step `n` ends a window, and so
+    updates the weights, when `n % steps == 0`. After `n` micro-steps the window is open (`mid_window`) when the
+    last one did not end it: the accumulation buffers then hold a partial sum. The buffers restart from zero after
+    every optimizer step, finite or skipped (`zeroes_after`)."""
+
+    steps: int = 1
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether gradients are summed over several micro-steps (accumulation buffers exist)."""
+        return self.steps > 1
+
+    def ends_at(self, step: int) -> bool:
+        """Whether micro-step number `step` (1-based) is an optimizer step."""
+        return step % self.steps == 0
+
+    def mid_window(self, steps_done: int) -> bool:
+        """Whether, after `steps_done` micro-steps, the buffers hold a partial sum."""
+        return steps_done % self.steps != 0
+
+    def zeroes_after(self, step: int) -> bool:
+        """Whether the accumulation buffers are zeroed after micro-step `step`: after every optimizer step."""
+        return self.ends_at(step)
 
 
-def _accumulation_state(built: Built, config: TrainerConfig, counters: StepCounters) -> dict[str, np.ndarray]:
-    """The running gradient sums, taken only in the middle of an accumulation window."""
-    buffers = built.compiled.accumulation_buffers
-    if not buffers or not counters.info.step % config.accumulation_steps:
-        return {}
-    if config.world_size > 1:
-        raise RuntimeError(
-            "a state_dict in the middle of a gradient-accumulation window cannot be taken with data parallelism: "
-            "each rank holds its own partial gradient sum. Save at an optimizer step (when "
-            "_train_step_info.step % batch.gradient_accumulation_steps == 0)"
-        )
-    values = built.session.get_state(buffers)
-    return {name.removesuffix(BUFFER_SUFFIX): value for name, value in values.items()}
+@dataclass
+class StepCounters:
+    """Training progress.
+
+    `info` is the legacy `TrainStepInfo` (the trainer's `_train_step_info`): `step` counts `train_step` calls
+    (micro-steps), `optimization_step` the optimizer steps that updated the weights (a skipped non-finite step under
+    mixed precision does not count); users also set its `fetches`.
+
+    `optimizer_updates` counts the updates the optimizer state has seen: the next update is number
+    `optimizer_updates + 1`, which Adam's and LAMB's bias corrections use. Why a second counter: it belongs to the
+    optimizer moments and is restored from their checkpoint entries (`Update_Count`, `Step`), while
+    `optimization_step` is training progress restored from `train_step_info`. A checkpoint saved without optimizer
+    state restores the progress (the learning-rate schedule goes on) but restarts the moments from zero, and their
+    bias correction must then restart from update 1 — so the two differ after such a load.
+    """
+
+    info: TrainStepInfo
+    optimizer_updates: int = 0
+
+    @property
+    def next_update(self) -> int:
+        """The 1-based number of the next optimizer update (fed to the graph's update-count input)."""
+        return self.optimizer_updates + 1
+
+    def count_update(self) -> None:
+        """One finite optimizer step: both counters move."""
+        self.optimizer_updates += 1
+        self.info.optimization_step += 1
 
 
-def _model_state_names(built: Built, config: TrainerConfig) -> list[str]:
-    """Every trained and frozen tensor — except that a ZeRO rank under mixed precision saves only the master
-    weights it owns (the legacy layout shards them; aggregation concatenates the ranks' files)."""
-    trainable = built.compiled.trainable
-    owners = built.zero_owners
-    if owners is not None and config.options.mixed_precision.enabled:
-        trainable = [p for p in trainable if owners[p] == config.rank]
-    return list(trainable) + list(built.compiled.frozen)
+@dataclass(frozen=True)
+class PendingLoad:
+    """A state handed to `load_state_dict` (or the experimental flat API, `flat=True`) before the first step: the
+    trainer keeps it and applies it, with the same checks, once the session exists."""
+
+    state: dict[str, Any]
+    strict: bool
+    flat: bool = False
 
 
-def _partition_info(built: Built, config: TrainerConfig) -> dict[str, dict[str, Any]] | None:
-    owners = built.zero_owners
-    if config.zero_stage == 0 or owners is None:
-        return None
-    shapes = built.compiled.shapes
-    return {
-        p: {layout.ORIGINAL_DIM: np.array(shapes[p], dtype=np.int64), layout.MEGATRON_ROW_PARTITION: np.int64(-1)}
-        for p, owner in owners.items()
-        if owner == config.rank
-    }
+def default_base_seed() -> int:
+    """`1 + torch.initial_seed() mod 2**30`. Why the 1: seed 0 acts as seed 1 in ONNX Runtime's engine
+    (docs/engine.md §9), so `torch.manual_seed(0)` would repeat its first mask."""
+    return 1 + torch.initial_seed() % (1 << 30)
 
 
-def _pytorch_state_dict(built: Built, model: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """Flat {name: tensor} for `torch.nn.Module.load_state_dict`: tied names and tensors the graph does not use
-    (they never change in training) are included, so the original module accepts it with strict=True."""
-    flat = {name: torch.from_numpy(value) for name, value in model.items()}
-    info = built.torch_export
-    if info is None:
-        return flat
-    for alias, canonical in info.aliases.items():
-        if canonical in flat:
-            flat[alias] = flat[canonical].clone()
-    for name, value in info.unused_state.items():
-        flat.setdefault(name, value.clone())
-    keys = info.state_dict_keys
-    return {k: flat[k] for k in keys if k in flat} | {k: v for k, v in flat.items() if k not in keys}
+@dataclass
+class DropoutStreams:
+    """The trainer's dropout stream: `base` seed and the number of completed training runs per graph key.
+
+    Rule (docs/engine.md §9): the stream starts at `base = 1 + torch.initial_seed() mod 2**30` (so
+    `torch.manual_seed` makes runs repeatable), taken when the trainer is constructed, so that seeding torch again
+    before its first step changes nothing. Every training graph gets per-node Dropout seeds for the position its
+    stream has reached (`runtime.session.seeded`): one position per graph key — one key for a graph with dynamic
+    shapes, one per input-shape signature for the torch builder's per-shape graphs, which run separate sessions. A
+    training run that completes moves its key's position by one (every Dropout computes once per forward pass;
+    recompute reuses the mask). The base and the positions are part of the state dict (`rng/...`); loading them
+    makes the sessions be created again at the loaded positions. A model without Dropout has no stream to save
+    (`active` stays False), and its state dict keeps the legacy layout."""
+
+    base: int = field(default_factory=default_base_seed)
+    positions: dict[str, int] = field(default_factory=dict)
+    active: bool = False  # a training graph with Dropout nodes was seeded: the stream is part of the state
+
+    def advance(self, key: str) -> None:
+        """One completed training run of the graph for `key`."""
+        self.positions[key] = self.positions.get(key, 0) + 1
+
+    def state(self) -> dict[str, Any]:
+        """The state dict entry: `{'seed': base, 'positions': {key: runs}}`."""
+        return {"seed": self.base, "positions": dict(self.positions)}
+
+    def load(self, saved: dict[str, Any]) -> bool:
+        """Adopt a saved entry; returns whether anything changed (the sessions must then be created again)."""
+        base = int(saved["seed"])
+        positions = {_text(k): int(v) for k, v in dict(saved.get("positions", {})).items()}
+        changed = (base, positions) != (self.base, self.positions)
+        self.base, self.positions = base, positions
+        return changed
 
 
-def _optimizer_state(built: Built, config: TrainerConfig, counters: StepCounters) -> dict[str, Any]:
-    name = config.optim_config.name
-    if name == "SGDOptimizer":
-        return {}
-    graph = built.compiled.training
-    moments = built.session.get_state(list(graph.optimizer_state))
-    count = np.array([counters.next_update], dtype=np.int64)
-    state: dict[str, Any] = {}
-    for weight in graph.weight_updates:  # with ZeRO: only the tensors this rank updates
-        entry = {layout.MOMENT_1: moments[f"Moment_1_{weight}"], layout.MOMENT_2: moments[f"Moment_2_{weight}"]}
-        if name == "AdamOptimizer":
-            entry[layout.UPDATE_COUNT] = count.copy()
-        state[weight] = entry
-    if name == "LambOptimizer":
-        state[layout.SHARED_OPTIMIZER_STATE] = {layout.STEP: count.copy()}
-    return state
+@dataclass
+class TrainerState:
+    """What changes as the trainer trains (module docstring).
+
+    `loss_scaler` is the options' own `LossScaler` object under mixed precision (users read its `loss_scale`
+    through `trainer.options`, as in the original), else None."""
+
+    counters: StepCounters
+    window: AccumulationWindow
+    loss_scaler: amp.LossScaler | None = None
+    streams: DropoutStreams = field(default_factory=DropoutStreams)
+    pending: PendingLoad | None = None
+
+    def learning_rate(self, base_lr: float, scheduler: Any) -> float:
+        """This step's learning rate: the scheduler's for the current progress, else the optimizer config's."""
+        if scheduler is None:
+            return float(base_lr)
+        return float(scheduler._step(self.counters.info)[0])
 
 
-def _trainer_options(config: TrainerConfig) -> dict[str, Any]:
-    distributed = config.options.distributed
-    world_size = config.world_size
-    return layout.trainer_options(
-        mixed_precision=bool(config.options.mixed_precision.enabled),
-        zero_stage=config.zero_stage,
-        world_rank=int(config.rank),
-        world_size=int(world_size),
-        optimizer_name=config.optim_config.name,
-        data_parallel_size=int(world_size // distributed.horizontal_parallel_size),
-        horizontal_parallel_size=int(distributed.horizontal_parallel_size),
-    )
-
-
-def flat_state(built: Built, config: TrainerConfig, counters: StepCounters) -> dict[str, torch.Tensor]:
-    """The experimental API's flat view: weights and optimizer tensors by their graph names
-    (`Moment_1_<w>`, `Moment_2_<w>`, `Update_Count_<w>` for Adam, `Step` for LAMB)."""
-    session, graph = built.session, built.compiled.training
-    flat = {k: torch.from_numpy(v) for k, v in session.get_state(built.state_names).items()}
-    flat.update({k: torch.from_numpy(v) for k, v in session.get_state(list(graph.optimizer_state)).items()})
-    count = torch.tensor([counters.next_update], dtype=torch.int64)
-    if config.optim_config.name == "AdamOptimizer":
-        flat.update({f"Update_Count_{w}": count.clone() for w in graph.weight_updates})  # tensors with moments
-    elif config.optim_config.name == "LambOptimizer":
-        flat["Step"] = count
-    return flat
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..runtime import TRAINING_EXTRA_HINT
+from ..runtime.ort import TRAINING_EXTRA_HINT
 from .ort_options import GradientOptions
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def ort_only_options(options: ORTTrainerOptions, onnx_model: bool = False) -> li
     'ort' builder trains from (for an ONNX model, the torch builder traces the post-processed model, so
     `extra_postprocess` applies there too); recompute, cast propagation other than ONNX Runtime's default and
     memory-efficient gradients act on ONNX Runtime's gradient graph; mixed precision counts for an ONNX model only
-    (the torch builder traces a PyTorch model in float16 itself, trainer/torch_amp.py). (The trainer adds
+    (the torch builder traces a PyTorch model in float16 itself, build/export.py). (The trainer adds
     'orttrainer.debug statistics' when a StatisticsSubscriber's manager is subscribed to the model: the statistics
     are outputs of the exported graph's marked tensors.)"""
     graph = options.graph_transformer

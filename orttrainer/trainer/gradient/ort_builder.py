@@ -5,7 +5,7 @@ model that additionally outputs `<param>_grad` for every trainable parameter, wi
 and frozen) as a graph input, so that weights are fed per step instead of baked into the session.
 
 ONNX Runtime's private training-graph API (`get_optimized_model`, `GradientGraphBuilder`) is reached through
-`trainer/ort_private.py`.
+`trainer/runtime/ort_private.py`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import re
 
 import onnx
 
-from .. import ort_private
 from ..graph.state_inputs import move_initializers_to_inputs
+from ..runtime import ort_private
 from .errors import GradientBuildError
 from .ort_options import GradientOptions, build_configured_gradient_graph
 

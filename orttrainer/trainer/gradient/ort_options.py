@@ -37,8 +37,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .. import ort_private
 from ..graph.editor import copy_model
+from ..runtime import ort_private
 from .errors import GradientBuildError
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ Every trainable parameter must influence the loss. Tied parameters are one input
 their first name.
 
 Mixed precision (`loss_scale=(scaled_loss, loss_scale_input)`): the module computes in float16 on its float32 state
-(trainer/torch_amp.py), the graph takes one more input after the state, the float32 scalar `loss_scale_input`, and
+(build/export.py), the graph takes one more input after the state, the float32 scalar `loss_scale_input`, and
 outputs `scaled_loss` = loss · loss_scale (float32) before the forward outputs; the backward starts from the scaled
 loss, so the gradients are those of the scaled loss (float32, through each parameter's cast) — the contract of the
 'ort' path's mixed-precision gradient model (graph/mixed_precision.py), which the shared tail unscales.
@@ -44,7 +44,7 @@ import onnx
 import torch
 
 from ...dtypes import torch_to_onnx
-from ..shapes import ShapeSignature, shape_signature
+from ..runtime.session import ShapeSignature, shape_signature
 from . import torch_private
 from .errors import GradientBuildError
 from .torch_trace import (

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ..export import _ModelWithLoss
+from ..build.export import _ModelWithLoss
 from . import torch_private
 from .errors import GradientBuildError
 
@@ -50,7 +50,7 @@ class JointWrapper(torch.nn.Module):
     """`(loss, *outputs)` of `_ModelWithLoss`, flattened to tensors, with the outputs detached: AOTAutograd
     differentiates the loss only and rejects other outputs that require grad.
 
-    With `mixed_precision`: the model computes in float16 on float32 state (trainer/torch_amp.py), and the result
+    With `mixed_precision`: the model computes in float16 on float32 state (build/export.py), and the result
     is `(loss · loss_scale, loss, *outputs)` with the loss float32 and `loss_scale` a float32 scalar buffer (the
     builder makes it a graph input, `LOSS_SCALE_BUFFER`): the backward starts from the scaled loss, so its seed
     d(loss · s)/d loss = s enters where the backward starts, as the 'ort' path's `append_loss_scale` does."""

@@ -28,9 +28,8 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from .conditions import Problem, require
 from .editor import GraphEditor, can_raise_opset, copy_model, raise_opset, tensor_elem_type
-from .passes import FunctionPass
+from .passes import FunctionPass, Problem, require
 
 _OPSET = 16  # ScatterElements with reduction='add'
 

@@ -13,43 +13,30 @@ Both check their precondition first (`PassPreconditionError`) and leave their ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
 
 import onnx
 from onnx import TensorProto, helper
 
-from .conditions import not_among, require
-from .editor import GraphEditor, copy_model
-from .training import (
+from ..compile.contract import (
+    LOSS_SCALE_INPUT,
+    GradientStepGraph,
     ParamGroup,
     TrainingGraph,
-    _input_shapes,
     accumulation_buffer_name,
+    gradient_name,
+    reduced_gradient_name,
+    write_contract,
+)
+from .editor import GraphEditor, copy_model
+from .passes import FunctionPass, not_among, require
+from .training import (
+    _input_shapes,
     build_training_graph,
     gradient_model_problem,
     groups_problem,
     optimizer_problem,
 )
-
-
-@dataclass
-class GradientStepGraph:
-    """The forward and backward pass of one rank; `gradients` maps each trainable tensor to its output."""
-
-    model: onnx.ModelProto
-    data_inputs: list[str]
-    outputs: list[str]
-    gradients: dict[str, str]
-    accumulation: dict[str, str] = field(default_factory=dict)  # buffer input -> running-sum output
-    state_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    loss_scale_input: str | None = None
-
-
-@dataclass
-class DataParallelGraphs:
-    step: GradientStepGraph
-    optimizer: TrainingGraph
-    reduced_inputs: dict[str, str]  # trainable tensor -> optimizer graph input for its combined gradient
 
 
 def build_gradient_step_graph(
@@ -68,22 +55,46 @@ def build_gradient_step_graph(
     loss-scale input, if any, is a graph input."""
     require("build_gradient_step_graph", gradient_model_problem(gradient_model, trainable, loss_scale_input))
     model = copy_model(gradient_model)
-    gradients = {p: f"{p}_grad" for p in trainable}
-    result = GradientStepGraph(model, list(data_inputs), list(outputs), gradients, loss_scale_input=loss_scale_input)
-    if not accumulate:
-        return result
-    shapes = _input_shapes(model, trainable)
-    ed = GraphEditor(model.graph, "orttrainer/step")
-    kept = [o for o in model.graph.output if o.name not in set(gradients.values())]
-    del model.graph.output[:]
-    model.graph.output.extend(kept)
-    for p, grad in list(gradients.items()):
-        buffer = ed.add_input(accumulation_buffer_name(p), TensorProto.FLOAT, list(shapes[p]))
-        gradients[p] = ed.op("Add", [buffer, grad], f"{buffer}.new")
-        ed.add_output(gradients[p], TensorProto.FLOAT, list(shapes[p]))
-        result.accumulation[buffer] = gradients[p]
-        result.state_shapes[buffer] = shapes[p]
-    return result
+    gradients = {p: gradient_name(p) for p in trainable}
+    accumulation: dict[str, str] = {}
+    state_shapes: dict[str, tuple[int, ...]] = {}
+    if accumulate:
+        shapes = _input_shapes(model, trainable)
+        ed = GraphEditor(model.graph, "orttrainer/step")
+        kept = [o for o in model.graph.output if o.name not in set(gradients.values())]
+        del model.graph.output[:]
+        model.graph.output.extend(kept)
+        for p, grad in list(gradients.items()):
+            buffer = ed.add_input(accumulation_buffer_name(p), TensorProto.FLOAT, list(shapes[p]))
+            gradients[p] = ed.op("Add", [buffer, grad], f"{buffer}.new")
+            ed.add_output(gradients[p], TensorProto.FLOAT, list(shapes[p]))
+            accumulation[buffer] = gradients[p]
+            state_shapes[buffer] = shapes[p]
+    return GradientStepGraph(
+        model, list(data_inputs), list(outputs), gradients, accumulation, state_shapes, loss_scale_input
+    )
+
+
+def gradient_step_pass(
+    *, data_inputs: list[str], outputs: list[str], trainable: list[str], accumulate: bool, loss_scale_input: str | None
+) -> FunctionPass:
+    """`build_gradient_step_graph` as a pass, with its contract written into the model's metadata
+    (compile.contract.read_contract reads it back)."""
+
+    def rule(model: onnx.ModelProto) -> onnx.ModelProto:
+        step = build_gradient_step_graph(
+            model,
+            data_inputs=data_inputs,
+            outputs=outputs,
+            trainable=trainable,
+            accumulate=accumulate,
+            loss_scale_input=loss_scale_input,
+        )
+        write_contract(step.model, step)
+        return step.model
+
+    functools.update_wrapper(rule, build_gradient_step_graph)
+    return FunctionPass("build_gradient_step_graph", rule)
 
 
 def build_optimizer_graph(
@@ -111,13 +122,13 @@ def build_optimizer_graph(
         groups_problem(trainable, groups, update_only),
         None if gradient_divisor >= 1 else f"gradient_divisor ({gradient_divisor}) must be positive",
     )
-    reduced = {p: f"{p}_grad__reduced" for p in trainable}
+    reduced = {p: reduced_gradient_name(p) for p in trainable}
     inputs = [helper.make_tensor_value_info(p, TensorProto.FLOAT, list(shapes[p])) for p in trainable]
     inputs += [helper.make_tensor_value_info(reduced[p], TensorProto.FLOAT, list(shapes[p])) for p in trainable]
-    nodes = [helper.make_node("Identity", [reduced[p]], [f"{p}_grad"], name=f"{p}_grad_in") for p in trainable]
-    loss_scale_input = "loss_scale" if loss_scale else None
-    inputs += [helper.make_tensor_value_info("loss_scale", TensorProto.FLOAT, [])] if loss_scale else []
-    outputs = [helper.make_tensor_value_info(f"{p}_grad", TensorProto.FLOAT, list(shapes[p])) for p in trainable]
+    nodes = [helper.make_node("Identity", [reduced[p]], [gradient_name(p)], name=f"{p}_grad_in") for p in trainable]
+    loss_scale_input = LOSS_SCALE_INPUT if loss_scale else None
+    inputs += [helper.make_tensor_value_info(LOSS_SCALE_INPUT, TensorProto.FLOAT, [])] if loss_scale else []
+    outputs = [helper.make_tensor_value_info(gradient_name(p), TensorProto.FLOAT, list(shapes[p])) for p in trainable]
     graph = helper.make_graph(nodes, "optimizer", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
     model.ir_version = 8

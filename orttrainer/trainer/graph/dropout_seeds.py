@@ -19,9 +19,8 @@ from functools import partial
 import onnx
 from onnx import helper
 
-from .conditions import Problem, require
 from .editor import copy_model
-from .passes import FunctionPass
+from .passes import FunctionPass, Problem, require
 
 SEED_MODULUS = 2**31 - 1  # minstd_rand0's modulus: seeds s and s + SEED_MODULUS give the same engine
 STREAM_STRIDE = (SEED_MODULUS - 1) // 128

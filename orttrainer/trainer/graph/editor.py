@@ -15,9 +15,16 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .conditions import Problem, default_opset, first_problem, repeated_output, require, unproduced_input
-from .errors import PassPreconditionError
-from .passes import FunctionPass
+from .passes import (
+    FunctionPass,
+    PassPreconditionError,
+    Problem,
+    default_opset,
+    first_problem,
+    repeated_output,
+    require,
+    unproduced_input,
+)
 
 __all__ = [
     "FLOAT_TYPES",

@@ -15,9 +15,8 @@ import onnx
 import onnx.numpy_helper
 from onnx import helper
 
-from .conditions import Problem, graph_output_names, opset_below, require
 from .editor import GraphEditor, copy_model, fresh_name, graph_value_names, topologically_sorted
-from .passes import FunctionPass
+from .passes import FunctionPass, Problem, graph_output_names, opset_below, require
 
 # Optional outputs the ORT gradient builders read (docs/engine.md §0.2): without them the builder fails with
 # "GradientBuilderBase::O(size_t, bool) const i < node_->OutputDefs().size() was false".

@@ -31,9 +31,8 @@ from functools import partial
 import onnx
 from onnx import TensorProto, helper
 
-from .conditions import Problem, require
 from .editor import GraphEditor, copy_model, raise_opset, raise_opset_problem, topologically_sorted
-from .passes import FunctionPass, first_result
+from .passes import FunctionPass, Problem, first_result, require
 
 FLOAT32_OPS = (
     "SoftmaxCrossEntropyLoss",

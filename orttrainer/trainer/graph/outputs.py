@@ -12,9 +12,8 @@ from functools import partial
 
 import onnx
 
-from .conditions import Problem, graph_output_names, not_among, require
 from .editor import copy_model
-from .passes import FunctionPass
+from .passes import FunctionPass, Problem, graph_output_names, not_among, require
 
 __all__ = ["keep_outputs", "keep_outputs_pass", "without_outputs", "without_outputs_pass"]
 

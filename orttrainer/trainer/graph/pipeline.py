@@ -1,16 +1,35 @@
-"""The pass lists of the compile pipeline, for `passes.run_passes`.
+"""The compile pipeline, declared once: every list of graph passes, in the order `compile/compiler.compile_model`
+runs them (its stages carry the same numbers).
 
-The compiler runs, in order: `forward_passes` (fix-ups the gradient builder needs, then under mixed precision
-`mixed_precision_passes`) -> the gradient builder -> `gradient_model_passes` (and recompute,
-`recompute.recompute_pass`) -> the training graph (`training.build_training_graph`, or with data parallelism
-`data_parallel.build_gradient_step_graph` and `build_optimizer_graph`). The `debug.graph_save_paths` stages end
-after the last pass of each list: the caller maps that pass's name to the path in `run_passes(save=...)`, and
-saves the training graph with `passes.record_stage`.
+1. `forward_passes`: the fix-ups the gradient builder needs (optional outputs named; an eval-mode module trains
+   without dropout and with BatchNorm on its running statistics; a Dropout without training mode is the identity it
+   computes; inference-mode BatchNorm becomes its affine map), then under mixed precision for the 'ort' builder
+   `mixed_precision_passes` (state as graph inputs, float16, the scaled loss appended). The torch builder traces
+   the module in float16 with the loss scale itself (build/torch_route.py), so its forward gets no such passes.
+2. The gradient builder (gradient/differentiate.py): not a pass over the forward model, since the torch builder
+   traces the PyTorch module (or an OnnxModule of the forward model) itself.
+3. `gradient_passes`: on the gradient model (forward outputs + `<p>_grad`), the same for both builders and every
+   input-shape signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels
+   get casts; embedding gradients become scatter-adds; on the CPU in float32, softmax cross-entropy becomes plain
+   ops; then recompute and the activation statistics (the 'ort' builder only).
+4. `training_tail`: accumulation, clipping and the optimizer update as one pass whose result carries its state
+   contract (graph/training.py, compile/contract.py); with data parallelism, the gradient-step pass (the optimizer
+   graph is a model of its own, graph/data_parallel.build_optimizer_graph).
+5. `eval_passes`: the eval graph (state as graph inputs, dropout off, BatchNorm on running statistics, the
+   model_desc outputs), under mixed precision from the float16 forward, then its statistics.
+
+The `debug.graph_save_paths` stages end after the last pass of stages 1, 3 and 4 (`run_passes(save=...)`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import onnx
+
 from .cross_entropy import CROSS_ENTROPY_AS_PLAIN_OPS
+from .data_parallel import gradient_step_pass
 from .fixups import (
     BATCHNORM_TO_INFERENCE,
     DROPOUT_TO_IDENTITY,
@@ -19,13 +38,30 @@ from .fixups import (
     NAME_OPTIONAL_OUTPUTS,
 )
 from .mixed_precision import CAST_FP32_ONLY_KERNELS, append_loss_scale_pass, to_float16_pass
-from .outputs import without_outputs_pass
-from .passes import GraphPass
+from .outputs import keep_outputs_pass, without_outputs_pass
+from .passes import FunctionPass, GraphPass, rewrite_enabled, run_passes
+from .recompute import RecomputePlan, recompute_pass
 from .scatter_grad import GATHER_GRAD_TO_SCATTER_ADD
 from .state_inputs import move_initializers_to_inputs_pass
-from .switches import rewrite_enabled
+from .training import training_tail_pass
 
-__all__ = ["forward_passes", "gradient_model_passes", "mixed_precision_passes"]
+__all__ = [
+    "StatisticsInstrument",
+    "build_eval_model",
+    "eval_passes",
+    "forward_passes",
+    "gradient_model_passes",
+    "gradient_passes",
+    "mixed_precision_passes",
+    "training_tail",
+]
+
+
+class StatisticsInstrument(Protocol):
+    """Appends activation-statistics outputs to a gradient model ('train') or an eval model ('eval')
+    (trainer/activations.py)."""
+
+    def instrument(self, model: onnx.ModelProto, kind: str) -> onnx.ModelProto: ...
 
 
 def forward_passes(dropout_off: bool) -> list[GraphPass]:
@@ -46,7 +82,7 @@ def gradient_model_passes(*, mixed_precision: bool, cpu: bool, scaled_loss: str)
     """On the gradient model (forward outputs + `<p>_grad`), the same for both builders and every input-shape
     signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels get
     casts; embedding gradients become scatter-adds; on the CPU in float32, softmax cross-entropy becomes plain ops
-    (graph/cross_entropy.py, switchable: graph/switches.py)."""
+    (graph/cross_entropy.py, switchable: graph/passes.rewrite_enabled)."""
     passes: list[GraphPass] = []
     if mixed_precision:
         passes.append(without_outputs_pass([scaled_loss]))
@@ -56,3 +92,67 @@ def gradient_model_passes(*, mixed_precision: bool, cpu: bool, scaled_loss: str)
     if cpu and not mixed_precision and rewrite_enabled("cross_entropy_as_plain_ops"):
         passes.append(CROSS_ENTROPY_AS_PLAIN_OPS)
     return passes
+
+
+def gradient_passes(
+    *,
+    mixed_precision: bool,
+    cpu: bool,
+    scaled_loss: str,
+    outputs: list[str],
+    recompute: RecomputePlan,
+    statistics: StatisticsInstrument | None,
+) -> list[GraphPass]:
+    """`gradient_model_passes`, then recompute and statistics (the 'ort' builder only: the choice of builder
+    refuses them for the torch builder, gradient/choice.py)."""
+    passes = gradient_model_passes(mixed_precision=mixed_precision, cpu=cpu, scaled_loss=scaled_loss)
+    if recompute:
+        passes.append(recompute_pass(outputs, recompute))
+    if statistics is not None:
+        passes.append(_statistics_pass("statistics", statistics.instrument, "train"))
+    return passes
+
+
+def training_tail(*, data_parallel: bool, accumulate: bool, **arguments: Any) -> GraphPass:
+    """The pass that ends a training graph: the training tail (`training.training_tail_pass`, with `arguments` of
+    `build_training_graph`), or with data parallelism the gradient step (`data_parallel.gradient_step_pass`;
+    `accumulate`: the gradients are summed over the window in the graph)."""
+    if not data_parallel:
+        return training_tail_pass(**arguments)
+    step = {k: arguments[k] for k in ("data_inputs", "outputs", "trainable", "loss_scale_input")}
+    return gradient_step_pass(accumulate=accumulate, **step)
+
+
+def eval_passes(
+    state: list[str], outputs: list[str], statistics: StatisticsInstrument | None = None
+) -> list[GraphPass]:
+    """The eval graph: the `state` initializers become graph inputs (fed per step, like the training graph's), every
+    Dropout an Identity, BatchNormalization runs on its running statistics, and only the graph outputs in `outputs`
+    (the model_desc outputs) remain, in the graph's order; then its statistics."""
+    passes: list[GraphPass] = [
+        move_initializers_to_inputs_pass(state),
+        DROPOUT_TO_IDENTITY,
+        BATCHNORM_TO_INFERENCE,
+        keep_outputs_pass(outputs),
+    ]
+    if statistics is not None:
+        passes.append(_statistics_pass("statistics_eval", statistics.instrument, "eval"))
+    return passes
+
+
+def eval_forward_passes(state: list[str], keep_float32: list[str]) -> list[GraphPass]:
+    """Under mixed precision, the forward model the eval graph starts from is converted to float16 like
+    training's."""
+    return [move_initializers_to_inputs_pass(state), to_float16_pass(keep_float32)]
+
+
+def build_eval_model(forward: onnx.ModelProto, state: list[str], outputs: list[str]) -> onnx.ModelProto:
+    """Rule: the forward graph for `eval_step` (`eval_passes` without statistics). `forward` is not modified.
+
+    Precondition: those of the passes: in particular, every name in `outputs` is a graph output and no Dropout mask
+    or BatchNormalization running statistic is read."""
+    return run_passes(forward, eval_passes(state, outputs))
+
+
+def _statistics_pass(name: str, instrument: Callable[[onnx.ModelProto, str], onnx.ModelProto], kind: str) -> GraphPass:
+    return FunctionPass(name, lambda model: instrument(model, kind))

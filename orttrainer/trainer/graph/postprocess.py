@@ -21,9 +21,8 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from .conditions import Problem, first_problem, repeated_output, require
 from .editor import copy_model
-from .passes import FunctionPass
+from .passes import FunctionPass, Problem, first_problem, repeated_output, require
 
 
 def run_postprocess(model: onnx.ModelProto) -> onnx.ModelProto:

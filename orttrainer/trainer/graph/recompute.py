@@ -42,9 +42,8 @@ from functools import partial
 import onnx
 from onnx import helper, numpy_helper
 
-from .conditions import Problem, not_among, require, unsorted_input
 from .editor import copy_model, fresh_name, graph_value_names
-from .passes import FunctionPass
+from .passes import FunctionPass, Problem, not_among, require, unsorted_input
 from .recompute_select import (
     GELU_OPS,
     Layer,

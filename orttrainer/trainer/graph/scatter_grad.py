@@ -23,9 +23,8 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from .conditions import Problem, require
 from .editor import GraphEditor, can_raise_opset, copy_model, raise_opset
-from .passes import FunctionPass
+from .passes import FunctionPass, Problem, require
 
 _SCATTER_OPSET = 16
 

@@ -24,9 +24,8 @@ import torch
 from onnx import helper, numpy_helper
 
 from ...dtypes import torch_to_onnx
-from .conditions import Problem, first_problem, repeated_initializer, require
 from .editor import copy_model, graph_value_names
-from .passes import FunctionPass
+from .passes import FunctionPass, Problem, first_problem, repeated_initializer, require
 
 __all__ = [
     "bind_foreign_state",

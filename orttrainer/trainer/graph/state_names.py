@@ -14,9 +14,8 @@ from functools import partial
 
 import onnx
 
-from .conditions import Problem, first_problem
 from .editor import copy_model, fresh_name
-from .passes import FunctionPass
+from .passes import FunctionPass, Problem, first_problem
 
 
 def rename_state(model: onnx.ModelProto, names: Mapping[str, str]) -> onnx.ModelProto:

@@ -1,10 +1,10 @@
-"""Passes for a training graph specialised to one input-shape signature (trainer/static_graphs.py).
+"""Passes for a training graph specialised to one input-shape signature (runtime/static_graphs.py).
 
 ONNX Runtime's gradient builder writes gradients for any input shape: each broadcasting op's gradient asks
 `BroadcastGradientArgs(Shape(a), Shape(b))` at run time which axes to sum, and sums them with
 `ReduceSum(dY, axes, noop_with_empty_axes=1)` — which copies `dY` when there is nothing to sum, the common case
 (33 copies of up to 8 MB per transformer step). Once the data inputs declare static dims, ONNX Runtime's own
-optimiser folds the `Shape` nodes into constants (the round trip in trainer/static_graphs.py); these passes do the
+optimiser folds the `Shape` nodes into constants (the round trip in runtime/static_graphs.py); these passes do the
 rest on its result:
 
 - `static_inputs_pass(shapes)`: the named graph inputs declare the given dims;
@@ -28,9 +28,17 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .conditions import Problem, first_problem, graph_input_names, not_among, repeated_output, require, unsorted_input
 from .editor import copy_model
-from .passes import FunctionPass
+from .passes import (
+    FunctionPass,
+    Problem,
+    first_problem,
+    graph_input_names,
+    not_among,
+    repeated_output,
+    require,
+    unsorted_input,
+)
 
 _RUNTIME = "com.microsoft"
 

@@ -28,9 +28,8 @@ import torch
 from onnx import TensorProto, helper
 
 from ...debug import TensorStatistics, statistics_from_reductions
-from .conditions import Problem, require
 from .editor import GraphEditor, copy_model, fresh_name, graph_value_names
-from .passes import FunctionPass, first_result
+from .passes import FunctionPass, Problem, first_result, require
 
 MARK_DOMAIN = "orttrainer.debug"
 MARK_OP = "ActivationMark"

@@ -14,79 +14,54 @@ Mixed precision: with a `loss_scale_input` the gradients are of the scaled loss;
 the graph also outputs `all_gradients_finite` (bool [1]): false when the sum of squares of all gradients is inf or
 NaN. The session then discards that step's updated state, so a skipped step leaves everything exactly unchanged.
 
-Where the update runs (`update`, chosen by `trainer/update_path.py`): `"graph"` appends it as plain ONNX ops (every
+Where the update runs (`update`, chosen by `update/path.py`): `"graph"` appends it as plain ONNX ops (every
 runtime, every provider); `"fused"` writes each Adam group in weight-decay mode 0 as ONNX Runtime's fused
-`AdamOptimizer` kernel, one node per tensor (the training build; optimizer.append_adam_fused); `"torch"` appends no
-update at all: the graph is gradient-only (forward outputs and the gradient sums `G`, `gradients`), and the session
-runs the same update in place on the state buffers with torch's fused/foreach kernels (`trainer/torch_optimizer.py`,
-described by `outside_update`).
+`AdamOptimizer` kernel, one node per tensor (the training build; update/in_graph.append_adam_fused); `"torch"` appends
+no update at all: the graph is gradient-only (forward outputs and the gradient sums `G`, `gradients`), and the
+session runs the same update in place on the state buffers with torch's fused/foreach kernels
+(`update/torch_fused.py`, described by `outside_update`).
+
+As a pass (`training_tail_pass`), the tail writes the result's contract (compile/contract.py) into the model's
+metadata, so the compiler reads the contract from the model like any other pass's result.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
-import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .conditions import Problem, dynamic_shape, first_problem, graph_input_names, graph_output_names, not_among, require
+from ..compile.contract import (
+    ALL_FINITE_OUTPUT,
+    LEARNING_RATE_INPUT,
+    UPDATE_COUNT_INPUT,
+    UPDATE_PATHS,
+    OutsideUpdate,
+    ParamGroup,
+    TrainingGraph,
+    accumulation_buffer_name,
+    gradient_name,
+    moment_names,
+    write_contract,
+)
+from ..update.in_graph import CLIP_EPSILON, FUSED_OPTIMIZERS, OPTIMIZERS, OptimizerAppender, StepScalars, TensorUpdate
 from .editor import GraphEditor, copy_model
-from .optimizer import FUSED_OPTIMIZERS, OPTIMIZERS, OptimizerAppender, StepScalars, TensorUpdate, moment_names
+from .passes import (
+    FunctionPass,
+    Problem,
+    dynamic_shape,
+    first_problem,
+    graph_input_names,
+    graph_output_names,
+    not_among,
+    require,
+)
 
-LEARNING_RATE_INPUT = "__learning_rate"
-UPDATE_COUNT_INPUT = "__update_count"
-CLIP_EPSILON = 1e-6  # as torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
-ALL_FINITE_OUTPUT = "all_gradients_finite"
-UPDATE_PATHS = ("graph", "fused", "torch")
 _RUNTIME_DOMAIN = "com.microsoft"
-
-
-@dataclass(frozen=True)
-class ParamGroup:
-    """Trainable tensors that share one set of optimizer hyper-parameters."""
-
-    hyper: dict
-    params: list[str]
-
-
-@dataclass(frozen=True)
-class OutsideUpdate:
-    """The update a gradient-only graph leaves to the session (`update="torch"`): the same semantics as the graph's
-    (optimizer, groups, mean over `gradient_divisor` summed gradients, global-norm clipping, the finite check under
-    mixed precision), applied to the tensors in `updated` (ZeRO: this rank's)."""
-
-    optimizer_name: str
-    groups: list[ParamGroup]
-    gradient_divisor: int
-    clip: bool
-    check_finite: bool
-    updated: list[str]
-
-
-@dataclass
-class TrainingGraph:
-    """A compiled training graph and the contract the session needs to run it."""
-
-    model: onnx.ModelProto
-    data_inputs: list[str]
-    outputs: list[str]
-    lr_input: str
-    update_count_input: str
-    weight_updates: dict[str, str]  # trainable weight -> output with its updated value (outside_update: itself)
-    optimizer_state: dict[str, str]  # optimizer state input (moments) -> output with its updated value (ditto)
-    accumulation: dict[str, str]  # accumulation buffer input -> output with the new running sum
-    state_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # moments and buffers (zero-initialised)
-    loss_scale_input: str | None = None
-    all_finite_output: str | None = None  # a graph output, except with outside_update (the session computes it)
-    gradients: dict[str, str] = field(default_factory=dict)  # update="torch": trainable -> output holding `G`
-    outside_update: OutsideUpdate | None = None  # update="torch": what the session applies after the run
-
-
-def accumulation_buffer_name(weight: str) -> str:
-    return f"{weight}_grad_accumulation_buffer"
 
 
 def build_training_graph(
@@ -127,7 +102,7 @@ def build_training_graph(
     shapes = _input_shapes(model, trainable)
     _drop_gradient_outputs(model, trainable)
     ed = GraphEditor(model.graph, "orttrainer/train")
-    grads = {p: f"{p}_grad" for p in trainable}
+    grads = {p: gradient_name(p) for p in trainable}
     accumulation: dict[str, str] = {}
     if accumulation_steps > 1:
         grads, accumulation = _append_accumulation(ed, grads, shapes)
@@ -138,6 +113,19 @@ def build_training_graph(
     )
     tail = _gradient_only_result if update == "torch" else partial(_graph_update_result, fused=update == "fused")
     return tail(ed, model, (data_inputs, outputs), grads, accumulation, shapes, plan, loss_scale_input)
+
+
+def training_tail_pass(**arguments: Any) -> FunctionPass:
+    """The training tail as a pass: `build_training_graph(model, **arguments).model`, with its contract written into
+    the model's metadata (`compile.contract.read_contract` reads it back)."""
+
+    def rule(model: onnx.ModelProto) -> onnx.ModelProto:
+        graph = build_training_graph(model, **arguments)
+        write_contract(graph.model, graph)
+        return graph.model
+
+    functools.update_wrapper(rule, build_training_graph)
+    return FunctionPass("build_training_graph", rule)
 
 
 def _graph_update_result(
@@ -151,18 +139,36 @@ def _graph_update_result(
     loss_scale_input: str | None,
     fused: bool = False,
 ) -> TrainingGraph:
-    """`update="graph"` or `"fused"`: the update `plan` describes, appended to the graph."""
+    """`update="graph"` or `"fused"`: the update `plan` describes, appended to the graph; `state_shapes` lists the
+    accumulation buffers, then the moments."""
     coef = _gradient_coefficient(ed, plan.gradient_divisor, loss_scale_input)
     append = (FUSED_OPTIMIZERS if fused else OPTIMIZERS)[plan.optimizer_name]
     updates, total = _append_update(
         ed, append, plan.groups, grads, coef, plan.clip, plan.check_finite, set(plan.updated)
     )
-    result = _training_result(model, list(io[0]), list(io[1]), updates, accumulation, shapes)
-    _declare_state(ed, result, {**shapes, **result.state_shapes})
-    if loss_scale_input and total:
-        result.loss_scale_input = loss_scale_input
-        result.all_finite_output = _append_all_finite(ed, total)
-    return result
+    if any(n.domain == _RUNTIME_DOMAIN for n in model.graph.node) and not _imports(model, _RUNTIME_DOMAIN):
+        model.opset_import.append(helper.make_opsetid(_RUNTIME_DOMAIN, 1))  # update="fused" on a torch-built graph
+    buffers = {accumulation_buffer_name(p): shapes[p] for p in shapes} if accumulation else {}
+    moments = {m_in: shapes[u.weight] for u in updates for m_in, _ in u.moments}
+    weight_updates = {u.weight: u.new_weight for u in updates}
+    optimizer_state = {m_in: m_out for u in updates for m_in, m_out in u.moments}
+    for m_in in optimizer_state:
+        ed.add_input(m_in, TensorProto.FLOAT, list(moments[m_in]))
+    new_values = {**accumulation, **weight_updates, **optimizer_state}  # state input -> output, in a stable order
+    for state, out in new_values.items():
+        ed.add_output(out, TensorProto.FLOAT, list({**shapes, **buffers, **moments}[state]))
+    finite = _append_all_finite(ed, total) if loss_scale_input and total else None
+    return TrainingGraph(
+        model,
+        list(io[0]),
+        list(io[1]),
+        weight_updates,
+        optimizer_state,
+        accumulation,
+        state_shapes={**buffers, **moments},
+        loss_scale_input=loss_scale_input if finite else None,
+        all_finite_output=finite,
+    )
 
 
 def _gradient_only_result(
@@ -182,48 +188,20 @@ def _gradient_only_result(
     buffers = {accumulation_buffer_name(p): shapes[p] for p in shapes} if accumulation else {}
     has_moments = outside.optimizer_name != "SGDOptimizer"
     moments = {m: shapes[p] for p in outside.updated for m in moment_names(p)} if has_moments else {}
-    result = TrainingGraph(
+    return TrainingGraph(
         model,
         list(io[0]),
         list(io[1]),
-        LEARNING_RATE_INPUT,
-        UPDATE_COUNT_INPUT,
         {p: p for p in outside.updated},  # updated in place: the state name is its own "output"
         {m: m for m in moments},
         accumulation,
+        state_shapes={**buffers, **moments},
+        loss_scale_input=loss_scale_input,
+        # the legacy model_desc names the flag; TorchOptimizer.step returns its value
+        all_finite_output=ALL_FINITE_OUTPUT if loss_scale_input else None,
+        gradients=dict(grads),
+        outside_update=outside,
     )
-    result.state_shapes = {**buffers, **moments}
-    result.gradients, result.outside_update = dict(grads), outside
-    result.loss_scale_input = loss_scale_input
-    if loss_scale_input:  # the legacy model_desc names the flag; TorchOptimizer.step returns its value
-        result.all_finite_output = ALL_FINITE_OUTPUT
-    return result
-
-
-def _training_result(
-    model: onnx.ModelProto,
-    data_inputs: list[str],
-    outputs: list[str],
-    updates: list[TensorUpdate],
-    accumulation: dict[str, str],
-    shapes: dict[str, tuple[int, ...]],
-) -> TrainingGraph:
-    """The contract of the assembled graph; `state_shapes` lists the accumulation buffers, then the moments."""
-    if any(n.domain == _RUNTIME_DOMAIN for n in model.graph.node) and not _imports(model, _RUNTIME_DOMAIN):
-        model.opset_import.append(helper.make_opsetid(_RUNTIME_DOMAIN, 1))  # update="fused" on a torch-built graph
-    result = TrainingGraph(
-        model,
-        data_inputs,
-        outputs,
-        LEARNING_RATE_INPUT,
-        UPDATE_COUNT_INPUT,
-        {u.weight: u.new_weight for u in updates},
-        {m_in: m_out for u in updates for m_in, m_out in u.moments},
-        accumulation,
-    )
-    buffers = {accumulation_buffer_name(p): shapes[p] for p in shapes} if accumulation else {}
-    result.state_shapes = {**buffers, **{m_in: shapes[u.weight] for u in updates for m_in, _ in u.moments}}
-    return result
 
 
 def _gradient_coefficient(ed: GraphEditor, divisor: int, loss_scale_input: str | None) -> str | float:
@@ -276,7 +254,7 @@ def gradient_model_problem(model: onnx.ModelProto, trainable: list[str], loss_sc
     return first_problem(
         not_among(trainable, inputs, "trainable tensors", "the graph inputs"),
         dynamic_shape(model, trainable),
-        not_among([f"{p}_grad" for p in trainable], graph_output_names(model), "gradients", "the graph outputs"),
+        not_among([gradient_name(p) for p in trainable], graph_output_names(model), "gradients", "the graph outputs"),
         not_among([loss_scale_input] if loss_scale_input else [], inputs, "loss-scale inputs", "the graph inputs"),
     )
 
@@ -343,15 +321,6 @@ def _append_all_finite(ed: GraphEditor, total: str) -> str:
     return name
 
 
-def _declare_state(ed: GraphEditor, graph: TrainingGraph, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Add moment inputs and all state/accumulation outputs to the graph, in a stable order."""
-    for m_in in graph.optimizer_state:
-        ed.add_input(m_in, TensorProto.FLOAT, list(graph.state_shapes[m_in]))
-    outputs = {**graph.accumulation, **graph.weight_updates, **graph.optimizer_state}  # state input -> output
-    for state, out in outputs.items():
-        ed.add_output(out, TensorProto.FLOAT, list(shapes[state]))
-
-
 def _input_shapes(model: onnx.ModelProto, names: list[str]) -> dict[str, tuple[int, ...]]:
     by_name = {i.name: i for i in model.graph.input}
     shapes = {}
@@ -364,15 +333,10 @@ def _input_shapes(model: onnx.ModelProto, names: list[str]) -> dict[str, tuple[i
 
 
 def _drop_gradient_outputs(model: onnx.ModelProto, trainable: list[str]) -> None:
-    grad_names = {f"{p}_grad" for p in trainable}
+    grad_names = {gradient_name(p) for p in trainable}
     kept = [o for o in model.graph.output if o.name not in grad_names]
     del model.graph.output[:]
     model.graph.output.extend(kept)
-
-
-def zero_state(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """Initial values of optimizer moments and accumulation buffers."""
-    return {name: np.zeros(shape, dtype=np.float32) for name, shape in shapes.items()}
 
 
 def _imports(model: onnx.ModelProto, domain: str) -> bool:

@@ -1,7 +1,0 @@
-"""Former name of :mod:`orttrainer.capi.argument_mapping`: importing this module yields that module object itself."""
-
-from __future__ import annotations
-
-from . import alias_submodule
-
-alias_submodule(__name__)

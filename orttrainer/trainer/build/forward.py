@@ -1,0 +1,250 @@
+"""Stage 1 of building a trainer's model: the model -> its post-processed forward ONNX model and state (`Forward`).
+
+A PyTorch model is built with its first batch; which route depends on the gradient builder (README § Gradient
+builders): a dry run in PyTorch finds the custom autograd Functions and `choose_builder` decides (`prepare_torch`).
+- The TorchScript route (`torchscript_forward`; 'ort', and 'auto' until it falls back): the module (+ loss) exported
+  by the TorchScript exporter, post-processed (`postprocess`), its initializers split into trainable and frozen.
+- The torch route (`torch_route_forward`; the torch builder): never the TorchScript exporter. The state comes from
+  the module itself, the training graph from AOTAutograd with model_desc's string dims dynamic (compiled in stage
+  2), and the forward model from torch.export when first needed (build/torch_route.py).
+An ONNX model (`onnx_forward`) is post-processed and split at construction; for the torch builder it becomes an
+`OnnxModule` that the builder traces with the first batch.
+
+What building learns about the inputs and outputs (dtypes) is recorded in the model description the `Forward`
+carries, a copy of the trainer's (`TrainerConfig.model_desc` stays as the user declared it).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import onnx
+import torch
+
+from ..._require import require
+from ...debug.subscriber import no_increase_global_step
+from ...dtypes import FLOAT_ONNX_TYPES
+from ...schema.model_desc import _ORTTrainerModelDesc
+from ..activations import ActivationStatistics
+from ..config import TrainerConfig
+from ..gradient.choice import BuilderChoice, choose_builder, ort_only_options
+from ..gradient.errors import GradientBuildError
+from ..gradient.onnx_module import OnnxModule
+from ..gradient.torch_graphs import TorchSource
+from ..graph.postprocess import run_postprocess
+from ..inputs import check_inputs
+from ..runtime.ort import has_training_build
+from ..runtime.session import shape_signature
+from . import export as export_mod
+from .export import record_export_types, record_graph_types
+from .torch_route import ForwardSource, TorchEvalGraphs, module_state, named_dims, same_size_groups, state_model
+
+
+@dataclass(frozen=True)
+class TorchExportInfo:
+    """What exporting the PyTorch module learned that later steps need (None for an ONNX model)."""
+
+    state_dict_keys: list[str]  # the module's state_dict order, for `state_dict(pytorch_format=True)`
+    aliases: dict[str, str]  # state_dict key -> initializer holding the same (tied) tensor
+    unused_state: dict[str, torch.Tensor]  # state_dict entries the graph does not use (copies; they never change)
+    sample_outputs: list[torch.Tensor]  # PyTorch's outputs for the first batch (debug.check_model_export)
+    dropout_off: bool  # the module was in eval mode: it trains without dropout, BatchNorm on running statistics
+
+
+@dataclass(frozen=True)
+class Forward:
+    """What stage 1 produced and stage 2 (compile/) compiles: the post-processed forward model (for the torch route,
+    only the state: its forward model is exported when first needed, `eval_graphs`), the parameter split, the
+    gradient builder chosen and what the export learned."""
+
+    model_desc: _ORTTrainerModelDesc  # with the dtypes building learned
+    forward: onnx.ModelProto
+    trainable: list[str]
+    frozen: list[str]
+    choice: BuilderChoice
+    torch_export: TorchExportInfo | None = None
+    source: TorchSource | None = None  # what the torch builder traces
+    sample_inputs: Sequence[torch.Tensor] | None = None  # the first batch
+    activations: ActivationStatistics | None = None  # orttrainer.debug statistics, when the export marked them
+    eval_graphs: TorchEvalGraphs | None = None  # the torch route: its forward model and eval graphs
+
+    @property
+    def state_names(self) -> list[str]:
+        return self.trainable + self.frozen
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """A PyTorch model's dry run, its typed model description and the gradient builder chosen for it."""
+
+    model_desc: _ORTTrainerModelDesc
+    dry: export_mod.DryRun
+    choice: BuilderChoice
+
+    def falling_back(self, reason: str) -> TorchPlan:
+        """'auto' after the TorchScript route failed: the torch route, for `reason`."""
+        return replace(self, choice=BuilderChoice("torch", reason))
+
+
+def prepare_torch(
+    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, activations: ActivationStatistics
+) -> TorchPlan:
+    """The dry run (no debug step counted, no file written) and the builder `choose_builder` picks for it."""
+    desc, options = copy.deepcopy(config.model_desc), config.options
+    check_inputs(sample_inputs, desc.inputs)
+    with no_increase_global_step():
+        reads = options._internal_use.gradient_builder == "torch" or not has_training_build()  # the torch route's
+        dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs, record_reads=reads)
+    ort_only = ort_only_options(options) + (["orttrainer.debug statistics"] if activations.subscribed else [])
+    choice = choose_builder(
+        options._internal_use.gradient_builder,
+        custom_functions=dry.custom_functions,
+        ort_only=ort_only,
+        training_build=has_training_build(),
+    )
+    record_export_types(desc, dry)
+    return TorchPlan(desc, dry, choice)
+
+
+def auto_fallback(choice: BuilderChoice, err: Exception) -> str | None:
+    """Why 'auto' switches to the torch builder after `err` on the TorchScript route, or None (no switch)."""
+    if choice.builder == "auto" and isinstance(err, export_mod.TorchScriptExportError):
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"auto: the TorchScript exporter failed ({first_line})"
+    if choice.builder == "auto" and isinstance(err, GradientBuildError) and err.op_type is not None:
+        return f"auto: ONNX Runtime's gradient builder cannot differentiate op '{err.op_type}'"
+    return None
+
+
+def torchscript_forward(
+    config: TrainerConfig,
+    module: torch.nn.Module,
+    sample_inputs: list,
+    activations: ActivationStatistics,
+    plan: TorchPlan,
+) -> Forward:
+    """The TorchScript route: export, mark the subscribed activations, post-process, split the parameters."""
+    desc, internal = plan.model_desc, config.options._internal_use
+    with activations.marking():  # counts no debug step; marks subscribed activations
+        exported = export_mod.export_model(
+            module,
+            config.loss_fn,
+            desc,
+            sample_inputs,
+            opset_version=internal.onnx_opset_version,
+            enable_contrib_ops=internal.enable_onnx_contrib_ops,
+            dry=plan.dry,
+        )
+    forward = activations.prepare(exported.model, config.loss_fn, desc, sample_inputs)
+    forward = postprocess(config, forward)
+    frozen_weights = list(config.options.utils.frozen_weights)
+    trainable, frozen = split_parameters(forward, frozen_weights, exported.parameters, exported.buffers)
+    info = TorchExportInfo(
+        list(module.state_dict().keys()),
+        exported.aliases,
+        exported.unused_state,
+        exported.sample_outputs,
+        not exported.was_training,
+    )
+    statistics = activations if activations.instrumented else None
+    return Forward(desc, forward, trainable, frozen, plan.choice, info, None, sample_inputs, statistics)
+
+
+def torch_route_forward(
+    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, plan: TorchPlan
+) -> Forward:
+    """The torch route (build/torch_route.py): state from the module, the training graph from AOTAutograd with
+    model_desc's string dims dynamic, the forward model from torch.export when first needed."""
+    desc, options, dry = plan.model_desc, config.options, plan.dry
+    if dry.read_state is None:  # 'auto' came from the TorchScript route: the reads are recorded now
+        with no_increase_global_step():
+            dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs)
+    names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
+    dims, outputs, amp = named_dims(desc.inputs), [d.name for d in desc.outputs], options.mixed_precision.enabled
+    trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
+    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, same_size_groups(desc.inputs))
+    forward = ForwardSource(module, config.loss_fn, names, outputs, dims, opset, bool(amp))  # build/export.py
+    evals = TorchEvalGraphs(
+        forward, shape_signature(sample_inputs), lambda m: postprocess(config, m), trainable + frozen
+    )
+    aliases, unused = export_mod.state_outside_graph(module, set(trainable + frozen))
+    info = TorchExportInfo(list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training)
+    weights = state_model(module, trainable + frozen)
+    return Forward(desc, weights, trainable, frozen, plan.choice, info, source, sample_inputs, None, evals)
+
+
+def onnx_forward(config: TrainerConfig, model: onnx.ModelProto) -> Forward:
+    """An ONNX model with a loss output, at construction: choose the builder, post-process, record dtypes and split
+    the parameters. With the torch builder, also the `OnnxModule` the builder traces (an op it cannot run is an
+    error now); the trainer compiles it on its first step (the torch builder traces with a batch)."""
+    options = config.options
+    choice = choose_builder(
+        options._internal_use.gradient_builder,
+        onnx_model=True,
+        ort_only=ort_only_options(options, onnx_model=True),
+        training_build=has_training_build(),
+    )
+    desc = copy.deepcopy(config.model_desc)
+    forward = postprocess(config, model)
+    record_graph_types(desc, forward)
+    trainable, frozen = split_parameters(forward, list(options.utils.frozen_weights), None, None)
+    source = _onnx_source(config, forward, trainable, frozen) if choice.builder == "torch" else None
+    return Forward(desc, forward, trainable, frozen, choice, source=source)
+
+
+def _onnx_source(
+    config: TrainerConfig, forward: onnx.ModelProto, trainable: list[str], frozen: list[str]
+) -> TorchSource:
+    """The torch builder's source for an ONNX model: an OnnxModule of the post-processed forward model, its state
+    renamed back to initializer names (gradient/onnx_module.py). The torch builder takes output 0 as the loss."""
+    desc = config.model_desc
+    inputs, outputs = [d.name for d in desc.inputs], [d.name for d in desc.outputs]
+    if not desc.outputs[0].is_loss:
+        raise ValueError(f"the 'torch' gradient builder needs the loss as the first model_desc output: {outputs}")
+    module = OnnxModule(forward, inputs, outputs, trainable, frozen)
+    opset = config.options._internal_use.onnx_opset_version
+    return TorchSource(module, None, inputs, opset, True, state_names=module.state_names)
+
+
+def split_parameters(
+    model: onnx.ModelProto, frozen_weights: list[str], torch_params: list[str] | None, torch_state: list[str] | None
+) -> tuple[list[str], list[str]]:
+    """(trainable, frozen) initializer names.
+
+    PyTorch model: its `requires_grad` parameters minus `utils.frozen_weights` are trained; buffers, other
+    parameters and the listed frozen weights are frozen state. ONNX model: every floating-point initializer not in
+    `frozen_weights` is trained; other initializers stay constants of the graph.
+    """
+    initializers = {i.name: i for i in model.graph.initializer}
+    unknown = [name for name in frozen_weights if name not in initializers]
+    if unknown:
+        raise RuntimeError(f"{unknown} params from 'frozen_weights' not found in the ONNX model.")
+    frozen_set = set(frozen_weights)
+    if torch_params is not None:
+        trainable = [n for n in torch_params if n not in frozen_set]
+        frozen = [n for n in (torch_state or []) if n in initializers] + [n for n in torch_params if n in frozen_set]
+        return trainable, frozen
+    trainable = [n for n, i in initializers.items() if n not in frozen_set and i.data_type in FLOAT_ONNX_TYPES]
+    return trainable, list(frozen_weights)
+
+
+def postprocess(config: TrainerConfig, model: onnx.ModelProto) -> onnx.ModelProto:
+    """The legacy post-processing options: internal passes, `extra_postprocess`, symbolic shape inference."""
+    options = config.options
+    internal = options._internal_use
+    if internal.enable_internal_postprocess:
+        model = run_postprocess(model)
+    if internal.extra_postprocess:
+        model = internal.extra_postprocess(model)
+        require(
+            isinstance(model, onnx.ModelProto),
+            f"'extra_postprocess' must return a ONNX model (options _internal_use.extra_postprocess returned "
+            f"{type(model).__name__})",
+        )
+    if options.utils.run_symbolic_shape_infer:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        model = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
+    return model

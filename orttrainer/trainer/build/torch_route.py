@@ -1,0 +1,253 @@
+"""The torch route's state and forward model, without the TorchScript exporter.
+
+Rules:
+- State, from the module itself (`module_state`): the trainable tensors are its `requires_grad` parameters (tied
+  parameters once, under their first name) minus `utils.frozen_weights`; the frozen state is the listed frozen
+  weights and the other state_dict entries its eval-mode dry run reads (`export.dry_run`); the other state_dict
+  entries are aliases (a tied tensor's other names) or unused state. A trainable parameter that gets no gradient
+  is frozen with a warning when the training graph is traced (`gradient/differentiate.py`): never silently.
+- The forward model (`TorchEvalGraphs`): the module (+ loss) in eval mode, traced with torch.export and written by
+  torch.onnx (`dynamo=True`) when first needed — the first `eval_step`, `debug.check_model_export` or
+  `save_as_onnx` — so training never waits for it. Data inputs are named as model_desc, outputs are the
+  model_desc outputs (loss first), the trainer's state tensors are initializers named like the module's
+  parameters and buffers (no `model.` prefix); other tensors (plain tensor attributes, the loss function's
+  state, state the trainer does not hold) are constants. model_desc's string dims are dynamic where the trace
+  allows it (torch.export's `Dim.AUTO`), within the ranges it found; for inputs outside them (a dim the model
+  specialises) another eval graph is exported for their shapes.
+- Mode: eval (dropout off, BatchNorm on running statistics), whatever mode the module trains in. The legacy
+  `save_as_onnx` wrote the training-mode graph; see README § Gradient builders.
+- Mixed precision (`ForwardSource.mixed_precision`): the module computes in float16 on the float32 state, as in
+  training (build/export.py); the loss output is float32, the other float outputs the module's float16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import onnx
+import torch
+from onnx import numpy_helper
+
+from ...debug.subscriber import no_increase_global_step
+from ..gradient import torch_private
+from ..gradient.torch_builder import MAX_ORT_OPSET
+from ..gradient.torch_private import DimSpec
+from ..gradient.torch_trace import flatten_tensors
+from ..graph.pipeline import build_eval_model
+from ..runtime.session import EvalGraph, ShapeKeyedCache, ShapeSignature
+from .export import MODEL_PREFIX, DryRun, _ModelWithLoss, set_initializers, strip_prefix
+
+_logger = logging.getLogger(__name__)
+
+
+def module_state(module: torch.nn.Module, frozen_weights: list[str], dry: DryRun) -> tuple[list[str], list[str]]:
+    """(trainable, frozen) state names by the rules above; RuntimeError naming a frozen weight the module lacks."""
+    params = dict(module.named_parameters())  # tied parameters once, under their first name
+    unknown = [name for name in frozen_weights if name not in params]
+    if unknown:
+        # the legacy text (docs/legacy_api.md §3.3), whichever builder: scripts match it
+        raise RuntimeError(f"{unknown} params from 'frozen_weights' not found in the ONNX model.")
+    listed = set(frozen_weights)
+    trainable = [n for n, p in params.items() if p.requires_grad and n not in listed]
+    canonical = {id(t): n for n, t in reversed([*module.named_parameters(), *module.named_buffers()])}
+    state = module.state_dict(keep_vars=True)
+    assert dry.read_state is not None, "the torch route's dry run records the state reads (build._torch_route)"
+    read = [canonical[id(state[n])] for n in dry.read_state if id(state[n]) in canonical]
+    frozen = list(dict.fromkeys([*frozen_weights, *(n for n in read if n not in trainable)]))
+    return trainable, frozen
+
+
+def named_dims(input_descs: Sequence) -> list[list[int]]:
+    """For each model_desc input, the dims its shape names with a string (`['batch', 784]` -> `[0]`): the dims the
+    torch path traces as dynamic."""
+    return [[i for i, dim in enumerate(desc.shape) if isinstance(dim, str)] for desc in input_descs]
+
+
+def same_size_groups(input_descs: Sequence) -> list[list[tuple[int, int]]]:
+    """The (input, dim) pairs model_desc names with the same string, for each name used more than once (`batch` in
+    `['batch', 'seq']` and `['batch']`): the torch path traces them as one size."""
+    groups: dict[str, list[tuple[int, int]]] = {}
+    for i, desc in enumerate(input_descs):
+        for d, dim in enumerate(desc.shape):
+            if isinstance(dim, str):
+                groups.setdefault(dim, []).append((i, d))
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def state_model(module: torch.nn.Module, names: list[str]) -> onnx.ModelProto:
+    """A model holding only the named state tensors, as initializers: what the compiler reads the initial state
+    from (the torch route has no forward graph before its first eval)."""
+    state = {n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    graph = onnx.helper.make_graph(
+        [], "state", [], [], [numpy_helper.from_array(state[n].cpu().numpy(), n) for n in names]
+    )
+    return onnx.helper.make_model(graph)
+
+
+@dataclass(frozen=True)
+class ForwardSource:
+    """What the eval-mode forward is traced from: `_ModelWithLoss(module, loss_fn, input_names)`, its first
+    len(output_names) flattened outputs, the dims of each input that may stay dynamic, the ONNX opset."""
+
+    module: torch.nn.Module
+    loss_fn: Callable | None
+    input_names: list[str]
+    output_names: list[str]
+    dynamic_dims: list[list[int]]
+    opset_version: int
+    mixed_precision: bool = False
+
+
+class _EvalForward(_ModelWithLoss):
+    """`_ModelWithLoss` returning its first `count` output tensors, flattened."""
+
+    def __init__(self, source: ForwardSource) -> None:
+        super().__init__(source.module, source.loss_fn, source.input_names, float16=source.mixed_precision)
+        self.count = len(source.output_names)
+
+    def forward(self, *inputs):
+        loss, *outputs = flatten_tensors(super().forward(*inputs))[: self.count]
+        return (loss.float() if self.float16 else loss, *outputs)  # the loss is float32 under mixed precision
+
+
+def export_forward(
+    source: ForwardSource, inputs: Sequence[torch.Tensor], dynamic: bool = True
+) -> tuple[onnx.ModelProto, list[list[DimSpec]]]:
+    """The eval-mode forward model for `inputs` (their shapes only, unless `dynamic`), with the module's current
+    state values in its initializers, and its data inputs' dims (a size, or a dynamic dim's range). Raises
+    RuntimeError naming the model when torch.export cannot trace it."""
+    module = source.module
+    opset = min(max(source.opset_version, torch_private.MIN_DYNAMO_OPSET), MAX_ORT_OPSET)
+    dims = source.dynamic_dims if dynamic else [[] for _ in inputs]
+    try:  # orttrainer.debug hooks pass values through while tracing: no step counted, no file written
+        with _eval_mode(module), no_increase_global_step():
+            model, specs = torch_private.export_module_to_onnx(
+                _EvalForward(source),
+                [t.detach() for t in inputs],
+                source.input_names,
+                source.output_names,
+                opset,
+                dims,
+            )
+    except Exception as err:
+        raise RuntimeError(
+            f"torch.export could not trace the eval-mode forward of {type(module).__name__} (the torch path's eval "
+            f"graph, also used by save_as_onnx and debug.check_model_export): {type(err).__name__}: {err}"
+        ) from err
+    model = first_names(strip_prefix(model, MODEL_PREFIX), module)
+    state = {n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    return set_initializers(model, state), specs
+
+
+def first_names(model: onnx.ModelProto, module: torch.nn.Module) -> onnx.ModelProto:
+    """Rule: an initializer named after another name of a tied tensor (torch.export names it as the forward reads
+    it, `decoder.bias`) takes the tensor's first name (`bias`), under which the trainer holds it; two of them
+    become one. `model` is modified and returned."""
+    first: dict[int, str] = {}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        first.setdefault(id(tensor), name)
+    every = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    renamed = {name: first[id(tensor)] for name, tensor in every if first[id(tensor)] != name}
+    if not any(init.name in renamed for init in model.graph.initializer):
+        return model
+    kept: dict[str, onnx.TensorProto] = {}
+    for init in model.graph.initializer:
+        name = renamed.get(init.name, init.name)
+        if name not in kept:
+            kept[name] = onnx.TensorProto()
+            kept[name].CopyFrom(init)
+            kept[name].name = name
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept.values())
+    for node in model.graph.node:
+        for k, name in enumerate(node.input):
+            node.input[k] = renamed.get(name, name)
+    return model
+
+
+@contextlib.contextmanager
+def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def accepts(dims: Sequence[Sequence[DimSpec]], dtypes: Sequence[torch.dtype], inputs: Sequence[torch.Tensor]) -> bool:
+    """Rule: `inputs` fit a graph whose data inputs have `dims` (a size, or a dynamic dim's range) and `dtypes`."""
+    if len(inputs) != len(dims):
+        return False
+    for shape, dtype, tensor in zip(dims, dtypes, inputs, strict=True):
+        if tensor.dtype != dtype or len(shape) != tensor.dim():
+            return False
+        for spec, actual in zip(shape, tensor.shape, strict=True):
+            low, high = (spec, spec) if isinstance(spec, int) else spec
+            if actual < low or (high is not None and actual > high):
+                return False
+    return True
+
+
+class TorchEvalGraphs:
+    """The torch route's forward model and eval graphs (`runtime.session.EvalGraphs`), exported when first needed.
+
+    `forward_model()` is the post-processed forward model (`save_as_onnx`), exported for the first batch's shapes
+    unless an eval graph exists already; `self(inputs)` is the eval graph for `inputs`: the first one exported
+    (dynamic) for every input it accepts, else one exported for their shapes (logged at INFO, kept)."""
+
+    def __init__(
+        self,
+        source: ForwardSource,
+        sample: ShapeSignature,
+        postprocess: Callable[[onnx.ModelProto], onnx.ModelProto],
+        state: list[str],
+    ) -> None:
+        self.data_inputs = list(source.input_names)
+        self._source, self._sample, self._postprocess, self._state = source, sample, postprocess, list(state)
+        self._dtypes = [_torch_dtype(dtype) for _, dtype in sample]
+        self._forward: onnx.ModelProto | None = None
+        self._first: tuple[EvalGraph, list[list[DimSpec]]] | None = None
+        self._others: ShapeKeyedCache[EvalGraph] = ShapeKeyedCache(16)
+
+    def forward_model(self) -> onnx.ModelProto:
+        if self._forward is None:
+            self(self._sample_inputs())
+        assert self._forward is not None  # set by the first export
+        return self._forward
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph:
+        if self._first is None:
+            model, dims = export_forward(self._source, inputs)
+            self._forward = self._postprocess(model)
+            self._first = (self._eval_graph(self._forward), dims)
+            return self._first[0]
+        first, dims = self._first
+        if accepts(dims, self._dtypes, inputs):
+            return first
+        return self._others.get_or_build(inputs, lambda: self._build(inputs))
+
+    def _build(self, inputs: Sequence[torch.Tensor]) -> EvalGraph:
+        _logger.info(
+            "exporting an eval graph for the input shapes %s (the first one's trace specialised a dim of model_desc)",
+            [list(t.shape) for t in inputs],
+        )
+        model, _ = export_forward(self._source, inputs, dynamic=False)
+        return self._eval_graph(self._postprocess(model))
+
+    def _eval_graph(self, forward: onnx.ModelProto) -> EvalGraph:
+        return EvalGraph(build_eval_model(forward, self._state, self._source.output_names), self.data_inputs)
+
+    def _sample_inputs(self) -> list[torch.Tensor]:
+        """Tensors of the first batch's shapes and dtypes: the exporter traces shapes, never values."""
+        return [torch.zeros(shape, dtype=dtype) for (shape, _), dtype in zip(self._sample, self._dtypes, strict=True)]
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """`str(dtype)` ('torch.float32', as in a ShapeSignature) back to the dtype."""
+    dtype = getattr(torch, name.removeprefix("torch."))
+    assert isinstance(dtype, torch.dtype), name
+    return dtype

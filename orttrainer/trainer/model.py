@@ -1,0 +1,254 @@
+"""The trainer's model, not yet built (`Unbuilt`) or built (`Built`), and the pipeline that builds it.
+
+`build_model` reads top-down through the three stages (docs/architecture.md):
+1. build/ — the model -> its post-processed forward ONNX model and state (`build.forward.Forward`);
+2. compile/ — the forward model -> training and eval graphs and the initial state (`compile_model`, whose numbered
+   stages are graph/pipeline.py's);
+3. runtime/ — the ONNX Runtime session that holds the state and runs the graphs (runtime/session.py; with data
+   parallelism runtime/data_parallel.py, whose ranks then start from rank 0's weights).
+'auto' (README § Gradient builders) tries the TorchScript route first and falls back to the torch route when the
+TorchScript exporter fails or ONNX Runtime has no gradient for an op (`build.forward.auto_fallback`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx
+import torch
+
+from .._require import require
+from ..amp import LossScaler
+from ..schema.model_desc import _ORTTrainerModelDesc
+from .activations import ActivationStatistics
+from .build.export import TRACING, TorchScriptExportError
+from .build.forward import (
+    Forward,
+    TorchExportInfo,
+    auto_fallback,
+    onnx_forward,
+    prepare_torch,
+    torch_route_forward,
+    torchscript_forward,
+)
+from .compile.compiler import CompiledModel, CompileRequest, DataParallelPlan, compile_model, output_elem_types
+from .config import TrainerConfig, recompute_plan
+from .gradient.choice import BuilderChoice
+from .gradient.errors import GradientBuildError
+from .gradient.ort_options import GradientOptions
+from .inputs import check_inputs
+from .runtime import ort_private
+from .runtime.data_parallel import Communicator, DataParallelSession, partition_parameters, start_from_rank0
+from .runtime.ort import writable_debug_path
+from .runtime.session import SessionBase, SessionConfig, TrainingSession
+from .state import TrainerState
+
+_logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Unbuilt:
+    """A model that is built with its first batch: a PyTorch module, or an ONNX model the torch gradient builder
+    trains (`onnx`: prepared at construction, so that an op it cannot run is an error there)."""
+
+    module: torch.nn.Module | None = None
+    onnx: Forward | None = None
+
+
+@dataclass(frozen=True)
+class Built:
+    """Everything building produced. `forward` is the post-processed forward model (the legacy `_onnx_model`):
+    `save_as_onnx` writes it with the current weights; the torch route exports it when first asked
+    (`build.torch_route.TorchEvalGraphs`). `session` owns the weights and optimizer state. `model_desc` is the
+    model description with the dtypes building learned."""
+
+    forward_source: onnx.ModelProto | Callable[[], onnx.ModelProto]
+    compiled: CompiledModel
+    session: SessionBase
+    zero_owners: dict[str, int] | None  # ZeRO stage 1: which rank updates each trainable tensor
+    torch_export: TorchExportInfo | None
+    model_desc: _ORTTrainerModelDesc
+
+    @property
+    def forward(self) -> onnx.ModelProto:
+        """The post-processed forward model."""
+        source = self.forward_source
+        return source if isinstance(source, onnx.ModelProto) else source()
+
+    @property
+    def builder(self) -> BuilderChoice:
+        """The gradient builder that made the graph, and why."""
+        return self.compiled.builder
+
+    @property
+    def state_names(self) -> list[str]:
+        """Every trained and frozen tensor the session holds."""
+        return list(self.compiled.trainable) + list(self.compiled.frozen)
+
+
+def build_onnx_model(config: TrainerConfig, state: TrainerState, model: onnx.ModelProto) -> Built | Unbuilt:
+    """An ONNX model, at construction: built now with the 'ort' builder; with the torch builder prepared now and
+    built on the first step."""
+    forward = onnx_forward(config, model)
+    if forward.choice.builder == "torch":
+        return Unbuilt(onnx=forward)
+    return _compile_and_open(config, state, forward)
+
+
+def build_model(
+    config: TrainerConfig, state: TrainerState, model: Unbuilt, sample_inputs: list, activations: ActivationStatistics
+) -> Built:
+    """Build `model` with its first batch, one thread at a time (`TRACING`)."""
+    with TRACING:
+        if model.onnx is not None:
+            check_inputs(sample_inputs, config.model_desc.inputs)
+            forward = Forward(**{**model.onnx.__dict__, "sample_inputs": sample_inputs})
+            return _compile_and_open(config, state, forward)
+        if model.module is None:
+            raise RuntimeError("Model is uninitialized. Only ONNX and PyTorch models are supported")
+        return _build_torch(config, state, model.module, sample_inputs, activations)
+
+
+def _build_torch(
+    config: TrainerConfig,
+    state: TrainerState,
+    module: torch.nn.Module,
+    sample_inputs: list,
+    activations: ActivationStatistics,
+) -> Built:
+    plan = prepare_torch(config, module, sample_inputs, activations)
+    if plan.choice.builder != "torch":
+        try:
+            forward = torchscript_forward(config, module, sample_inputs, activations, plan)
+            return _compile_and_open(config, state, forward)
+        except (TorchScriptExportError, GradientBuildError) as err:
+            reason = auto_fallback(plan.choice, err)
+            if reason is None:
+                raise
+            _logger.info("%s; building with the torch gradient builder", reason)
+            plan = plan.falling_back(reason)
+    return _compile_and_open(config, state, torch_route_forward(config, module, sample_inputs, plan))
+
+
+def _compile_and_open(config: TrainerConfig, state: TrainerState, forward: Forward) -> Built:
+    """Stages 2 and 3: compile `forward`, then open the session on the initial state."""
+    losses = [o.name for o in forward.model_desc.outputs if o.is_loss]
+    require(len(losses) == 1, f"Only one loss output is supported ({len(losses)} were specified)")
+    plan, owners = _data_parallel_plan(config, forward.forward, forward.trainable)
+    compiled, initial = compile_model(_compile_request(config, forward, losses[0], plan))
+    _logger.info("gradient builder '%s' (%s)", compiled.builder.builder, compiled.builder.reason)
+    _describe_mixed_precision(config, forward.model_desc, compiled, state.loss_scaler)
+    ort_private.set_seed(state.streams.base)  # random ops other than Dropout draw from ONNX Runtime's global generator
+    session = _open_session(config, state, compiled, initial, owners, forward)
+    del initial  # the session holds the state now: one copy (README § Benchmarks, memory)
+    source = forward.eval_graphs.forward_model if forward.eval_graphs is not None else forward.forward
+    built = Built(source, compiled, session, owners, forward.torch_export, forward.model_desc)
+    if config.distributed is not None:
+        start_from_rank0(session, built.state_names, config.rank, config.world_size)
+    return built
+
+
+def _compile_request(
+    config: TrainerConfig, forward: Forward, loss: str, plan: DataParallelPlan | None
+) -> CompileRequest:
+    opts, desc = config.options, forward.model_desc
+    return CompileRequest(
+        forward=forward.forward,
+        loss_name=loss,
+        data_inputs=[d.name for d in desc.inputs],
+        outputs=[d.name for d in desc.outputs],
+        trainable=forward.trainable,
+        frozen=forward.frozen,
+        optim_config=config.optim_config,
+        accumulation_steps=config.accumulation_steps,
+        clip_grad_norm=opts.utils.grad_norm_clip,
+        dropout_off=bool(forward.torch_export and forward.torch_export.dropout_off),
+        lazy_eval=forward.eval_graphs is not None,
+        graph_save_paths=dict(opts.debug.graph_save_paths._validated_opts),
+        mixed_precision=opts.mixed_precision.enabled,
+        cpu=config.device.type == "cpu",
+        data_parallel=plan,
+        builder=forward.choice,
+        torch_source=forward.source,
+        sample_inputs=forward.sample_inputs,
+        recompute=recompute_plan(opts),
+        gradient_options=GradientOptions.from_options(opts),
+        statistics=forward.activations,
+    )
+
+
+def _data_parallel_plan(
+    config: TrainerConfig, forward: onnx.ModelProto, trainable: list[str]
+) -> tuple[DataParallelPlan | None, dict[str, int] | None]:
+    if config.distributed is None:
+        return None, None
+    dist_opts = config.options.distributed
+    wanted = set(trainable)
+    shapes = {i.name: tuple(i.dims) for i in forward.graph.initializer if i.name in wanted}
+    owners = partition_parameters(shapes, config.world_size) if config.zero_stage > 0 else None
+    owned = None if owners is None else [p for p in trainable if owners[p] == config.rank]
+    plan = DataParallelPlan(config.world_size, dist_opts.allreduce_post_accumulation, dist_opts.enable_adasum, owned)
+    return plan, owners
+
+
+def _open_session(
+    config: TrainerConfig,
+    state: TrainerState,
+    compiled: CompiledModel,
+    initial: dict,
+    owners: dict[str, int] | None,
+    forward: Forward,
+) -> SessionBase:
+    opts = config.options
+    session_config = SessionConfig(
+        device=config.device,
+        mem_limit=opts.device.mem_limit,
+        provider_options=dict(opts._validated_opts["provider_options"]),
+        session_options=opts.session_options,
+        deterministic=opts.debug.deterministic_compute,
+        optimized_model_path=writable_debug_path(
+            opts.debug.graph_save_paths.model_with_training_graph_after_optimization_path,
+            "debug.graph_save_paths.model_with_training_graph_after_optimization_path",
+        ),
+    )
+    eval_for = forward.eval_graphs
+    if compiled.step is None:
+        return TrainingSession(compiled, initial, session_config, state.streams, eval_for)
+    return DataParallelSession(
+        compiled,
+        initial,
+        session_config,
+        Communicator(config.world_size),
+        window=state.window,
+        adasum=opts.distributed.enable_adasum,
+        owners=owners,
+        rank=config.rank,
+        streams=state.streams,
+        eval_for=eval_for,
+    )
+
+
+def _describe_mixed_precision(
+    config: TrainerConfig, desc: _ORTTrainerModelDesc, compiled: CompiledModel, scaler: LossScaler | None
+) -> None:
+    """Record the loss-scale input, the all-finite output and the float16 outputs in model_desc. A loss scaler
+    without mixed precision is the legacy error, raised where the original raised it: at session creation
+    (docs/legacy_api.md §3.4)."""
+    if not config.options.mixed_precision.enabled:
+        if config.options.mixed_precision.loss_scaler is not None:
+            raise ValueError("Loss Scaler cannot be specified when Mixed Precision is not enabled")
+        return
+    graph = compiled.training
+    if graph.loss_scale_input is None or graph.all_finite_output is None:  # compile adds both under mixed precision
+        raise RuntimeError("the mixed-precision training graph has no loss-scale input or all-finite output")
+    desc.loss_scale_input = graph.loss_scale_input
+    desc.all_finite = graph.all_finite_output
+    assert scaler is not None  # make_config gives mixed precision a DynamicLossScaler when the options name none
+    scaler.input_name = graph.loss_scale_input
+    types = {**output_elem_types(compiled.step_graph.model), **output_elem_types(compiled.eval_model)}
+    for i, output in enumerate(desc.outputs):
+        dtype = getattr(output, "dtype", None)  # set only once the type is known
+        if dtype == torch.float32 and types.get(output.name) == onnx.TensorProto.FLOAT16:
+            desc.add_type_to_output_description(i, dtype, torch.float16)

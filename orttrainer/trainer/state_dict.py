@@ -1,0 +1,343 @@
+"""The trainer's state in the legacy state_dict layout, both ways (docs/legacy_api.md §3.10–§3.11).
+
+Layout (pytorch_format=False):
+  model/full_precision/<name>                 weights, frozen weights and buffers (float32 master weights)
+  optimizer/<weight>/Moment_1, Moment_2       Adam and LAMB
+  optimizer/<weight>/Update_Count             Adam: int64 [1], the 1-based number of the next update
+  optimizer/shared_optimizer_state/Step       LAMB: the same counter, shared
+  trainer_options/...                         mixed_precision, zero_stage, world_rank, world_size, optimizer_name,
+                                              data_parallel_size, horizontal_parallel_size
+  train_step_info/optimization_step, step
+  gradient_accumulation/<weight>              only mid accumulation window: the running gradient sums, so a resumed
+                                              run continues the window exactly (the original lost them)
+  loss_scaler/loss_scale, stable_steps        mixed precision only: the loss scaler's state, so a resumed run
+                                              continues with the same scale (the original restarted from 2^16)
+  rng/seed, rng/positions/<graph key>         the trainer's dropout stream (state.DropoutStreams), so a resumed
+                                              run draws the masks the uninterrupted run would have drawn
+
+Loading (`apply_state_dict`) takes the legacy layout, a plain PyTorch module state_dict, or (`load_flat_state`) the
+experimental API's flat `{name: tensor}`. Every value is checked before any is applied (`set_state`), so a bad
+state leaves the trainer as it was.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..checkpoint import layout
+from .compile.contract import accumulation_buffer_name
+from .config import TrainerConfig
+from .model import Built
+from .state import StepCounters, TrainerState
+
+BUFFER_SUFFIX = accumulation_buffer_name("")  # buffer of weight w: f"{w}{BUFFER_SUFFIX}"
+
+
+def build_state_dict(
+    built: Built, config: TrainerConfig, state: TrainerState, pytorch_format: bool = False
+) -> dict[str, Any]:
+    """The trainer's current state."""
+    counters = state.counters
+    model = built.session.get_state(_model_state_names(built, config))
+    if pytorch_format:
+        return _pytorch_state_dict(built, model)
+    saved: dict[str, Any] = {
+        layout.MODEL: {layout.FULL_PRECISION: model},
+        layout.OPTIMIZER: _optimizer_state(built, config, counters),
+        layout.TRAINER_OPTIONS: _trainer_options(config),
+        layout.TRAIN_STEP_INFO: {
+            layout.OPTIMIZATION_STEP: counters.info.optimization_step,
+            layout.TRAIN_STEP: counters.info.step,
+        },
+    }
+    accumulation = _accumulation_state(built, config, state)
+    if accumulation:
+        saved[layout.GRADIENT_ACCUMULATION] = accumulation
+    partition_info = _partition_info(built, config)
+    if partition_info is not None:
+        saved[layout.PARTITION_INFO] = partition_info
+    if state.streams.active:
+        saved[layout.RNG] = state.streams.state()
+    scaler = state.loss_scaler
+    if scaler is not None:
+        stable_steps = int(getattr(scaler, "_stable_steps_count", 0))  # only DynamicLossScaler counts them
+        saved[layout.LOSS_SCALER] = {layout.LOSS_SCALE: float(scaler.loss_scale), layout.STABLE_STEPS: stable_steps}
+    return saved
+
+
+def _accumulation_state(built: Built, config: TrainerConfig, state: TrainerState) -> dict[str, np.ndarray]:
+    """The running gradient sums, taken only in the middle of an accumulation window."""
+    buffers = built.compiled.accumulation_buffers
+    if not buffers or not state.window.mid_window(state.counters.info.step):
+        return {}
+    if config.world_size > 1:
+        raise RuntimeError(
+            "a state_dict in the middle of a gradient-accumulation window cannot be taken with data parallelism: "
+            "each rank holds its own partial gradient sum. Save at an optimizer step (when "
+            "_train_step_info.step % batch.gradient_accumulation_steps == 0)"
+        )
+    values = built.session.get_state(buffers)
+    return {name.removesuffix(BUFFER_SUFFIX): value for name, value in values.items()}
+
+
+def _model_state_names(built: Built, config: TrainerConfig) -> list[str]:
+    """Every trained and frozen tensor — except that a ZeRO rank under mixed precision saves only the master
+    weights it owns (the legacy layout shards them; aggregation concatenates the ranks' files)."""
+    trainable = built.compiled.trainable
+    owners = built.zero_owners
+    if owners is not None and config.options.mixed_precision.enabled:
+        trainable = [p for p in trainable if owners[p] == config.rank]
+    return list(trainable) + list(built.compiled.frozen)
+
+
+def _partition_info(built: Built, config: TrainerConfig) -> dict[str, dict[str, Any]] | None:
+    owners = built.zero_owners
+    if config.zero_stage == 0 or owners is None:
+        return None
+    shapes = built.compiled.shapes
+    return {
+        p: {layout.ORIGINAL_DIM: np.array(shapes[p], dtype=np.int64), layout.MEGATRON_ROW_PARTITION: np.int64(-1)}
+        for p, owner in owners.items()
+        if owner == config.rank
+    }
+
+
+def _pytorch_state_dict(built: Built, model: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Flat {name: tensor} for `torch.nn.Module.load_state_dict`: tied names and tensors the graph does not use
+    (they never change in training) are included, so the original module accepts it with strict=True."""
+    flat = {name: torch.from_numpy(value) for name, value in model.items()}
+    info = built.torch_export
+    if info is None:
+        return flat
+    for alias, canonical in info.aliases.items():
+        if canonical in flat:
+            flat[alias] = flat[canonical].clone()
+    for name, value in info.unused_state.items():
+        flat.setdefault(name, value.clone())
+    keys = info.state_dict_keys
+    return {k: flat[k] for k in keys if k in flat} | {k: v for k, v in flat.items() if k not in keys}
+
+
+def _optimizer_state(built: Built, config: TrainerConfig, counters: StepCounters) -> dict[str, Any]:
+    name = config.optim_config.name
+    if name == "SGDOptimizer":
+        return {}
+    graph = built.compiled.training
+    moments = built.session.get_state(list(graph.optimizer_state))
+    count = np.array([counters.next_update], dtype=np.int64)
+    state: dict[str, Any] = {}
+    for weight in graph.weight_updates:  # with ZeRO: only the tensors this rank updates
+        entry = {layout.MOMENT_1: moments[f"Moment_1_{weight}"], layout.MOMENT_2: moments[f"Moment_2_{weight}"]}
+        if name == "AdamOptimizer":
+            entry[layout.UPDATE_COUNT] = count.copy()
+        state[weight] = entry
+    if name == "LambOptimizer":
+        state[layout.SHARED_OPTIMIZER_STATE] = {layout.STEP: count.copy()}
+    return state
+
+
+def _trainer_options(config: TrainerConfig) -> dict[str, Any]:
+    distributed = config.options.distributed
+    world_size = config.world_size
+    return layout.trainer_options(
+        mixed_precision=bool(config.options.mixed_precision.enabled),
+        zero_stage=config.zero_stage,
+        world_rank=int(config.rank),
+        world_size=int(world_size),
+        optimizer_name=config.optim_config.name,
+        data_parallel_size=int(world_size // distributed.horizontal_parallel_size),
+        horizontal_parallel_size=int(distributed.horizontal_parallel_size),
+    )
+
+
+def flat_state(built: Built, config: TrainerConfig, counters: StepCounters) -> dict[str, torch.Tensor]:
+    """The experimental API's flat view: weights and optimizer tensors by their graph names
+    (`Moment_1_<w>`, `Moment_2_<w>`, `Update_Count_<w>` for Adam, `Step` for LAMB)."""
+    session, graph = built.session, built.compiled.training
+    flat = {k: torch.from_numpy(v) for k, v in session.get_state(built.state_names).items()}
+    flat.update({k: torch.from_numpy(v) for k, v in session.get_state(list(graph.optimizer_state)).items()})
+    count = torch.tensor([counters.next_update], dtype=torch.int64)
+    if config.optim_config.name == "AdamOptimizer":
+        flat.update({f"Update_Count_{w}": count.clone() for w in graph.weight_updates})  # tensors with moments
+    elif config.optim_config.name == "LambOptimizer":
+        flat["Step"] = count
+    return flat
+
+
+def is_pytorch_state_dict(state_dict: dict[str, Any]) -> bool:
+    """A plain module state_dict: flat names -> tensors/arrays, none of the legacy top-level keys."""
+    return (
+        bool(state_dict)
+        and not ({layout.MODEL, layout.OPTIMIZER, layout.TRAINER_OPTIONS} & set(state_dict))
+        and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in state_dict.values())
+    )
+
+
+def apply_state_dict(
+    built: Built, config: TrainerConfig, state: TrainerState, state_dict: dict[str, Any], strict: bool
+) -> None:
+    """Load `state_dict` (legacy layout, or a plain PyTorch module state_dict) into the live session."""
+    counters = state.counters
+    if is_pytorch_state_dict(state_dict):
+        _load_pytorch_weights(built, state_dict, strict)
+        return
+    state_dict = layout.normalise_precision_key(state_dict)
+    if layout.OPTIMIZER in state_dict and layout.TRAINER_OPTIONS in state_dict:
+        # before the key checks: a different optimizer explains every key difference (an SGD checkpoint's
+        # optimizer entry is empty, and is a mismatch all the same)
+        _check_optimizer_name(config, state_dict)
+    if strict:
+        _check_keys(build_state_dict(built, config, state), state_dict, config.zero_stage)
+    values: dict[str, np.ndarray] = {}
+    if layout.MODEL in state_dict:
+        values.update(_model_values(built, state_dict[layout.MODEL], strict))
+    updates = None
+    if layout.OPTIMIZER in state_dict:
+        moments, updates = _optimizer_values(built, state_dict[layout.OPTIMIZER])
+        values.update(moments)
+    values.update(_accumulation_values(built, state_dict.get(layout.GRADIENT_ACCUMULATION, {})))
+    built.session.set_state(values)  # validates every shape before anything changes
+    if updates is not None:
+        counters.optimizer_updates = updates
+    _load_loss_scaler(state, state_dict.get(layout.LOSS_SCALER))
+    if layout.RNG in state_dict and state.streams.load(state_dict[layout.RNG]):
+        built.session.reopen_graphs()  # the sessions' Dropout seeds follow the loaded positions
+    _load_train_step_info(counters, state_dict)
+
+
+def load_flat_state(built: Built, counters: StepCounters, flat: dict[str, Any], strict: bool) -> None:
+    """Inverse of `state.flat_state`; unknown names are an error under `strict`."""
+    graph = built.compiled.training
+    known = set(built.state_names) | set(graph.optimizer_state)
+    update_counts = {k: v for k, v in flat.items() if k.startswith("Update_Count_") or k == "Step"}
+    unknown = sorted(set(flat) - known - set(update_counts))
+    if strict and unknown:
+        raise RuntimeError(f"Checkpoint tensor: {unknown[0]} is not present in the model.")
+    built.session.set_state({k: _as_array(v) for k, v in flat.items() if k in known})
+    if update_counts:
+        values = {int(_as_array(v).reshape(-1)[0]) for v in update_counts.values()}
+        if len(values) > 1:
+            raise ValueError(f"the checkpoint's optimizer update counters differ ({sorted(values)})")
+        counters.optimizer_updates = values.pop() - 1
+
+
+def _load_loss_scaler(state: TrainerState, saved: dict[str, Any] | None) -> None:
+    """A checkpoint from a mixed-precision run carries its loss scale; an fp32 trainer has no use for it."""
+    scaler = state.loss_scaler
+    if saved is None or scaler is None:
+        return
+    scaler.loss_scale = float(saved[layout.LOSS_SCALE])
+    if hasattr(scaler, "_stable_steps_count"):
+        scaler._stable_steps_count = int(saved[layout.STABLE_STEPS])
+
+
+def _model_values(built: Built, model: dict[str, Any], strict: bool) -> dict[str, np.ndarray]:
+    known = set(built.state_names)
+    values = {}
+    for precision, weights in model.items():
+        for name, value in weights.items():
+            if name in known:
+                values[name] = _as_array(value)
+            elif strict:
+                raise RuntimeError(f"Unexpected key: {name} in state_dict[model][{precision}]")
+    return values
+
+
+def _optimizer_values(built: Built, optimizer: dict[str, Any]) -> tuple[dict[str, np.ndarray], int | None]:
+    if not optimizer:
+        return {}, None
+    values: dict[str, np.ndarray] = {}
+    counts: set[int] = set()
+    moments = built.compiled.training.optimizer_state
+    for weight, entry in optimizer.items():
+        if weight == layout.SHARED_OPTIMIZER_STATE:
+            counts.update(int(np.asarray(v).reshape(-1)[0]) for k, v in entry.items() if k in (layout.STEP, "step"))
+            continue
+        for moment in (layout.MOMENT_1, layout.MOMENT_2):
+            if moment in entry and f"{moment}_{weight}" in moments:
+                values[f"{moment}_{weight}"] = _as_array(entry[moment])
+        if layout.UPDATE_COUNT in entry:
+            counts.add(int(np.asarray(entry[layout.UPDATE_COUNT]).reshape(-1)[0]))
+    if len(counts) > 1:
+        raise ValueError(
+            f"the checkpoint's optimizer update counters differ between weights ({sorted(counts)}); "
+            "orttrainer keeps one counter for all weights"
+        )
+    return values, (counts.pop() - 1 if counts else None)
+
+
+def _check_optimizer_name(config: TrainerConfig, state_dict: dict[str, Any]) -> None:
+    theirs, mine = layout.optimizer_name_of(state_dict), config.optim_config.name
+    if theirs != mine:
+        raise AssertionError(f"Optimizer mismatch: expected {mine}, got {theirs}")
+
+
+def _accumulation_values(built: Built, buffers: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The saved partial sums, or zeros for every buffer (a checkpoint saved at a window boundary has none)."""
+    values = {}
+    for name in built.compiled.accumulation_buffers:
+        weight = name.removesuffix(BUFFER_SUFFIX)
+        saved = buffers.get(weight)
+        values[name] = _as_array(saved) if saved is not None else np.zeros(built.compiled.shapes[weight], np.float32)
+    return values
+
+
+def _load_pytorch_weights(built: Built, state_dict: dict[str, Any], strict: bool) -> None:
+    known = set(built.state_names)
+    info = built.torch_export
+    ignorable = set(info.aliases) | set(info.unused_state) if info is not None else set()
+    if strict:
+        missing = sorted(known - set(state_dict))
+        unexpected = sorted(set(state_dict) - known - ignorable)
+        if missing:
+            raise RuntimeError(f"Missing keys: {missing} in state_dict")
+        if unexpected:
+            raise RuntimeError(f"Unexpected keys: {unexpected} in state_dict")
+    built.session.set_state({k: _as_array(v) for k, v in state_dict.items() if k in known})
+
+
+def _load_train_step_info(counters: StepCounters, state_dict: dict[str, Any]) -> None:
+    info = state_dict.get(layout.TRAIN_STEP_INFO)
+    if info is None:
+        warnings.warn("Missing key: train_step_info in state_dict", stacklevel=2)
+        return
+    counters.info.optimization_step = int(info[layout.OPTIMIZATION_STEP])
+    counters.info.step = int(info[layout.TRAIN_STEP])
+
+
+def _check_keys(current: dict[str, Any], loaded: dict[str, Any], zero_stage: int) -> None:
+    """Strict mode: the legacy key checks, missing keys reported before unexpected ones."""
+    allow_unexpected = zero_stage > 0
+    if layout.MODEL not in loaded:
+        warnings.warn("Missing key: model in state_dict", stacklevel=2)
+    else:
+        _compare(current[layout.MODEL], loaded[layout.MODEL], "state_dict[model]", allow_unexpected)
+        for precision in current[layout.MODEL]:
+            where = f"state_dict[model][{precision}]"
+            _compare(current[layout.MODEL][precision], loaded[layout.MODEL][precision], where, allow_unexpected)
+    if layout.OPTIMIZER not in loaded:
+        warnings.warn("Missing key: optimizer in state_dict", stacklevel=2)
+        return
+    _compare(current[layout.OPTIMIZER], loaded[layout.OPTIMIZER], "state_dict[optimizer]", allow_unexpected)
+    for weight in current[layout.OPTIMIZER]:
+        where = f"state_dict[optimizer][{weight}]"
+        _compare(current[layout.OPTIMIZER][weight], loaded[layout.OPTIMIZER][weight], where, allow_unexpected)
+
+
+def _compare(current: dict[str, Any], loaded: dict[str, Any], where: str, allow_unexpected: bool) -> None:
+    missing = [k for k in current if k not in loaded]
+    if missing:
+        raise RuntimeError(f"Missing keys: {missing} in {where}")
+    unexpected = [k for k in loaded if k not in current]
+    if unexpected and not allow_unexpected:
+        raise RuntimeError(f"Unexpected keys: {unexpected} in {where}")
+
+
+def _as_array(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
