@@ -12,10 +12,11 @@ The trainer's state lives in four typed fields with one owner each (module map: 
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import onnx
 import torch
@@ -37,9 +38,22 @@ from .graph.editor import copy_model
 from .inputs import check_inputs, check_outputs, order_inputs
 from .model import Built, Unbuilt, build_model, build_onnx_model
 from .runtime.session import SessionBase
-from .state import AccumulationWindow, PendingLoad, StepCounters, TrainerState
+from .state import AccumulationWindow, PendingLoad, StepCounters, TrainerState, uninterrupted
 
 Outputs = torch.Tensor | list[torch.Tensor]
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _locked(method: Method) -> Method:
+    """The method runs holding the trainer's lock (`TrainerState.lock`): steps, loads and saves of one trainer
+    called from several threads run one after another (docs/design.md § Failure atomicity)."""
+
+    @functools.wraps(method)
+    def locked(self: ORTTrainer, *args: Any, **kwargs: Any) -> Any:
+        with self._state.lock:
+            return method(self, *args, **kwargs)
+
+    return cast(Method, locked)
 
 
 class ORTTrainer:
@@ -151,9 +165,14 @@ class ORTTrainer:
         weights and the dropout stream stay as they were, so the same step can be retried."""
         return self._train(order_inputs(args, kwargs, self.model_desc.inputs))
 
+    @_locked
     def _train(self, inputs: list, lr: float | None = None) -> Outputs:
         """`train_step` on ordered inputs; `lr` is this step's learning rate instead of `optim_config.lr` or the
-        `lr_scheduler` (the older API, `orttrainer.capi`, takes the rate as an input)."""
+        `lr_scheduler` (the older API, `orttrainer.capi`, takes the rate as an input).
+
+        Atomic: a step is applied whole or not at all (docs/design.md § Failure atomicity). Until ONNX Runtime has
+        run, nothing changes; from then until the counters have moved, interrupts are deferred
+        (`state.uninterrupted`). Steps of one trainer called from several threads run one at a time."""
         built = self._built_for(inputs, check_export=self.options.debug.check_model_export)
         sizes = check_inputs(inputs, built.model_desc.inputs)
         state = self._state
@@ -169,14 +188,15 @@ class ORTTrainer:
         watched = self._activations.model in WATCHED  # no statistics bookkeeping unless a manager watches the model
         statistics = self._activations.begin_step("train") if watched else []
         scale = scaler.loss_scale if scaler else None
-        results, finite = built.session.train(
-            data, lr, state.counters.next_update, names + statistics, optimizer_step, scale
-        )
-        info.step = step  # counted only now: a step that raised above changed nothing
+        with uninterrupted():
+            results, finite = built.session.train(
+                data, lr, state.counters.next_update, names + statistics, optimizer_step, scale
+            )
+            info.step = step  # counted only now: a step that raised above changed nothing
+            if optimizer_step:
+                self._after_optimizer_step(finite, scaler)
         if watched:
             self._activations.end_step(results)
-        if optimizer_step:
-            self._after_optimizer_step(finite, scaler)
         check_outputs(results, built.model_desc.outputs, sizes)
         ordered = [results[n] for n in (info.fetches or names)]
         return ordered[0] if len(ordered) == 1 else ordered
@@ -191,6 +211,7 @@ class ORTTrainer:
         if finite:
             counters.count_update()
 
+    @_locked
     def eval_step(self, *args: Any, **kwargs: Any) -> Outputs:
         """Forward pass with dropout off; changes no state. Returns outputs in model_desc order."""
         inputs = order_inputs(args, kwargs, self.model_desc.inputs)
@@ -225,6 +246,7 @@ class ORTTrainer:
     def _data(self, inputs: list) -> dict[str, torch.Tensor]:
         return {d.name: t for d, t in zip(self._config.model_desc.inputs, inputs, strict=True)}
 
+    @_locked
     def save_as_onnx(self, path: str) -> None:
         """Write the forward (+loss) ONNX model with the current weights to `path`."""
         built = self._built
@@ -250,6 +272,7 @@ class ORTTrainer:
             if os.path.exists(temporary):
                 os.remove(temporary)
 
+    @_locked
     def state_dict(self, pytorch_format: bool = False) -> dict[str, Any]:
         """Model, optimizer, trainer options and step counters in the legacy layout (see `trainer/state_dict.py`),
         or with `pytorch_format=True` a flat `{name: torch.Tensor}` that the original module's `load_state_dict`
@@ -269,6 +292,7 @@ class ORTTrainer:
                 warnings.warn("Incomplete state_dict: Megatron enabled", stacklevel=2)
         return state_dicts.build_state_dict(built, self._config, self._state, pytorch_format)
 
+    @_locked
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Load a state_dict in the legacy layout, or a plain PyTorch `state_dict` of the model.
 
@@ -280,6 +304,7 @@ class ORTTrainer:
             return
         state_dicts.apply_state_dict(built, self._config, self._state, state_dict, strict)
 
+    @_locked
     def save_checkpoint(
         self,
         path: str | os.PathLike | Any,
@@ -305,6 +330,7 @@ class ORTTrainer:
             saved.pop("optimizer", None)
         storage.save(saved, path)
 
+    @_locked
     def load_checkpoint(
         self, *paths: str | os.PathLike | Any, strict: bool = True, trusted: bool = False
     ) -> dict[str, Any]:
@@ -350,24 +376,26 @@ class ORTTrainer:
         pending = self._state.pending
         return bool(pending and pending.flat and pending.strict)
 
+    @_locked
     def _flat_state(self) -> dict[str, torch.Tensor]:
         """Weights and optimizer tensors by their graph names; the session must exist."""
         return state_dicts.flat_state(self._require_built(), self._config, self._state.counters)
 
+    @_locked
     def _load_flat_state(self, flat: dict[str, Any], strict: bool) -> None:
         """Load (or before the first step: park) the experimental API's flat state."""
         built = self._built
         if built is None:
             self._state.pending = PendingLoad(flat, strict, flat=True)
             return
-        state_dicts.load_flat_state(built, self._state.counters, flat, strict)
+        state_dicts.load_flat_state(built, self._state, flat, strict)
 
     def _apply_pending(self, built: Built) -> None:
         pending, self._state.pending = self._state.pending, None
         if pending is None:
             return
         if pending.flat:
-            state_dicts.load_flat_state(built, self._state.counters, pending.state, pending.strict)
+            state_dicts.load_flat_state(built, self._state, pending.state, pending.strict)
         else:
             state_dicts.apply_state_dict(built, self._config, self._state, pending.state, pending.strict)
 

@@ -9,9 +9,14 @@ produced is `model.Built` (frozen).
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import amp
@@ -120,13 +125,28 @@ class DropoutStreams:
         """The state dict entry: `{'seed': base, 'positions': {key: runs}}`."""
         return {"seed": self.base, "positions": dict(self.positions)}
 
-    def load(self, saved: dict[str, Any]) -> bool:
-        """Adopt a saved entry; returns whether anything changed (the sessions must then be created again)."""
-        base = int(saved["seed"])
-        positions = {_text(k): int(v) for k, v in dict(saved.get("positions", {})).items()}
+    @staticmethod
+    def parsed(saved: dict[str, Any]) -> tuple[int, dict[str, int]]:
+        """The base and positions of a saved entry (`state()`); ValueError naming what is malformed."""
+        try:
+            base = _count(saved["seed"])
+            positions = {_text(k): _count(v) for k, v in dict(saved.get("positions", {})).items()}
+        except (KeyError, TypeError, ValueError) as err:
+            expected = "{'seed': int, 'positions': {graph key: int}}"
+            raise ValueError(
+                f"state_dict[rng] is malformed ({type(err).__name__}: {err}); expected {expected}"
+            ) from err
+        return base, positions
+
+    def adopt(self, base: int, positions: dict[str, int]) -> bool:
+        """Take a parsed entry; returns whether anything changed (the sessions must then be created again)."""
         changed = (base, positions) != (self.base, self.positions)
-        self.base, self.positions = base, positions
+        self.base, self.positions = base, dict(positions)
         return changed
+
+    def load(self, saved: dict[str, Any]) -> bool:
+        """`adopt(*parsed(saved))`."""
+        return self.adopt(*self.parsed(saved))
 
 
 @dataclass
@@ -134,13 +154,15 @@ class TrainerState:
     """What changes as the trainer trains (module docstring).
 
     `loss_scaler` is the options' own `LossScaler` object under mixed precision (users read its `loss_scale`
-    through `trainer.options`, as in the original), else None."""
+    through `trainer.options`, as in the original), else None. `lock` serialises what reads or changes the state:
+    one trainer used from several threads runs their steps one after another, never interleaved."""
 
     counters: StepCounters
     window: AccumulationWindow
     loss_scaler: amp.LossScaler | None = None
     streams: DropoutStreams = field(default_factory=DropoutStreams)
     pending: PendingLoad | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)  # held by every step, load and save
 
     def learning_rate(self, base_lr: float, scheduler: Any) -> float:
         """This step's learning rate: the scheduler's for the current progress, else the optimizer config's."""
@@ -151,3 +173,38 @@ class TrainerState:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _count(value: object) -> int:
+    """A non-negative integer read from a state dict (a Python or numpy integer, or a one-element array of one)."""
+    array = np.asarray(value)
+    if array.size != 1 or not np.issubdtype(array.dtype, np.integer) or int(array.reshape(-1)[0]) < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return int(array.reshape(-1)[0])
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Run the block with Python's signal handlers deferred: a KeyboardInterrupt (SIGINT), or any handler that
+    raises, runs only when the block is done. Why: a step, or a load, changes several parts of the state; an
+    exception between two of them would leave a state no run of the trainer produces (docs/design.md § Failure
+    atomicity). The deferred handlers then run in the order their signals came, so the interrupt still happens,
+    after the change is complete. Python runs signal handlers in the main thread only, so a block run elsewhere
+    needs nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[tuple[int, Any]] = []
+    saved: dict[int, Any] = {}
+    for number in signal.valid_signals():
+        handler = signal.getsignal(number)
+        if callable(handler):
+            saved[number] = handler
+            signal.signal(number, lambda received, frame: pending.append((received, frame)))
+    try:
+        yield
+    finally:
+        for restored, handler in saved.items():
+            signal.signal(restored, handler)
+        for received, frame in pending:
+            saved[received](received, frame)

@@ -23,6 +23,7 @@ state leaves the trainer as it was.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ from ..checkpoint import layout
 from .compile.contract import accumulation_buffer_name
 from .config import TrainerConfig
 from .model import Built
-from .state import StepCounters, TrainerState
+from .state import DropoutStreams, StepCounters, TrainerState, uninterrupted
 
 BUFFER_SUFFIX = accumulation_buffer_name("")  # buffer of weight w: f"{w}{BUFFER_SUFFIX}"
 
@@ -177,14 +178,34 @@ def is_pytorch_state_dict(state_dict: dict[str, Any]) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class _Load:
+    """Everything a state dict changes, read and checked: `values` by `SessionBase.checked_state` and finite; the
+    rest parsed. Applying it cannot fail halfway (`_apply`)."""
+
+    values: dict[str, np.ndarray]
+    optimizer_updates: int | None = None  # the next update's number minus one
+    loss_scaler: tuple[float, int] | None = None  # loss scale, stable steps
+    rng: tuple[int, dict[str, int]] | None = None  # state.DropoutStreams.parsed
+    progress: tuple[int, int] | None = None  # optimization_step, step
+
+
 def apply_state_dict(
     built: Built, config: TrainerConfig, state: TrainerState, state_dict: dict[str, Any], strict: bool
 ) -> None:
-    """Load `state_dict` (legacy layout, or a plain PyTorch module state_dict) into the live session."""
-    counters = state.counters
+    """Load `state_dict` (legacy layout, or a plain PyTorch module state_dict) into the live session. All or
+    nothing: every part (weights, optimizer state, counters, loss scaler, dropout stream) is read and checked before
+    any is applied, and the application is not split by an interrupt (`state.uninterrupted`)."""
     if is_pytorch_state_dict(state_dict):
-        _load_pytorch_weights(built, state_dict, strict)
-        return
+        load = _Load(_checked(built, _pytorch_weights(built, state_dict, strict)))
+    else:
+        load = _legacy_load(built, config, state, state_dict, strict)
+    _apply(built, state, load)
+
+
+def _legacy_load(
+    built: Built, config: TrainerConfig, state: TrainerState, state_dict: dict[str, Any], strict: bool
+) -> _Load:
     state_dict = layout.normalise_precision_key(state_dict)
     if layout.OPTIMIZER in state_dict and layout.TRAINER_OPTIONS in state_dict:
         # before the key checks: a different optimizer explains every key difference (an SGD checkpoint's
@@ -200,39 +221,81 @@ def apply_state_dict(
         moments, updates = _optimizer_values(built, state_dict[layout.OPTIMIZER])
         values.update(moments)
     values.update(_accumulation_values(built, state_dict.get(layout.GRADIENT_ACCUMULATION, {})))
-    built.session.set_state(values)  # validates every shape before anything changes
-    if updates is not None:
-        counters.optimizer_updates = updates
-    _load_loss_scaler(state, state_dict.get(layout.LOSS_SCALER))
-    if layout.RNG in state_dict and state.streams.load(state_dict[layout.RNG]):
-        built.session.reopen_graphs()  # the sessions' Dropout seeds follow the loaded positions
-    _load_train_step_info(counters, state_dict)
+    rng = DropoutStreams.parsed(state_dict[layout.RNG]) if layout.RNG in state_dict else None
+    scaler = _loss_scaler_values(state, state_dict.get(layout.LOSS_SCALER))
+    return _Load(_checked(built, values), updates, scaler, rng, _train_step_info(state_dict))
 
 
-def load_flat_state(built: Built, counters: StepCounters, flat: dict[str, Any], strict: bool) -> None:
-    """Inverse of `state.flat_state`; unknown names are an error under `strict`."""
+def _apply(built: Built, state: TrainerState, load: _Load) -> None:
+    """Apply a checked load: the session's tensors first (all of them copied to the device before any is
+    replaced), then the counters, the loss scaler and the dropout stream."""
+    with uninterrupted():
+        built.session.set_state(load.values)
+        counters = state.counters
+        if load.optimizer_updates is not None:
+            counters.optimizer_updates = load.optimizer_updates
+        if load.loss_scaler is not None and state.loss_scaler is not None:
+            scaler = state.loss_scaler
+            scaler.loss_scale = load.loss_scaler[0]
+            if hasattr(scaler, "_stable_steps_count"):
+                scaler._stable_steps_count = load.loss_scaler[1]
+        if load.progress is not None:
+            counters.info.optimization_step, counters.info.step = load.progress
+        if load.rng is not None and state.streams.adopt(*load.rng):
+            built.session.reopen_graphs()  # the sessions' Dropout seeds follow the loaded positions
+
+
+def load_flat_state(built: Built, state: TrainerState, flat: dict[str, Any], strict: bool) -> None:
+    """Inverse of `flat_state`; unknown names are an error under `strict`. All or nothing, as `apply_state_dict`."""
     graph = built.compiled.training
     known = set(built.state_names) | set(graph.optimizer_state)
     update_counts = {k: v for k, v in flat.items() if k.startswith("Update_Count_") or k == "Step"}
     unknown = sorted(set(flat) - known - set(update_counts))
     if strict and unknown:
         raise RuntimeError(f"Checkpoint tensor: {unknown[0]} is not present in the model.")
-    built.session.set_state({k: _as_array(v) for k, v in flat.items() if k in known})
+    updates = None
     if update_counts:
-        values = {int(_as_array(v).reshape(-1)[0]) for v in update_counts.values()}
-        if len(values) > 1:
-            raise ValueError(f"the checkpoint's optimizer update counters differ ({sorted(values)})")
-        counters.optimizer_updates = values.pop() - 1
+        counts = {_counter(v, name) for name, v in update_counts.items()}
+        if len(counts) > 1:
+            raise ValueError(f"the checkpoint's optimizer update counters differ ({sorted(counts)})")
+        updates = counts.pop() - 1
+    values = _checked(built, {k: _as_array(v) for k, v in flat.items() if k in known})
+    _apply(built, state, _Load(values, updates))
 
 
-def _load_loss_scaler(state: TrainerState, saved: dict[str, Any] | None) -> None:
+def _checked(built: Built, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`values` checked by the session (names, shapes, element types), and finite: orttrainer never loads NaN or
+    Inf into weights, optimizer moments or accumulation buffers (docs/design.md § Failure atomicity) — such a state
+    comes from a run that had already diverged, and training on from it would only spread the NaN."""
+    arrays = built.session.checked_state(values)
+    bad = [n for n, a in arrays.items() if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all()]
+    if bad:
+        raise ValueError(
+            f"the state to load holds NaN or Inf in {sorted(bad)}; orttrainer refuses to load non-finite weights, "
+            "optimizer moments or gradient sums (nothing was changed). Load an earlier checkpoint"
+        )
+    return arrays
+
+
+def _counter(value: Any, where: str) -> int:
+    """An optimizer update counter (int64 [1] in the legacy layout): at least 1."""
+    count = _whole_number(value)
+    if count is None or count < 1:
+        raise ValueError(f"state_dict {where}: expected a positive integer update counter, got {value!r}")
+    return count
+
+
+def _loss_scaler_values(state: TrainerState, saved: dict[str, Any] | None) -> tuple[float, int] | None:
     """A checkpoint from a mixed-precision run carries its loss scale; an fp32 trainer has no use for it."""
-    scaler = state.loss_scaler
-    if saved is None or scaler is None:
-        return
-    scaler.loss_scale = float(saved[layout.LOSS_SCALE])
-    if hasattr(scaler, "_stable_steps_count"):
-        scaler._stable_steps_count = int(saved[layout.STABLE_STEPS])
+    if saved is None or state.loss_scaler is None:
+        return None
+    try:
+        scale, stable = float(saved[layout.LOSS_SCALE]), int(saved.get(layout.STABLE_STEPS, 0))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"state_dict[loss_scaler] is malformed ({type(err).__name__}: {err})") from err
+    if not np.isfinite(scale) or scale <= 0 or stable < 0:
+        raise ValueError(f"state_dict[loss_scaler]: loss scale {scale} and stable steps {stable} are out of range")
+    return scale, stable
 
 
 def _model_values(built: Built, model: dict[str, Any], strict: bool) -> dict[str, np.ndarray]:
@@ -255,13 +318,15 @@ def _optimizer_values(built: Built, optimizer: dict[str, Any]) -> tuple[dict[str
     moments = built.compiled.training.optimizer_state
     for weight, entry in optimizer.items():
         if weight == layout.SHARED_OPTIMIZER_STATE:
-            counts.update(int(np.asarray(v).reshape(-1)[0]) for k, v in entry.items() if k in (layout.STEP, "step"))
+            counts.update(
+                _counter(v, f"[optimizer][{weight}][{k}]") for k, v in entry.items() if k in (layout.STEP, "step")
+            )
             continue
         for moment in (layout.MOMENT_1, layout.MOMENT_2):
             if moment in entry and f"{moment}_{weight}" in moments:
                 values[f"{moment}_{weight}"] = _as_array(entry[moment])
         if layout.UPDATE_COUNT in entry:
-            counts.add(int(np.asarray(entry[layout.UPDATE_COUNT]).reshape(-1)[0]))
+            counts.add(_counter(entry[layout.UPDATE_COUNT], f"[optimizer][{weight}][{layout.UPDATE_COUNT}]"))
     if len(counts) > 1:
         raise ValueError(
             f"the checkpoint's optimizer update counters differ between weights ({sorted(counts)}); "
@@ -286,7 +351,7 @@ def _accumulation_values(built: Built, buffers: dict[str, Any]) -> dict[str, np.
     return values
 
 
-def _load_pytorch_weights(built: Built, state_dict: dict[str, Any], strict: bool) -> None:
+def _pytorch_weights(built: Built, state_dict: dict[str, Any], strict: bool) -> dict[str, np.ndarray]:
     known = set(built.state_names)
     info = built.torch_export
     ignorable = set(info.aliases) | set(info.unused_state) if info is not None else set()
@@ -297,16 +362,39 @@ def _load_pytorch_weights(built: Built, state_dict: dict[str, Any], strict: bool
             raise RuntimeError(f"Missing keys: {missing} in state_dict")
         if unexpected:
             raise RuntimeError(f"Unexpected keys: {unexpected} in state_dict")
-    built.session.set_state({k: _as_array(v) for k, v in state_dict.items() if k in known})
+    return {k: _as_array(v) for k, v in state_dict.items() if k in known}
 
 
-def _load_train_step_info(counters: StepCounters, state_dict: dict[str, Any]) -> None:
+def _train_step_info(state_dict: dict[str, Any]) -> tuple[int, int] | None:
+    """(optimization_step, step) of the state dict; a state dict without them warns (legacy) and leaves the
+    counters alone."""
     info = state_dict.get(layout.TRAIN_STEP_INFO)
     if info is None:
-        warnings.warn("Missing key: train_step_info in state_dict", stacklevel=2)
-        return
-    counters.info.optimization_step = int(info[layout.OPTIMIZATION_STEP])
-    counters.info.step = int(info[layout.TRAIN_STEP])
+        warnings.warn("Missing key: train_step_info in state_dict", stacklevel=3)
+        return None
+    counts = []
+    for key in (layout.OPTIMIZATION_STEP, layout.TRAIN_STEP):
+        value = info.get(key) if isinstance(info, dict) else None
+        count = _whole_number(value)
+        if count is None or count < 0:
+            missing = "" if value is not None else " (missing)"
+            raise ValueError(
+                f"state_dict[train_step_info][{key}] must be a non-negative integer, got {value!r}{missing}"
+            )
+        counts.append(count)
+    return counts[0], counts[1]
+
+
+def _whole_number(value: Any) -> int | None:
+    """A whole number stored as an int (numpy or Python, or a one-element array of one) or an integral float; None
+    for anything else."""
+    array = np.asarray(value) if value is not None else None
+    if array is None or array.size != 1 or array.dtype == np.bool_:
+        return None
+    number = array.reshape(-1)[0].item()
+    if isinstance(number, float) and number.is_integer():
+        return int(number)
+    return number if isinstance(number, int) else None
 
 
 def _check_keys(current: dict[str, Any], loaded: dict[str, Any], zero_stage: int) -> None:

@@ -391,18 +391,31 @@ class SessionBase(ABC):
         """Copies of the state tensors (never views: the caller must not alias the session's buffers)."""
         return {n: np.array(self._state[n].numpy(), copy=True) for n in (names or self._state)}
 
-    def set_state(self, values: dict[str, np.ndarray]) -> None:
-        """Replace state tensors; each value must match the current shape. All are checked before any is replaced,
-        so a bad value leaves the state as it was."""
+    def checked_state(self, values: dict[str, Any]) -> dict[str, np.ndarray]:
+        """`values` as the arrays `set_state` writes: each must name a state tensor of this session, have its shape
+        and convert to its element type; the error names the first that does not. Nothing changes."""
         arrays: dict[str, np.ndarray] = {}
         for name, value in values.items():
             if name not in self._state:
                 raise KeyError(f"{name!r} is not a state tensor of this training session")
-            current, array = self._state[name], np.asarray(value)
-            if tuple(array.shape) != tuple(current.shape()):
-                raise ValueError(f"state {name!r}: shape {tuple(array.shape)} does not match {tuple(current.shape())}")
-            arrays[name] = array.astype(ort_to_numpy(current.data_type()), copy=False)
-        self._state.update({name: self._to_device(array) for name, array in arrays.items()})
+            current = self._state[name]
+            dtype = ort_to_numpy(current.data_type())
+            try:
+                array = np.asarray(value)
+                if tuple(array.shape) != tuple(current.shape()):
+                    raise ValueError(f"shape {tuple(array.shape)} does not match {tuple(current.shape())}")
+                arrays[name] = array.astype(dtype, copy=False)
+            except (TypeError, ValueError) as err:
+                raise ValueError(
+                    f"state {name!r}: {err} (a {type(value).__name__} given for {dtype.__name__})"
+                ) from err
+        return arrays
+
+    def set_state(self, values: dict[str, Any]) -> None:
+        """Replace state tensors (`checked_state` says what is accepted). All are checked, and copied to the
+        device, before any is replaced, so a bad value leaves the state as it was."""
+        on_device = {name: self._to_device(array) for name, array in self.checked_state(values).items()}
+        self._state.update(on_device)
 
     def state_view(self, name: str) -> torch.Tensor:
         """A torch tensor sharing the memory of state `name` (kept while the state holds the same `OrtValue`)."""
