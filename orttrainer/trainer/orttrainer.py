@@ -23,7 +23,9 @@ from onnx import numpy_helper
 from .. import amp
 from .._require import require
 from ..checkpoint import storage
+from ..checkpoint._atomic import atomic_write
 from ..optim.config import _OptimizerConfig
+from ..path_checks import check_graph_save_paths
 from ..schema.model_desc import _ORTTrainerModelDesc
 from ..schema.options import ORTTrainerOptions
 from ..train_step_info import TrainStepInfo
@@ -32,6 +34,7 @@ from .activations import ActivationStatistics
 from .build import Built, OnnxFirstStep, build_from_onnx, build_from_torch
 from .config import TrainerConfig, make_config
 from .graph.editor import copy_model
+from .graph.external_data import prepare_model
 from .inputs import check_inputs, check_outputs, order_inputs
 from .model_types import check_model_export
 from .progress import PendingLoad, StepCounters
@@ -60,6 +63,7 @@ class ORTTrainer:
         options: ORTTrainerOptions | None = None,
     ) -> None:
         self._config: TrainerConfig = make_config(model, model_desc, optim_config, loss_fn, options)
+        check_graph_save_paths(self._config.options)  # docs/reliability.md: file names in options
         self._torch_model = model if isinstance(model, torch.nn.Module) else None
         self._counters = StepCounters(TrainStepInfo(optim_config))
         self._built: Built | None = None
@@ -68,7 +72,7 @@ class ORTTrainer:
         self._lr_override: float | None = None  # set only while `_train_step_with_lr` runs
         self._onnx_first_step: OnnxFirstStep | None = None  # an ONNX model the torch builder compiles on step 1
         if isinstance(model, onnx.ModelProto):
-            built = build_from_onnx(self._config, model)
+            built = build_from_onnx(self._config, prepare_model(model))  # checked, external data confined
             self._built, self._onnx_first_step = (built, None) if isinstance(built, Built) else (None, built)
 
     # --------------------------------------------------------------------------------- the legacy public attributes
@@ -223,15 +227,8 @@ class ORTTrainer:
         if (directory and not os.path.isdir(directory)) or not filename:
             warnings.warn("'path' is not valid or does not exist", stacklevel=2)
             return
-        model = _with_weights(self._built)
-        temporary = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(temporary, "wb") as f:
-                f.write(model.SerializeToString())
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
+        data = _with_weights(self._built).SerializeToString()  # through no planted name: docs/reliability.md
+        atomic_write(path, lambda handle: handle.write(data), overwrite=True, what="ONNX model file")
 
     def state_dict(self, pytorch_format: bool = False) -> dict[str, Any]:
         """Model, optimizer, trainer options and step counters in the legacy layout (see `trainer/state.py`), or
