@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import onnx
 
+from .class_labels import GUARD_CLASS_LABELS
 from .fixups import BATCHNORM_TO_INFERENCE, DROPOUT_TO_IDENTITY
 from .outputs import keep_outputs_pass
 from .passes import GraphPass, run_passes
@@ -19,6 +20,7 @@ def eval_model_passes(state: list[str], outputs: list[str]) -> list[GraphPass]:
         DROPOUT_TO_IDENTITY,
         BATCHNORM_TO_INFERENCE,
         keep_outputs_pass(outputs),
+        GUARD_CLASS_LABELS,  # labels range-checked as PyTorch does (class_labels.py)
     ]
 
 

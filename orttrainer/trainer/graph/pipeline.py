@@ -10,6 +10,7 @@ saves the training graph with `passes.record_stage`.
 
 from __future__ import annotations
 
+from .class_labels import GUARD_CLASS_LABELS
 from .cross_entropy import CROSS_ENTROPY_AS_PLAIN_OPS
 from .fixups import (
     BATCHNORM_TO_INFERENCE,
@@ -46,7 +47,7 @@ def gradient_model_passes(*, mixed_precision: bool, cpu: bool, scaled_loss: str)
     """On the gradient model (forward outputs + `<p>_grad`), the same for both builders and every input-shape
     signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels get
     casts; embedding gradients become scatter-adds; on the CPU in float32, softmax cross-entropy becomes plain ops
-    (graph/cross_entropy.py, switchable: graph/switches.py)."""
+    (graph/cross_entropy.py, switchable: graph/switches.py); class labels are range-checked (graph/class_labels.py)."""
     passes: list[GraphPass] = []
     if mixed_precision:
         passes.append(without_outputs_pass([scaled_loss]))
@@ -55,4 +56,5 @@ def gradient_model_passes(*, mixed_precision: bool, cpu: bool, scaled_loss: str)
     passes.append(GATHER_GRAD_TO_SCATTER_ADD)
     if cpu and not mixed_precision and rewrite_enabled("cross_entropy_as_plain_ops"):
         passes.append(CROSS_ENTROPY_AS_PLAIN_OPS)
+    passes.append(GUARD_CLASS_LABELS)  # labels range-checked as PyTorch does (graph/class_labels.py)
     return passes
