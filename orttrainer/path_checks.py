@@ -1,6 +1,6 @@
 """File names from options, checked when the trainer is built rather than when the first file is written.
 
-Rule (docs/reliability.md, "File names in options"): a path in `debug.graph_save_paths` is a string without a NUL
+Rule (docs/reliability.md §5): a path in `debug.graph_save_paths` is a string without a NUL
 character, whose every component fits the filesystem's NAME_MAX and whose whole length (as bytes, made absolute)
 stays under its PATH_MAX; the limits are read with `os.pathconf` from the nearest existing directory of the path
 (255 and 4096 where the system does not say). A path that breaks the rule raises ValueError naming the option;

@@ -1,4 +1,4 @@
-"""Checkpoints from outside and checkpoints written under pressure (docs/reliability.md, "Checkpoint files"): a
+"""Checkpoints from outside and checkpoints written under pressure (docs/reliability.md §4): a
 dataset that declares more than the file holds, data kept outside the file, links out of it or back into it; a save
 that hits the file-size limit (EFBIG), which crashed the interpreter inside h5py's file-object driver before the fix
 and so runs in a subprocess here."""

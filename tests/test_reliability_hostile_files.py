@@ -1,6 +1,6 @@
-"""ONNX model files from outside, files written, file names in options (docs/reliability.md): external data whose
-location leads out of the model's directory, tensors that declare more than they hold, local functions that
-recurse, graphs with a cycle; a symlink planted where save_as_onnx writes; debug paths no filesystem takes.
+"""ONNX model files from outside, files written, file names in options (docs/reliability.md §1, §3, §5): external
+data whose location leads out of the model's directory, tensors that declare more than they hold, local functions
+that recurse, graphs with a cycle; a symlink planted where save_as_onnx writes; debug paths no filesystem takes.
 
 A recursive function crashed the training runtime (SIGSEGV) before the fix: that test runs the trainer in a
 subprocess, so that this suite cannot crash. Checkpoints: test_reliability_hostile_checkpoints.py."""

@@ -14,7 +14,7 @@ Rules:
   ``overwrite`` the file is replaced atomically (``os.replace``). Any error leaves the target untouched.
 - Nothing is ever written through a name someone else could have planted: the nameless file has no name, the named
   temporary is created with ``O_EXCL`` under a random name, and the target name is only ever the destination of a
-  link or a rename, which replace a symlink there rather than follow it (docs/reliability.md, "Files written").
+  link or a rename, which replace a symlink there rather than follow it (docs/reliability.md §3).
 - A write that fails (a full disk, ``RLIMIT_FSIZE``: ENOSPC, EFBIG), in the writer, the flush or the fsync, raises
   ``OSError`` with that errno naming the target path, whatever the writer made of the error on its way out
   (``torch.save`` turns it into a ``RuntimeError``).

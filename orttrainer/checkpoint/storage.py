@@ -14,7 +14,7 @@ does); scalars, strings and other values, which HDF5 cannot filter, carry a CRC-
 ``orttrainer_crc32`` attribute. A mismatch raises ``CheckpointCorruptError`` naming the file and the dataset.
 Files written before checksums (and by the original ORTTrainer) have neither and load as before, unverified.
 
-Hostile and failing files (docs/reliability.md, "Checkpoint files"):
+Hostile and failing files (docs/reliability.md §4):
 - Saving to a path never lets an exception cross HDF5: h5py's Python file-object driver crashes the interpreter
   (SIGSEGV) when a write raises inside it (EFBIG under ``RLIMIT_FSIZE``, ENOSPC on a full disk). The driver writes
   through ``_LatchedFile``, which keeps the first ``OSError`` and skips later writes; once h5py has let go of the

@@ -63,7 +63,7 @@ class ORTTrainer:
         options: ORTTrainerOptions | None = None,
     ) -> None:
         self._config: TrainerConfig = make_config(model, model_desc, optim_config, loss_fn, options)
-        check_graph_save_paths(self._config.options)  # docs/reliability.md: file names in options
+        check_graph_save_paths(self._config.options)  # docs/reliability.md §5
         self._torch_model = model if isinstance(model, torch.nn.Module) else None
         self._counters = StepCounters(TrainStepInfo(optim_config))
         self._built: Built | None = None
@@ -227,7 +227,7 @@ class ORTTrainer:
         if (directory and not os.path.isdir(directory)) or not filename:
             warnings.warn("'path' is not valid or does not exist", stacklevel=2)
             return
-        data = _with_weights(self._built).SerializeToString()  # through no planted name: docs/reliability.md
+        data = _with_weights(self._built).SerializeToString()  # through no planted name: docs/reliability.md §3
         atomic_write(path, lambda handle: handle.write(data), overwrite=True, what="ONNX model file")
 
     def state_dict(self, pytorch_format: bool = False) -> dict[str, Any]:

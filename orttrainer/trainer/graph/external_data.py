@@ -3,7 +3,7 @@
 An ONNX tensor may keep its data in a file named by its `location` (with an `offset` and a `length`), relative to
 the model's directory. `inline_external_data(model, directory)` reads every such tensor into the model (a copy;
 the argument is left as it is), so that neither onnx, nor numpy, nor ONNX Runtime resolves a location afterwards.
-Rules (docs/reliability.md, "ONNX models"):
+Rules (docs/reliability.md §1.1):
 
 - `location` is a relative path without `..` components or NUL characters;
 - the file it names, with every symlink followed (`realpath`), lies inside the model's directory (also followed):

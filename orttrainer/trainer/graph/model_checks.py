@@ -2,7 +2,7 @@
 
 `check_model(model, source)` is pure: it reads the ModelProto and raises `InvalidModelError` (a ValueError) whose
 message names `source` (the file, or the model) and the tensor, function or nodes at fault. Rules
-(docs/reliability.md, "ONNX models"):
+(docs/reliability.md §1.2–1.4):
 
 1. Declared sizes. Every tensor — initializers, the values and indices of sparse initializers, tensor attributes
    of nodes, in the main graph, its subgraphs and the local functions — declares non-negative dims whose element
