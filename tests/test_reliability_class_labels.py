@@ -167,3 +167,27 @@ def test_negative_gather_indices_are_refused_only_in_graphs_traced_from_pytorch(
         _run(guarded, feeds)
     feeds["index"] = np.array([[2], [0]], np.int64)
     assert _run(guarded, feeds)[0].tolist() == [[2.0], [3.0]]
+
+
+def test_the_checked_labels_keep_their_static_shape():
+    """Shape inference sees through the check (ONNX Runtime specialises graphs to static shapes with it)."""
+    guarded = onnx.shape_inference.infer_shapes(guard_class_labels(_onnx_model()))
+    checked = next(n.input[1] for n in guarded.graph.node if n.op_type == "SoftmaxCrossEntropyLoss")
+    assert checked != "y"
+    shape = next(v.type.tensor_type.shape for v in guarded.graph.value_info if v.name == checked)
+    assert [d.dim_param or d.dim_value for d in shape.dim] == ["batch"]
+
+
+def test_labels_of_an_untold_type_are_checked_by_the_reshape_form():
+    """Labels computed by an op the type tracing does not know (Neg) get the type-free form of the check."""
+    model = _onnx_model()
+    model.graph.node.insert(0, helper.make_node("Neg", ["y"], ["y_neg"], name="neg"))
+    model.graph.node[-1].input[1] = "y_neg"
+    guarded = guard_class_labels(model)
+    assert any(n.op_type == "Reshape" and n.input[0] == "y_neg" for n in guarded.graph.node)
+    x = np.ones((2, 4), np.float32)
+    assert np.array_equal(
+        _run(guarded, {"x": x, "y": np.array([0, -4])})[0], _run(model, {"x": x, "y": np.array([0, -4])})[0]
+    )
+    with pytest.raises(Exception, match=REFUSED):
+        _run(guarded, {"x": x, "y": np.array([0, 3])})

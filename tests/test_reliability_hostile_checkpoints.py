@@ -70,6 +70,41 @@ def test_a_save_beyond_the_file_size_limit_raises_and_keeps_the_previous_file(tm
     assert np.array_equal(loaded["model"]["full_precision"]["w"], np.arange(100_000, dtype=np.float32))
 
 
+_DISK_FULL_CHILD = """
+    import errno, json, os, sys
+    import numpy as np
+    from orttrainer.checkpoint import storage
+
+    folder = sys.argv[1]
+    state = {"model": {"full_precision": {"w": np.arange(100_000, dtype=np.float32)}}}
+    storage.save(state, os.path.join(folder, "previous.ortcp"))
+    real, written = os.pwrite, [0]
+
+    def pwrite(fd, data, offset):  # a disk that fills up after 10 KB
+        if written[0] + len(data) > 10_000:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written[0] += len(data)
+        return real(fd, data, offset)
+
+    os.pwrite = pwrite
+    target = os.path.join(folder, "new.ortcp")
+    try:
+        storage.save(state, target)
+        print(json.dumps("saved"))
+    except OSError as error:
+        print(json.dumps([error.errno, error.filename]))
+"""
+
+
+def test_a_save_on_a_full_disk_raises_and_keeps_the_previous_file(tmp_path):
+    """ENOSPC inside HDF5's writes (injected into os.pwrite, which the HDF5 writes go through)."""
+    result = _run_child(_DISK_FULL_CHILD, str(tmp_path))
+    assert result.returncode == 0, f"the saving process died ({result.returncode}): {result.stderr[-2000:]}"
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [errno.ENOSPC, str(tmp_path / "new.ortcp")]
+    assert os.listdir(tmp_path) == ["previous.ortcp"]
+    assert storage.load(tmp_path / "previous.ortcp")["model"]["full_precision"]["w"].shape == (100_000,)
+
+
 _TRAINER_FSIZE_CHILD = """
     import json, os, resource, sys
     import numpy as np, torch

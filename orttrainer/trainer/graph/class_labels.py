@@ -13,16 +13,23 @@ NegativeLogLikelihoodLoss (classes: dim 1 of input 0), input 2 of ONNX Runtime's
 first node that reads L (and after what the check needs),
 
     bad     = the number of elements of L outside [0, classes) that are not ignore_index
-    L_check = Reshape(L, Shape(L) + Reshape([0], [1 + bad]))
+    zero    = Gather([0], bad)
+    L_check = L + Cast(zero, L's type)
 
-and every later node reads L_check instead of L. With no bad label, the inner Reshape gives [0] and L_check is L;
-with any, it is asked to give one element the shape [1 + bad], and ONNX Runtime fails the run, naming the node:
-its name says what was out of range. The failed step changes nothing (the trainer's rule for any step that
-raises). `guard_pytorch_indices(model)` applies the same rule, and also to the indices (input 1) of
-GatherElements and ScatterElements (bound: dim `axis` of input 0; no ignore index): for graphs traced from
-PyTorch only (the torch gradient builder's training graphs, the torch route's eval graphs), where every such node
-comes from `torch.gather`/`scatter` (a cross-entropy's labels among them), which refuse negative indices; an ONNX
-model's own GatherElements may count from the end, so `guard_class_labels` leaves them alone.
+and every later node reads L_check instead of L. With no bad label, zero is 0 and L_check is L, with L's static
+shape (shape inference, and so the static-shape specialisation, sees through the Add); with any, the Gather's
+index is out of range and ONNX Runtime fails the run naming the node, whose name says what was out of range.
+Neither runtime's graph optimisations fold a Gather with a computed index (tests/test_reliability_class_labels.py
+runs the check with them on); an earlier form, a Reshape of a constant to a computed shape and then to [1], was
+optimised away by onnxruntime 1.32, which fuses consecutive Reshapes. Where L's element type cannot be told from
+the graph, L_check is `Reshape(L, Shape(L) + zero)` instead, which needs no type but hides L's shape from shape
+inference. The failed step changes nothing (the trainer's rule for any step that raises).
+
+`guard_pytorch_indices(model)` applies the same rule, and also to the indices (input 1) of GatherElements and
+ScatterElements (bound: dim `axis` of input 0; no ignore index): for graphs traced from PyTorch only (the torch
+gradient builder's training graphs, the torch route's eval graphs), where every such node comes from
+`torch.gather`/`scatter` (a cross-entropy's labels among them), which refuse negative indices; an ONNX model's own
+GatherElements may count from the end, so `guard_class_labels` leaves them alone.
 
 Only the main graph is rewritten; nodes inside subgraphs keep reading L. Returns a new model; a model without
 such nodes is returned as it is.
@@ -35,7 +42,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import TensorProto, helper
 
-from .editor import GraphEditor, copy_model
+from .editor import GraphEditor, copy_model, tensor_elem_type
 from .passes import FunctionPass
 
 __all__ = ["GUARD_CLASS_LABELS", "GUARD_PYTORCH_INDICES", "guard_class_labels", "guard_pytorch_indices"]
@@ -76,8 +83,46 @@ def _guard(model: onnx.ModelProto, pytorch_indices: bool) -> onnx.ModelProto:
     result = copy_model(model)
     editor = GraphEditor(result.graph, "orttrainer/range_check")
     for check in checks:
-        _insert(editor, check)
+        _insert(editor, check, _element_type(result, check.tensor))
     return result
+
+
+# Ops whose output has the element type of one of their inputs (which one): enough to trace labels and indices
+# back to a declared input or a Cast.
+_SAME_TYPE_AS = {
+    "Identity": 0,
+    "Reshape": 0,
+    "Unsqueeze": 0,
+    "Squeeze": 0,
+    "Flatten": 0,
+    "Expand": 0,
+    "Transpose": 0,
+    "Slice": 0,
+    "Gather": 0,
+    "Concat": 0,
+    "Where": 1,
+    "Add": 0,
+}
+
+
+def _element_type(model: onnx.ModelProto, name: str) -> int | None:
+    """The element type of `name`: declared (input, value_info, initializer), or traced back through `_SAME_TYPE_AS`
+    ops to a declaration or a Cast; None when the graph does not tell."""
+    producers = {output: node for node in model.graph.node for output in node.output}
+    for _ in range(len(model.graph.node) + 1):
+        try:
+            return tensor_elem_type(model, name)
+        except KeyError:
+            pass
+        node = producers.get(name)
+        if node is None:
+            return None
+        if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
+            return int(helper.get_attribute_value(next(a for a in node.attribute if a.name == "to")))
+        if node.op_type not in _SAME_TYPE_AS or node.domain not in ("", "ai.onnx"):
+            return None
+        name = node.input[_SAME_TYPE_AS[node.op_type]]
+    return None
 
 
 def _checks(graph: onnx.GraphProto, pytorch_indices: bool) -> list[_Check]:
@@ -105,12 +150,12 @@ def _checks(graph: onnx.GraphProto, pytorch_indices: bool) -> list[_Check]:
     return list(checks.values())
 
 
-def _insert(editor: GraphEditor, check: _Check) -> None:
+def _insert(editor: GraphEditor, check: _Check, elem_type: int | None) -> None:
     """Append the check's nodes, move them before the first reader of the tensor that comes after everything they
     read, and make the readers from there on read the checked tensor."""
     graph = editor.graph
     start = len(graph.node)
-    checked = _check_nodes(editor, check)
+    checked = _check_nodes(editor, check, elem_type)
     added = list(graph.node[start:])
     del graph.node[start:]
     nodes = list(graph.node)
@@ -124,7 +169,7 @@ def _insert(editor: GraphEditor, check: _Check) -> None:
     graph.node.extend(nodes[:position] + added + nodes[position:])
 
 
-def _check_nodes(editor: GraphEditor, check: _Check) -> str:
+def _check_nodes(editor: GraphEditor, check: _Check, elem_type: int | None) -> str:
     """The nodes of the rule (module docstring), appended to the graph; returns the checked tensor's name."""
     ed, int64 = editor, TensorProto.INT64
     values = ed.op("Cast", [check.tensor], "values", to=int64)
@@ -136,13 +181,15 @@ def _check_nodes(editor: GraphEditor, check: _Check) -> str:
         ignored = ed.op("Equal", [values, ed.constant(check.ignore_index, "int64", "ignore_index")], "ignored")
         bad = ed.op("And", [bad, ed.op("Not", [ignored], "counted")], "refused")
     count = ed.op("ReduceSum", [ed.op("Cast", [bad], "refused_i", to=int64)], "refused_count", keepdims=0)
-    one = ed.constant([1], "int64", "one")
-    wanted = ed.op("Add", [one, ed.op("Reshape", [count, one], "refused_count_1d")], "probe_shape")
-    probe = ed.op("Reshape", [ed.constant([0], "int64", "probe"), wanted], "probe")
+    zero = ed.op("Gather", [ed.constant([0], "int64", "zeros"), count], "zero")  # fails unless count == 0
     graph = ed.graph
     graph.node[-1].name = ed.unused(f"orttrainer: {check.what}; PyTorch refuses it (this step changed nothing)")
-    shape = ed.op("Add", [ed.op("Shape", [check.tensor], "shape"), probe], "checked_shape")
-    return ed.op("Reshape", [check.tensor, shape], "checked")
+    if elem_type is None:
+        shape = ed.op("Add", [ed.op("Shape", [check.tensor], "shape"), zero], "checked_shape")
+        return ed.op("Reshape", [check.tensor, shape], "checked")
+    if elem_type != int64:
+        zero = ed.op("Cast", [zero], "zero_typed", to=elem_type)
+    return ed.op("Add", [check.tensor, zero], "checked")
 
 
 GUARD_CLASS_LABELS = FunctionPass("guard_class_labels", guard_class_labels)
