@@ -27,8 +27,8 @@ def eval_model_passes(state: list[str], outputs: list[str]) -> list[GraphPass]:
 def build_eval_model(forward: onnx.ModelProto, state: list[str], outputs: list[str]) -> onnx.ModelProto:
     """Rule: the forward graph for `eval_step`: the `state` initializers become graph inputs (fed per step, like
     the training graph's), every Dropout becomes an Identity, BatchNormalization runs on its running statistics,
-    and only the graph outputs in `outputs` (the model_desc outputs) remain, in the graph's order. `forward` is not
-    modified.
+    and only the graph outputs in `outputs` (the model_desc outputs) remain, in the graph's order; the class labels
+    of its losses are range-checked (class_labels.py). `forward` is not modified.
 
     Precondition: those of the passes (`eval_model_passes`): in particular, every name in `outputs` is a graph
     output and no Dropout mask or BatchNormalization running statistic is read."""
