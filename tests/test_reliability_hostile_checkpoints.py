@@ -225,3 +225,17 @@ def test_reading_one_key_follows_no_link_out_of_the_file(tmp_path):
     with pytest.raises(CheckpointCorruptError, match="'elsewhere' is an external link"):
         storage.load(path, "elsewhere/w")
     assert storage.load(path, "step") == 3
+
+
+def test_cli_info_refuses_a_link_out_of_the_file(tmp_path, capsys):
+    from orttrainer.checkpoint import cli
+
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as handle:
+        handle["w"] = np.full(4, 7.0, np.float32)
+    path = tmp_path / "c.ortcp"
+    _checkpoint(path)
+    with h5py.File(path, "a") as handle:
+        handle["model/full_precision/extra"] = h5py.ExternalLink(str(other), "/w")
+    assert cli.main(["info", str(path)]) == 2
+    assert "'model/full_precision/extra' is an external link" in capsys.readouterr().err

@@ -301,6 +301,22 @@ def _descend(handle: h5py.File, key: str | None, shown_as: str) -> h5py.Group | 
     return node
 
 
+def check_links(handle: h5py.File, shown_as: str) -> None:
+    """Walk the whole file as ``load`` does, reading no data: every member a hard link, no object reached twice
+    (``CheckpointCorruptError`` naming the file and the link otherwise)."""
+    seen: set[Any] = set()
+    pending = [handle]
+    while pending:
+        group = pending.pop()
+        _visit_once(group, shown_as, seen)
+        for key in group:
+            item = _member(group, key, shown_as)
+            if isinstance(item, h5py.Group):
+                pending.append(item)
+            else:
+                _visit_once(item, shown_as, seen)
+
+
 def _load_group(group: h5py.Group, shown_as: str, seen: set[Any]) -> dict[str, Any]:
     _visit_once(group, shown_as, seen)
     loaded = {}
