@@ -1,8 +1,9 @@
 """orttrainer — the ONNX Runtime ``ORTTrainer`` training API, maintained as a standalone package.
 
-Public names: ``ORTTrainer``, ``ORTTrainerOptions``, ``TrainStepInfo`` and the sub-modules ``optim``, ``amp``,
-``checkpoint`` and ``debug``. The pure-Python layers (options, model description, optimizer configs, LR schedulers,
-loss scalers) import without onnxruntime; ``ORTTrainer`` (and with it onnxruntime) is loaded on first access.
+Public names: ``ORTTrainer``, ``ORTTrainerOptions``, ``TrainStepInfo``, ``load_onnx_model`` (an ONNX model file read
+safely: docs/reliability.md §1) and the sub-modules ``optim``, ``amp``, ``checkpoint`` and ``debug``. The
+pure-Python layers (options, model description, optimizer configs, LR schedulers, loss scalers) import without
+onnxruntime; ``ORTTrainer`` (and with it onnxruntime) is loaded on first access.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ORTTrainer",
+    "load_onnx_model",
     "ORTTrainerOptions",
     "PropagateCastOpsStrategy",
     "TrainStepInfo",
@@ -34,6 +36,10 @@ def __getattr__(name: str):
         from .trainer import ORTTrainer
 
         return ORTTrainer
+    if name == "load_onnx_model":  # an ONNX model file, its external data confined to its directory
+        from .trainer.build.external_data import load_model
+
+        return load_model
     if name in ("checkpoint", "debug"):
         import importlib
 

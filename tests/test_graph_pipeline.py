@@ -162,7 +162,12 @@ def test_gradient_model_passes_drop_the_scaled_loss_cast_cpu_kernels_and_scatter
     model = _gradient_model()
     before = model.SerializeToString()
     passes = gradient_model_passes(mixed_precision=True, cpu=True, scaled_loss="loss_scaled")
-    assert [p.name for p in passes] == ["without_outputs", "cast_fp32_only_kernels", "gather_grad_to_scatter_add"]
+    assert [p.name for p in passes] == [
+        "without_outputs",
+        "cast_fp32_only_kernels",
+        "gather_grad_to_scatter_add",
+        "guard_class_labels",
+    ]
     result = run_passes(model, passes, verify=True)
     assert model.SerializeToString() == before
     assert _names(result.graph.output) == ["loss", "E_grad", "x_grad"]
@@ -187,10 +192,15 @@ def test_gradient_model_passes_drop_the_scaled_loss_cast_cpu_kernels_and_scatter
 
 def test_gradient_model_passes_without_mixed_precision_only_scatter():
     passes = gradient_model_passes(mixed_precision=False, cpu=True, scaled_loss="loss_scaled")
-    assert [p.name for p in passes] == ["gather_grad_to_scatter_add", "cross_entropy_as_plain_ops"]  # CPU, float32
+    assert [p.name for p in passes] == [  # CPU, float32
+        "gather_grad_to_scatter_add",
+        "cross_entropy_as_plain_ops",
+        "guard_class_labels",
+    ]
     assert [p.name for p in gradient_model_passes(mixed_precision=True, cpu=False, scaled_loss="s")] == [
         "without_outputs",
         "gather_grad_to_scatter_add",
+        "guard_class_labels",
     ]
     result = run_passes(_gradient_model(), passes, verify=True)
     assert "loss_scaled" in _names(result.graph.output) and "SliceGrad" in {n.op_type for n in result.graph.node}

@@ -12,6 +12,12 @@ Rules:
 - Without ``overwrite`` an existing target raises ``FileExistsError`` before anything is written, and the final
   step is a hard link, which fails if the name appeared meanwhile: a file written by someone else survives. With
   ``overwrite`` the file is replaced atomically (``os.replace``). Any error leaves the target untouched.
+- Nothing is ever written through a name someone else could have planted: the nameless file has no name, the named
+  temporary is created with ``O_EXCL`` under a random name, and the target name is only ever the destination of a
+  link or a rename, which replace a symlink there rather than follow it (docs/reliability.md §3).
+- A write that fails (a full disk, ``RLIMIT_FSIZE``: ENOSPC, EFBIG), in the writer, the flush or the fsync, raises
+  ``OSError`` with that errno naming the target path, whatever the writer made of the error on its way out
+  (``torch.save`` turns it into a ``RuntimeError``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import os
 import re
 import secrets
@@ -26,17 +33,21 @@ import shutil
 import socket
 import zlib
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, cast
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 _O_TMPFILE = getattr(os, "O_TMPFILE", 0)  # Linux only; 0 elsewhere: named temporaries
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # with O_EXCL a planted link already fails; this says so twice
 # What O_TMPFILE fails with where the filesystem (or an old kernel) cannot make nameless files.
 _UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL, errno.ENOENT}
 # This host, as it appears in temporary names: pids are only comparable on the host that wrote them.
 _HOST = f"{zlib.crc32(socket.gethostname().encode()) & 0xFFFFFFFF:08x}"
 _TEMPORARY = re.compile(r"^\.(?P<target>.+)\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)\.[0-9a-f]{16}\.tmp$")
 
-Writer = Callable[[BinaryIO], None]
+Writer = Callable[[BinaryIO], object]
 
 
 def target_exists_error(path: str) -> FileExistsError:
@@ -44,27 +55,37 @@ def target_exists_error(path: str) -> FileExistsError:
     return FileExistsError(17, "Checkpoint file already exists; refusing to overwrite it", path)
 
 
-def atomic_write(path: str | os.PathLike, write: Writer, *, overwrite: bool = False) -> None:
+def write_error(path: str, error: OSError, what: str = "checkpoint file") -> OSError:
+    """The error for "writing failed": ``error``'s errno and reason, naming ``path``; says nothing was saved."""
+    code = error.errno if error.errno is not None else errno.EIO
+    reason = error.strerror or str(error)
+    return OSError(code, f"Cannot write the {what} ({reason}); nothing was saved at that path", path)
+
+
+def atomic_write(
+    path: str | os.PathLike, write: Writer, *, overwrite: bool = False, what: str = "checkpoint file"
+) -> None:
     """Run ``write(handle)`` on a new binary file and publish it as ``path`` once it is complete and on disk.
 
     ``handle`` is readable, writable and seekable, positioned at 0; ``write`` must not close it. Rules: see the
-    module docstring. A missing directory raises ``FileNotFoundError`` naming ``path``.
+    module docstring. A missing directory raises ``FileNotFoundError`` naming ``path``; ``what`` names the file
+    in errors ("checkpoint file", "ONNX model file").
     """
     path = os.fspath(path)
     if not overwrite and os.path.lexists(path):
         raise target_exists_error(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise FileNotFoundError(2, "Directory for the checkpoint file does not exist", path)
+        raise FileNotFoundError(2, f"Directory for the {what} does not exist", path)
     sweep_stale_temporaries(directory)
-    fd = _open_anonymous(directory, path)
+    fd = _open_anonymous(directory, path, what)
     if fd is None:
-        _write_named(path, write, overwrite)
+        _write_named(path, write, overwrite, what)
     else:
         try:
-            _write_and_sync(fd, write)
+            _write_and_sync(fd, write, path, what)
             if not _link_anonymous(fd, path, overwrite):
-                _write_named(path, lambda handle: _copy_from(fd, handle), overwrite)
+                _write_named(path, lambda handle: _copy_from(fd, handle), overwrite, what)
         finally:
             os.close(fd)
     _fsync_directory(directory)
@@ -94,9 +115,9 @@ def sweep_stale_temporaries(directory: str) -> list[str]:
 # --- the nameless file --------------------------------------------------------------------------------------------
 
 
-def _open_anonymous(directory: str, path: str) -> int | None:
+def _open_anonymous(directory: str, path: str, what: str) -> int | None:
     """A nameless file in ``directory``, or None where the filesystem cannot make one; other errors (no
-    permission, read-only, full) name the checkpoint ``path``."""
+    permission, read-only, full) name the target ``path``."""
     if not _O_TMPFILE or not os.path.isdir("/proc/self/fd"):
         return None
     try:
@@ -104,7 +125,7 @@ def _open_anonymous(directory: str, path: str) -> int | None:
     except OSError as error:
         if error.errno in _UNSUPPORTED:
             return None
-        raise type(error)(error.errno, f"Cannot create the checkpoint file: {error.strerror}", path) from None
+        raise type(error)(error.errno, f"Cannot create the {what}: {error.strerror}", path) from None
 
 
 def _link_anonymous(fd: int, path: str, overwrite: bool) -> bool:
@@ -146,13 +167,13 @@ def _copy_from(fd: int, handle: BinaryIO) -> None:
 # --- the named temporary ------------------------------------------------------------------------------------------
 
 
-def _write_named(path: str, write: Writer, overwrite: bool) -> None:
+def _write_named(path: str, write: Writer, overwrite: bool, what: str) -> None:
     temporary = _temporary_name(path)
-    fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o666)
+    fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o666)
     try:
         with contextlib.suppress(OSError):  # a filesystem without locks: the pid in the name still protects it
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _write_and_sync(fd, write)
+        _write_and_sync(fd, write, path, what)
         _publish(temporary, path, overwrite)
     except BaseException:
         _remove_quietly(temporary)
@@ -199,7 +220,7 @@ def _is_running(pid: int) -> bool:
 
 def _remove_if_unlocked(path: str) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
     except OSError:  # gone already, or a symlink: not ours to remove
         return False
     try:
@@ -221,11 +242,39 @@ def _remove_if_unlocked(path: str) -> bool:
 # --- durability ---------------------------------------------------------------------------------------------------
 
 
-def _write_and_sync(fd: int, write: Writer) -> None:
-    with open(fd, "w+b", closefd=False) as handle:
-        write(handle)
+class _WatchedFileIO(io.FileIO):
+    """A raw file that remembers the first ``OSError`` its writes raised (and still raises it)."""
+
+    error: OSError | None = None
+
+    def write(self, data: ReadableBuffer, /) -> int:
+        try:
+            return super().write(data)
+        except OSError as error:
+            if self.error is None:
+                self.error = error
+            raise
+
+
+def _write_and_sync(fd: int, write: Writer, path: str, what: str) -> None:
+    """``write`` into ``fd``, flush and fsync; a failed write raises ``write_error`` naming ``path`` even where the
+    writer turned it into another exception (``torch.save``: a ``RuntimeError``)."""
+    raw = _WatchedFileIO(fd, "r+", closefd=False)
+    handle = io.BufferedRandom(raw)
+    try:
+        write(cast(BinaryIO, handle))
         handle.flush()
-    _fsync(fd)
+    except Exception as error:
+        if raw.error is None:
+            raise
+        raise write_error(path, raw.error, what) from error
+    finally:
+        with contextlib.suppress(OSError):  # after a failed write, closing flushes (and fails) once more
+            handle.close()
+    try:
+        _fsync(fd)
+    except OSError as error:
+        raise write_error(path, error, what) from error
 
 
 def _fsync(fd: int) -> None:

@@ -25,7 +25,7 @@ import torch
 from . import layout
 from ._atomic import atomic_write, target_exists_error
 from .aggregate import aggregate_checkpoints
-from .storage import CHECKSUM_ATTRIBUTE, load, open_checkpoint, read_dataset
+from .storage import CHECKSUM_ATTRIBUTE, check_links, load, open_checkpoint, read_dataset
 from .user_dict import ARRAYS_KEY, FORMAT_KEY, TREE_KEY
 
 # The groups `describe` has a section for; any other top-level key is listed by name.
@@ -129,6 +129,7 @@ def _has_key(path: str, key: str) -> bool:
 def describe(path: str) -> str:
     """A readable report of a checkpoint's contents (shapes and dtypes; tensor data is not read)."""
     with open_checkpoint(path) as (handle, shown_as):
+        check_links(handle, shown_as)  # no link out of the file or back into it (storage.py)
         size = os.path.getsize(shown_as) if os.path.isfile(shown_as) else None
         sections = [
             f"checkpoint: {shown_as}" + (f" (HDF5, {size:,} bytes)" if size is not None else ""),

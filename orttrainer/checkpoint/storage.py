@@ -13,12 +13,24 @@ dimension) are chunked with HDF5's ``fletcher32`` filter, which HDF5 checks on e
 does); scalars, strings and other values, which HDF5 cannot filter, carry a CRC-32 of their value in the
 ``orttrainer_crc32`` attribute. A mismatch raises ``CheckpointCorruptError`` naming the file and the dataset.
 Files written before checksums (and by the original ORTTrainer) have neither and load as before, unverified.
+
+Hostile and failing files (docs/reliability.md §4):
+- Saving to a path never lets an exception cross HDF5: h5py's Python file-object driver crashes the interpreter
+  (SIGSEGV) when a write raises inside it (EFBIG under ``RLIMIT_FSIZE``, ENOSPC on a full disk). The driver writes
+  through ``_LatchedFile``, which keeps the first ``OSError`` and skips later writes; once h5py has let go of the
+  file the save raises that ``OSError`` naming the checkpoint path, and no file appears (an earlier one is intact).
+- Loading checks what each dataset declares before reading it: the declared size may not exceed the bytes the file
+  stores for it (or, compressed, ``_MAX_COMPRESSION`` times those), its data must be inside the file (no HDF5
+  external storage, no virtual dataset), every group member must be a hard link (no external or soft links) and no
+  object may be reached twice (no link cycles). Each refusal raises ``CheckpointCorruptError`` naming the file and
+  the dataset, before anything is allocated.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pickle
 import sys
@@ -30,7 +42,7 @@ import h5py
 import numpy as np
 
 from . import safe_pickle
-from ._atomic import atomic_write
+from ._atomic import atomic_write, write_error
 
 PathOrFile = str | os.PathLike | IO[bytes]
 
@@ -40,6 +52,12 @@ _ZIP_SIGNATURE = b"PK\x03\x04"  # torch.save's format: what experimental_save_ch
 
 CHECKSUM_ATTRIBUTE = "orttrainer_crc32"
 _FLETCHER32_KINDS = "biufcS"  # numpy kinds with fixed-size elements: bool, ints, floats, complex, bytes
+# The most a compressed dataset may declare per stored byte: deflate's ceiling (a 258-byte match in about two
+# bits). HDF5's other compressing filters on checkpoint data do not come close; none of orttrainer's files, nor
+# the original's, is compressed.
+_MAX_COMPRESSION = 1032
+# Filters that store every byte (a checksum, a byte reordering): the stored size bounds the declared one.
+_STORING_FILTERS = {h5py.h5z.FILTER_FLETCHER32, h5py.h5z.FILTER_SHUFFLE}
 
 
 class CheckpointNotFoundError(FileNotFoundError, ValueError):
@@ -69,7 +87,7 @@ def save(save_obj: Mapping[str, Any], path_or_file: PathOrFile) -> None:
         _save_to_file_object(save_obj, path_or_file)
         return
     path = _fspath(path_or_file)
-    atomic_write(path, lambda handle: _write_hdf5(save_obj, handle, path))
+    atomic_write(path, lambda handle: _write_hdf5_to_file(save_obj, handle, path))
 
 
 def _save_to_file_object(save_obj: Mapping[str, Any], file_object: IO[bytes]) -> None:
@@ -80,9 +98,114 @@ def _save_to_file_object(save_obj: Mapping[str, Any], file_object: IO[bytes]) ->
         file_object.flush()
 
 
-def _write_hdf5(save_obj: Mapping[str, Any], target: IO[bytes], shown_as: str) -> None:
+def _write_hdf5(save_obj: Mapping[str, Any], target: IO[bytes] | _LatchedFile, shown_as: str) -> None:
     with h5py.File(target, "w") as handle:
         _save_group(handle, save_obj, "", shown_as)
+
+
+def _write_hdf5_to_file(save_obj: Mapping[str, Any], handle: IO[bytes], path: str) -> None:
+    """Write the HDF5 file into the open file ``handle`` through a ``_LatchedFile``; a failed write raises its
+    ``OSError`` naming ``path`` only after h5py has closed the file (module docstring)."""
+    latched = _LatchedFile(handle.fileno())
+    try:
+        _write_hdf5(save_obj, latched, path)
+    except Exception as error:
+        if latched.error is None:
+            raise
+        raise write_error(path, latched.error) from error
+    if latched.error is not None:
+        raise write_error(path, latched.error)
+
+
+class _LatchedFile:
+    """A file object over the descriptor ``fd`` whose methods never raise: the first ``OSError`` is kept in
+    ``error``, writes after it are skipped (and reported as done), reads after it return zeros.
+
+    h5py's file-object driver calls these methods from inside HDF5, where an exception crashes the interpreter
+    (module docstring); the caller checks ``error`` once h5py is done. Positioned reads and writes
+    (``os.pread``/``os.pwrite``) keep the descriptor's own offset out of it."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._position = 0
+        self.error: OSError | None = None
+
+    def _keep(self, error: OSError) -> None:
+        if self.error is None:
+            self.error = error
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_CUR:
+            offset += self._position
+        elif whence == os.SEEK_END:
+            offset += self._size()
+        self._position = max(offset, 0)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def _size(self) -> int:
+        try:
+            return os.fstat(self._fd).st_size
+        except OSError as error:
+            self._keep(error)
+            return 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self.error is None:
+            written = 0
+            try:
+                while written < len(view):
+                    written += os.pwrite(self._fd, view[written:], self._position + written)
+            except OSError as error:
+                self._keep(error)
+        self._position += len(view)
+        return len(view)
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        done = 0
+        if self.error is None:
+            try:
+                while done < len(view):
+                    chunk = os.pread(self._fd, len(view) - done, self._position + done)
+                    if not chunk:
+                        break
+                    view[done : done + len(chunk)] = chunk
+                    done += len(chunk)
+            except OSError as error:
+                self._keep(error)
+        view[done:] = bytes(len(view) - done)
+        self._position += len(view)
+        return len(view)
+
+    def read(self, size: int = -1) -> bytes:
+        if size < 0:
+            size = max(self._size() - self._position, 0)
+        buffer = bytearray(size)
+        self.readinto(buffer)
+        return bytes(buffer)
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self._position if size is None else size
+        if self.error is None:
+            try:
+                os.ftruncate(self._fd, size)
+            except OSError as error:
+                self._keep(error)
+        return size
+
+    def flush(self) -> None:
+        """Nothing is buffered here."""
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        """The descriptor belongs to the caller (``atomic_write``), which closes it."""
 
 
 def _save_group(group: h5py.Group, save_obj: Mapping[str, Any], prefix: str, shown_as: str) -> None:
@@ -160,25 +283,78 @@ def load(path_or_file: PathOrFile, key: str | None = None) -> Any:
     with open_checkpoint(path_or_file) as (handle, shown_as):
         try:
             node = _descend(handle, key, shown_as)
-            return read_dataset(node, shown_as) if isinstance(node, h5py.Dataset) else _load_group(node, shown_as)
+            if isinstance(node, h5py.Dataset):
+                return read_dataset(node, shown_as)
+            return _load_group(node, shown_as, set())
         except OSError as error:  # a damaged object inside a file whose header was fine
             raise _corrupt_error(shown_as, error) from error
 
 
 def _descend(handle: h5py.File, key: str | None, shown_as: str) -> h5py.Group | h5py.Dataset:
-    if not key:
-        return handle
-    try:
-        return handle[key]
-    except KeyError:
-        raise KeyError(f"Key {key!r} not found in checkpoint {shown_as}") from None
+    node: h5py.Group | h5py.Dataset = handle
+    for name in (key or "").split("/"):
+        if not name:
+            continue
+        if not isinstance(node, h5py.Group) or name not in node:
+            raise KeyError(f"Key {key!r} not found in checkpoint {shown_as}")
+        node = _member(node, name, shown_as)
+    return node
 
 
-def _load_group(group: h5py.Group, shown_as: str) -> dict[str, Any]:
-    return {
-        key: _load_group(item, shown_as) if isinstance(item, h5py.Group) else read_dataset(item, shown_as)
-        for key, item in group.items()
-    }
+def check_links(handle: h5py.File, shown_as: str) -> None:
+    """Walk the whole file as ``load`` does, reading no data: every member a hard link, no object reached twice
+    (``CheckpointCorruptError`` naming the file and the link otherwise)."""
+    seen: set[Any] = set()
+    pending = [handle]
+    while pending:
+        group = pending.pop()
+        _visit_once(group, shown_as, seen)
+        for key in group:
+            item = _member(group, key, shown_as)
+            if isinstance(item, h5py.Group):
+                pending.append(item)
+            else:
+                _visit_once(item, shown_as, seen)
+
+
+def _load_group(group: h5py.Group, shown_as: str, seen: set[Any]) -> dict[str, Any]:
+    _visit_once(group, shown_as, seen)
+    loaded = {}
+    for key in group:
+        item = _member(group, key, shown_as)
+        if isinstance(item, h5py.Group):
+            loaded[key] = _load_group(item, shown_as, seen)
+        else:
+            _visit_once(item, shown_as, seen)
+            loaded[key] = read_dataset(item, shown_as)
+    return loaded
+
+
+def _visit_once(node: h5py.Group | h5py.Dataset, shown_as: str, seen: set[Any]) -> None:
+    """Every object is read once: a hard link back to a group would loop forever, and shared objects multiply
+    what a small file makes the loader allocate. No checkpoint writer links an object twice."""
+    info = h5py.h5o.get_info(node.id)
+    identity = (info.fileno, info.addr)
+    if identity in seen:
+        raise CheckpointCorruptError(
+            f"{shown_as} is not a checkpoint file: {node.name!r} is linked more than once (a cycle or a shared "
+            "object), which no checkpoint writer makes"
+        )
+    seen.add(identity)
+
+
+def _member(group: h5py.Group, name: str, shown_as: str) -> h5py.Group | h5py.Dataset:
+    """``group[name]``, which must be a hard link to a group or a dataset: an external link would open another file
+    and a soft link may point anywhere in this one (``CheckpointCorruptError`` naming the file and the link)."""
+    link = group.get(name, getlink=True)
+    where = f"{group.name.rstrip('/')}/{name}".lstrip("/")
+    if not isinstance(link, h5py.HardLink):
+        kind = "an external link to another file" if isinstance(link, h5py.ExternalLink) else "a soft link"
+        raise CheckpointCorruptError(f"{shown_as} is not a checkpoint file: {where!r} is {kind}")
+    item = group[name]
+    if not isinstance(item, (h5py.Group, h5py.Dataset)):
+        raise CheckpointCorruptError(f"{shown_as} is not a checkpoint file: {where!r} is a {type(item).__name__}")
+    return item
 
 
 def read_dataset(dataset: h5py.Dataset, shown_as: str) -> Any:
@@ -188,8 +364,13 @@ def read_dataset(dataset: h5py.Dataset, shown_as: str) -> Any:
     fletcher32 failure surfaces as a read error) or cannot be read.
     """
     where = dataset.name.lstrip("/")
+    check_declared_size(dataset, shown_as)
     try:
         value = dataset[()]
+    except MemoryError:
+        raise MemoryError(
+            f"{shown_as}: dataset {where!r} ({_size_text(_declared_bytes(dataset))}) does not fit in memory"
+        ) from None
     except OSError as error:
         mismatch = " (its data does not match its fletcher32 checksum)" if dataset.fletcher32 else ""
         raise _dataset_error(shown_as, where, f"cannot be read{mismatch}: {error}") from error
@@ -197,6 +378,46 @@ def read_dataset(dataset: h5py.Dataset, shown_as: str) -> Any:
     if expected is not None and _checksum(value) != int(expected):
         raise _dataset_error(shown_as, where, f"does not match the CRC-32 checksum saved with it ({int(expected)})")
     return value
+
+
+def check_declared_size(dataset: h5py.Dataset, shown_as: str) -> None:
+    """Refuse, before anything is read or allocated, a dataset whose data is not all in the file: declared larger
+    than the bytes the file stores for it (``_MAX_COMPRESSION`` times those when compressed), kept in HDF5 external
+    storage (raw files named by the checkpoint) or virtual (mapped from other files). ``CheckpointCorruptError``
+    names the file and the dataset."""
+    where = dataset.name.lstrip("/")
+    plist = dataset.id.get_create_plist()
+    if plist.get_external_count() > 0:
+        raise _dataset_error(shown_as, where, "keeps its data in an external file, which a checkpoint never does")
+    if dataset.is_virtual:
+        raise _dataset_error(shown_as, where, "is a virtual dataset mapped from other files")
+    declared = _declared_bytes(dataset)
+    if declared == 0:
+        return
+    filters = {plist.get_filter(i)[0] for i in range(plist.get_nfilters())}
+    ratio = 1 if filters <= _STORING_FILTERS else _MAX_COMPRESSION
+    stored = dataset.id.get_storage_size()
+    if declared > stored * ratio:
+        count = math.prod(dataset.shape or ())
+        raise _dataset_error(
+            shown_as,
+            where,
+            f"declares {count} elements ({_size_text(declared)}) but the file stores {stored} bytes of its data",
+        )
+
+
+def _declared_bytes(dataset: h5py.Dataset) -> int:
+    """The bytes the dataset's elements take in the file (0 for an empty one)."""
+    if dataset.shape is None:  # HDF5's null dataspace: no elements
+        return 0
+    return math.prod(dataset.shape) * dataset.id.get_type().get_size()
+
+
+def _size_text(size: int) -> str:
+    if size < 1024:
+        return f"{size} bytes"
+    exponent = min((size.bit_length() - 1) // 10, 4)
+    return f"{size / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB', 'TiB')[exponent - 1]}"
 
 
 def _dataset_error(shown_as: str, where: str, detail: str) -> CheckpointCorruptError:

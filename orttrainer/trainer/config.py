@@ -8,6 +8,7 @@ raises `NotImplementedError` naming the option and what to do instead.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,7 @@ def make_config(
     check_runtime()
     check_runtime_supports(checked_options, onnx_model=isinstance(model, onnx.ModelProto))
     check_provider_options(checked_options)
+    check_graph_save_paths(checked_options)
     device = Device.parse(checked_options.device.id)
     distributed = resolve_context(checked_options, device.type)
     if distributed and device.type == "cuda" and checked_options.device.id.strip().lower() == "cuda":
@@ -189,6 +191,62 @@ def check_runtime_supports(options: ORTTrainerOptions, onnx_model: bool = False)
             f"and the maintained onnxruntime installed here trains with the torch gradient builder: turn them off, or "
             f"{TRAINING_EXTRA_HINT}"
         )
+
+
+_DEFAULT_NAME_MAX = 255
+_DEFAULT_PATH_MAX = 4096
+
+
+def check_graph_save_paths(options: ORTTrainerOptions) -> None:
+    """`check_file_name` on every non-empty path of `options.debug.graph_save_paths`.
+
+    Why at construction (docs/reliability.md §5): ONNX Runtime would otherwise fail at the first step with
+    "SystemError : 2" or "SystemError : 36", naming nothing. Whether the directory exists and is writable stays a
+    warning at the step (a debug dump never stops training)."""
+    paths = options.debug.graph_save_paths._validated_opts
+    for key, path in paths.items():
+        if path:
+            check_file_name(path, f"debug.graph_save_paths.{key}")
+
+
+def check_file_name(path: str, option: str) -> None:
+    """Refuse a path the operating system cannot take; `option` names it. Rule: a string without a NUL character,
+    whose every component fits the filesystem's NAME_MAX and whose whole length (as bytes, made absolute) stays
+    under its PATH_MAX; the limits are read with `os.pathconf` from the nearest existing directory of the path (255
+    and 4096 where the system does not say)."""
+    if "\0" in path:
+        raise ValueError(f"options {option}={path!r} contains a NUL character, which no file name can hold")
+    absolute = os.path.abspath(path)
+    existing = _nearest_directory(absolute)
+    name_max = _limit(existing, "PC_NAME_MAX", _DEFAULT_NAME_MAX)
+    path_max = _limit(existing, "PC_PATH_MAX", _DEFAULT_PATH_MAX)
+    for component in absolute.split(os.sep):
+        if len(os.fsencode(component)) > name_max:
+            raise ValueError(
+                f"options {option}: the path component {component[:40]!r}... is {len(os.fsencode(component))} "
+                f"bytes long; this filesystem allows {name_max}"
+            )
+    if len(os.fsencode(absolute)) >= path_max:
+        raise ValueError(
+            f"options {option}: the path is {len(os.fsencode(absolute))} bytes long; this system allows {path_max - 1}"
+        )
+
+
+def _nearest_directory(path: str) -> str:
+    directory = os.path.dirname(path)
+    while not os.path.isdir(directory):
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            break
+        directory = parent
+    return directory
+
+
+def _limit(directory: str, name: str, default: int) -> int:
+    try:
+        return int(os.pathconf(directory, name))
+    except (OSError, ValueError):
+        return default
 
 
 def _lookup(tree: dict, path: str) -> Any:

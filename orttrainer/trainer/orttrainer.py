@@ -25,6 +25,7 @@ from onnx import numpy_helper
 from .. import amp
 from .._require import require
 from ..checkpoint import storage
+from ..checkpoint._atomic import atomic_write
 from ..debug.subscriber import WATCHED
 from ..optim.config import _OptimizerConfig
 from ..schema.model_desc import _ORTTrainerModelDesc
@@ -33,6 +34,7 @@ from ..train_step_info import TrainStepInfo
 from . import state_dict as state_dicts
 from .activations import ActivationStatistics
 from .build.export import check_model_export
+from .build.external_data import prepare_model
 from .config import TrainerConfig, make_config
 from .graph.editor import copy_model
 from .inputs import check_inputs, check_outputs, order_inputs
@@ -86,7 +88,8 @@ class ORTTrainer:
         self._activations = ActivationStatistics(module)  # orttrainer.debug subscribers, in the graph
         self._model: Built | Unbuilt = Unbuilt(module=module)
         if isinstance(model, onnx.ModelProto):
-            self._model = build_onnx_model(self._config, self._state, model)
+            # checked before anything reads it, external data confined (docs/reliability.md §1)
+            self._model = build_onnx_model(self._config, self._state, prepare_model(model))
 
     @property
     def model_desc(self) -> _ORTTrainerModelDesc:
@@ -262,15 +265,8 @@ class ORTTrainer:
         if (directory and not os.path.isdir(directory)) or not filename:
             warnings.warn("'path' is not valid or does not exist", stacklevel=2)
             return
-        model = _with_weights(built)
-        temporary = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(temporary, "wb") as f:
-                f.write(model.SerializeToString())
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
+        data = _with_weights(built).SerializeToString()  # through no planted name: docs/reliability.md §3
+        atomic_write(path, lambda handle: handle.write(data), overwrite=True, what="ONNX model file")
 
     @_locked
     def state_dict(self, pytorch_format: bool = False) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from ..gradient import torch_private
 from ..gradient.torch_builder import MAX_ORT_OPSET
 from ..gradient.torch_private import DimSpec
 from ..gradient.torch_trace import flatten_tensors
+from ..graph.class_labels import guard_pytorch_indices
 from ..graph.pipeline import build_eval_model
 from ..runtime.session import EvalGraph, ShapeKeyedCache, ShapeSignature
 from .export import MODEL_PREFIX, DryRun, _ModelWithLoss, set_initializers, strip_prefix
@@ -239,7 +240,8 @@ class TorchEvalGraphs:
         return self._eval_graph(self._postprocess(model))
 
     def _eval_graph(self, forward: onnx.ModelProto) -> EvalGraph:
-        return EvalGraph(build_eval_model(forward, self._state, self._source.output_names), self.data_inputs)
+        model = guard_pytorch_indices(build_eval_model(forward, self._state, self._source.output_names))
+        return EvalGraph(model, self.data_inputs)  # indices range-checked as PyTorch does: graph/class_labels.py
 
     def _sample_inputs(self) -> list[torch.Tensor]:
         """Tensors of the first batch's shapes and dtypes: the exporter traces shapes, never values."""

@@ -27,6 +27,7 @@ import torch
 from onnx import numpy_helper
 
 from ...debug.subscriber import no_increase_global_step
+from ..graph.class_labels import GUARD_PYTORCH_INDICES
 from ..graph.editor import fresh_name
 from ..graph.mixed_precision import LOSS_SCALE_INPUT
 from ..graph.passes import run_passes
@@ -95,7 +96,8 @@ def torch_gradient_model(
         _logger.info("torch gradient builder: the first training graph is traced with %s", kind)
     values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
     model = bind_foreign_state(graph.model, len(source.input_names), [*state, *scale[1:]] if scale else state, values)
-    return (run_passes(model, [rename_state_pass(names)]) if names else model), graph.accepts
+    passes = [GUARD_PYTORCH_INDICES, *([rename_state_pass(names)] if names else [])]  # graph/class_labels.py
+    return run_passes(model, passes), graph.accepts
 
 
 def loss_scale_names(data_inputs: Sequence[str], outputs: Sequence[str], state: Sequence[str]) -> tuple[str, str]:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import onnx
 
+from .class_labels import GUARD_CLASS_LABELS
 from .cross_entropy import CROSS_ENTROPY_AS_PLAIN_OPS
 from .data_parallel import gradient_step_pass
 from .fixups import (
@@ -82,7 +83,8 @@ def gradient_model_passes(*, mixed_precision: bool, cpu: bool, scaled_loss: str)
     """On the gradient model (forward outputs + `<p>_grad`), the same for both builders and every input-shape
     signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels get
     casts; embedding gradients become scatter-adds; on the CPU in float32, softmax cross-entropy becomes plain ops
-    (graph/cross_entropy.py, switchable: graph/passes.rewrite_enabled)."""
+    (graph/cross_entropy.py, switchable: graph/passes.rewrite_enabled); class labels are range-checked
+    (graph/class_labels.py)."""
     passes: list[GraphPass] = []
     if mixed_precision:
         passes.append(without_outputs_pass([scaled_loss]))
@@ -91,6 +93,7 @@ def gradient_model_passes(*, mixed_precision: bool, cpu: bool, scaled_loss: str)
     passes.append(GATHER_GRAD_TO_SCATTER_ADD)
     if cpu and not mixed_precision and rewrite_enabled("cross_entropy_as_plain_ops"):
         passes.append(CROSS_ENTROPY_AS_PLAIN_OPS)
+    passes.append(GUARD_CLASS_LABELS)  # labels range-checked as PyTorch does (graph/class_labels.py)
     return passes
 
 
@@ -127,13 +130,15 @@ def eval_passes(
     state: list[str], outputs: list[str], statistics: StatisticsInstrument | None = None
 ) -> list[GraphPass]:
     """The eval graph: the `state` initializers become graph inputs (fed per step, like the training graph's), every
-    Dropout an Identity, BatchNormalization runs on its running statistics, and only the graph outputs in `outputs`
-    (the model_desc outputs) remain, in the graph's order; then its statistics."""
+    Dropout an Identity, BatchNormalization runs on its running statistics, only the graph outputs in `outputs`
+    (the model_desc outputs) remain, in the graph's order, and the class labels of its losses are range-checked
+    (graph/class_labels.py); then its statistics."""
     passes: list[GraphPass] = [
         move_initializers_to_inputs_pass(state),
         DROPOUT_TO_IDENTITY,
         BATCHNORM_TO_INFERENCE,
         keep_outputs_pass(outputs),
+        GUARD_CLASS_LABELS,
     ]
     if statistics is not None:
         passes.append(_statistics_pass("statistics_eval", statistics.instrument, "eval"))
