@@ -9,7 +9,7 @@ onnxruntime; ``ORTTrainer`` (and with it onnxruntime) is loaded on first access.
 from __future__ import annotations
 
 from . import amp, optim
-from .compat.former_names import install_finder
+from .compat.former_names import FORMER_NAMES, install_finder
 from .schema.options import ORTTrainerOptions, PropagateCastOpsStrategy
 from .train_step_info import TrainStepInfo
 
@@ -40,7 +40,7 @@ def __getattr__(name: str):
         from .trainer.build.external_data import load_model
 
         return load_model
-    if name in ("checkpoint", "debug"):
+    if name in ("checkpoint", "debug") or f"{__name__}.{name}" in FORMER_NAMES:  # a former name: compat/
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
