@@ -225,12 +225,13 @@ def test_positional_adapter_shares_the_model_state():
 def test_former_orttrainer_legacy_path_still_imports_the_same_objects():
     import importlib
 
-    import orttrainer.capi
     import orttrainer.legacy
     from orttrainer.legacy import IODescription as OldIODescription
     from orttrainer.legacy import ORTTrainer as OldORTTrainer
     from orttrainer.legacy import arguments, positional
     from orttrainer.legacy.loss_scaler import CallerFedLossScale as OldCallerFedLossScale
+
+    import orttrainer.capi
 
     assert OldIODescription is IODescription and OldCallerFedLossScale is CallerFedLossScale
     assert OldORTTrainer is orttrainer.capi.ORTTrainer and OldORTTrainer.__module__ == "orttrainer.capi.ort_trainer"
