@@ -1,15 +1,19 @@
-"""Small helpers shared by trainer tests."""
+"""Small helpers shared by the tests: trainers on the CPU and their weights, hand-built ONNX graphs and running them
+with ONNX Runtime, the legacy-style export."""
 
 from __future__ import annotations
 
 import copy
 import io
 import warnings
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
+from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer import ORTTrainer, ORTTrainerOptions
 from orttrainer.trainer.runtime import has_training_build
@@ -43,6 +47,14 @@ def trainer_weights(trainer: ORTTrainer) -> dict[str, np.ndarray]:
 
 def torch_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def state_and_counters(trainer: ORTTrainer) -> dict[str, np.ndarray]:
+    """Everything a step may change: the session's state, and the step counters as "counters"."""
+    state = trainer._training_session.get_state()
+    info = trainer._train_step_info
+    state["counters"] = np.array([info.step, info.optimization_step, trainer._state.counters.optimizer_updates])
+    return state
 
 
 def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
@@ -80,3 +92,51 @@ def export_training_onnx(
             dynamo=False,
         )
     return onnx.load_from_string(buffer.getvalue())
+
+
+# hand-built ONNX graphs ---------------------------------------------------------------------------------------------
+
+
+def value_info(name: str, shape: Sequence | None = None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
+    """A graph input or output; `shape` None: unknown rank."""
+    return helper.make_tensor_value_info(name, elem_type, shape)
+
+
+def initializer(name: str, value, dtype=np.float32) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+
+
+def onnx_model(
+    nodes: Iterable[onnx.NodeProto],
+    inputs: Iterable[onnx.ValueInfoProto],
+    outputs: Iterable[onnx.ValueInfoProto],
+    initializers: Iterable[onnx.TensorProto] = (),
+    opset: int = 14,
+    ms: bool = False,
+    domains: Iterable[tuple[str, int]] = (),
+    ir_version: int = 8,
+) -> onnx.ModelProto:
+    """A model of one graph named "g": the ONNX domain at `opset`, then com.microsoft 1 when `ms` (ONNX Runtime's
+    contrib and training ops), then any other (domain, version) in `domains`. IR version 8, which every ONNX Runtime
+    the tests run on loads."""
+    graph = helper.make_graph(list(nodes), "g", list(inputs), list(outputs), list(initializers))
+    opsets = [("", opset), *([("com.microsoft", 1)] if ms else []), *domains]
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
+    model.ir_version = ir_version
+    return model
+
+
+def run_onnx(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> list[np.ndarray]:
+    """One run of `model` by ONNX Runtime on the CPU: the `outputs` asked for, or all of them in graph order."""
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(outputs, feeds)
+
+
+def run_onnx_by_name(model: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    """`run_onnx`'s results keyed by the graph's output names."""
+    return dict(zip([o.name for o in model.graph.output], run_onnx(model, feeds), strict=True))
+
+
+def value_names(values: Iterable) -> list[str]:
+    """The names of graph inputs, outputs or initializers, in order."""
+    return [v.name for v in values]
