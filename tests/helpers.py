@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import copy
 import io
+import json
+import os
+import socket
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -64,6 +69,45 @@ def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
+
+
+def run_ranks(directory, world_size: int, steps: int, global_batch: int, **scenario) -> list[dict]:
+    """Run tests/dist_worker.py in `world_size` processes (Gloo on the CPU) and return each rank's result: `steps`
+    global batches of `global_batch` rows, each rank training on its shard; `scenario` is the rest of the worker's
+    config (optimizer, accumulation, options, "runs", ...)."""
+    worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+    port, procs, outs = _free_port(), [], []
+    for rank in range(world_size):
+        out = os.path.join(directory, f"rank{rank}_{len(os.listdir(directory))}.json")
+        config = {"rank": rank, "world_size": world_size, "steps": steps, "global_batch": global_batch, "out": out}
+        config.update(scenario)
+        if "save" in scenario:
+            config["save"] = scenario["save"].format(rank=rank)
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, worker, json.dumps(config)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+        outs.append(out)
+    for proc in procs:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output[-3000:]
+    results = []
+    for out in outs:
+        with open(out) as f:
+            results.append(json.load(f))
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def export_training_onnx(
