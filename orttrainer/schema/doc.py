@@ -58,7 +58,10 @@ MEANINGS = {
     "debug.check_model_export": "on the first step, compare the exported graph's outputs with PyTorch's",
     "debug.graph_save_paths.model_after_graph_transforms_path": "write the forward graph after the fix-ups here",
     "debug.graph_save_paths.model_with_gradient_graph_path": "write the forward + gradient graph here",
-    "debug.graph_save_paths.model_with_training_graph_path": "write the whole training graph here",
+    "debug.graph_save_paths.model_with_training_graph_path": (
+        "write the training graph here (with the default update path it is gradient-only: torch applies the "
+        "update; the state contract is in its metadata)"
+    ),
     "debug.graph_save_paths.model_with_training_graph_after_optimization_path": "write the training graph after "
     "ONNX Runtime's optimizations here",
     "_internal_use.enable_internal_postprocess": "the legacy post-processing passes on the exported model",
