@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from .onnx_ops_base import MICROSOFT, Call, Value, axes_of, axis_of, torch_op
+from .base import MICROSOFT, Call, Value, axes_of, axis_of, torch_op
 
 
 def _binary(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[Call, Value, Value], torch.Tensor]:

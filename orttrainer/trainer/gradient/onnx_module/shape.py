@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .onnx_ops_base import Call, Value, axes_of, axis_of, numpy_dtype, static_op, torch_dtype, torch_op
+from .base import Call, Value, axes_of, axis_of, numpy_dtype, static_op, torch_dtype, torch_op
 
 Shape = tuple[int, ...]
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .onnx_ops_base import Call, static_op
-from .onnx_ops_math import reduction_axes
+from .base import Call, static_op
+from .elementwise import reduction_axes
 
 
 def _keep(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:

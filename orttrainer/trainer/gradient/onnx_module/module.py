@@ -34,9 +34,9 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from . import onnx_ops_conv, onnx_ops_math, onnx_ops_nn, onnx_ops_shape, onnx_ops_static  # noqa: F401  (tables)
-from .errors import GradientBuildError
-from .onnx_ops_base import MICROSOFT, STATIC_OPS, TORCH_OPS, Call, NodeSpec, OnnxNodeError, OpResult, Value
+from . import conv, elementwise, nn, shape, static  # noqa: F401  (tables)
+from ..errors import GradientBuildError
+from .base import MICROSOFT, STATIC_OPS, TORCH_OPS, Call, NodeSpec, OnnxNodeError, OpResult, Value
 
 STATIC_LIMIT = 4096  # elements: larger results of static ops are computed in torch
 GIVEN_LIMIT = 16  # elements: state tensors this small can be read as numbers while tracing (onnx_ops_base.Call)

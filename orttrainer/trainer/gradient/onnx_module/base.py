@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...dtypes import ELEMENT_TYPES, onnx_to_torch
-from .errors import GradientBuildError
+from ....dtypes import ELEMENT_TYPES, onnx_to_torch
+from ..errors import GradientBuildError
 
 Value = torch.Tensor | np.ndarray
 OpResult = Value | Sequence[Value | None]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .onnx_ops_base import Call, Value, torch_op
+from .base import Call, Value, torch_op
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
-from .onnx_ops_base import Call, Value, axis_of, torch_op
+from .base import Call, Value, axis_of, torch_op
 
 
 @torch_op("Dropout")
