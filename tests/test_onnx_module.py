@@ -250,13 +250,33 @@ def test_state_tensors_get_module_names_that_map_back_to_the_initializer_names()
     assert module_name("x.y", {"x_y"}, module) == "x_y_1"
 
 
-def test_an_op_outside_the_table_is_named_with_its_nodes_and_what_to_do():
+def test_an_op_outside_the_table_is_named_with_its_node_and_opset_and_what_to_do():
     model = _linear_chain(["W"])
-    model.graph.node.insert(1, helper.make_node("Hardmax", ["h0"], ["hard"], name="the_hardmax"))
-    with pytest.raises(GradientBuildError, match=r"no implementation of Hardmax \(node 'the_hardmax'\)") as err:
+    model.graph.node.insert(1, helper.make_node("TfIdfVectorizer", ["h0"], ["counts"], name="the_tfidf"))
+    with pytest.raises(
+        GradientBuildError,
+        match=r"node 'the_tfidf' \(TfIdfVectorizer, opset 17\): no implementation of TfIdfVectorizer",
+    ) as err:
         OnnxModule(model, ["x"], ["loss"], ["W"])
     assert "pip install 'orttrainer[ort-training]'" in str(err.value) and "PyTorch module" in str(err.value)
-    assert err.value.op_type == "Hardmax"
+    assert err.value.op_type == "TfIdfVectorizer"
+
+
+def test_every_refused_node_is_named_at_construction_with_its_reason():
+    """An attribute value an op does not implement, an opset outside the specs followed, a domain the model does
+    not import: one error at construction, each node with its op, opset and reason."""
+    model = _linear_chain(["W"])
+    model.graph.node.insert(1, helper.make_node("Resize", ["h0", "", "scales"], ["r"], name="bad_mode", mode="area"))
+    model.graph.node.insert(2, helper.make_node("Gelu", ["h0"], ["g"], name="ms_gelu", domain="com.example"))
+    with pytest.raises(GradientBuildError) as err:
+        OnnxModule(model, ["x"], ["loss"], ["W"])
+    message = str(err.value)
+    assert "node 'bad_mode' (Resize, opset 17): mode 'area'" in message
+    assert "node 'ms_gelu' (com.example.Gelu, opset 0): its domain 'com.example' is not imported" in message
+    old = _linear_chain(["W"])
+    old.opset_import[0].version = 6
+    with pytest.raises(GradientBuildError, match=r"\(MatMul, opset 6\): OnnxModule follows the ONNX specs of opsets 7"):
+        OnnxModule(old, ["x"], ["loss"], ["W"])
 
 
 def test_a_graph_input_that_is_neither_data_nor_initializer_is_refused():
@@ -313,7 +333,9 @@ def test_shapes_computed_in_the_graph_are_numbers_when_the_torch_builder_traces(
 
 def test_a_shape_read_from_data_cannot_be_traced_and_the_error_names_the_node():
     model = _reshape_by_computed_shape(shape_from_data=True)
-    with pytest.raises(GradientBuildError, match=r"Reshape node: input shape must be known when the graph is traced"):
+    with pytest.raises(
+        GradientBuildError, match=r"\(Reshape, opset 17\): input shape must be known when the graph is traced"
+    ):
         _trace(model, ["x", "s"], [torch.randn(5, 2, 3), torch.tensor([5, 6])])
     module = OnnxModule(model, ["x", "s"], ["loss"], ["W"])  # run eagerly, the values are there
     assert module(torch.randn(5, 2, 3), torch.tensor([5, 6]))[0].shape == ()

@@ -1,20 +1,21 @@
-"""OnnxModule's torch ops for arithmetic, activations, products, softmax, reductions and variadic ops, each written
-from the ONNX operator specification (attribute defaults and the opset where an attribute became an input).
+"""OnnxModule's element-wise ops: arithmetic, comparisons, logic and bit ops, unary math, activations, Clip, Where
+and the variadic Sum/Mean/Max/Min, each written from the ONNX operator specification (attribute defaults and the
+opset where an attribute became an input).
 
-Rules shared by all: binary ops broadcast numpy-style (as ONNX does since opset 7); integer Div truncates toward
-zero (ONNX Runtime's C++ division); an op's result keeps the element type ONNX gives it (Pow: the base's).
+Rules shared by all: binary and variadic ops broadcast numpy-style (as ONNX does from opset 7); integer Div
+truncates toward zero (ONNX Runtime's C++ division); an op's result keeps the element type ONNX gives it (Pow: the
+base's); Round rounds halves to even; Max/Min propagate NaN.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
 
-from .base import MICROSOFT, Call, Value, axes_of, axis_of, torch_op
+from .base import Call, NodeSpec, Value, torch_op
 
 
 def _binary(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[Call, Value, Value], torch.Tensor]:
@@ -31,6 +32,18 @@ def _div(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.div(x, y, rounding_mode="trunc")
 
 
+def _bitwise(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """A bitwise op on any integer type: torch lacks some of them for uint16/32/64, whose bits are computed in
+    int64 (two's complement keeps them)."""
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.uint16, torch.uint32, torch.uint64):
+            return fn(x.to(torch.int64), y.to(torch.int64)).to(x.dtype)
+        return fn(x, y)
+
+    return run
+
+
 _BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "Add": torch.add,
     "Sub": torch.sub,
@@ -44,6 +57,9 @@ _BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "And": torch.logical_and,
     "Or": torch.logical_or,
     "Xor": torch.logical_xor,
+    "BitwiseAnd": _bitwise(torch.bitwise_and),
+    "BitwiseOr": _bitwise(torch.bitwise_or),
+    "BitwiseXor": _bitwise(torch.bitwise_xor),
 }
 for _name, _fn in _BINARY.items():
     torch_op(_name)(_binary(_fn))
@@ -62,11 +78,41 @@ def mod(call: Call, a: Value, b: Value) -> torch.Tensor:
     return torch.fmod(x, y) if call.attr("fmod", 0) else torch.remainder(x, y)
 
 
+@torch_op("BitShift", check=lambda n: None if n.attr("direction") in ("LEFT", "RIGHT") else "direction must be set")
+def bit_shift(call: Call, a: Value, b: Value) -> torch.Tensor:
+    """Unsigned integers shifted LEFT or RIGHT by `b` bits (bits shifted out are lost)."""
+    x, y = call.tensors(a, b)
+    wide = x.to(torch.int64), y.to(torch.int64)
+    if call.attr("direction") == "LEFT":
+        bits = torch.iinfo(x.dtype).bits if x.dtype != torch.uint64 else 64
+        shifted = torch.bitwise_left_shift(*wide)
+        return (shifted & ((1 << bits) - 1) if bits < 64 else shifted).to(x.dtype)
+    return torch.bitwise_right_shift(*wide).to(x.dtype) if x.dtype != torch.uint64 else _shift_right_u64(*wide)
+
+
+def _shift_right_u64(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A logical right shift of uint64 bits held in int64 (an arithmetic shift would copy the sign bit)."""
+    shifted = torch.bitwise_right_shift(x, y)
+    mask = torch.where(y > 0, torch.bitwise_left_shift(torch.ones_like(y), 64 - y) - 1, torch.full_like(y, -1))
+    return (shifted & mask).to(torch.uint64)
+
+
+def _softplus(t: torch.Tensor) -> torch.Tensor:
+    """log(exp(x) + 1), without torch's linear cut-off (threshold 20) so that the value is the formula's."""
+    return torch.logaddexp(t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 def _unary(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Call, Value], torch.Tensor]:
     def run(call: Call, a: Value) -> torch.Tensor:
         return fn(call.tensor(a))
 
     return run
+
+
+def _bitwise_not(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return torch.bitwise_not(t.to(torch.int64)).to(t.dtype)
+    return torch.bitwise_not(t)
 
 
 _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -82,15 +128,44 @@ _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Reciprocal": torch.reciprocal,
     "Floor": torch.floor,
     "Ceil": torch.ceil,
+    "Round": torch.round,  # halves to even, as ONNX says
     "Sin": torch.sin,
     "Cos": torch.cos,
+    "Tan": torch.tan,
+    "Asin": torch.asin,
+    "Acos": torch.acos,
+    "Atan": torch.atan,
+    "Sinh": torch.sinh,
+    "Cosh": torch.cosh,
+    "Asinh": torch.asinh,
+    "Acosh": torch.acosh,
+    "Atanh": lambda t: 0.5 * (torch.log1p(t) - torch.log1p(-t)),  # torch.onnx cannot export atanh's backward
     "Sign": torch.sign,
     "Not": torch.logical_not,
-    "Softplus": F.softplus,
+    "BitwiseNot": _bitwise_not,
+    "IsNaN": torch.isnan,
     "Softsign": F.softsign,
+    "Mish": lambda t: t * torch.tanh(_softplus(t)),
 }
 for _name, _one in _UNARY.items():
     torch_op(_name)(_unary(_one))
+
+
+@torch_op("Softplus")
+def softplus(call: Call, x: Value) -> torch.Tensor:
+    return _softplus(call.tensor(x))
+
+
+@torch_op("IsInf")
+def is_inf(call: Call, x: Value) -> torch.Tensor:
+    """detect_negative, detect_positive (both 1 by default) choose which infinities count."""
+    t = call.tensor(x)
+    negative, positive = bool(call.attr("detect_negative", 1)), bool(call.attr("detect_positive", 1))
+    if negative and positive:
+        return torch.isinf(t)
+    if positive:
+        return torch.isposinf(t)
+    return torch.isneginf(t) if negative else torch.zeros_like(t, dtype=torch.bool)
 
 
 @torch_op("LeakyRelu")
@@ -98,9 +173,40 @@ def leaky_relu(call: Call, x: Value) -> torch.Tensor:
     return F.leaky_relu(call.tensor(x), float(call.attr("alpha", 0.01)))
 
 
+@torch_op("PRelu")
+def prelu(call: Call, x: Value, slope: Value) -> torch.Tensor:
+    """x where x >= 0, slope * x elsewhere; slope broadcasts to x (unidirectionally)."""
+    t, s = call.tensors(x, slope)
+    return torch.where(t < 0, s * t, t)
+
+
 @torch_op("Elu")
 def elu(call: Call, x: Value) -> torch.Tensor:
     return F.elu(call.tensor(x), float(call.attr("alpha", 1.0)))
+
+
+@torch_op("Celu")
+def celu(call: Call, x: Value) -> torch.Tensor:
+    """max(0, x) + min(0, alpha * (exp(x / alpha) - 1)), alpha 1 by default."""
+    return F.celu(call.tensor(x), float(call.attr("alpha", 1.0)))
+
+
+_SELU_ALPHA, _SELU_GAMMA = 1.67326319217681884765625, 1.05070102214813232421875
+
+
+@torch_op("Selu")
+def selu(call: Call, x: Value) -> torch.Tensor:
+    """gamma * (alpha * exp(x) - alpha) for x <= 0, gamma * x for x > 0 (the spec's default alpha and gamma)."""
+    t = call.tensor(x)
+    alpha, gamma = float(call.attr("alpha", _SELU_ALPHA)), float(call.attr("gamma", _SELU_GAMMA))
+    return gamma * torch.where(t > 0, t, alpha * torch.expm1(torch.clamp(t, max=0)))
+
+
+@torch_op("ThresholdedRelu")
+def thresholded_relu(call: Call, x: Value) -> torch.Tensor:
+    """x where x > alpha (default 1), else 0."""
+    t = call.tensor(x)
+    return torch.where(t > float(call.attr("alpha", 1.0)), t, torch.zeros_like(t))
 
 
 @torch_op("HardSigmoid")
@@ -109,116 +215,50 @@ def hard_sigmoid(call: Call, x: Value) -> torch.Tensor:
     return torch.clamp(alpha * call.tensor(x) + beta, 0.0, 1.0)
 
 
-@torch_op("Gelu")
+@torch_op("HardSwish")
+def hard_swish(call: Call, x: Value) -> torch.Tensor:
+    """x * max(0, min(1, x / 6 + 0.5)) (HardSigmoid with alpha 1/6, beta 0.5)."""
+    t = call.tensor(x)
+    return t * torch.clamp(t / 6 + 0.5, 0.0, 1.0)
+
+
+@torch_op("Shrink")
+def shrink(call: Call, x: Value) -> torch.Tensor:
+    """x + bias where x < -lambd, x - bias where x > lambd, else 0 (lambd 0.5, bias 0)."""
+    t = call.tensor(x)
+    lambd, bias = float(call.attr("lambd", 0.5)), float(call.attr("bias", 0.0))
+    zero = torch.zeros_like(t)
+    return torch.where(t < -lambd, t + bias, torch.where(t > lambd, t - bias, zero)).to(t.dtype)
+
+
+def _gelu_check(node: NodeSpec) -> str | None:
+    approximate = node.attr("approximate", "none")
+    return None if approximate in ("none", "tanh") else f"approximate={approximate!r} is not 'none' or 'tanh'"
+
+
+@torch_op("Gelu", check=_gelu_check)
 def gelu(call: Call, x: Value) -> torch.Tensor:
     """Opset 20: approximate 'none' (erf, default) or 'tanh'."""
     return F.gelu(call.tensor(x), approximate=str(call.attr("approximate", "none")))
 
 
-@torch_op("Gelu", domain=MICROSOFT)
-def ms_gelu(call: Call, x: Value) -> torch.Tensor:
-    return F.gelu(call.tensor(x))
-
-
-@torch_op("BiasGelu", domain=MICROSOFT)
-def ms_bias_gelu(call: Call, x: Value, bias: Value) -> torch.Tensor:
-    return F.gelu(call.tensor(x) + call.tensor(bias))
-
-
-@torch_op("FastGelu", domain=MICROSOFT)
-def ms_fast_gelu(call: Call, x: Value, bias: Value | None = None) -> torch.Tensor:
-    """The tanh approximation of GELU of `x (+ bias)`."""
-    value = call.tensor(x) if bias is None else call.tensor(x) + call.tensor(bias)
-    return F.gelu(value, approximate="tanh")
-
-
-def _softmax(call: Call, x: Value, log: bool) -> torch.Tensor:
-    """Opset >= 13: along `axis` (default -1). Before: on the input coerced to 2-D at `axis` (default 1), i.e.
-    over all dimensions from `axis` on."""
+@torch_op("Clip")
+def clip(call: Call, x: Value, low: Value | None = None, high: Value | None = None) -> torch.Tensor:
+    """Opset >= 11: optional `min`/`max` inputs; before, attributes `min`/`max` (defaults: no bound); neither bound
+    gives the input. min > max gives max everywhere."""
     t = call.tensor(x)
-    fn = F.log_softmax if log else F.softmax
-    if call.opset >= 13:
-        return fn(t, dim=axis_of(int(call.attr("axis", -1)), t.dim()))
-    axis = axis_of(int(call.attr("axis", 1)), t.dim())
-    flat = t.reshape(math.prod(t.shape[:axis]), -1) if t.dim() else t.reshape(1, 1)
-    return fn(flat, dim=1).reshape(t.shape)
-
-
-@torch_op("Softmax")
-def softmax(call: Call, x: Value) -> torch.Tensor:
-    return _softmax(call, x, log=False)
-
-
-@torch_op("LogSoftmax")
-def log_softmax(call: Call, x: Value) -> torch.Tensor:
-    return _softmax(call, x, log=True)
-
-
-@torch_op("MatMul")
-def matmul(call: Call, a: Value, b: Value) -> torch.Tensor:
-    return torch.matmul(*call.tensors(a, b))
-
-
-@torch_op("Gemm")
-def gemm(call: Call, a: Value, b: Value, c: Value | None = None) -> torch.Tensor:
-    """Y = alpha * A' @ B' + beta * C; A' = A^T when transA, B' = B^T when transB; C (optional) broadcasts."""
-    x, w = call.tensors(a, b)
-    x = x.t() if call.attr("transA", 0) else x
-    w = w.t() if call.attr("transB", 0) else w
-    alpha, beta = float(call.attr("alpha", 1.0)), float(call.attr("beta", 1.0))
-    y = x @ w if alpha == 1.0 else alpha * (x @ w)
-    if c is None:
-        return y
-    bias = call.tensor(c)
-    return y + (bias if beta == 1.0 else beta * bias)
-
-
-# Reductions: the opset from which `axes` is an input instead of an attribute.
-_AXES_INPUT_SINCE = {"ReduceSum": 13}
-_REDUCTIONS: dict[str, Callable[[torch.Tensor, tuple[int, ...], bool], torch.Tensor]] = {
-    "ReduceSum": lambda t, d, k: torch.sum(t, dim=d, keepdim=k),
-    "ReduceMean": lambda t, d, k: torch.mean(t, dim=d, keepdim=k),
-    "ReduceMax": lambda t, d, k: torch.amax(t, dim=d, keepdim=k),
-    "ReduceMin": lambda t, d, k: torch.amin(t, dim=d, keepdim=k),
-    "ReduceSumSquare": lambda t, d, k: torch.sum(t * t, dim=d, keepdim=k),
-    "ReduceL1": lambda t, d, k: torch.sum(torch.abs(t), dim=d, keepdim=k),
-    "ReduceL2": lambda t, d, k: torch.sqrt(torch.sum(t * t, dim=d, keepdim=k)),
-    "ReduceLogSum": lambda t, d, k: torch.log(torch.sum(t, dim=d, keepdim=k)),
-    "ReduceLogSumExp": lambda t, d, k: torch.logsumexp(t, dim=d, keepdim=k),
-    "ReduceProd": lambda t, d, k: _prod(t, d, k),
-}
-
-
-def _prod(t: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
-    for d in sorted(dims, reverse=True):  # torch.prod reduces one dimension at a time
-        t = torch.prod(t, dim=d, keepdim=keepdim)
-    return t
-
-
-def reduction_axes(call: Call, axes: Value | None, rank: int) -> tuple[int, ...] | None:
-    """The axes to reduce, or None for 'return the input' (empty axes with noop_with_empty_axes=1).
-
-    `axes` is an attribute before opset 13 (ReduceSum) or 18 (the others), then an optional input; empty or
-    absent axes reduce every dimension unless noop_with_empty_axes is set (an attribute of the input form)."""
-    if call.opset >= _AXES_INPUT_SINCE.get(call.node.op_type, 18):
-        listed = [] if axes is None else call.ints(axes, "axes")
-        if not listed and call.attr("noop_with_empty_axes", 0):
-            return None
-    else:
-        listed = list(call.attr("axes", []))
-    return tuple(sorted(axes_of(listed, rank))) if listed else tuple(range(rank))
-
-
-def _reduce(call: Call, x: Value, axes: Value | None = None) -> torch.Tensor:
-    t = call.tensor(x)
-    dims = reduction_axes(call, axes, t.dim())
-    if dims is None or t.dim() == 0:
+    if call.opset < 11:
+        lo, hi = call.attr("min"), call.attr("max")
+        return t if lo is None and hi is None else torch.clamp(t, lo, hi)
+    if low is None and high is None:
         return t
-    return _REDUCTIONS[call.node.op_type](t, dims, bool(call.attr("keepdims", 1)))
+    return torch.clamp(t, None if low is None else call.tensor(low), None if high is None else call.tensor(high))
 
 
-for _name in _REDUCTIONS:
-    torch_op(_name)(_reduce)
+@torch_op("Where")
+def where(call: Call, condition: Value, x: Value, y: Value) -> torch.Tensor:
+    c, a, b = call.tensors(condition, x, y)
+    return torch.where(c, a, b)
 
 
 def _variadic(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -236,31 +276,3 @@ torch_op("Min")(_variadic(torch.minimum))
 @torch_op("Mean")
 def mean(call: Call, *values: Value) -> torch.Tensor:
     return functools.reduce(torch.add, call.tensors(*values)) / len(values)
-
-
-@torch_op("Clip")
-def clip(call: Call, x: Value, low: Value | None = None, high: Value | None = None) -> torch.Tensor:
-    """Opset >= 11: optional `min`/`max` inputs; before, attributes `min`/`max` (defaults: no bound)."""
-    t = call.tensor(x)
-    if call.opset < 11:
-        lo, hi = call.attr("min"), call.attr("max")
-        return torch.clamp(t, None if lo is None else float(lo), None if hi is None else float(hi))
-    return torch.clamp(t, None if low is None else call.tensor(low), None if high is None else call.tensor(high))
-
-
-@torch_op("Einsum")
-def einsum(call: Call, *values: Value) -> torch.Tensor:
-    return torch.einsum(str(call.attr("equation")), *call.tensors(*values))
-
-
-@torch_op("CumSum")
-def cumsum(call: Call, x: Value, axis: Value) -> torch.Tensor:
-    """Along the static `axis`; `exclusive` leaves each element out of its own sum, `reverse` sums from the end."""
-    t = call.tensor(x)
-    dim = axis_of(call.ints(axis, "axis")[0], t.dim())
-    reverse = bool(call.attr("reverse", 0))
-    source = torch.flip(t, [dim]) if reverse else t
-    total = torch.cumsum(source, dim=dim)
-    if call.attr("exclusive", 0):
-        total = total - source
-    return torch.flip(total, [dim]) if reverse else total

@@ -13,33 +13,75 @@ Rules:
   gradient model's inputs `<module name>` and outputs `<module name>_grad` to the initializer names the trainer's
   session, optimizer and checkpoints use.
 - `forward(*inputs)` takes the data inputs positionally and returns the outputs as a tuple of tensors. Nodes run
-  in graph order (a valid ONNX graph is topologically sorted); the op table (`onnx_ops_*.py`) follows the ONNX
-  spec per opset. An op outside the table, a node domain the model does not import, a graph input that is
-  neither a data input nor an initializer: `GradientBuildError` at construction.
+  in graph order (a valid ONNX graph is topologically sorted); the op table (the op-family files of this package)
+  follows the ONNX spec per opset, from opset 7 to `NEWEST_OPSET`.
+- Refusals, all at construction and all in one `GradientBuildError` that names each node, its op and its opset:
+  an op outside the table, a node whose attributes the op does not implement (`base.CHECKS`), a default-domain
+  opset outside [7, NEWEST_OPSET] or newer than the installed onnx knows, a node domain the model does not
+  import; also a graph input that is neither a data input nor an initializer. Nothing surfaces later as a
+  KeyError.
 - Static values: a node whose inputs are all static and which has a numpy version (`STATIC_OPS`) is computed in
   numpy, unless its result has more than `STATIC_LIMIT` elements (then in torch: large constants would be baked
   into the traced graph). Intermediate values are released after their last use. A node that needs the numbers
   of a small trained or frozen initializer while tracing (a Dropout ratio, a Pad value) reads the model's value
-  (`onnx_ops_base.Call.numbers`).
+  (`base.Call.numbers`).
+- Subgraphs (If, Loop, Scan) are compiled with the graph; they read the enclosing graph's values by name.
+- Running statistics: a training-mode BatchNormalization whose running mean and variance are buffers (frozen
+  initializers) updates those buffers in place with the new statistics (`nn.batch_norm`), as PyTorch's BatchNorm
+  updates its own: `statistics` maps each such buffer's initializer name to the node output that carries its new
+  value, and the torch builder records the update as a mutated buffer.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import torch
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from . import conv, elementwise, nn, shape, static  # noqa: F401  (tables)
 from ..errors import GradientBuildError
-from .base import MICROSOFT, STATIC_OPS, TORCH_OPS, Call, NodeSpec, OnnxNodeError, OpResult, Value
+from . import (  # noqa: F401  (the op tables)
+    cast,
+    control,
+    conv,
+    elementwise,
+    indexing,
+    linalg,
+    microsoft,
+    nn,
+    quantize,
+    random,
+    recurrent,
+    reduce,
+    resize,
+    shape,
+    signal,
+    static,
+)
+from .base import (
+    CHECKS,
+    MICROSOFT,
+    STATIC_OPS,
+    TORCH_OPS,
+    Call,
+    NodeSpec,
+    OnnxNodeError,
+    OpResult,
+    RunState,
+    Value,
+    tensor_value,
+)
 
 STATIC_LIMIT = 4096  # elements: larger results of static ops are computed in torch
-GIVEN_LIMIT = 16  # elements: state tensors this small can be read as numbers while tracing (onnx_ops_base.Call)
+GIVEN_LIMIT = 16  # elements: state tensors this small can be read as numbers while tracing (base.Call)
+OLDEST_OPSET = 7  # the oldest default-domain opset whose specs the op table follows
+NEWEST_OPSET = 22  # the newest (onnx 1.17's): a node whose op changed after it is refused
+# ONNX Runtime's contrib ops in the default domain, which its optimizers write at any opset (before ONNX had them)
+ORT_DEFAULT_DOMAIN = {"LayerNormalization", "SimplifiedLayerNormalization"}
 _DOMAINS = {"": "", "ai.onnx": "", MICROSOFT: MICROSOFT}
 INSTALL_HINT = (
     "install ONNX Runtime's training build, whose gradient builder differentiates ONNX graphs itself "
@@ -53,6 +95,23 @@ class _Node:
     key: tuple[str, str]
     inputs: tuple[str, ...]
     release: tuple[str, ...]  # values whose last use is this node
+
+
+@dataclass(frozen=True)
+class Subgraph:
+    """A compiled GraphProto attribute (If's branches, Loop's and Scan's bodies): `run(call, *inputs)` binds its
+    formal inputs, reads other names from the enclosing graph's values (`call.scope`) and returns its outputs."""
+
+    nodes: tuple[_Node, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    constants: Mapping[str, Value]
+
+    def run(self, call: Call, *inputs: Value) -> list[Value]:
+        env: dict[str, Value] = {**call.scope, **self.constants}
+        env.update(zip(self.inputs, inputs, strict=True))
+        _run_nodes(self.nodes, env, call.device, call.given, call.run)
+        return [env[name] for name in self.outputs]
 
 
 class OnnxModule(torch.nn.Module):
@@ -72,44 +131,49 @@ class OnnxModule(torch.nn.Module):
         self.output_names = list(output_names)
         self.state_names: dict[str, str] = {}  # module name -> initializer name
         self._attributes: dict[str, str] = {}  # initializer name -> module name
-        self._static: dict[str, np.ndarray] = {}
-        self._given: dict[str, np.ndarray] = {}  # small state tensors' values in the model (onnx_ops_base.Call)
+        self._static: dict[str, Value] = {}
+        self._given: dict[str, np.ndarray] = {}  # small state tensors' values in the model (base.Call)
         _check_names(graph, self.input_names, self.output_names, [*trainable, *frozen])
         self._add_initializers(graph, set(trainable), set(frozen))
         opsets = {_DOMAINS.get(o.domain, o.domain): o.version for o in model.opset_import}
-        self._nodes = _compile(graph, opsets, self.output_names)
+        self._nodes = _compile(graph, opsets, set(self.output_names), outer=set())
+        self.statistics = _statistics(self._nodes, self._attributes, {n for n, _ in self.named_buffers()})
 
     def _add_initializers(self, graph: onnx.GraphProto, trainable: set[str], frozen: set[str]) -> None:
         taken: set[str] = set()
         for initializer in graph.initializer:
-            array = numpy_helper.to_array(initializer)
+            value = _initializer_value(initializer)
             if initializer.name not in trainable and initializer.name not in frozen:
-                self._static[initializer.name] = array
+                self._static[initializer.name] = value
                 continue
             name = module_name(initializer.name, taken, self)
-            tensor = torch.from_numpy(np.array(array, copy=True))
+            tensor = Call(_OUTPUT).tensor(value).clone()
             if initializer.name in trainable:
                 self.register_parameter(name, torch.nn.Parameter(tensor))
             else:
                 self.register_buffer(name, tensor)
             self.state_names[name] = initializer.name
             self._attributes[initializer.name] = name
-            if array.size <= GIVEN_LIMIT:
-                self._given[initializer.name] = array
+            if isinstance(value, np.ndarray) and value.size <= GIVEN_LIMIT:
+                self._given[initializer.name] = value
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(inputs) != len(self.input_names):
             raise TypeError(f"OnnxModule takes the inputs {self.input_names}, got {len(inputs)} tensors")
-        device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
+        if device is None:
+            device = next((t.device for t in [*self.parameters(), *self.buffers()]), torch.device("cpu"))
         env: dict[str, Value] = dict(self._static)
         env.update({name: getattr(self, attribute) for name, attribute in self._attributes.items()})
         env.update(zip(self.input_names, inputs, strict=True))
         given = {id(env[name]): array for name, array in self._given.items()}
-        for node in self._nodes:
-            _run(node, env, device, given)
-            for name in node.release:
-                env.pop(name, None)
-        return tuple(Call(_OUTPUT, device).tensor(env[name]) for name in self.output_names)
+        run = RunState(frozenset(id(b) for b in self.buffers()))
+        _run_nodes(self._nodes, env, device, given, run)
+        outputs = tuple(Call(_OUTPUT, device).tensor(env[name]) for name in self.output_names)
+        with torch.no_grad():
+            for buffer, value in run.updates:
+                buffer.copy_(value)
+        return outputs
 
 
 _OUTPUT = NodeSpec("", "output", "", 0, {}, ())
@@ -126,6 +190,13 @@ def module_name(initializer: str, taken: set[str], module: torch.nn.Module) -> s
         name, k = f"{base}_{k}", k + 1
     taken.add(name)
     return name
+
+
+def _initializer_value(initializer: onnx.TensorProto) -> Value:
+    try:
+        return tensor_value(initializer)
+    except ValueError as err:
+        raise GradientBuildError(f"OnnxModule cannot hold the initializer {initializer.name!r}: {err}") from err
 
 
 def _check_names(graph: onnx.GraphProto, inputs: list[str], outputs: list[str], state: list[str]) -> None:
@@ -145,33 +216,124 @@ def _check_names(graph: onnx.GraphProto, inputs: list[str], outputs: list[str], 
             raise GradientBuildError(f"OnnxModule cannot run the ONNX model: {message.format(names)}")
 
 
-def _compile(graph: onnx.GraphProto, opsets: dict[str, int], outputs: list[str]) -> list[_Node]:
-    """The nodes with their specs and release lists; every unsupported op is named in one error."""
-    unsupported = [n for n in graph.node if _key(n) not in TORCH_OPS and _key(n) not in STATIC_OPS]
-    if unsupported:
-        listed = ", ".join(sorted({f"{n.domain + '.' if n.domain else ''}{n.op_type}" for n in unsupported}))
-        nodes = ", ".join(repr(n.name or n.output[0]) for n in unsupported[:5])
-        raise GradientBuildError(
-            f"PyTorch cannot differentiate this ONNX model: orttrainer's OnnxModule has no implementation of "
-            f"{listed} (node{'s' if len(unsupported) > 1 else ''} {nodes}{', ...' if len(unsupported) > 5 else ''})"
-            f". To train it, {INSTALL_HINT}.",
-            op_type=unsupported[0].op_type,
-        )
+def _compile(graph: onnx.GraphProto, opsets: dict[str, int], kept: set[str], outer: set[str]) -> tuple[_Node, ...]:
+    """The nodes with their specs and release lists; every refused node is named in one error. `kept`: values
+    never released (the outputs); `outer`: names of the enclosing graphs a subgraph may read."""
+    types = _element_types(graph)
+    specs = [_spec(node, opsets, types) for node in graph.node]
+    refusals = [(spec, _refusal(node, spec, opsets, types)) for node, spec in zip(graph.node, specs, strict=True)]
+    refused = [(spec, reason) for spec, reason in refusals if reason]
+    if refused:
+        _raise_refusals(refused)
     last_use: dict[str, int] = {}
     for index, node in enumerate(graph.node):
-        for name in [*node.input, *node.output]:
+        for name in [*node.input, *node.output, *_free_names(node)]:
             last_use[name] = index
-    kept = set(outputs)
     compiled = []
-    for index, node in enumerate(graph.node):
-        domain = _key(node)[0]
-        if domain not in opsets:
-            raise GradientBuildError(f"node {node.name!r} ({node.op_type}) uses domain {domain!r}, not imported")
-        spec = NodeSpec(node.name, node.op_type, domain, opsets[domain], _attributes(node), tuple(node.output))
+    for index, (node, spec) in enumerate(zip(graph.node, specs, strict=True)):
+        attrs = dict(spec.attrs)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                attrs[attribute.name] = _subgraph(attribute.g, opsets, outer | _defined_before(graph, index))
+        spec = NodeSpec(
+            spec.name, spec.op_type, spec.domain, spec.opset, attrs, spec.outputs, spec.inputs, spec.input_types
+        )
         release = tuple(n for n in node.output if last_use.get(n) == index and n not in kept)
-        release += tuple(n for n in node.input if last_use.get(n) == index and n not in kept)
-        compiled.append(_Node(spec, _key(node), tuple(node.input), release))
-    return compiled
+        release += tuple(n for n in [*node.input, *_free_names(node)] if last_use.get(n) == index and n not in kept)
+        compiled.append(_Node(spec, _key(node), tuple(node.input), tuple(dict.fromkeys(release))))
+    return tuple(compiled)
+
+
+def _subgraph(graph: onnx.GraphProto, opsets: dict[str, int], outer: set[str]) -> Subgraph:
+    outputs = [o.name for o in graph.output]
+    constants = {i.name: _initializer_value(i) for i in graph.initializer}
+    nodes = _compile(graph, opsets, set(outputs), outer)
+    return Subgraph(nodes, tuple(i.name for i in graph.input), tuple(outputs), constants)
+
+
+def _defined_before(graph: onnx.GraphProto, index: int) -> set[str]:
+    names = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    return names | {o for node in graph.node[:index] for o in node.output}
+
+
+def _free_names(node: onnx.NodeProto) -> set[str]:
+    """Names a node's subgraphs read from enclosing graphs (so they are not released before it runs)."""
+    free: set[str] = set()
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            g = attribute.g
+            defined = {i.name for i in g.input} | {i.name for i in g.initializer}
+            for inner in g.node:
+                free |= {n for n in [*inner.input, *_free_names(inner)] if n and n not in defined}
+                defined |= set(inner.output)
+            free |= {o.name for o in g.output if o.name not in defined}
+    return free
+
+
+def _spec(node: onnx.NodeProto, opsets: dict[str, int], types: Mapping[str, int]) -> NodeSpec:
+    domain = _key(node)[0]
+    return NodeSpec(
+        node.name,
+        node.op_type,
+        domain,
+        opsets.get(domain, 0),
+        _attributes(node),
+        tuple(node.output),
+        tuple(node.input),
+        tuple(types.get(name) for name in node.input),
+    )
+
+
+def _element_types(graph: onnx.GraphProto) -> dict[str, int]:
+    """The ONNX element types the graph declares (inputs, outputs, value_info, initializers, Constant values):
+    what an op needs when the torch dtype says less (INT4 held in int8)."""
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output, *graph.value_info]}
+    types.update({i.name: i.data_type for i in graph.initializer})
+    for node in graph.node:
+        for attribute in node.attribute:
+            if node.op_type == "Constant" and attribute.type == onnx.AttributeProto.TENSOR:
+                types[node.output[0]] = attribute.t.data_type
+    return {name: elem for name, elem in types.items() if elem}
+
+
+def _refusal(node: onnx.NodeProto, spec: NodeSpec, opsets: dict[str, int], types: Mapping[str, int]) -> str | None:
+    """Why OnnxModule cannot run `node`, or None."""
+    key = _key(node)
+    if key[0] not in opsets:
+        return f"its domain {key[0]!r} is not imported by the model"
+    if key not in TORCH_OPS and key not in STATIC_OPS:
+        return f"no implementation of {node.op_type}"
+    if any(types.get(name) == onnx.TensorProto.STRING for name in [*node.input, *node.output]):
+        return "string tensors have no torch type"
+    if key[0] == "":
+        newest = onnx.defs.onnx_opset_version()
+        if not OLDEST_OPSET <= spec.opset <= newest:
+            return f"OnnxModule follows the ONNX specs of opsets {OLDEST_OPSET} to {min(newest, NEWEST_OPSET)}"
+        try:
+            since = onnx.defs.get_schema(node.op_type, spec.opset, "").since_version
+        except onnx.defs.SchemaError:
+            if node.op_type in ORT_DEFAULT_DOMAIN:
+                return _check(key, spec)
+            return f"{node.op_type} is not an operator of opset {spec.opset}"
+        if since > NEWEST_OPSET:
+            return f"{node.op_type}-{since} is newer than the specs OnnxModule follows (up to opset {NEWEST_OPSET})"
+    return _check(key, spec)
+
+
+def _check(key: tuple[str, str], spec: NodeSpec) -> str | None:
+    check = CHECKS.get(key)
+    return check(spec) if check is not None else None
+
+
+def _raise_refusals(refused: list[tuple[NodeSpec, str]]) -> None:
+    listed = sorted({f"{s.domain + '.' if s.domain else ''}{s.op_type}" for s, _ in refused})
+    details = "; ".join(f"{spec.label}: {reason}" for spec, reason in refused[:5])
+    more = f"; and {len(refused) - 5} more" if len(refused) > 5 else ""
+    raise GradientBuildError(
+        f"PyTorch cannot differentiate this ONNX model: OnnxModule cannot run {', '.join(listed)} — "
+        f"{details}{more}. To train it, {INSTALL_HINT}.",
+        op_type=refused[0][0].op_type,
+    )
 
 
 def _key(node: onnx.NodeProto) -> tuple[str, str]:
@@ -179,12 +341,13 @@ def _key(node: onnx.NodeProto) -> tuple[str, str]:
 
 
 def _attributes(node: onnx.NodeProto) -> dict[str, object]:
-    """Attribute values as Python: tensors as numpy arrays, strings as str (lists alike)."""
+    """Attribute values as Python: tensors as values (`base.tensor_value`), strings as str (lists alike); graphs
+    as GraphProtos, which `_compile` replaces with their compiled `Subgraph`s."""
     values: dict[str, object] = {}
     for attribute in node.attribute:
         value = helper.get_attribute_value(attribute)
         if isinstance(value, onnx.TensorProto):
-            value = numpy_helper.to_array(value)
+            value = _attribute_tensor(node, value)
         elif isinstance(value, bytes):
             value = value.decode()
         elif isinstance(value, list) and value and isinstance(value[0], bytes):
@@ -193,15 +356,47 @@ def _attributes(node: onnx.NodeProto) -> dict[str, object]:
     return values
 
 
-def _run(node: _Node, env: dict[str, Value], device: torch.device, given: dict[int, np.ndarray]) -> None:
+def _attribute_tensor(node: onnx.NodeProto, proto: onnx.TensorProto) -> Value | str:
+    try:
+        return tensor_value(proto)
+    except ValueError as err:
+        return f"unreadable: {err}"  # the op's check refuses it (Constant of strings)
+
+
+def _statistics(nodes: Sequence[_Node], attributes: Mapping[str, str], buffers: set[str]) -> dict[str, str]:
+    """Running statistics a training-mode BatchNormalization updates in place: buffer initializer -> output."""
+    found: dict[str, str] = {}
+    for node in nodes:
+        if node.key != ("", "BatchNormalization") or not nn.batch_norm_training(node.spec):
+            continue
+        for input_index, output_index in ((3, 1), (4, 2)):
+            name = node.inputs[input_index] if len(node.inputs) > input_index else ""
+            if attributes.get(name) in buffers and node.spec.outputs[output_index:]:
+                found[name] = node.spec.outputs[output_index] or f"{node.spec.label} output {output_index}"
+    return found
+
+
+def _run_nodes(
+    nodes: Sequence[_Node],
+    env: dict[str, Value],
+    device: torch.device,
+    given: Mapping[int, np.ndarray],
+    run: RunState | None,
+) -> None:
+    for node in nodes:
+        _run(node, Call(node.spec, device, given, env, run), env)
+        for name in node.release:
+            env.pop(name, None)
+
+
+def _run(node: _Node, call: Call, env: dict[str, Value]) -> None:
     """Compute `node` from `env` and store its named outputs there."""
-    call = Call(node.spec, device, given)
     values = [env[name] if name else None for name in node.inputs]
-    static = STATIC_OPS.get(node.key)
+    numpy_version = STATIC_OPS.get(node.key)
     result: OpResult
     try:
-        if static is not None and all(v is None or isinstance(v, np.ndarray) for v in values):
-            result = static(call, *values)
+        if numpy_version is not None and all(v is None or isinstance(v, np.ndarray) for v in values):
+            result = numpy_version(call, *values)
             if node.key in TORCH_OPS and not _small(result):
                 result = TORCH_OPS[node.key](call, *values)
         else:

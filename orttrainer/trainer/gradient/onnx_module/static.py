@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .base import Call, static_op
-from .elementwise import reduction_axes
+from .reduce import reduction_axes
 
 
 def _keep(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
