@@ -7,6 +7,6 @@ every op sees: `Call`, the op tables, element types), then one file per op famil
 
 from __future__ import annotations
 
-from .module import OnnxModule, module_name
+from .module import OnnxModule, module_name, running_statistics
 
-__all__ = ["OnnxModule", "module_name"]
+__all__ = ["OnnxModule", "module_name", "running_statistics"]

@@ -32,12 +32,31 @@ def _div(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.div(x, y, rounding_mode="trunc")
 
 
+_WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+
+
 def _bitwise(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
     """A bitwise op on any integer type: torch lacks some of them for uint16/32/64, whose bits are computed in
     int64 (two's complement keeps them)."""
 
     def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if x.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        if x.dtype in _WIDE_UNSIGNED:
+            return fn(x.to(torch.int64), y.to(torch.int64)).to(x.dtype)
+        return fn(x, y)
+
+    return run
+
+
+def _ordered(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """maximum/minimum on any type: torch lacks them for uint16/32/64, which are compared in int64 — uint64 with
+    its top bit flipped, which keeps the unsigned order."""
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.uint64:
+            top = torch.tensor(-(2**63), dtype=torch.int64, device=x.device)
+            flipped = fn(x.view(torch.int64) ^ top, y.view(torch.int64) ^ top)
+            return (flipped ^ top).view(torch.uint64)
+        if x.dtype in _WIDE_UNSIGNED:
             return fn(x.to(torch.int64), y.to(torch.int64)).to(x.dtype)
         return fn(x, y)
 
@@ -75,6 +94,8 @@ def pow_(call: Call, a: Value, b: Value) -> torch.Tensor:
 def mod(call: Call, a: Value, b: Value) -> torch.Tensor:
     """fmod=0 (default): the remainder takes the divisor's sign (integers only); fmod=1: C fmod."""
     x, y = call.tensors(a, b)
+    if x.dtype in _WIDE_UNSIGNED:  # torch has no remainder for them; exact in int64 (uint64: below 2**63)
+        return torch.remainder(x.to(torch.int64), y.to(torch.int64)).to(x.dtype)
     return torch.fmod(x, y) if call.attr("fmod", 0) else torch.remainder(x, y)
 
 
@@ -269,8 +290,8 @@ def _variadic(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Calla
 
 
 torch_op("Sum")(_variadic(torch.add))
-torch_op("Max")(_variadic(torch.maximum))
-torch_op("Min")(_variadic(torch.minimum))
+torch_op("Max")(_variadic(_ordered(torch.maximum)))
+torch_op("Min")(_variadic(_ordered(torch.minimum)))
 
 
 @torch_op("Mean")

@@ -192,7 +192,28 @@ def module_name(initializer: str, taken: set[str], module: torch.nn.Module) -> s
     return name
 
 
+def running_statistics(model: onnx.ModelProto) -> list[str]:
+    """The initializers that training-mode BatchNormalization nodes read as their running mean and variance: state
+    the forward updates (`OnnxModule.statistics`) and never a trained weight (it gets no gradient). Frozen, they
+    become the module's buffers, which the forward updates in place."""
+    initializers = {i.name for i in model.graph.initializer}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    found: list[str] = []
+    for node in model.graph.node:
+        spec = NodeSpec(node.name, node.op_type, node.domain, opset, _attributes(node), tuple(node.output))
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and nn.batch_norm_training(spec):
+            found += [n for n in node.input[3:5] if n in initializers and n not in found]
+    return found
+
+
 def _initializer_value(initializer: onnx.TensorProto) -> Value:
+    if initializer.data_location == onnx.TensorProto.EXTERNAL and not initializer.HasField("raw_data"):
+        location = next((e.value for e in initializer.external_data if e.key == "location"), "?")
+        raise GradientBuildError(
+            f"OnnxModule cannot hold the initializer {initializer.name!r}: its data is in the external file "
+            f"{location!r}, which the model was loaded without; load it with onnx.load(path) (which reads external "
+            "data) or onnx.external_data_helper.load_external_data_for_model(model, directory)"
+        )
     try:
         return tensor_value(initializer)
     except ValueError as err:
