@@ -38,6 +38,7 @@ class Case:
     smooth: bool = True  # False: ties make finite differences meaningless
     domain: str = ""
     name: str = ""
+    training_build: bool = False  # the op is in onnxruntime-training only (its forward check needs that build)
 
     @property
     def id(self) -> str:
@@ -498,6 +499,76 @@ MICROSOFT = [
         outputs=2,
         grad="fd",
         name="ms_EmbedLayerNormalization",
+    ),
+]
+
+MICROSOFT += [
+    case(
+        "MultiHeadAttention",
+        ("q", f(2, 3, 8)),
+        ("k", f(2, 4, 8)),
+        ("v", f(2, 4, 8)),
+        ("b", f(24)),
+        attrs={"num_heads": 2},
+        domain="com.microsoft",
+        grad="fd",
+        name="ms_MultiHeadAttention",
+    ),
+    case(
+        "SkipSimplifiedLayerNormalization",
+        ("x", f(2, 3, 4)),
+        ("skip", f(2, 3, 4)),
+        ("g", f(4)),
+        attrs={"epsilon": 1e-5},
+        domain="com.microsoft",
+        grad="fd",
+        name="ms_SkipSimplifiedLayerNormalization",
+    ),
+    case(
+        "SimplifiedLayerNormalization", ("x", f(2, 3, 4)), ("s", f(4)), grad="fd", name="SimplifiedLayerNormalization"
+    ),
+    case(
+        "FusedGemm",
+        ("a", f(3, 4)),
+        ("b", f(4, 5)),
+        ("c", f(5)),
+        attrs={"activation": "LeakyRelu", "activation_alpha": 0.2, "transB": 0},
+        domain="com.microsoft",
+        grad="fd",
+        name="ms_FusedGemm",
+    ),
+    case(
+        "SoftmaxCrossEntropyLossInternal",
+        ("x", f(4, 5)),
+        ("t", i64(0, 4, 2, 2)),
+        ("w", f(5, low=0.5, high=1.5)),
+        ("ignore", np.array(2, np.int64)),
+        outputs=2,
+        domain="com.microsoft",
+        frozen=("w",),
+        grad="fd",
+        training_build=True,
+        name="ms_SoftmaxCrossEntropyLossInternal",
+    ),
+    case(
+        "SoftmaxCrossEntropy",
+        ("x", f(4, 5)),
+        ("p", np.full((4, 5), 0.2, np.float32)),
+        outputs=2,
+        domain="com.microsoft",
+        grad="fd",
+        training_build=True,
+        name="ms_SoftmaxCrossEntropy",
+    ),
+    case(
+        "TransposeMatMul",
+        ("a", f(4, 3)),
+        ("b", f(4, 5)),
+        attrs={"transA": 1},
+        domain="com.microsoft",
+        grad="fd",
+        training_build=True,
+        name="ms_TransposeMatMul",
     ),
 ]
 

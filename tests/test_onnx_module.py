@@ -59,7 +59,12 @@ def run_module(module: OnnxModule, c: Case) -> tuple[torch.Tensor, ...]:
     return module(*(torch.from_numpy(a.copy()) for a in feeds(c).values()))
 
 
-@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def params(cases: list[Case]) -> list:
+    """The cases as pytest parameters; ops of the training build only run with it."""
+    return [pytest.param(c, id=c.id, marks=[needs_training_build] if c.training_build else []) for c in cases]
+
+
+@pytest.mark.parametrize("c", params(CASES))
 def test_forward_matches_onnxruntime(c):
     model = one_node_model(c)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -140,7 +145,7 @@ def test_gradients_match_onnxruntime_gradient_builder(c):
 SMOOTH = [c for c in DIFFERENTIABLE if c.smooth]
 
 
-@pytest.mark.parametrize("c", SMOOTH, ids=[c.id for c in SMOOTH])
+@pytest.mark.parametrize("c", params(SMOOTH))
 def test_gradients_match_finite_differences(c):
     """In float64: torch.autograd.gradcheck of the module's loss as a function of its trained initializers."""
     model = loss_model(c, np.float64)
@@ -159,7 +164,7 @@ def test_gradients_match_finite_differences(c):
     )
 
 
-@pytest.mark.parametrize("c", DIFFERENTIABLE, ids=[c.id for c in DIFFERENTIABLE])
+@pytest.mark.parametrize("c", params(DIFFERENTIABLE))
 def test_the_torch_builder_exports_gradients_that_onnxruntime_runs_like_pytorch(c):
     """The whole route: trace the module, export forward + backward as ONNX, run it with InferenceSession."""
     from orttrainer.trainer.gradient.torch_graphs import TorchSource
@@ -339,3 +344,34 @@ def test_a_shape_read_from_data_cannot_be_traced_and_the_error_names_the_node():
         _trace(model, ["x", "s"], [torch.randn(5, 2, 3), torch.tensor([5, 6])])
     module = OnnxModule(model, ["x", "s"], ["loss"], ["W"])  # run eagerly, the values are there
     assert module(torch.randn(5, 2, 3), torch.tensor([5, 6]))[0].shape == ()
+
+
+def _run_one(c: Case) -> tuple[torch.Tensor, ...]:
+    model = one_node_model(c)
+    return run_module(OnnxModule(model, list(c.data), [o.name for o in model.graph.output], []), c)
+
+
+def test_contrib_ops_without_a_cpu_kernel_compute_their_documented_formula():
+    """BiasAdd, GemmFastGelu and BiasSoftmax (CUDA-only in ONNX Runtime) and SparseSoftmaxCrossEntropy (a training
+    op of older ONNX Runtime builds, unregistered in 1.19): no InferenceSession to compare with, so their
+    formulas."""
+    x, bias, skip, w = (torch.randn(*s, generator=torch.Generator().manual_seed(k)) for k, s in
+                        enumerate([(2, 3, 4), (4,), (2, 3, 4), (4, 5)]))  # fmt: skip
+    ms = {"domain": "com.microsoft", "data": ("x",)}
+    (got,) = _run_one(Case("BiasAdd", [("x", x.numpy()), ("b", bias.numpy()), ("s", skip.numpy())], **ms))
+    torch.testing.assert_close(got, x + bias + skip)
+    (got,) = _run_one(Case("GemmFastGelu", [("x", x.numpy()), ("w", w.numpy()), ("b", bias[:1].numpy())], **ms))
+    torch.testing.assert_close(got, torch.nn.functional.gelu(x @ w + bias[:1], approximate="tanh"))
+    scores, mask = torch.randn(2, 3, 4, 5), torch.randn(2, 4, 5)  # the mask repeats along dimension 1
+    softmax = Case(
+        "BiasSoftmax", [("x", scores.numpy()), ("b", mask.numpy())], {"axis": 2, "is_inner_broadcast": 1}, **ms
+    )
+    torch.testing.assert_close(_run_one(softmax)[0], torch.softmax(scores + mask[:, None], dim=2))
+    labels = np.array([[0, 3, 1], [2, 2, 0]], np.int64)
+    weights = np.array([[1.0, 0.5, 2.0], [0.0, 1.0, 1.5]], np.float32)
+    sce = Case("SparseSoftmaxCrossEntropy", [("x", x.numpy()), ("t", labels), ("w", weights)], outputs=2, **ms)
+    loss, log_prob = _run_one(sce)
+    expected = torch.nn.functional.log_softmax(x, dim=-1)
+    picked = -expected.gather(-1, torch.from_numpy(labels).unsqueeze(-1)).squeeze(-1) * torch.from_numpy(weights)
+    torch.testing.assert_close(log_prob, expected)
+    torch.testing.assert_close(loss, picked.sum() / weights.sum())

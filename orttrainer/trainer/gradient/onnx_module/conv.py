@@ -134,9 +134,11 @@ def conv(call: Call, x: Value, weights: Value, bias: Value | None = None) -> tor
 
 
 def _transpose_geometry(call: Call, spatial: Sequence[int], kernel: Sequence[int]) -> tuple[list[int], list[int]]:
-    """ConvTranspose's (begin, end) padding: `pads`, or derived from `output_shape` or auto_pad SAME_*: the full
+    """ConvTranspose's (begin, end) padding: `pads`, or derived (pads ignored) from `output_shape` or auto_pad
+    SAME_* (output_shape = input * stride): the full
     output (input - 1) * stride + output_padding + (kernel - 1) * dilation + 1 less `total` padding, which goes
-    half to each side (the odd one to the end for SAME_UPPER, to the beginning otherwise)."""
+    half to each side (the odd one to the end for SAME_UPPER, to the beginning otherwise, as the spec says and
+    ONNX Runtime does)."""
     n = len(spatial)
     strides = list(call.attr("strides", [1] * n))
     dilations = list(call.attr("dilations", [1] * n))
@@ -147,19 +149,18 @@ def _transpose_geometry(call: Call, spatial: Sequence[int], kernel: Sequence[int
     ]
     auto_pad = str(call.attr("auto_pad", "NOTSET"))
     wanted = call.attr("output_shape")
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER") and wanted is None:
+    same = auto_pad in ("SAME_UPPER", "SAME_LOWER") and wanted is None
+    if same:
         wanted = [i * s for i, s in zip(spatial, strides, strict=True)]
-    if wanted is None or (auto_pad not in ("SAME_UPPER", "SAME_LOWER") and call.attr("pads") is not None):
+    if wanted is None or auto_pad == "VALID":
         pads = list(call.attr("pads", [0] * (2 * n)))
-        if wanted is None or auto_pad == "VALID":
-            return pads[:n], pads[n:]
-        return pads[:n], [f - b - o for f, b, o in zip(full, pads[:n], list(wanted)[-n:], strict=True)]
+        return pads[:n], pads[n:]
     totals = [f - o for f, o in zip(full, list(wanted)[-n:], strict=True)]
+    if same:  # never negative: the output is the full one when input * stride exceeds it (ONNX Runtime's rule)
+        totals = [max(t, 0) for t in totals]
     if auto_pad == "SAME_UPPER":
         return [t // 2 for t in totals], [t - t // 2 for t in totals]
-    if auto_pad == "SAME_LOWER":
-        return [t - t // 2 for t in totals], [t // 2 for t in totals]
-    return [0] * n, totals  # output_shape without auto_pad: the full output's first elements (the reference's)
+    return [t - t // 2 for t in totals], [t // 2 for t in totals]  # SAME_LOWER, and output_shape alone
 
 
 def _spread(t: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:

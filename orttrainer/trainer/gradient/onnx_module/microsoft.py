@@ -69,9 +69,14 @@ def bias_add(call: Call, x: Value, bias: Value, skip: Value) -> torch.Tensor:
 
 @_ms("BiasSoftmax")
 def bias_softmax(call: Call, data: Value, bias: Value) -> torch.Tensor:
-    """softmax(data + bias) along `axis` (default 1); bias broadcasts numpy-style."""
-    t = call.tensor(data) + call.tensor(bias)
-    return F.softmax(t, dim=axis_of(int(call.attr("axis", 1)), t.dim()))
+    """softmax(data + bias) along `axis` (default 1). The bias lacks k = rank(data) - rank(bias) dimensions and is
+    repeated along them: the leading ones (is_inner_broadcast=0), or the k just before `axis` (1)."""
+    t, b = call.tensors(data, bias)
+    axis = axis_of(int(call.attr("axis", 1)), t.dim())
+    missing = t.dim() - b.dim()
+    if call.attr("is_inner_broadcast", 0) and missing:
+        b = b.reshape(*b.shape[: axis - missing], *([1] * missing), *b.shape[axis - missing :])
+    return F.softmax(t + b, dim=axis)
 
 
 @_ms("BiasDropout")
@@ -216,9 +221,9 @@ def _attend(
     if mask is not None:
         masked = _key_mask(call, mask, batch, queries, keys, past)
         scores = scores + masked.to(scores.dtype) * filler
-    if call.attr("unidirectional", 0):
+    if call.attr("unidirectional", 0):  # later keys are excluded outright (the lowest value, not the filler)
         later = torch.arange(keys, device=q.device)[None, :] > torch.arange(queries, device=q.device)[:, None] + past
-        scores = scores + later.to(scores.dtype) * filler
+        scores = scores.masked_fill(later, torch.finfo(scores.dtype).min)
     if attention_bias is not None:
         scores = scores + call.tensor(attention_bias)
     out = torch.matmul(F.softmax(scores, dim=-1), v)

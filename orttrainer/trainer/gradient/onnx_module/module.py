@@ -385,15 +385,17 @@ def _attribute_tensor(node: onnx.NodeProto, proto: onnx.TensorProto) -> Value | 
 
 
 def _statistics(nodes: Sequence[_Node], attributes: Mapping[str, str], buffers: set[str]) -> dict[str, str]:
-    """Running statistics a training-mode BatchNormalization updates in place: buffer initializer -> output."""
+    """Running statistics a training-mode BatchNormalization updates in place: buffer initializer -> the node
+    output that holds the new value ("" where the node does not output it: it is still computed and written)."""
     found: dict[str, str] = {}
     for node in nodes:
         if node.key != ("", "BatchNormalization") or not nn.batch_norm_training(node.spec):
             continue
         for input_index, output_index in ((3, 1), (4, 2)):
             name = node.inputs[input_index] if len(node.inputs) > input_index else ""
-            if attributes.get(name) in buffers and node.spec.outputs[output_index:]:
-                found[name] = node.spec.outputs[output_index] or f"{node.spec.label} output {output_index}"
+            if attributes.get(name) in buffers:
+                outputs = node.spec.outputs
+                found[name] = outputs[output_index] if len(outputs) > output_index else ""
     return found
 
 

@@ -11,7 +11,6 @@ types take no zero point and follow Cast's saturate rule). Scales and zero point
 from __future__ import annotations
 
 import torch
-from onnx import TensorProto
 
 from .base import SUBBYTE, Call, Value, axis_of, torch_dtype, torch_op
 from .cast import cast_to
@@ -182,6 +181,3 @@ def conv_integer(
 ) -> torch.Tensor:
     """Conv(x - x_zero_point, w - w_zero_point) in int32."""
     return _integer_conv(call, _centred(call, x, x_zero), _centred(call, w, w_zero, per_row=True)).to(torch.int32)
-
-
-_ = TensorProto  # element types are read through base.SUBBYTE

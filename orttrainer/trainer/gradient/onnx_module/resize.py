@@ -1,6 +1,6 @@
 """OnnxModule's resampling ops: Resize, Upsample, GridSample, AffineGrid and RoiAlign, written from the ONNX
-operator specification (and, where the text leaves a detail open, the reference implementation shipped with onnx,
-whose outputs are the backend test data).
+operator specification (and, where the text leaves a detail open, ONNX's backend test data, which
+tests/test_onnx_conformance.py compares with).
 
 Resize is separable: each resized axis gets an interpolation matrix (output length x input length) computed in
 numpy from shapes and the static scales/sizes/roi — coordinate transformation, nearest rounding, linear or cubic
@@ -49,23 +49,27 @@ def _resize_check(node: NodeSpec) -> str | None:
 
 
 def _source_coordinate(mode: str, x: float, scale: float, size: int, out: int, roi: tuple[float, float]) -> float:
-    """Where output position `x` of an axis falls in the input (coordinate_transformation_mode)."""
-    width = scale * size
+    """Where output position `x` of an axis falls in the input (coordinate_transformation_mode). length_resized
+    is the output length `out`; the half-pixel and asymmetric modes divide by the scale factor (given, or out /
+    size from sizes). In float32 arithmetic, as ONNX Runtime computes it: a coordinate that is a whole number in
+    exact arithmetic stays one, so nearest's rounding modes see the tie they are written for."""
+    f = np.float32
+    x32, scale32, size32, out32 = f(x), f(scale), f(size), f(out)
     if mode == "align_corners":
-        return 0.0 if width == 1 else x * (size - 1) / (width - 1)
+        return 0.0 if out == 1 else float(x32 * (size32 - f(1)) / (out32 - f(1)))
     if mode == "asymmetric":
-        return x / scale
+        return float(x32 / scale32)
     if mode == "tf_crop_and_resize":
-        start, end = roi
-        if width == 1:
-            return (end - start) * (size - 1) / 2 + start * (size - 1)
-        return x * (end - start) * (size - 1) / (width - 1) + start * (size - 1)
+        start, end = f(roi[0]), f(roi[1])
+        if out == 1:
+            return float((end - start) * (size32 - f(1)) / f(2) + start * (size32 - f(1)))
+        return float(x32 * (end - start) * (size32 - f(1)) / (out32 - f(1)) + start * (size32 - f(1)))
+    centred = (x32 + f(0.5)) / scale32 - f(0.5)
     if mode == "pytorch_half_pixel":
-        return -0.5 if width == 1 else (x + 0.5) / scale - 0.5
+        return 0.0 if out == 1 else float(centred)
     if mode == "half_pixel_symmetric":
-        center = size / 2
-        return center * (1 - out / width) + (x + 0.5) / scale - 0.5
-    return (x + 0.5) / scale - 0.5  # half_pixel
+        return float(size32 / f(2) * (f(1) - out32 / (scale32 * size32)) + centred)
+    return float(centred)  # half_pixel
 
 
 def _nearest(ratio: float, rounding: str) -> tuple[int, np.ndarray]:
