@@ -60,7 +60,6 @@ REFUSED: dict[str, str] = {
     "test_castlike_FLOAT_to_STRING_expanded": "string tensors have no torch type",
     "test_castlike_STRING_to_FLOAT": "string tensors have no torch type",
     "test_castlike_STRING_to_FLOAT_expanded": "string tensors have no torch type",
-    "test_scan_sum": "Scan-8 (batched, with sequence_lens; opset 8) is not implemented; Scan from opset 9 is",
 }
 # case -> why OnnxModule's result differs from the expected one, and what it follows instead: "onnxruntime" (ONNX
 # Runtime 1.32 computes OnnxModule's numbers, checked by test_the_different_cases_follow_their_reason) or

@@ -375,3 +375,39 @@ def test_contrib_ops_without_a_cpu_kernel_compute_their_documented_formula():
     picked = -expected.gather(-1, torch.from_numpy(labels).unsqueeze(-1)).squeeze(-1) * torch.from_numpy(weights)
     torch.testing.assert_close(log_prob, expected)
     torch.testing.assert_close(loss, picked.sum() / weights.sum())
+
+
+def test_scan_8_runs_each_batch_entry_for_its_sequence_length_like_onnxruntime():
+    """Scan-8 (opset 8): batch first, sequence_lens per entry, a reversed scan input; the body accumulates a sum
+    and outputs it per step."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s_in", "x_in"], ["s_out"]), helper.make_node("Identity", ["s_out"], ["y_out"])],
+        "body",
+        [helper.make_tensor_value_info("s_in", 1, [2]), helper.make_tensor_value_info("x_in", 1, [2])],
+        [helper.make_tensor_value_info("s_out", 1, [2]), helper.make_tensor_value_info("y_out", 1, [2])],
+    )
+    node = helper.make_node(
+        "Scan", ["lens", "init", "x"], ["final", "ys"], body=body, num_scan_inputs=1, directions=[1]
+    )
+    graph = helper.make_graph(
+        [node],
+        "scan8",
+        [
+            helper.make_tensor_value_info("lens", 7, [2]),
+            helper.make_tensor_value_info("init", 1, [2, 2]),
+            helper.make_tensor_value_info("x", 1, [2, 3, 2]),
+        ],
+        [helper.make_tensor_value_info("final", 1, [2, 2]), helper.make_tensor_value_info("ys", 1, [2, 3, 2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)])
+    model.ir_version = 8
+    feeds = {
+        "lens": np.array([3, 1], np.int64),
+        "init": np.array([[0, 1], [2, 3]], np.float32),
+        "x": np.arange(12, dtype=np.float32).reshape(2, 3, 2),
+    }
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    module = OnnxModule(model, list(feeds), ["final", "ys"], [])
+    got = module(*(torch.from_numpy(v) for v in feeds.values()))
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g.numpy(), e)

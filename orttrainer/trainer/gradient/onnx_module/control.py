@@ -6,7 +6,10 @@ runs both branches and selects element-wise (`torch.where`), which needs outputs
 error naming the node. Loop needs its trip count and its condition as numbers (static, or run eagerly): the loop
 is unrolled; scan outputs are stacked along a new first axis. Scan (opset >= 9) slices its scan inputs along
 scan_input_axes (reversed where scan_input_directions says so), runs the body per slice with the carried states,
-and stacks the scan outputs along scan_output_axes (reversed alike).
+and stacks the scan outputs along scan_output_axes (reversed alike). Scan-8 (opsets 8 and before 9) is batched:
+every input and output has the batch first, the scan axis second, an optional first input sequence_lens gives
+each batch entry's number of steps (`directions` reverses scan inputs), and scan outputs past an entry's length
+are zeros.
 """
 
 from __future__ import annotations
@@ -75,14 +78,10 @@ def loop(call: Call, trip_count: Value | None, condition: Value | None, *carried
     return [*state, *stacked]
 
 
-def _scan_check(node: NodeSpec) -> str | None:
-    if "body" not in node.attrs:
-        return "the body is missing"
-    return "Scan-8 (batched, with sequence_lens) is not implemented" if node.opset < 9 else None
-
-
-@torch_op("Scan", check=_scan_check)
+@torch_op("Scan", check=lambda n: None if "body" in n.attrs else "the body is missing")
 def scan(call: Call, *values: Value | None) -> list[torch.Tensor]:
+    if call.opset < 9:
+        return _scan_8(call, *values)
     body = _body(call, "body")
     scan_inputs = int(call.attr("num_scan_inputs"))
     states = [call.tensor(v) for v in values[: len(values) - scan_inputs] if v is not None]
@@ -111,3 +110,34 @@ def scan(call: Call, *values: Value | None) -> list[torch.Tensor]:
             pieces.reverse()
         stacked.append(torch.stack(pieces, dim=axis_of(output_axes[k], pieces[0].dim() + 1)))
     return [*states, *stacked]
+
+
+def _scan_8(call: Call, lengths: Value | None, *values: Value | None) -> list[torch.Tensor]:
+    """Scan-8: the opset-9 scan of each batch entry, its first sequence_lens steps only; outputs stacked on the
+    batch axis, scan outputs zero-padded to the longest sequence."""
+    body = _body(call, "body")
+    scan_inputs = int(call.attr("num_scan_inputs"))
+    tensors = [call.tensor(v) for v in values if v is not None]
+    states, sequences = tensors[: len(tensors) - scan_inputs], tensors[len(tensors) - scan_inputs :]
+    steps = sequences[0].shape[1]
+    counts = [steps] * sequences[0].shape[0] if lengths is None else call.ints(lengths, "sequence_lens")
+    backwards = list(call.attr("directions", [0] * scan_inputs))
+    finals, outputs = [], []
+    for b, count in enumerate(counts):
+        state = [s[b] for s in states]
+        per_step = []
+        for t in range(count):
+            slices = [seq[b, count - 1 - t if back else t] for seq, back in zip(sequences, backwards, strict=True)]
+            results = [call.tensor(v) for v in body.run(call, *state, *slices)]
+            state, per_step = results[: len(state)], [*per_step, results[len(state) :]]
+        finals.append(state)
+        stacked = []
+        for k in range(len(body.outputs) - len(states)):
+            pieces = [step[k] for step in per_step]
+            like = pieces[0] if pieces else torch.zeros(0)
+            pieces += [torch.zeros_like(like)] * (steps - count)
+            stacked.append(torch.stack(pieces))
+        outputs.append(stacked)
+    return [torch.stack([f[k] for f in finals]) for k in range(len(states))] + [
+        torch.stack([o[k] for o in outputs]) for k in range(len(outputs[0]) if outputs else 0)
+    ]
