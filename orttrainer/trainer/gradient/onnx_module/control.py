@@ -122,10 +122,11 @@ def _scan_8(call: Call, lengths: Value | None, *values: Value | None) -> list[to
     steps = sequences[0].shape[1]
     counts = [steps] * sequences[0].shape[0] if lengths is None else call.ints(lengths, "sequence_lens")
     backwards = list(call.attr("directions", [0] * scan_inputs))
-    finals, outputs = [], []
+    finals: list[list[torch.Tensor]] = []
+    outputs: list[list[torch.Tensor]] = []
     for b, count in enumerate(counts):
         state = [s[b] for s in states]
-        per_step = []
+        per_step: list[list[torch.Tensor]] = []
         for t in range(count):
             slices = [seq[b, count - 1 - t if back else t] for seq, back in zip(sequences, backwards, strict=True)]
             results = [call.tensor(v) for v in body.run(call, *state, *slices)]
