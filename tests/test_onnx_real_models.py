@@ -325,3 +325,22 @@ def test_the_torch_builder_records_the_statistics_as_mutated_buffers():
     names = {v: k for k, v in module.state_names.items()}
     graph = build_torch_gradient_graph(module, None, ["x", "y"], list(batch), ["loss"], [names[t] for t in trainable])
     assert sorted(module.state_names[b] for b in graph.mutated_buffers) == statistics
+
+
+@needs_training_build
+def test_onnx_module_computes_the_statistics_onnx_runtimes_training_graph_writes():
+    """The ort builder's training graph (BatchNormInternal) writes the new running statistics into the trainer's
+    state on every step: the same numbers OnnxModule writes into its buffers (population variance)."""
+    _, batch, model = _conv_norm()
+    statistics = running_statistics(model)
+    desc = {"inputs": [("x", ["batch", 2, 5, 5]), ("y", ["batch", 3])], "outputs": [("loss", [], True)]}
+    extra = {"_internal_use": {"gradient_builder": "ort"}, "utils": {"frozen_weights": statistics}}
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.0), extra=extra)
+    trainer.train_step(*batch)
+    written = trainer._training_session.get_state(statistics)
+    trainable = [i.name for i in model.graph.initializer if i.name not in statistics]
+    module = OnnxModule(model, ["x", "y"], ["loss"], trainable, statistics)
+    module(*batch)
+    buffers = {module.state_names[n]: b.numpy() for n, b in module.named_buffers()}
+    for name in statistics:
+        np.testing.assert_allclose(buffers[name], written[name], rtol=1e-6, atol=1e-6, err_msg=name)
