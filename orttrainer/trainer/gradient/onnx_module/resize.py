@@ -308,8 +308,9 @@ def _grid_check(node: NodeSpec) -> str | None:
 def grid_sample(call: Call, x: Value, grid: Value) -> torch.Tensor:
     """X (N, C, *S) sampled at grid (N, *P, n), coordinates in [-1, 1] listed from the last spatial dimension
     (x, y[, z]): align_corners maps -1 and 1 to the corner pixels' centres (else their outer edges); mode
-    (bi)linear, nearest (halves to even) or (bi)cubic; padding_mode zeros (taps outside read 0), border (points
-    and taps clamped to the edge) or reflection (points and taps reflected at the border)."""
+    (bi)linear, nearest (halves to even) or (bi)cubic; padding_mode zeros (taps outside read 0), border (taps
+    outside read the edge; the point itself stays, which matters for cubic's weights, as in ONNX Runtime) or
+    reflection (points and taps reflected at the border)."""
     t, g = call.tensors(x, grid)
     mode = _GRID_MODES[str(call.attr("mode", "linear" if call.opset >= 20 else "bilinear"))]
     padding = str(call.attr("padding_mode", "zeros"))
@@ -323,10 +324,8 @@ def grid_sample(call: Call, x: Value, grid: Value) -> torch.Tensor:
         point = (normalized + 1) / 2 * (size - 1) if align else ((normalized + 1) * size - 1) / 2
         if mode == "nearest":
             point = torch.round(point)
-        low, high = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
-        if padding == "border":
-            point = torch.where((point < low) | (point > high), torch.clamp(point, 0, size - 1), point)
-        elif padding == "reflection":
+        if padding == "reflection":
+            low, high = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
             point = _reflect(point, low, high)
         coordinates.append(point)
     points = torch.stack(coordinates, dim=-1)
