@@ -15,11 +15,14 @@ com.microsoft SkipLayerNormalization and BiasGelu).
   buffers, as for a PyTorch BatchNorm.
 
 ONNX Runtime 1.19's transformers package imports `coloredlogs` at module level for its command line only; the
-training lane's environment does not install it, so a placeholder module stands in when it is missing.
+training lane's environment does not install it, so a placeholder module stands in when it is missing. The
+optimizer imports its sibling modules by top-level names, one of which (`onnx_model`) examples/ has too: see
+`_transformer_optimizer`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -27,7 +30,7 @@ import sys
 import tempfile
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,23 +183,44 @@ def exported(name: str) -> onnx.ModelProto:
     return export_training_onnx(m.module, m.batches[0], inputs, ["loss", "logits"], m.axes, opset_version=m.opset)
 
 
-def _transformer_optimizer():
+_ORT_MODULES: dict[str, types.ModuleType] = {}
+
+
+@contextlib.contextmanager
+def _transformer_optimizer() -> Iterator[Callable]:
+    """`optimize_model`, with the top-level module `onnx_model` the optimizer imports from its own folder resolving
+    to its own file while it runs: examples/onnx_model.py has that name too, and another test module puts
+    examples/ at the front of sys.path (the optimizer's package only appends its folder). The name is given back
+    afterwards."""
     if "coloredlogs" not in sys.modules:
         try:
             import coloredlogs  # noqa: F401
         except ImportError:  # see the module docstring
             sys.modules["coloredlogs"] = types.ModuleType("coloredlogs")
-    from onnxruntime.transformers.optimizer import optimize_model
+    import onnxruntime.transformers as package
 
-    return optimize_model
+    folder = os.path.dirname(package.__file__)
+    previous = sys.modules.pop("onnx_model", None)
+    sys.path.insert(0, folder)
+    try:
+        if "onnx_model" in _ORT_MODULES:
+            sys.modules["onnx_model"] = _ORT_MODULES["onnx_model"]
+        from onnxruntime.transformers.optimizer import optimize_model
+
+        _ORT_MODULES["onnx_model"] = sys.modules["onnx_model"]
+        yield optimize_model
+    finally:
+        sys.path.remove(folder)
+        sys.modules.pop("onnx_model", None)
+        if previous is not None:
+            sys.modules["onnx_model"] = previous
 
 
 @functools.cache
 def optimized(name: str) -> onnx.ModelProto:
     """The exported model after ONNX Runtime's transformer optimizer (BERT's fusions; saved and loaded again, as a
     user would)."""
-    optimize_model = _transformer_optimizer()
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder, _transformer_optimizer() as optimize_model:
         source, target = os.path.join(folder, "model.onnx"), os.path.join(folder, "optimized.onnx")
         onnx.save(exported(name), source)
         with warnings.catch_warnings():
