@@ -1,5 +1,5 @@
 """ONNX models trained with the torch gradient builder (an OnnxModule traced, orttrainer/trainer/gradient/
-onnx_module.py): the same weights and eval outputs as ONNX Runtime's gradient builder, 'auto' without the training
+onnx_module/): the same weights and eval outputs as ONNX Runtime's gradient builder, 'auto' without the training
 build, the first-step build, initializer names in checkpoints, and what is refused."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import onnx
 import pytest
 import torch
 from helpers import export_training_onnx, make_trainer, max_difference, needs_training_build, trainer_weights
-from models import TinyTransformer, transformer_desc, transformer_loss
+from models import TinyTransformer, mlp_batches, transformer_desc, transformer_loss
 from onnx import helper, numpy_helper
-from test_trainer_features import _batches, _export_with_loss, _log_softmax_nll_model, _ModelWithLoss
+from test_trainer_features import _export_with_loss, _log_softmax_nll_model, _ModelWithLoss
 
 from orttrainer import optim
 from orttrainer.trainer.build import forward as build_forward
@@ -50,13 +50,13 @@ def digits_mlp():
 def exported_mlp():
     """tests/test_trainer_features.py's MLP with cross-entropy, exported by the TorchScript exporter (opset 14)."""
     torch.manual_seed(0)
-    return _export_with_loss(_ModelWithLoss()), MLP_DESC, _batches(4)
+    return _export_with_loss(_ModelWithLoss()), MLP_DESC, mlp_batches(4)
 
 
 def log_softmax_nll():
     """MatMul, LogSoftmax, NegativeLogLikelihoodLoss (post-processed into SoftmaxCrossEntropyLoss)."""
     desc = {"inputs": [("x", ["batch", 32]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
-    return _log_softmax_nll_model(), desc, _batches(4)
+    return _log_softmax_nll_model(), desc, mlp_batches(4)
 
 
 class _TransformerWithLoss(torch.nn.Module):
@@ -127,7 +127,7 @@ def oddly_named(bias: str = "/layer/b:0"):
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    return model, MLP_DESC, _batches(4)
+    return model, MLP_DESC, mlp_batches(4)
 
 
 MODELS = {
@@ -200,7 +200,7 @@ def test_auto_trains_with_the_torch_builder_without_the_training_build(monkeypat
     with caplog.at_level("INFO", logger="orttrainer"):
         trainer = make_trainer(_export_with_loss(module), MLP_DESC, optim.SGDConfig(lr=0.1))
         sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
-        for x, y in _batches(5, batch=8) + _batches(2, batch=5, seed=2):  # two input shapes: two traced graphs
+        for x, y in mlp_batches(5, batch=8) + mlp_batches(2, batch=5, seed=2):  # two input shapes: two traced graphs
             trainer.train_step(x, y)
             sgd.zero_grad()
             reference(x, y)[0].backward()

@@ -1,4 +1,4 @@
-"""OnnxModule (orttrainer/trainer/gradient/onnx_module.py) op by op: on a one-node graph (`onnx_op_cases.py`) its
+"""OnnxModule (orttrainer/trainer/gradient/onnx_module/) op by op: on a one-node graph (`onnx_op_cases.py`) its
 outputs equal onnxruntime.InferenceSession's, and its PyTorch gradients equal ONNX Runtime's gradient builder's
 (with the training build) and finite differences; plus naming, static shape arithmetic and its errors."""
 

@@ -14,10 +14,8 @@ com.microsoft SkipLayerNormalization and BiasGelu).
   weight of the old value) and writes them into its buffers, and the torch builder records them as mutated
   buffers, as for a PyTorch BatchNorm.
 
-ONNX Runtime 1.19's transformers package imports `coloredlogs` at module level for its command line only; the
-training lane's environment does not install it, so a placeholder module stands in when it is missing. The
-optimizer imports its sibling modules by top-level names, one of which (`onnx_model`) examples/ has too: see
-`_transformer_optimizer`.
+ONNX Runtime's transformers package imports `coloredlogs` (in the test extra). The optimizer imports its sibling
+modules by top-level names, one of which (`onnx_model`) examples/ has too: see `_transformer_optimizer`.
 """
 
 from __future__ import annotations
@@ -192,11 +190,6 @@ def _transformer_optimizer() -> Iterator[Callable]:
     to its own file while it runs: examples/onnx_model.py has that name too, and another test module puts
     examples/ at the front of sys.path (the optimizer's package only appends its folder). The name is given back
     afterwards."""
-    if "coloredlogs" not in sys.modules:
-        try:
-            import coloredlogs  # noqa: F401
-        except ImportError:  # see the module docstring
-            sys.modules["coloredlogs"] = types.ModuleType("coloredlogs")
     import onnxruntime.transformers as package
 
     folder = os.path.dirname(package.__file__)

@@ -198,7 +198,7 @@ def _onnx_source(
     config: TrainerConfig, forward: onnx.ModelProto, trainable: list[str], frozen: list[str]
 ) -> TorchSource:
     """The torch builder's source for an ONNX model: an OnnxModule of the post-processed forward model, its state
-    renamed back to initializer names (gradient/onnx_module.py). The torch builder takes output 0 as the loss."""
+    renamed back to initializer names (gradient/onnx_module/). The torch builder takes output 0 as the loss."""
     desc = config.model_desc
     inputs, outputs = [d.name for d in desc.inputs], [d.name for d in desc.outputs]
     if not desc.outputs[0].is_loss:

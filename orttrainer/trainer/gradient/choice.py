@@ -6,7 +6,7 @@ autograd (`torch_builder.py`); 'auto' (the default) takes 'torch' for a model wi
 and otherwise tries 'ort', falling back to 'torch' when the TorchScript export fails or ONNX Runtime has no gradient
 for an op (`build.build_from_torch`). The custom Functions come from a dry run in PyTorch, before any export. An
 ONNX model uses 'ort' where ONNX Runtime's training build is installed and otherwise 'torch', which traces an
-`OnnxModule` (`onnx_module.py`) of it.
+`OnnxModule` (`onnx_module/`) of it.
 """
 
 from __future__ import annotations
