@@ -131,6 +131,8 @@ def trace_joint(
 def _tracing() -> Iterator[None]:
     with (
         torch_private.math_sdpa(),
+        torch_private.no_mkldnn(),
+        torch_private.autograd_decompositions(),  # torch_private/decompositions.py, stage "autograd"
         torch_private.reentrant_checkpoint_traceable(),
         torch_private.export_tracing_flags(),  # the model sees what torch.export shows it
     ):

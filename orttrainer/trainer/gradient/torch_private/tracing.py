@@ -13,61 +13,22 @@ from typing import Any
 
 import torch
 
-from .exporting import onnx_decompositions
+from .decompositions import trace_decompositions
 
 
-def core_aten_decompositions() -> dict:
-    """The decomposition table that lowers composite aten ops (and their backward ops) to the core aten set,
-    which the ONNX translation table covers."""
-    from torch._decomp import core_aten_decompositions as table
+@contextlib.contextmanager
+def no_mkldnn() -> Iterator[None]:
+    """oneDNN (mkldnn) off while tracing.
 
-    return table()
-
-
-def training_decompositions() -> dict:
-    """`core_aten_decompositions()` plus the batch-norm ops, lowered to mean/var arithmetic.
-
-    Why: onnxscript's translation of `_native_batch_norm_legit_functional` forces `training = False` (its
-    "temporary fix" for old ONNX Runtime), so a training-mode BatchNorm would be exported with running statistics
-    instead of batch statistics: a silently wrong loss and gradient (verified with onnxscript 0.7.2)."""
-    from torch._decomp import get_decompositions
-
-    aten = torch.ops.aten
-    table = core_aten_decompositions()
-    table.update(
-        get_decompositions(
-            [
-                aten._native_batch_norm_legit_functional,
-                aten._native_batch_norm_legit,
-                aten._native_batch_norm_legit_no_training,
-                aten.native_batch_norm,
-            ]
-        )
-    )
-    return table
-
-
-def trace_decompositions(float16: bool = False) -> dict:
-    """What the torch builder traces with: `training_decompositions()`, and `onnx_decompositions()` for the ops
-    left that torch.onnx has no ONNX translation for (so its graphs export without a decomposition pass) — except
-    `lift`/`lift_fresh`: the tracer itself turns a tensor created during the trace (`torch.from_numpy` in an
-    OnnxModule, a constant) into a graph constant through them; decomposed, they alias the real tensor, which the
-    fake-tensor mode refuses ("Please convert all Tensors to FakeTensors first").
-
-    With `float16` (mixed precision), `native_layer_norm` is lowered too (to arithmetic computing in float32, as
-    its kernel does): written as ONNX LayerNormalization on float16 input, its backward mixed the float32
-    statistics with float16 constants, which ONNX Runtime rejects ("Type parameter (T) of Optype (Div) bound to
-    different types", verified with torch 2.13 and onnxscript 0.7.2); lowered, every dtype is explicit."""
-    from torch._decomp import get_decompositions
-
-    table = training_decompositions()
-    if float16:
-        table.update(get_decompositions([torch.ops.aten.native_layer_norm.default]))
-    tracer_ops = {torch.ops.aten.lift.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.out}
-    for op, decomposition in onnx_decompositions().items():
-        if op not in table and op not in tracer_ops:  # not setdefault: CustomDecompTable ignores it (torch 2.13)
-            table[op] = decomposition
-    return table
+    Why: PyTorch's decomposition of `aten.lstm` picks `mkldnn_rnn_layer`, which has no ONNX translation, when
+    oneDNN is on and the LSTM's input does not require grad (an LSTM reading the data directly); with it off the
+    LSTM is traced as its cell arithmetic, as it is when the input requires grad."""
+    enabled = torch._C._get_mkldnn_enabled()  # not mkldnn.flags(): it also sets TF32 and warns about it
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 @contextlib.contextmanager
