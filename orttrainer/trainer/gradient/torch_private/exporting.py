@@ -137,9 +137,12 @@ def export_module_to_onnx(
     them: the size of a static (or specialised) dim, the range of a dynamic one. The ONNX inputs get those
     static sizes too. Why: torch.onnx leaves a dim declared dynamic symbolic in the ONNX inputs even when
     torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges."""
-    program = _export(
-        module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True, keep_state=True
-    )
+    from .tracing import causal_mask_from_hint, module_state_kept
+
+    with causal_mask_from_hint(), module_state_kept(module):  # see there
+        program = _export(
+            module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True, keep_state=True
+        )
     exported = program.exported_program
     if exported is None:
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no exported program")

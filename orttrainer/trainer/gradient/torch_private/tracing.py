@@ -6,6 +6,7 @@ Part of `torch_private` (see its docstring for the rule); verified on torch 2.13
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,93 @@ def no_mkldnn() -> Iterator[None]:
         yield
     finally:
         torch._C._set_mkldnn_enabled(enabled)
+
+
+@contextlib.contextmanager
+def causal_mask_from_hint() -> Iterator[None]:
+    """Within the block, nn.TransformerEncoder/Decoder (and nn.Transformer) take an attention mask as causal only
+    when the caller says so (`is_causal=True`), never by comparing its values with a causal mask.
+
+    Why: PyTorch's `_detect_is_causal_mask` reads the mask's values (`bool((mask == causal).all())`), which a
+    traced tensor does not have (DataDependentOutputException: aten._local_scalar_dense). Either answer computes
+    the same attention: with is_causal False the layers apply the mask itself, which is exactly what a causal mask
+    does; only a fused kernel's speed-up depends on the hint, and the traced graph has none."""
+    from torch.nn.modules import transformer
+
+    detect = transformer._detect_is_causal_mask
+
+    def from_hint(mask: Any, is_causal: bool | None = None, size: int | None = None) -> bool:
+        return is_causal is True
+
+    transformer._detect_is_causal_mask = from_hint
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
+
+
+@contextlib.contextmanager
+def module_state_kept(root: torch.nn.Module) -> Iterator[None]:
+    """Every submodule of `root` has exactly its attributes, parameters, buffers and children of before the block
+    when the block ends, whether it succeeded or raised.
+
+    Why: a forward that stores a tensor on the module (`self.cache = h`, a buffer rebound with `self.pe = ...`)
+    stores a traced (functional or fake) tensor while PyTorch traces it; left there, the module's next eager use
+    or trace fails on it (a FunctionalTensor where a tensor was expected). Tracing must not change the model."""
+    saved = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in root.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes, parameters, buffers, children in saved:
+            module.__dict__.clear()
+            module.__dict__.update(attributes)
+            pairs: tuple[tuple[dict, dict], ...] = (
+                (module._parameters, parameters),
+                (module._buffers, buffers),
+                (module._modules, children),
+            )
+            for now, before in pairs:
+                now.clear()
+                now.update(before)
+
+
+def is_data_dependent_error(err: BaseException) -> bool:
+    """True for the tracers' refusal to read a traced tensor's value (Python control flow on a tensor,
+    `.item()`, `.tolist()`): it has none while tracing."""
+    names = {type(e).__name__ for e in _chain(err)}
+    return bool(names & {"DataDependentOutputException", "GuardOnDataDependentSymNode", "UserError"}) and any(
+        "data-dependent" in str(e).lower() or "_local_scalar_dense" in str(e) or "aten.equal" in str(e)
+        for e in _chain(err)
+    )
+
+
+def user_frame(err: BaseException) -> tuple[str, int, str] | None:
+    """(file, line, source) of the innermost frame of the failing stack that is not PyTorch's tracing machinery
+    (torch/_*, torch/fx, torch/utils, torch/overrides.py): the model code (or the torch.nn function) whose
+    Python reads a tensor's value."""
+    import linecache
+    import traceback
+
+    ours = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    found = None
+    for e in _chain(err):
+        for frame, line in traceback.walk_tb(e.__traceback__):
+            path = frame.f_code.co_filename
+            posix = path.replace(os.sep, "/")
+            internal = any(part in posix for part in ("/torch/_", "/torch/fx/", "/torch/utils/", "/torch/overrides.py"))
+            if not internal and not os.path.abspath(path).startswith(ours + os.sep):
+                found = (path, line, linecache.getline(path, line).strip())
+    return found
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    seen, out = set(), []
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        out.append(current)
+        current = current.__cause__ or current.__context__
+    return out
 
 
 @contextlib.contextmanager
