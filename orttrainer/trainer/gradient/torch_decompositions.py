@@ -411,6 +411,14 @@ def embedding_bag(
     return out, bag, sizes, max_indices
 
 
+def copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """`aten.copy` (the functional form of `t.copy_(src)` and of `t[...] = value`): `src` in `self`'s dtype,
+    broadcast to `self`'s shape. Why: torchlib's translation returns `src` unbroadcast, so `x[..., 0] = 0`
+    (transformers' T5 shifts its labels so) left a 0-d value where a row was expected and ONNX Runtime refused
+    the graph ("Unsqueeze ... Unexpected axis value")."""
+    return src.to(dtype=self.dtype, device=self.device).expand(self.shape).clone()
+
+
 def empty_permuted(
     size: Sequence[int],
     physical_layout: Sequence[int],

@@ -83,6 +83,28 @@ def export_graph_to_onnx(
     return model
 
 
+def views_as_reshapes(graph: torch.fx.GraphModule) -> None:
+    """Rule: every `aten.view` of the graph becomes `aten.reshape`, every `aten.contiguous` an explicit
+    `aten.clone(memory_format=torch.contiguous_format)` (in place).
+
+    Why: a view traced on a tensor that the eager kernel left contiguous (`x.transpose(1, 2).contiguous()` then a
+    view, where `.contiguous()` did nothing) fails when torch.onnx re-traces the graph with its decompositions'
+    strides ("Cannot view a tensor with shape ... and strides ...": transformers' T5 after SDPA,
+    nn.TransformerDecoderLayer; torch 2.13). ONNX tensors have no strides: a Reshape and an Identity either way."""
+    aten = torch.ops.aten
+    changed = False
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.view.default:
+            node.target, changed = aten.reshape.default, True
+        elif node.target is aten.contiguous.default:
+            node.target, node.args = aten.clone.default, node.args[:1]
+            node.kwargs, changed = {"memory_format": torch.contiguous_format}, True
+    if changed:
+        graph.recompile()
+
+
 def _no_onnx_function(err: BaseException) -> bool:
     """True for the exporter's "No ONNX function found for <op>" (in the error or its cause)."""
     while err is not None:
@@ -110,6 +132,7 @@ def _export_decomposed(
     shapes = None
     if dynamic_dims is not None and any(dynamic_dims):
         shapes = tuple({d: torch.export.Dim.DYNAMIC for d in dims} or None for dims in dynamic_dims)
+    views_as_reshapes(graph)
     with _quiet_exporter():
         exported = torch.export.export(graph, tuple(args), dynamic_shapes=shapes, strict=False)
         module = exported.graph_module
@@ -199,8 +222,14 @@ def _export(
         if _takes_varargs(graph):  # torch.export matches dynamic_shapes to forward's parameters: *inputs is one
             shapes = (shapes,)
     with _quiet_exporter():
+        model: Any = graph
+        try:  # torch.export first, to write views as reshapes; torch.onnx's own strategies if it fails
+            model = torch.export.export(graph, tuple(args), dynamic_shapes=shapes, strict=False)
+            views_as_reshapes(model.graph_module)
+        except Exception as err:
+            _logger.debug("torch.export failed (%s: %s); torch.onnx.export tries its own ways", type(err).__name__, err)
         program = torch.onnx.export(
-            graph,
+            model,
             tuple(args),
             opset_version=opset_version,
             dynamic_shapes=shapes,
