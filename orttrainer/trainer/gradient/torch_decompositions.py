@@ -474,3 +474,230 @@ def _contiguous_strides(shape: list[int]) -> list[int]:
         strides.append(step)
         step *= max(size, 1)
     return strides[::-1]
+
+
+# ------------------------------------------------------------------------------------- reductions and selections
+def amax(input: torch.Tensor, dim: Sequence[int] = (), keepdim: bool = False) -> torch.Tensor:
+    """`aten.amax` over every dim (`dim=[]`) or of a 0-d tensor, which torchlib's translation does not take;
+    other calls: NotImplemented (torchlib's ReduceMax)."""
+    return _all_dims(aten.amax.default, input, dim, keepdim)
+
+
+def amin(input: torch.Tensor, dim: Sequence[int] = (), keepdim: bool = False) -> torch.Tensor:
+    """`aten.amin`: as `amax`."""
+    return _all_dims(aten.amin.default, input, dim, keepdim)
+
+
+def _all_dims(op, input: torch.Tensor, dim: Sequence[int], keepdim: bool) -> torch.Tensor:
+    if input.dim() == 0:
+        return input.clone()
+    if len(dim) == 0:
+        return op(input, list(range(input.dim())), keepdim)
+    return NotImplemented
+
+
+def logsumexp(input: torch.Tensor, dim: Sequence[int], keepdim: bool = False) -> torch.Tensor:
+    """`aten.logsumexp` of a 0-d tensor is the tensor (torchlib's ReduceMax refuses rank 0); other calls:
+    NotImplemented."""
+    return input.clone() if input.dim() == 0 else NotImplemented
+
+
+def prims_prod(input: torch.Tensor, dims: Sequence[int], *, output_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`prims.prod` (what PyTorch's references of prod and cumprod lower to) as one `aten.prod.dim_int` per dim."""
+    out = input if output_dtype is None else input.to(output_dtype)
+    for d in sorted((d % max(input.dim(), 1) for d in dims), reverse=True):
+        out = aten.prod.dim_int(out, d)
+    return out
+
+
+def prod(input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """`aten.prod` (and `.dim_int`) of a 0-d tensor: the tensor (torchlib's ReduceProd refuses rank 0)."""
+    if input.dim() != 0:
+        return NotImplemented
+    dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
+    return input.clone() if dtype is None else input.to(dtype)
+
+
+def selection_backward(
+    grad: torch.Tensor, dim: int, indices: torch.Tensor, sizes: Sequence[int], keepdim: bool
+) -> torch.Tensor:
+    """`aten.value_selecting_reduction_backward` (the backward of kthvalue, median, cummax-style selections) of a
+    0-d input: the gradient itself (the scatter it becomes otherwise has no axis on rank 0)."""
+    return grad.clone() if len(sizes) == 0 else NotImplemented
+
+
+def scatter_add(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`aten.scatter_add` on a 0-d tensor: the sum (ONNX ScatterElements has no axis on rank 0); declines
+    otherwise."""
+    return input + src.reshape(()) if input.dim() == 0 else NotImplemented
+
+
+def scatter_src(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`aten.scatter.src` on a 0-d tensor: `src`; declines otherwise."""
+    return src.reshape(()).to(input.dtype).clone() if input.dim() == 0 else NotImplemented
+
+
+def scatter_value(input: torch.Tensor, dim: int, index: torch.Tensor, value) -> torch.Tensor:
+    """`aten.scatter.value` on a 0-d tensor: the value; declines otherwise."""
+    return torch.full_like(input, value) if input.dim() == 0 else NotImplemented
+
+
+def boolean_max(input: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.max.dim` of a bool tensor, computed on integers (ONNX ArgMax takes no bool); others: NotImplemented."""
+    if input.dtype != torch.bool:
+        return NotImplemented
+    values, indices = aten.max.dim(input.to(torch.int32), dim, keepdim)
+    return values.to(torch.bool), indices
+
+
+def boolean_argmax(input: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """`aten.argmax` of a bool tensor, on integers (ONNX ArgMax takes no bool); others: NotImplemented."""
+    return aten.argmax.default(input.to(torch.int32), dim, keepdim) if input.dtype == torch.bool else NotImplemented
+
+
+def view_of(input: torch.Tensor) -> torch.Tensor:
+    """`prims.view_of` and `aten.alias`: a view of the whole tensor (ONNX: an Identity-like Reshape)."""
+    return aten.view.default(input, list(input.shape))
+
+
+def kthvalue(input: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.kthvalue` as a sort (ONNX TopK) and a select: the k-th smallest along `dim` and its index."""
+    values, indices = torch.sort(input, dim=dim)
+    return _pick(values, indices, dim, k - 1, keepdim)
+
+
+def median(input: torch.Tensor) -> torch.Tensor:
+    """`aten.median` of the whole tensor: the lower median, (n-1)//2 in sorted order."""
+    flat = input.reshape(-1)
+    return torch.sort(flat)[0][(flat.shape[0] - 1) // 2]
+
+
+def median_dim(input: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.median.dim`: the lower median along `dim` and its index."""
+    values, indices = torch.sort(input, dim=dim)
+    return _pick(values, indices, dim, (input.shape[dim] - 1) // 2 if input.dim() else 0, keepdim)
+
+
+def nanmedian(input: torch.Tensor) -> torch.Tensor:
+    """`aten.nanmedian` of the whole tensor: the lower median of the values that are not NaN (NaN if all are)."""
+    return nanmedian_dim(input.reshape(-1), 0)[0]
+
+
+def nanmedian_dim(input: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.nanmedian.dim`: sorting puts NaN last, so the lower median of the k values that are not NaN sits at
+    (k-1)//2 (0 when all are NaN: a NaN)."""
+    if input.dim() == 0:
+        return input.clone(), torch.zeros((), dtype=torch.int64, device=input.device)
+    values, indices = torch.sort(input, dim=dim)
+    count = (~torch.isnan(input)).sum(dim, keepdim=True)
+    position = torch.clamp((count - 1) // 2, min=0)
+    picked = torch.gather(values, dim, position), torch.gather(indices, dim, position)
+    return picked if keepdim else (picked[0].squeeze(dim), picked[1].squeeze(dim))
+
+
+def _pick(
+    values: torch.Tensor, indices: torch.Tensor, dim: int, position: int, keepdim: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if values.dim() == 0:
+        return values.clone(), torch.zeros((), dtype=torch.int64, device=values.device)
+    value, index = values.narrow(dim, position, 1), indices.narrow(dim, position, 1)
+    return (value, index) if keepdim else (value.squeeze(dim), index.squeeze(dim))
+
+
+def cummax(input: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.cummax`; see `_cumulative`."""
+    return _cumulative(input, dim, largest=True)
+
+
+def cummin(input: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.cummin`; see `_cumulative`."""
+    return _cumulative(input, dim, largest=False)
+
+
+def _cumulative(input: torch.Tensor, dim: int, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running maximum (minimum) along `dim` and the index of its latest occurrence (PyTorch's tie rule), over an
+    n x n triangle: quadratic in the dim's size, which is fine for the sequence lengths models use it on."""
+    if input.dim() == 0:
+        return input.clone(), torch.zeros((), dtype=torch.int64, device=input.device)
+    x = input.movedim(dim, -1)
+    n = x.shape[-1]
+    position = torch.arange(n, device=input.device)
+    earlier = position.unsqueeze(1) >= position.unsqueeze(0)  # [i, j]: j <= i
+    fill = float("-inf") if largest else float("inf")
+    window = torch.where(earlier, x.unsqueeze(-2), torch.full_like(x.unsqueeze(-2), fill))
+    values = window.amax(-1) if largest else window.amin(-1)
+    nan = torch.isnan(window).any(-1)  # a NaN propagates, and its index is the NaN's (the first one kept)
+    values = torch.where(nan, torch.full_like(values, float("nan")), values)
+    hit = earlier & ((window == values.unsqueeze(-1)) | (torch.isnan(window) & nan.unsqueeze(-1)))
+    latest = torch.where(hit, position, torch.full_like(position, -1)).amax(-1)
+    return values.movedim(-1, dim), latest.movedim(-1, dim)
+
+
+# ------------------------------------------------------------------------------------------- elementwise and indexing
+def copysign(input: torch.Tensor, other) -> torch.Tensor:
+    """`aten.copysign`: |input| with the sign of `other` (negative zero counts as negative, through signbit);
+    PyTorch's reference lowers to prims.signbit, which torchlib does not translate."""
+    magnitude = torch.abs(input)
+    if not isinstance(other, torch.Tensor):
+        return -magnitude if math.copysign(1.0, other) < 0 else magnitude
+    negative = (other < 0) | ((other == 0) & (torch.reciprocal(other) < 0))  # signbit; torchlib's is 1-d for 0-d
+    return torch.where(negative, -magnitude, magnitude)
+
+
+def fmax(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """`aten.fmax`: the maximum, ignoring a NaN on either side."""
+    return torch.where(torch.isnan(input), other, torch.where(torch.isnan(other), input, torch.maximum(input, other)))
+
+
+def fmin(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """`aten.fmin`: the minimum, ignoring a NaN on either side."""
+    return torch.where(torch.isnan(input), other, torch.where(torch.isnan(other), input, torch.minimum(input, other)))
+
+
+def hypot(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """`aten.hypot`: sqrt(a^2 + b^2)."""
+    return torch.sqrt(input * input + other * other)
+
+
+def index_reduce(
+    input: torch.Tensor,
+    dim: int,
+    index: torch.Tensor,
+    source: torch.Tensor,
+    reduce: str,
+    *,
+    include_self: bool = True,
+) -> torch.Tensor:
+    """`aten.index_reduce` as `scatter_reduce` with the index spread along `dim` over `source`'s shape."""
+    dim = dim % max(input.dim(), 1)
+    shape = [1] * source.dim()
+    if source.dim():
+        shape[dim] = -1
+    spread = index.reshape(shape).expand(source.shape) if source.dim() else index.reshape(())
+    if reduce != "mean":
+        return input.scatter_reduce(dim, spread, source, reduce, include_self=include_self)
+    # mean: ONNX's ScatterElements has no mean; positions no index names keep their value
+    total = (input if include_self else torch.zeros_like(input)).scatter_add(dim, spread, source)
+    count = (torch.ones_like(input) if include_self else torch.zeros_like(input)).scatter_add(
+        dim, spread, torch.ones_like(source)
+    )
+    return torch.where(count > 0, total / torch.clamp(count, min=1), input)
+
+
+def put(input: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """`aten.put`: `source` written (or added) at flat positions of `input`, negative ones counted from the end."""
+    flat, positions = input.reshape(-1), index.reshape(-1)
+    positions = torch.where(positions < 0, positions + flat.shape[0], positions)
+    return flat.index_put((positions,), source.reshape(-1), accumulate).reshape(input.shape)
+
+
+def zeros_like_size(
+    size: Sequence[int],
+    *,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout | None = None,
+    device: torch.device | None = None,
+    pin_memory: bool | None = None,
+) -> torch.Tensor:
+    """`aten._efficientzerotensor` (autograd's zero gradient of sgn and friends): plain zeros."""
+    return torch.zeros(list(size), dtype=dtype, device=device)

@@ -96,7 +96,7 @@ def views_as_reshapes(graph: torch.fx.GraphModule) -> None:
     for node in graph.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target is aten.view.default:
+        if node.target is aten.view.default and 0 not in node.args[1]:  # a 0 is "keep this dim" for Reshape
             node.target, changed = aten.reshape.default, True
         elif node.target is aten.contiguous.default:
             node.target, node.args = aten.clone.default, node.args[:1]
