@@ -221,24 +221,24 @@ def _export(
         shapes = tuple({d: kind for d in dims} or None for dims in dynamic_dims)
         if _takes_varargs(graph):  # torch.export matches dynamic_shapes to forward's parameters: *inputs is one
             shapes = (shapes,)
+    options: dict[str, Any] = {
+        "opset_version": opset_version,
+        "dynamo": True,
+        "optimize": not keep_state,
+        "verify": False,
+        "report": False,
+        "verbose": False,
+    }
     with _quiet_exporter():
-        model: Any = graph
-        try:  # torch.export first, to write views as reshapes; torch.onnx's own strategies if it fails
-            model = torch.export.export(graph, tuple(args), dynamic_shapes=shapes, strict=False)
-            views_as_reshapes(model.graph_module)
+        try:
+            program = torch.onnx.export(graph, tuple(args), dynamic_shapes=shapes, **options)
         except Exception as err:
-            _logger.debug("torch.export failed (%s: %s); torch.onnx.export tries its own ways", type(err).__name__, err)
-        program = torch.onnx.export(
-            model,
-            tuple(args),
-            opset_version=opset_version,
-            dynamic_shapes=shapes,
-            dynamo=True,
-            optimize=not keep_state,
-            verify=False,
-            report=False,
-            verbose=False,
-        )
+            if "Cannot view a tensor" not in str(err):
+                raise
+            # torch.export first, with views written as reshapes (`views_as_reshapes`), then torch.onnx
+            exported = torch.export.export(graph, tuple(args), dynamic_shapes=shapes, strict=False)
+            views_as_reshapes(exported.graph_module)
+            program = torch.onnx.export(exported, tuple(args), **options)
     if program is None:  # dynamo=True always returns a program
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNX program")
     if keep_state:
