@@ -701,3 +701,119 @@ def zeros_like_size(
 ) -> torch.Tensor:
     """`aten._efficientzerotensor` (autograd's zero gradient of sgn and friends): plain zeros."""
     return torch.zeros(list(size), dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------------------------------------ special functions
+# ONNX has none of these. Each is shifted up by recurrence (x -> x + SHIFT) to where its asymptotic series is exact
+# to float32, and reflected for x < 0.5 where a reflection formula exists (lgamma, digamma).
+SHIFT = 8
+_BERNOULLI = (1.0 / 6, -1.0 / 30, 1.0 / 42, -1.0 / 30, 5.0 / 66, -691.0 / 2730)  # B_2, B_4, ..., B_12
+
+
+def lgamma(input: torch.Tensor) -> torch.Tensor:
+    """`aten.lgamma` (log |Gamma(x)|): Stirling's series at x + 8, the recurrence back down, and the reflection
+    formula log(pi / |sin(pi x)|) - lgamma(1 - x) below 0.5 (infinite at the poles 0, -1, ...)."""
+    x = input
+    reflect = x < 0.5
+    z = torch.where(reflect, 1.0 - x, x)
+    series = _lgamma_shifted(z)
+    reflected = math.log(math.pi) - torch.log(torch.abs(torch.sin(math.pi * x))) - series
+    return torch.where(reflect, reflected, series)
+
+
+def _lgamma_shifted(z: torch.Tensor) -> torch.Tensor:
+    w = z + SHIFT
+    inverse = 1.0 / w
+    square = inverse * inverse
+    tail = inverse * (1.0 / 12 - square * (1.0 / 360 - square * (1.0 / 1260 - square / 1680)))
+    stirling = (w - 0.5) * torch.log(w) - w + 0.5 * math.log(2 * math.pi) + tail
+    for k in range(SHIFT):
+        stirling = stirling - torch.log(z + k)
+    return stirling
+
+
+def digamma(input: torch.Tensor) -> torch.Tensor:
+    """`aten.digamma`: the asymptotic series at x + 8, the recurrence psi(x) = psi(x + 1) - 1/x back down, and
+    psi(1 - x) - pi / tan(pi x) below 0.5; -inf at 0 and NaN at the negative integers, as PyTorch."""
+    x = input
+    reflect = x < 0.5
+    z = torch.where(reflect, 1.0 - x, x)
+    w = z + SHIFT
+    inverse = 1.0 / w
+    square = inverse * inverse
+    value = (
+        torch.log(w) - 0.5 * inverse - square * (1.0 / 12 - square * (1.0 / 120 - square * (1.0 / 252 - square / 240)))
+    )
+    for k in range(SHIFT):
+        value = value - 1.0 / (z + k)
+    reflected = value - math.pi / torch.tan(math.pi * x)
+    out = torch.where(reflect, reflected, value)
+    negative_integer = (x <= 0) & (x == torch.floor(x))
+    out = torch.where(negative_integer, torch.full_like(out, float("nan")), out)
+    return torch.where(x == 0, torch.full_like(out, float("-inf")), out)
+
+
+def polygamma(n: int, input: torch.Tensor) -> torch.Tensor:
+    """`aten.polygamma` (the n-th derivative of digamma): n = 0 is `digamma`; for n >= 1 the asymptotic series
+    (-1)^(n+1) [(n-1)!/w^n + n!/(2 w^(n+1)) + sum_k B_2k (2k+n-1)!/((2k)! w^(2k+n))] at w = x + 8 and the
+    recurrence psi_n(x) = psi_n(x + 1) + (-1)^(n+1) n! / x^(n+1) back down, which holds for negative x too
+    (exact to float32 for x >= -8; infinite at the poles)."""
+    if n == 0:
+        return digamma(input)
+    x, shift = input, 2 * SHIFT
+    w = x + shift
+    sign = 1.0 if n % 2 == 1 else -1.0
+    value = math.factorial(n - 1) / w**n + math.factorial(n) / (2 * w ** (n + 1))
+    for k, bernoulli in enumerate(_BERNOULLI, start=1):
+        value = value + bernoulli * math.factorial(2 * k + n - 1) / math.factorial(2 * k) / w ** (2 * k + n)
+    for k in range(shift):
+        value = value + math.factorial(n) / (x + k) ** (n + 1)
+    return sign * value
+
+
+def special_polygamma(n: int, input: torch.Tensor) -> torch.Tensor:
+    """`aten.special_polygamma`: `polygamma`."""
+    return polygamma(n, input)
+
+
+def erfinv(input: torch.Tensor) -> torch.Tensor:
+    """`aten.erfinv`: Giles' single-precision approximation (two polynomials in w = -log(1 - x^2)), refined by two
+    Newton steps on erf (ONNX Erf); +-inf at +-1, NaN outside [-1, 1]."""
+    x = input
+    w = -torch.log((1.0 - x) * (1.0 + x))
+    small = w - 2.5
+    p_small = torch.full_like(small, 2.81022636e-08)
+    for c in (
+        3.43273939e-07,
+        -3.5233877e-06,
+        -4.39150654e-06,
+        0.00021858087,
+        -0.00125372503,
+        -0.00417768164,
+        0.246640727,
+        1.50140941,
+    ):
+        p_small = p_small * small + c
+    large = torch.sqrt(torch.clamp(w, min=5.0)) - 3.0
+    p_large = torch.full_like(large, -0.000200214257)
+    for c in (
+        0.000100950558,
+        0.00134934322,
+        -0.00367342844,
+        0.00573950773,
+        -0.0076224613,
+        0.00943887047,
+        1.00167406,
+        2.83297682,
+    ):
+        p_large = p_large * large + c
+    y = torch.where(w < 5.0, p_small, p_large) * x
+    for _ in range(2):  # Newton on erf(y) = x: y -= (erf(y) - x) / (2/sqrt(pi) exp(-y^2))
+        y = y - (torch.erf(y) - x) / (2.0 / math.sqrt(math.pi) * torch.exp(-y * y))
+    y = torch.where(torch.abs(x) == 1.0, x * float("inf"), y)
+    return torch.where(torch.abs(x) > 1.0, torch.full_like(y, float("nan")), y)
+
+
+def ndtri(input: torch.Tensor) -> torch.Tensor:
+    """`aten.special_ndtri` (the standard normal quantile): sqrt(2) erfinv(2p - 1)."""
+    return math.sqrt(2.0) * erfinv(2.0 * input - 1.0)
