@@ -3,7 +3,9 @@ step through ORTTrainer) and `op_db` (every differentiable op, its gradient thro
 each compared with eager PyTorch. Shared by tests/test_torch_builder_module_db.py and
 tests/test_torch_builder_op_db.py; run as a script it writes the coverage table docs/torch_builder_coverage.md:
 
-    PYTHONPATH=. python tests/torch_coverage.py [--samples N] [--out docs/torch_builder_coverage.md]
+    PYTHONPATH=. python tests/torch_coverage.py --run module_db --json module_db.json [--samples N]
+    PYTHONPATH=. python tests/torch_coverage.py --run op_db --json op_db.json [--samples N]
+    PYTHONPATH=. python tests/torch_coverage.py --table module_db.json op_db.json --known module_db.json op_db.json
 
 The databases come from `torch.testing._internal` (needs the `expecttest` package, in the `test` extra).
 """
@@ -49,7 +51,7 @@ def _loss_of(out) -> torch.Tensor:
     loss = torch.zeros(())
     for j, o in enumerate(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)):
         if o.is_complex():
-            o = torch.view_as_real(o)
+            o = torch.view_as_real(o.resolve_conj())
         if not o.is_floating_point():
             continue
         weight = torch.cos(torch.arange(o.numel(), dtype=o.dtype) * (0.7 + j)).reshape(o.shape)
@@ -229,13 +231,16 @@ def run_op_sample(op, sample, through_trainer: bool = False) -> Outcome:
     if any(isinstance(t, torch.Tensor) and t.layout != torch.strided for t in leaves):
         return Outcome("error", "sparse tensors: the torch builder traces and exports dense (strided) tensors only")
     requiring = [j for j, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-    probe = OpHarness(op, sample, set(requiring))
     scale = torch.tensor(1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        want_loss = probe(scale)
-        params = list(probe.named_parameters())
-        grads = torch.autograd.grad(want_loss, [p for _, p in params], allow_unused=True) if params else ()
+    try:
+        probe = OpHarness(op, sample, set(requiring))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want_loss = probe(scale)
+            params = list(probe.named_parameters())
+            grads = torch.autograd.grad(want_loss, [p for _, p in params], allow_unused=True) if params else ()
+    except Exception as err:  # the harness itself (eager PyTorch) cannot run the sample
+        return Outcome("error", f"eager reference: {_short(err)}")
     reached = {int(n[1:]) for (n, _), g in zip(params, grads, strict=True) if g is not None}
     if not reached:
         return Outcome("error", "no input receives a gradient from autograd (nothing to compare)")
@@ -322,45 +327,65 @@ METHOD = (
 )
 
 
-def write_table(path: str, samples: int, json_path: str | None = None) -> None:
-    """Run both databases (up to `samples` samples per entry) and write the markdown table."""
-    import onnxruntime as ort
-
+def run_database(database: str, samples: int, json_path: str) -> None:
+    """Run one database ("module_db" or "op_db"), up to `samples` samples per entry, and write its outcomes as
+    JSON: entry -> [status, detail, mutated buffers, whether the first failing sample is the first sample,
+    "k of n" samples run, seconds]."""
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")
-    started = time.time()
-    first_sample: dict[str, bool] = {}  # whether an entry's first failing sample is its first sample
-    module_rows = []
-    for info in module_infos():
-        found = module_samples(info)
-        chosen = spread(len(found), samples)
-        outcome, at = first_failure(lambda s, info=info: run_module_sample(info, s), found, chosen)
-        module_rows.append((info.name, outcome, f"{len(chosen)} of {len(found)}"))
-        first_sample[info.name] = at == chosen[0] if chosen else True
-        print(info.name, outcome.status, outcome.detail[:120], flush=True)
-    op_rows = []
-    for op in op_infos():
+    started, records = time.time(), {}
+    entries = (
+        [(info.name, module_samples, lambda s, info=info: run_module_sample(info, s), info) for info in module_infos()]
+        if database == "module_db"
+        else [(op_name(op), op_samples, lambda s, op=op: run_op_sample(op, s), op) for op in op_infos()]
+    )
+    for name, samples_of, run, entry in entries:
         try:
-            found = op_samples(op)
+            found = samples_of(entry)
         except Exception as err:  # a database entry that cannot make samples on this build
-            op_rows.append((op_name(op), Outcome("error", f"sample_inputs: {_short(err)}"), "0"))
+            records[name] = ["error", f"sample_inputs: {_short(err)}", [], True, "0", 0.0]
             continue
         chosen = spread(len(found), samples)
-        outcome, at = first_failure(lambda s, op=op: run_op_sample(op, s), found, chosen)
-        op_rows.append((op_name(op), outcome, f"{len(chosen)} of {len(found)}"))
-        first_sample[op_name(op)] = at == chosen[0] if chosen else True
-        print(op_name(op), outcome.status, outcome.detail[:120], flush=True)
+        outcome, at = first_failure(run, found, chosen)
+        first = at == chosen[0] if chosen else True
+        records[name] = [outcome.status, outcome.detail, outcome.mutated, first, f"{len(chosen)} of {len(found)}"]
+        print(name, outcome.status, outcome.detail[:120], flush=True)
+    import onnxruntime as ort
+
+    meta = {"samples": samples, "seconds": round(time.time() - started), "torch": torch.__version__}
+    meta["onnxruntime"] = ort.__version__
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, database: records}, f, indent=1)
+
+
+def write_table(json_paths: list[str], path: str) -> None:
+    """The markdown table of the databases' JSON outcomes (`run_database`)."""
+    data: dict = {}
+    metas = []
+    for json_path in json_paths:
+        with open(json_path, encoding="utf-8") as f:
+            loaded = json.load(f)
+        metas.append(loaded.pop("meta"))
+        data.update(loaded)
+
+    def rows(database: str) -> list[tuple[str, Outcome, str]]:
+        return [(n, Outcome(r[0], r[1], r[2]), r[4]) for n, r in data.get(database, {}).items()]
 
     def module_note(name: str, outcome: Outcome) -> str:
         return "buffers: pending item 2 (" + ", ".join(outcome.mutated) + ")" if outcome.mutated else ""
 
+    module_rows, op_rows = rows("module_db"), rows("op_db")
     passed_m = sum(o.status == "pass" for _, o, _ in module_rows)
     passed_o = sum(o.status == "pass" for _, o, _ in op_rows)
+    runs = "; ".join(
+        f"{m['samples']} sample(s) per entry, torch {m['torch']}, onnxruntime {m['onnxruntime']}, {m['seconds']} s"
+        for m in metas
+    )
     lines = [
         "# The torch gradient builder against PyTorch's test databases",
         "",
-        f"Generated by `PYTHONPATH=. python tests/torch_coverage.py --samples {samples}` (torch "
-        f"{torch.__version__}, onnxruntime {ort.__version__}, {time.time() - started:.0f} s). " + METHOD,
+        "Generated by `PYTHONPATH=. python tests/torch_coverage.py` (`--run module_db`, `--run op_db`, then "
+        f"`--table`; {runs}). " + METHOD,
         "",
         f"- module_db: {passed_m} of {len(module_rows)} entries pass",
         f"- op_db: {passed_o} of {len(op_rows)} entries pass",
@@ -376,21 +401,16 @@ def write_table(path: str, samples: int, json_path: str | None = None) -> None:
     ]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
-    if json_path:
-        records = {
-            "module_db": {n: [o.status, o.detail, o.mutated, first_sample.get(n, True)] for n, o, _ in module_rows},
-            "op_db": {n: [o.status, o.detail, [], first_sample.get(n, True)] for n, o, _ in op_rows},
-        }
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(records, f, indent=1)
     print(f"module_db {passed_m}/{len(module_rows)}, op_db {passed_o}/{len(op_rows)}: {path}")
 
 
-def write_known(json_path: str, out_path: str) -> None:
-    """tests/torch_coverage_known.py from a `--json` run: the error key of each entry that does not pass, split
-    by whether its first sample fails (the default lane's) or only a later one (the slow lane's)."""
-    with open(json_path, encoding="utf-8") as f:
-        records = json.load(f)
+def write_known(json_paths: list[str], out_path: str) -> None:
+    """tests/torch_coverage_known.py from `--run` outcomes: the error key of each entry whose first sample (the
+    one the tests run) does not pass."""
+    records: dict = {}
+    for json_path in json_paths:
+        with open(json_path, encoding="utf-8") as f:
+            records.update(json.load(f))
     lines = [
         '"""Generated by `PYTHONPATH=. python tests/torch_coverage.py --known` from a run of tests/torch_coverage.py:',
         "the entries of PyTorch's test databases the torch builder does not handle, and the error key",
@@ -398,25 +418,28 @@ def write_known(json_path: str, out_path: str) -> None:
         "",
     ]
     for db, prefix in (("module_db", "MODULE_DB"), ("op_db", "OP_DB")):
-        failing = {n: r for n, r in records[db].items() if r[0] != "pass"}
-        for suffix, first in (("UNSUPPORTED", True), ("UNSUPPORTED_LATER_SAMPLES", False)):
-            lines.append(f"{prefix}_{suffix} = {{")
-            lines += [f"    {n!r}: {error_key(r[1])!r}," for n, r in sorted(failing.items()) if r[3] == first]
-            lines += ["}", ""]
+        failing = {n: r for n, r in records.get(db, {}).items() if r[0] != "pass"}
+        lines.append(f"{prefix}_UNSUPPORTED = {{")
+        lines += [f"    {n!r}: {error_key(r[1])!r}," for n, r in sorted(failing.items()) if r[3]]
+        lines += ["}", ""]
     with open(out_path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=3)
-    parser.add_argument("--json", default=None, help="also write the outcomes as JSON here")
-    parser.add_argument("--known", default=None, help="write tests/torch_coverage_known.py from this JSON and stop")
+    parser.add_argument("--run", choices=["module_db", "op_db"], help="run one database, writing --json")
+    parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--json", help="the outcomes of --run")
+    parser.add_argument("--table", nargs="+", help="write the markdown table (--out) from these outcomes")
+    parser.add_argument("--known", nargs="+", help="write tests/torch_coverage_known.py from these outcomes")
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "torch_builder_coverage.md")
     )
     arguments = parser.parse_args()
+    if arguments.run:
+        run_database(arguments.run, arguments.samples, arguments.json)
+    if arguments.table:
+        write_table(arguments.table, arguments.out)
     if arguments.known:
         write_known(arguments.known, os.path.join(os.path.dirname(__file__), "torch_coverage_known.py"))
-    else:
-        write_table(arguments.out, arguments.samples, arguments.json)
