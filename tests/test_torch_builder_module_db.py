@@ -34,7 +34,7 @@ def check(name: str) -> set[str]:
     expected = MODULE_DB_UNSUPPORTED.get(name)
     if expected is not None:
         assert outcome.status != "pass", f"{name} trains now: regenerate tests/torch_coverage_known.py"
-        assert error_key(outcome.detail) == expected, f"{name}: {outcome.detail}"
+        assert error_key(outcome) == expected, f"{name}: {outcome.detail}"
     else:
         assert outcome.status == "pass", f"{name} ({samples[0].desc!r}): {outcome.status}: {outcome.detail}"
     return set(outcome.mutated)

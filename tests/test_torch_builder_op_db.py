@@ -35,7 +35,7 @@ def check(name: str, through_trainer: bool = False) -> None:
     expected = OP_DB_UNSUPPORTED.get(name)
     if expected is not None:
         assert outcome.status != "pass", f"{name} passes now: regenerate tests/torch_coverage_known.py"
-        assert error_key(outcome.detail) == expected, f"{name}: {outcome.detail}"
+        assert error_key(outcome) == expected, f"{name}: {outcome.detail}"
     else:
         assert outcome.status == "pass", f"{name}: {outcome.status}: {outcome.detail}"
 
