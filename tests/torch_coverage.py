@@ -311,11 +311,7 @@ def first_failure(run: Callable[[object], Outcome], samples: list, chosen: list[
 def _table(rows: list[tuple[str, Outcome, str]], note: Callable[[str, Outcome], str]) -> list[str]:
     lines = ["| entry | result | samples | notes |", "|---|---|---|---|"]
     for name, outcome, samples in rows:
-        text = (
-            "pass"
-            if outcome.status == "pass"
-            else f"{outcome.status} (`{error_key(outcome.detail)}`): {outcome.detail}"
-        )
+        text = "pass" if outcome.status == "pass" else f"{outcome.status} (`{error_key(outcome)}`): {outcome.detail}"
         lines.append(f"| `{name}` | {text.replace('|', '/')} | {samples} | {note(name, outcome)} |")
     return lines
 
