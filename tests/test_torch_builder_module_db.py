@@ -58,7 +58,7 @@ def test_buffer_mutations_are_reported():
     graph = build_torch_gradient_graph(
         model,
         lambda out, y: (out - y).square().mean(),
-        ["x", "y"],
+        ["input", "y"],
         [torch.randn(2, 3, 5, 5), torch.randn(2, 4, 3, 3)],
         ["loss"],
         [n for n, _ in model.named_parameters()],
