@@ -142,6 +142,7 @@ def module_infos() -> list:
 def module_samples(info) -> list:
     """The float32 training samples a trainer can take: empty inputs are refused by design (README: a step needs
     at least one sample)."""
+    torch.manual_seed(0)  # the samples' values come from the global generator: the same whatever ran before
     samples = info.module_inputs_func(info, device="cpu", dtype=torch.float32, requires_grad=True, training=True)
     return [s for s in samples if all(t.numel() > 0 for t in _tensors(s.forward_input))]
 
@@ -225,6 +226,7 @@ def op_name(op) -> str:
 
 
 def op_samples(op) -> list:
+    torch.manual_seed(0)  # the samples' values come from the global generator: the same whatever ran before
     return list(op.sample_inputs("cpu", torch.float32, requires_grad=True))
 
 
