@@ -14,6 +14,11 @@ Rules:
   register them as buffers.
 - `torch.utils.checkpoint` traces with either implementation (`torch_private.reentrant_checkpoint_traceable`).
 - Exactly the `trainable` parameters require grad while tracing; the flags are restored afterwards.
+- Tracing leaves the model as it was, also when it fails: attributes, parameters, buffers and submodules a
+  forward rebinds while traced are put back (`torch_private.module_state_kept`).
+- Data-dependent Python (an `if` on a tensor, `.item()` feeding Python) cannot be traced, as with torch.export: the
+  error names the file and line and how to rewrite it. nn.Transformer* masks are taken as causal only by their
+  `is_causal` hint (`torch_private.causal_mask_from_hint`), which computes the same attention.
 """
 
 from __future__ import annotations
@@ -105,7 +110,11 @@ def trace_joint(
     traces with concrete shapes); without, GradientBuildError naming what cannot be traced."""
     dims = [list(d) for d in dynamic_dims] if dynamic_dims is not None else [[] for _ in inputs]
     dynamic = any(dims)
-    with _requires_grad_only(wrapper, wrapper.inner.model, set(trainable)), tensor_attributes_as_buffers(wrapper):
+    with (
+        torch_private.module_state_kept(wrapper),  # a failed (or any) trace leaves no traced tensor in the model
+        _requires_grad_only(wrapper, wrapper.inner.model, set(trainable)),
+        tensor_attributes_as_buffers(wrapper),
+    ):
         try:
             with _tracing():
                 groups = same_sizes if dynamic else ()
@@ -131,6 +140,9 @@ def trace_joint(
 def _tracing() -> Iterator[None]:
     with (
         torch_private.math_sdpa(),
+        torch_private.no_mkldnn(),
+        torch_private.causal_mask_from_hint(),  # nn.Transformer* with a mask
+        torch_private.autograd_decompositions(),  # torch_private/decompositions.py, stage "autograd"
         torch_private.reentrant_checkpoint_traceable(),
         torch_private.export_tracing_flags(),  # the model sees what torch.export shows it
     ):
@@ -208,6 +220,16 @@ def _specific_error(
             f"{model_name}: these parameters do not influence the loss. Freeze them with "
             "options utils.frozen_weights.",
             unreachable=unused,
+        )
+    if torch_private.is_data_dependent_error(err):
+        where = torch_private.user_frame(err)
+        place = f" at {where[0]}:{where[1]} (`{where[2]}`)" if where else ""
+        return GradientBuildError(
+            f"the forward of {model_name} (or its loss_fn) reads the value of a tensor in Python{place}: an if/while "
+            "on a tensor, bool(), float(), .item() or .tolist(). The torch gradient builder traces the model once "
+            "with placeholder tensors that have no values, as torch.export does, so such a branch cannot be "
+            "recorded. Compute it with tensor operations instead (torch.where, masks, clamp), or move the check "
+            "out of forward (validate the data before train_step)."
         )
     if torch_private.is_real_tensor_in_trace_error(err):
         return GradientBuildError(
