@@ -27,18 +27,6 @@ BUILDERS = ["auto", "torch"] if has_training_build() else ["auto"]  # without th
 LR = 1.0  # SGD: the change of a weight is its gradient
 
 
-@pytest.fixture(autouse=True)
-def _checker_off_for_ort_graphs(request, monkeypatch):
-    """The suite verifies every graph pass with onnx.checker (tests/conftest.py). ONNX Runtime's own gradient and
-    fusion nodes (MaxPoolGrad, SimplifiedLayerNormalization) sit in the ONNX domain of the `ort` builder's graph,
-    where the checker refuses them (docs/engine.md §11.1); ONNX Runtime runs them. So the `auto` builder on
-    onnxruntime-training (which picks `ort`) trains these models with the checker off; the torch builder's graphs
-    are plain ONNX and keep it on."""
-    if getattr(request.node, "callspec", None) and request.node.callspec.params.get("builder") == "auto":
-        if has_training_build():
-            monkeypatch.setenv("ORTTRAINER_VERIFY_PASSES", "0")
-
-
 class TokensLoss(nn.Module):
     """A transformers model returning its own loss; model_desc's inputs are passed to forward by name."""
 
