@@ -32,6 +32,20 @@ from torch.utils import _pytree as pytree
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
 TORCH_BUILDER = {"device": {"id": "cpu"}, "_internal_use": {"gradient_builder": "torch"}}
+
+
+def sampled(names: list[str], every: int, always: tuple[str, ...] = ()) -> list:
+    """`names` as pytest parameters: one in `every` (chosen by a hash of the name, so the sample does not move when
+    PyTorch adds entries) and every name in `always` run in the default test lanes; the others carry the `sweep`
+    marker, which only `make coverage` runs (pyproject.toml)."""
+    import zlib
+
+    import pytest
+
+    def marks(name: str) -> tuple:
+        return () if name in always or zlib.crc32(name.encode()) % every == 0 else (pytest.mark.sweep,)
+
+    return [pytest.param(name, marks=marks(name)) for name in names]
 RTOL, ATOL = 1e-3, 1e-4
 
 
