@@ -46,6 +46,8 @@ def sampled(names: list[str], every: int, always: tuple[str, ...] = ()) -> list:
         return () if name in always or zlib.crc32(name.encode()) % every == 0 else (pytest.mark.sweep,)
 
     return [pytest.param(name, marks=marks(name)) for name in names]
+
+
 RTOL, ATOL = 1e-3, 1e-4
 
 
