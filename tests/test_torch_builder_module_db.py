@@ -1,11 +1,11 @@
 """Every torch.nn module in PyTorch's `module_db` with float32 training samples takes one SGD step through
-ORTTrainer with the torch builder, and its loss, parameter gradients and unmutated buffers match eager PyTorch
+ORTTrainer with the torch builder, and its loss, parameter gradients and buffers match eager PyTorch
 (`torch_coverage.run_module_sample`). The entries the builder cannot train are listed with the error key each
 gives (tests/torch_coverage_known.py, generated with docs/torch_builder_coverage.md). The default lanes run one
 entry in three and the buffer-mutating ones (`torch_coverage.sampled`); `make coverage` runs them all.
 
-Buffers a module mutates (BatchNorm's running statistics) are not updated by the torch builder yet: those modules
-are compared on loss and gradients only, and `test_buffer_mutations_are_reported` pins which they are."""
+Buffers a module's forward mutates (BatchNorm's running statistics and batch counter) are updated by the step and
+compared at their new values; `test_buffer_mutations_are_reported` pins which they are."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def test_one_training_step_like_eager(name):
 
 
 def test_buffer_mutations_are_reported():
-    """The torch builder lists the buffers a traced forward mutates (`mutated_buffers`) instead of updating them;
-    for BatchNorm they are the running statistics and the batch counter."""
+    """The torch builder lists the buffers a traced forward mutates (`mutated_buffers`), whose new values the
+    gradient graph outputs; for BatchNorm they are the running statistics and the batch counter."""
     import torch
 
     from orttrainer.trainer.gradient.torch_builder import build_torch_gradient_graph

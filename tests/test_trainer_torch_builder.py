@@ -350,10 +350,11 @@ class ConvNormalised(nn.Module):
 )
 @pytest.mark.parametrize("training", [True, False], ids=["train_mode", "eval_mode"])
 def test_batch_norm_matches_pytorch(training, builder, model_class):
-    """Train mode: batch statistics; eval mode: the running statistics, as PyTorch trains an eval-mode module (the
-    `ort` builder through graph/fixups.inference_batchnorm_to_affine: ONNX Runtime's own gradient of an inference
-    BatchNorm uses batch statistics). `num_batches_tracked` is module state the exported forward does not use (see
-    bind_foreign_state)."""
+    """Train mode: batch statistics, and the running statistics and `num_batches_tracked` move as PyTorch moves
+    them (the unbiased variance; the `ort` builder through graph/batch_norm_statistics.py, the torch builder from
+    its trace); eval mode: the running statistics, unchanged, as PyTorch trains an eval-mode module (the `ort`
+    builder through graph/fixups.inference_batchnorm_to_affine: ONNX Runtime's own gradient of an inference
+    BatchNorm uses batch statistics), and `num_batches_tracked` is no state of the trainer."""
     torch.manual_seed(0)
     model = model_class().train(training)
     with torch.no_grad():
@@ -363,8 +364,11 @@ def test_batch_norm_matches_pytorch(training, builder, model_class):
     trainer, ref = train_with_reference(
         model, mlp_desc(), optim.SGDConfig(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1), CE, batches(4), options
     )
-    assert "bn.num_batches_tracked" not in trainer._training_session.state_names()
+    assert ("bn.num_batches_tracked" in trainer._training_session.state_names()) == training
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+    state = trainer.state_dict(pytorch_format=True)
+    for name in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        torch.testing.assert_close(state[name], ref.state_dict()[name], rtol=1e-5, atol=1e-6)
 
 
 # checkpoints, dropout, eval -----------------------------------------------------------------------------------------

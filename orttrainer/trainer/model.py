@@ -176,6 +176,7 @@ def _compile_request(
         recompute=recompute_plan(opts),
         gradient_options=GradientOptions.from_options(opts),
         statistics=forward.activations,
+        batch_norms=forward.batch_norms,
     )
 
 

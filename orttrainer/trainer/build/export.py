@@ -11,6 +11,9 @@ the float32 master state, by these rules (docs/engine.md §15):
 - every float32 parameter and buffer is cast to float16 where the module reads it (`float16_state`, through
   `torch.func.functional_call`): the graph's state inputs stay the float32 master copy, and each parameter's
   gradient comes back through the cast's gradient as float32;
+- but BatchNorm and InstanceNorm layers compute in float32, as AMP keeps them (`float32_norms`): their input is cast
+  to float32 and their output back to float16, and their parameters and running statistics stay the float32 state,
+  so the running statistics they update are the trainer's own;
 - the float32 data inputs the module reads are cast to float16 (`float16_inputs`); a loss function's label is not;
 - float16 module outputs are cast to float32 before the loss function (`float32_values`), so the loss and the
   start of its backward (where the loss scale enters) run in float32, as the 'ort' path keeps its loss subgraph
@@ -30,13 +33,15 @@ concurrently once built.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import io
+import re
 import threading
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -77,7 +82,8 @@ class _ModelWithLoss(torch.nn.Module):
         else:
             args, kwargs = (), self.model_kwargs(inputs)
         if self.float16:
-            preds = torch.func.functional_call(self.model, float16_state(self.model), args, kwargs)
+            with float32_norms(self.model):
+                preds = torch.func.functional_call(self.model, float16_state(self.model), args, kwargs)
         else:
             preds = self.model(*args, **kwargs)
         if self.loss_fn is None:
@@ -117,6 +123,7 @@ class ExportedModel:
     custom_functions: list[str]  # custom torch.autograd.Functions met in the dry run
     aliases: dict[str, str]  # state_dict key -> initializer holding the same (tied) tensor
     unused_state: dict[str, torch.Tensor]  # state_dict entries the graph does not use (copies; they never change)
+    mutated: list[str]  # buffers the forward updates in place: the TorchScript export drops their updates
 
 
 def check_forward_accepts(model: torch.nn.Module, input_names: list[str], has_loss_fn: bool) -> None:
@@ -192,10 +199,8 @@ def export_model(
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     buffer = io.BytesIO()
     try:
-        with warnings.catch_warnings():
-            # torch deprecates the TorchScript exporter and its `training` argument; both are chosen on purpose
-            # (docs/design.md: dynamo=False, TrainingMode.TRAINING), so their notices are not the user's concern.
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             torch.onnx.export(
                 wrapper,
                 tuple(sample_inputs),
@@ -213,10 +218,28 @@ def export_model(
     finally:
         model.train(dry.was_training)
         _restore_buffers(model, buffers)
+    mutated = _passed_on(caught)
     onnx_model = set_initializers(strip_prefix(onnx.load_from_string(buffer.getvalue()), MODEL_PREFIX), buffers)
     if dry.was_training:
         onnx_model = restore_dropout_training_mode(onnx_model)
-    return exported_model(onnx_model, model, dry)
+    return replace(exported_model(onnx_model, model, dry), mutated=mutated)
+
+
+_DROPPED_MUTATION = re.compile(r"Removing mutation from node \S+ on block input: '([^']+)'")
+
+
+def _passed_on(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The buffers whose in-place updates the TorchScript exporter said it dropped (without `model.`); every other
+    warning is shown, but the exporter's deprecation notices: torch deprecates the TorchScript exporter and its
+    `training` argument, both chosen on purpose (docs/design.md: dynamo=False, TrainingMode.TRAINING)."""
+    mutated = []
+    for warning in caught:
+        found = _DROPPED_MUTATION.search(str(warning.message))
+        if found:
+            mutated.append(found.group(1).removeprefix(MODEL_PREFIX))
+        elif not issubclass(warning.category, DeprecationWarning):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return sorted(set(mutated))
 
 
 class TorchScriptExportError(RuntimeError):
@@ -242,6 +265,7 @@ def exported_model(onnx_model: onnx.ModelProto, model: torch.nn.Module, dry: Dry
         dry.custom_functions,
         aliases,
         unused,
+        [],
     )
 
 
@@ -376,16 +400,61 @@ def float16_inputs(inputs: Sequence[Any], label: bool) -> list[Any]:
     return cast
 
 
+BATCH_NORMS = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.SyncBatchNorm,
+    torch.nn.LazyBatchNorm1d,
+    torch.nn.LazyBatchNorm2d,
+    torch.nn.LazyBatchNorm3d,
+)
+RUNNING_STATISTICS_NORMS = (
+    *BATCH_NORMS,
+    torch.nn.InstanceNorm1d,
+    torch.nn.InstanceNorm2d,
+    torch.nn.InstanceNorm3d,
+    torch.nn.LazyInstanceNorm1d,
+    torch.nn.LazyInstanceNorm2d,
+    torch.nn.LazyInstanceNorm3d,
+)  # the norm layers with running statistics
+
+
 def float16_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every name of `module`'s parameters and buffers (tied names too, one cast per tensor) -> a float16 cast of
-    each float32 one; for `torch.func.functional_call`."""
+    each float32 one, but those of the norm layers `float32_norms` keeps in float32; for
+    `torch.func.functional_call`."""
+    norms = [m for m in module.modules() if isinstance(m, RUNNING_STATISTICS_NORMS)]
+    kept = {id(t) for m in norms for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
     casts: dict[int, torch.Tensor] = {}
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     state = {}
     for name, tensor in named:
-        if tensor.dtype == torch.float32:
+        if tensor.dtype == torch.float32 and id(tensor) not in kept:
             state[name] = casts.setdefault(id(tensor), tensor.half())
     return state
+
+
+@contextlib.contextmanager
+def float32_norms(module: torch.nn.Module) -> Iterator[None]:
+    """Within the block, the BatchNorm and InstanceNorm layers of `module` compute in float32: a float16 input is cast
+    to float32 and their output back to float16 (their state stays float32: `float16_state`)."""
+
+    def to_float32(norm: torch.nn.Module, args: tuple) -> tuple:
+        return tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.float16 else a for a in args)
+
+    def to_float16(norm: torch.nn.Module, args: tuple, output: Any) -> Any:
+        return output.half() if isinstance(output, torch.Tensor) and output.dtype == torch.float32 else output
+
+    handles = []
+    for norm in module.modules():
+        if isinstance(norm, RUNNING_STATISTICS_NORMS):
+            handles += [norm.register_forward_pre_hook(to_float32), norm.register_forward_hook(to_float16)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def float32_values(value: Any) -> Any:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import onnx
 import torch
@@ -31,8 +31,9 @@ from ..activations import ActivationStatistics
 from ..config import TrainerConfig
 from ..gradient.choice import BuilderChoice, choose_builder, ort_only_options
 from ..gradient.errors import GradientBuildError
-from ..gradient.onnx_module import OnnxModule
+from ..gradient.onnx_module import OnnxModule, running_statistics
 from ..gradient.torch_graphs import TorchSource
+from ..graph.batch_norm_statistics import BatchNormStatistics, onnx_batch_norm_statistics
 from ..graph.postprocess import run_postprocess
 from ..inputs import check_inputs
 from ..runtime.ort import has_training_build
@@ -69,6 +70,7 @@ class Forward:
     sample_inputs: Sequence[torch.Tensor] | None = None  # the first batch
     activations: ActivationStatistics | None = None  # orttrainer.debug statistics, when the export marked them
     eval_graphs: TorchEvalGraphs | None = None  # the torch route: its forward model and eval graphs
+    batch_norms: list[BatchNormStatistics] = field(default_factory=list)  # updated by a graph pass ('ort')
 
     @property
     def state_names(self) -> list[str]:
@@ -127,6 +129,7 @@ def torchscript_forward(
 ) -> Forward:
     """The TorchScript route: export, mark the subscribed activations, post-process, split the parameters."""
     desc, internal = plan.model_desc, config.options._internal_use
+    _refuse_untracked_batch_norms(module)
     with activations.marking():  # counts no debug step; marks subscribed activations
         exported = export_mod.export_model(
             module,
@@ -137,10 +140,15 @@ def torchscript_forward(
             enable_contrib_ops=internal.enable_onnx_contrib_ops,
             dry=plan.dry,
         )
+    batch_norms = _batch_norm_statistics(module) if exported.was_training else []
+    if exported.was_training:  # in eval mode PyTorch updates no buffer either
+        _refuse_dropped_updates(module, exported.mutated, batch_norms)
+    counters = {s.counter: module.get_buffer(s.counter) for s in batch_norms if s.counter}
     forward = activations.prepare(exported.model, config.loss_fn, desc, sample_inputs)
-    forward = postprocess(config, forward)
+    forward = postprocess(config, _with_initializers(forward, counters))
     frozen_weights = list(config.options.utils.frozen_weights)
-    trainable, frozen = split_parameters(forward, frozen_weights, exported.parameters, exported.buffers)
+    buffers = exported.buffers + sorted(counters)
+    trainable, frozen = split_parameters(forward, frozen_weights, exported.parameters, buffers)
     info = TorchExportInfo(
         list(module.state_dict().keys()),
         exported.aliases,
@@ -149,7 +157,72 @@ def torchscript_forward(
         not exported.was_training,
     )
     statistics = activations if activations.instrumented else None
-    return Forward(desc, forward, trainable, frozen, plan.choice, info, None, sample_inputs, statistics)
+    return Forward(
+        desc, forward, trainable, frozen, plan.choice, info, None, sample_inputs, statistics, batch_norms=batch_norms
+    )
+
+
+def _batch_norm_statistics(module: torch.nn.Module) -> list[BatchNormStatistics]:
+    """PyTorch's semantics for each BatchNorm of `module` that updates its running statistics in training."""
+    found = []
+    for path, sub in module.named_modules():
+        if (
+            isinstance(sub, export_mod.BATCH_NORMS)
+            and sub.training
+            and sub.track_running_stats
+            and sub.running_mean is not None
+        ):
+            prefix = f"{path}." if path else ""
+            counter = f"{prefix}num_batches_tracked"
+            found.append(
+                BatchNormStatistics(f"{prefix}running_mean", f"{prefix}running_var", counter, sub.momentum, True)
+            )
+    return found
+
+
+def _refuse_untracked_batch_norms(module: torch.nn.Module) -> None:
+    """A BatchNorm without running statistics normalizes by the batch's own: the TorchScript exporter cannot
+    export it (it asks for fixed batch and channel sizes), so it is an error naming the layer ('auto' then trains
+    with the torch builder, which exports it)."""
+    untracked = [
+        path
+        for path, sub in module.named_modules()
+        if isinstance(sub, export_mod.BATCH_NORMS) and sub.running_mean is None
+    ]
+    if untracked:
+        raise export_mod.TorchScriptExportError(
+            f"the BatchNorm layers {untracked} keep no running statistics (track_running_stats=False), which the "
+            "TorchScript export that ONNX Runtime's gradient builder trains from cannot export; train it with "
+            "options _internal_use.gradient_builder='torch' (or 'auto')"
+        )
+
+
+def _refuse_dropped_updates(
+    module: torch.nn.Module, mutated: list[str], batch_norms: list[BatchNormStatistics]
+) -> None:
+    """A buffer the forward updates in place, whose update the TorchScript export dropped and no pass restores, is
+    an error naming it ('auto' then trains with the torch builder, which keeps every such update): never a buffer
+    silently left unchanged."""
+    restored = {n for s in batch_norms for n in (s.mean, s.var, s.counter) if n}
+    dropped = [name for name in mutated if name not in restored]
+    if dropped:
+        raise export_mod.TorchScriptExportError(
+            f"the forward of {type(module).__name__} updates the buffers {dropped} in place, and the TorchScript "
+            "export that ONNX Runtime's gradient builder trains from drops such updates; train it with options "
+            "_internal_use.gradient_builder='torch', which keeps them"
+        )
+
+
+def _with_initializers(model: onnx.ModelProto, values: dict[str, torch.Tensor]) -> onnx.ModelProto:
+    """`model` with `values` added as initializers (the batch counters the running-statistics pass reads)."""
+    if not values:
+        return model
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    result.graph.initializer.extend(
+        onnx.numpy_helper.from_array(value.detach().cpu().numpy(), name) for name, value in values.items()
+    )
+    return result
 
 
 def torch_route_forward(
@@ -189,9 +262,15 @@ def onnx_forward(config: TrainerConfig, model: onnx.ModelProto) -> Forward:
     desc = copy.deepcopy(config.model_desc)
     forward = postprocess(config, model)
     record_graph_types(desc, forward)
-    trainable, frozen = split_parameters(forward, list(options.utils.frozen_weights), None, None)
-    source = _onnx_source(config, forward, trainable, frozen) if choice.builder == "torch" else None
-    return Forward(desc, forward, trainable, frozen, choice, source=source)
+    statistics = running_statistics(forward)  # BatchNormalization's, which its forward updates: frozen state
+    trainable, frozen = split_parameters(forward, [*options.utils.frozen_weights, *statistics], None, None)
+    if choice.builder == "torch":  # OnnxModule updates them as buffers, the trace keeps the updates
+        return Forward(
+            desc, forward, trainable, frozen, choice, source=_onnx_source(config, forward, trainable, frozen)
+        )
+    return Forward(
+        desc, forward, trainable, frozen, choice, batch_norms=onnx_batch_norm_statistics(forward, trainable + frozen)
+    )
 
 
 def _onnx_source(

@@ -142,6 +142,7 @@ def _tracing() -> Iterator[None]:
         torch_private.math_sdpa(),
         torch_private.no_mkldnn(),
         torch_private.causal_mask_from_hint(),  # nn.Transformer* with a mask
+        torch_private.traceable_cumulative_batch_norm(),  # BatchNorm(momentum=None)
         torch_private.autograd_decompositions(),  # torch_private/decompositions.py, stage "autograd"
         torch_private.reentrant_checkpoint_traceable(),
         torch_private.export_tracing_flags(),  # the model sees what torch.export shows it

@@ -1,7 +1,8 @@
 """The compile pipeline, declared once: every list of graph passes, in the order `compile/compiler.compile_model`
 runs them (its stages carry the same numbers).
 
-1. `forward_passes`: the fix-ups the gradient builder needs (optional outputs named; an eval-mode module trains
+1. `forward_passes`: the fix-ups the gradient builder needs (optional outputs named; BatchNorm's running statistics
+   updated by the graph, for the 'ort' builder, whose own update writes into the state; an eval-mode module trains
    without dropout and with BatchNorm on its running statistics; a Dropout without training mode is the identity it
    computes; inference-mode BatchNorm becomes its affine map), then under mixed precision for the 'ort' builder
    `mixed_precision_passes` (state as graph inputs, float16, the scaled loss appended). The torch builder traces
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 
 import onnx
 
+from .batch_norm_statistics import BatchNormStatistics, batch_norm_statistics_pass
 from .class_labels import GUARD_CLASS_LABELS
 from .cross_entropy import CROSS_ENTROPY_AS_PLAIN_OPS
 from .data_parallel import gradient_step_pass
@@ -65,12 +67,14 @@ class StatisticsInstrument(Protocol):
     def instrument(self, model: onnx.ModelProto, kind: str) -> onnx.ModelProto: ...
 
 
-def forward_passes(dropout_off: bool) -> list[GraphPass]:
-    """Before the gradient graph: optional outputs named; an eval-mode module (`dropout_off`) trains without dropout
+def forward_passes(dropout_off: bool, batch_norms: list[BatchNormStatistics] | None = None) -> list[GraphPass]:
+    """Before the gradient graph: optional outputs named; the running statistics of `batch_norms` updated by the
+    graph itself (graph/batch_norm_statistics.py); an eval-mode module (`dropout_off`) trains without dropout
     and with BatchNorm on its running statistics, otherwise a Dropout without training mode is the identity it
     computes; inference-mode BatchNorm becomes its affine map (ONNX Runtime's gradient of it is wrong)."""
     dropout = [DROPOUT_TO_IDENTITY, BATCHNORM_TO_INFERENCE] if dropout_off else [INFERENCE_DROPOUT_TO_IDENTITY]
-    return [NAME_OPTIONAL_OUTPUTS, *dropout, INFERENCE_BATCHNORM_TO_AFFINE]
+    statistics = [batch_norm_statistics_pass(batch_norms)] if batch_norms and not dropout_off else []
+    return [NAME_OPTIONAL_OUTPUTS, *statistics, *dropout, INFERENCE_BATCHNORM_TO_AFFINE]
 
 
 def mixed_precision_passes(state: list[str], keep_float32: list[str], loss: str) -> list[GraphPass]:

@@ -499,7 +499,8 @@ class TrainingSession(SessionBase):
 
         Returns the requested forward outputs as torch tensors on the trainer's device, and whether the step's
         gradients were all finite (mixed precision; always True otherwise). A non-finite optimizer step keeps the
-        previous weights and moments: the updated values are simply not adopted.
+        previous weights and moments: the updated values are simply not adopted. The buffers the forward updates
+        (`buffer_updates`) take their new values after every run, finite or not, as PyTorch's forward updates them.
         """
         runner = self._runners.for_data(data)
         g = runner.graph
@@ -511,12 +512,14 @@ class TrainingSession(SessionBase):
             return self._train_outside(runner, feeds, outputs, (lr, update_count, loss_scale))
         state_outputs = {**g.weight_updates, **g.optimizer_state} if optimizer_step else g.accumulation
         checks = [g.all_finite_output] if optimizer_step and g.all_finite_output else []
-        fetched = self._run_training(runner, feeds, outputs + list(state_outputs.values()) + checks)
+        updated = list(state_outputs.values()) + list(g.buffer_updates.values())
+        fetched = self._run_training(runner, feeds, outputs + updated + checks)
         results = dict(zip(outputs, fetched[: len(outputs)], strict=True))
         finite = bool(fetched[-1].numpy().all()) if checks else True
-        if finite:
-            new_state = fetched[len(outputs) : len(outputs) + len(state_outputs)]
-            self._state.update(zip(state_outputs, new_state, strict=True))
+        new_state = dict(zip([*state_outputs, *g.buffer_updates], fetched[len(outputs) :], strict=False))
+        if not finite:
+            new_state = {name: new_state[name] for name in g.buffer_updates}
+        self._state.update(new_state)
         if optimizer_step:
             self._state.update(self._zeros)  # accumulation restarts from zero after every update (or skipped one)
         return {name: self._to_torch(value) for name, value in results.items()}, finite
@@ -527,10 +530,13 @@ class TrainingSession(SessionBase):
         """An optimizer step of a gradient-only graph: run it for the outputs and the gradient sums, then update the
         state in place (`TorchOptimizer`)."""
         assert self._optimizer is not None
-        names = list(runner.graph.gradients)
-        fetched = self._run_training(runner, feeds, outputs + [runner.graph.gradients[p] for p in names])
-        grads = {p: to_torch_view(v) for p, v in zip(names, fetched[len(outputs) :], strict=True)}
+        graph = runner.graph
+        names = list(graph.gradients)
+        fetch = outputs + [graph.gradients[p] for p in names] + list(graph.buffer_updates.values())
+        fetched = self._run_training(runner, feeds, fetch)
+        grads = {p: to_torch_view(v) for p, v in zip(names, fetched[len(outputs) :], strict=False)}
         finite = self._optimizer.step(grads, *step)
+        self._state.update(zip(graph.buffer_updates, fetched[len(outputs) + len(names) :], strict=True))
         self._state.update(self._zeros)  # accumulation restarts from zero after every update (or skipped one)
         return {name: self._to_torch(value) for name, value in zip(outputs, fetched, strict=False)}, finite
 

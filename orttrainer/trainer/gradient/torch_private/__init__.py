@@ -45,6 +45,7 @@ from .tracing import (
     output_values,
     reentrant_checkpoint_traceable,
     storage_reads,
+    traceable_cumulative_batch_norm,
     user_frame,
 )
 
@@ -76,6 +77,7 @@ __all__ = [
     "output_values",
     "reentrant_checkpoint_traceable",
     "storage_reads",
+    "traceable_cumulative_batch_norm",
     "trace_decompositions",
     "training_decompositions",
     "user_frame",

@@ -56,6 +56,43 @@ def causal_mask_from_hint() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def traceable_cumulative_batch_norm() -> Iterator[None]:
+    """Within the block, a BatchNorm with `momentum=None` (the cumulative average) in training mode updates its
+    running statistics with tensor operations: the same values, traceable.
+
+    Why: PyTorch's `_BatchNorm.forward` computes that average's factor in Python, `1.0 /
+    float(self.num_batches_tracked)`, a value a traced tensor does not have (DataDependentOutputException). Rule,
+    as PyTorch's: `num_batches_tracked += 1`, `f = 1 / num_batches_tracked`, `running_mean = (1 - f) ·
+    running_mean + f · mean`, `running_var = (1 - f) · running_var + f · unbiased var`, both over the batch and
+    every spatial position of a channel; the output normalises with the batch statistics. Other BatchNorms run
+    PyTorch's own forward."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    forward = _BatchNorm.forward
+
+    def cumulative(self: Any, input: torch.Tensor) -> torch.Tensor:
+        if self.momentum is not None or not self.training or not self.track_running_stats:
+            return forward(self, input)
+        self._check_input_dim(input)
+        self.num_batches_tracked.add_(1)
+        output = torch.nn.functional.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        dims = [0, *range(2, input.dim())]
+        with torch.no_grad():
+            factor = 1.0 / self.num_batches_tracked.to(self.running_mean.dtype)
+            mean = input.mean(dims).to(self.running_mean.dtype)
+            var = input.var(dims, unbiased=True).to(self.running_var.dtype)
+            self.running_mean.mul_(1.0 - factor).add_(factor * mean)
+            self.running_var.mul_(1.0 - factor).add_(factor * var)
+        return output
+
+    _BatchNorm.forward = cumulative  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _BatchNorm.forward = forward  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def module_state_kept(root: torch.nn.Module) -> Iterator[None]:
     """Every submodule of `root` has exactly its attributes, parameters, buffers and children of before the block
     when the block ends, whether it succeeded or raised.
