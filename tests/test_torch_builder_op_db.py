@@ -25,6 +25,9 @@ THROUGH_TRAINER = [  # one per family the builder's own decompositions cover, th
     "cummax",
     "median",
     "index_reduce.mean",
+    "linalg.solve",  # these run eagerly in PyTorch (gradient/eager_fallback.py)
+    "linalg.eigh",
+    "fft.fft2",
 ]
 
 

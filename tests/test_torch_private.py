@@ -364,3 +364,43 @@ def test_export_module_to_onnx_keeps_parameters_whatever_their_values():
     used = {name for node in model.graph.node for name in node.input}
     assert {"fc.bias", "norm.weight", "norm.bias"} <= used
     assert not {i.name for i in model.graph.input} - {"x"}
+
+
+def test_has_translation_knows_torch_onnx_s_table():
+    assert torch_private.has_translation(aten.add.Tensor, 18)
+    assert not torch_private.has_translation(aten._linalg_solve_ex.default, 18)
+    import operator
+
+    assert torch_private.has_translation(operator.getitem, 18)  # the exporter's own business
+
+
+def test_failed_node_reads_the_exporter_s_error():
+    module = torch.fx.GraphModule({}, torch.fx.Graph())
+    fx = module.graph
+    a = fx.placeholder("a")
+    a.meta["val"] = torch.eye(3)
+    node = fx.call_function(aten.cholesky.default, (a,))
+    fx.output((node,))
+    module.recompile()
+    with pytest.raises(Exception) as caught:
+        torch_private.export_graph_to_onnx(module, [torch.eye(3)], ["a"], ["l"], 18)
+    assert torch_private.failed_node(caught.value) == ("cholesky", "aten.cholesky.default")
+    assert torch_private.failed_node(ValueError("something else")) is None
+
+
+def test_linalg_checks_untraced_lets_aot_autograd_trace_inv_and_restores():
+    class Inverse(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.eye(3) * 2)
+
+        def forward(self, x):
+            return ((torch.linalg.inv(self.w) * x).sum(),)
+
+    with pytest.raises(IndexError):  # if this passes, PyTorch fixed it: the wrapper can go
+        torch_private.aot_export_joint(Inverse(), [torch.ones(3, 3)], 0)
+    with torch_private.linalg_checks_untraced():
+        graph, _ = torch_private.aot_export_joint(Inverse(), [torch.ones(3, 3)], 0)
+    assert aten.linalg_inv_ex.default in {n.target for n in graph.graph.nodes}
+    with pytest.raises(IndexError):
+        torch_private.aot_export_joint(Inverse(), [torch.ones(3, 3)], 0)

@@ -276,7 +276,7 @@ def run_op_sample(op, sample, through_trainer: bool = False) -> Outcome:
     problems = (
         [] if _close(got_loss, want_loss.detach()) else [f"loss {float(got_loss):.6g}, eager {float(want_loss):.6g}"]
     )
-    if problems and _RANDOM_NODES & set(_last_graph_ops):
+    if problems and (_RANDOM_NODES & set(_last_graph_ops) or _random_eager_op(_last_graph_ops)):
         return Outcome("error", "random: the graph draws random numbers (ONNX Runtime's generator, not torch's)")
     for name, grad in want.items():
         if not _close(got[name], grad):
@@ -294,20 +294,35 @@ _RANDOM_NODES = {
     "Multinomial",
     "Dropout",
 }
-_last_graph_ops: list[str] = []  # the op types of the graph `_op_by_builder` built last
+_last_graph_ops: list[str] = []  # the op types of the graph `_op_by_builder` built last, and the ops it runs eagerly
+
+
+def _random_eager_op(names: list[str]) -> bool:
+    """Whether one of `names` is an aten op the graph runs eagerly (`aten.x.y`) that draws random numbers
+    (torch's generator, but not in the order eager PyTorch drew them)."""
+    for name in names:
+        parts = name.split(".")
+        if len(parts) == 3 and hasattr(torch.ops, parts[0]):
+            op = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+            if torch.Tag.nondeterministic_seeded in op.tags:
+                return True
+    return False
 
 
 def _op_by_builder(harness: OpHarness, scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     import onnxruntime as ort
 
     from orttrainer.trainer.gradient.torch_builder import build_torch_gradient_graph
+    from orttrainer.trainer.runtime.eager_ops import eager_op_names, prepare_options
 
     trainable = [n for n, _ in harness.named_parameters()]
     graph = build_torch_gradient_graph(harness, None, ["scale"], [scale], ["loss"], trainable)
-    _last_graph_ops[:] = [node.op_type for node in graph.model.graph.node]
+    _last_graph_ops[:] = [node.op_type for node in graph.model.graph.node] + eager_op_names(graph.model)
     state = {**dict(harness.named_parameters()), **dict(harness.named_buffers())}
     feeds = {"scale": scale.numpy()} | {n: state[n].detach().numpy().copy() for n in graph.state_names}
-    session = ort.InferenceSession(graph.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    prepare_options(graph.model, options)  # ops the builder runs eagerly in PyTorch
+    session = ort.InferenceSession(graph.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in graph.model.graph.output]
     out = dict(zip(names, session.run(None, feeds), strict=True))
     return torch.from_numpy(out["loss"]), {n: torch.from_numpy(out[f"{n}_grad"]) for n in trainable}

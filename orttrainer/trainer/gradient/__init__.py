@@ -6,7 +6,8 @@
 - `ort_builder.py`, `ort_options.py`: ONNX Runtime's C++ gradient builder (onnxruntime-training only) and the
   options it takes (cast propagation, memory-efficient gradients);
 - `torch_builder.py`, `torch_trace.py`, `torch_graphs.py`, `torch_private/`: PyTorch's autograd traced into the
-  graph (any ONNX Runtime build), with dynamic dims, and every private torch API it needs;
+  graph (any ONNX Runtime build), with dynamic dims, and every private torch API it needs; `eager_fallback.py`:
+  the traced ops torch.onnx cannot translate, run by PyTorch inside the graph (`runtime/eager_ops.py`);
 - `onnx_module/`: an ONNX model as a torch module (one torch function per ONNX op, one file per op family) for the
   torch builder (`graph/state_names.py` renames its gradient model to the initializer names);
 - `errors.py`: `GradientBuildError`.

@@ -48,6 +48,7 @@ from ...dtypes import torch_to_onnx
 from ..compile.contract import buffer_update_name
 from ..runtime.session import ShapeSignature, shape_signature
 from . import torch_private
+from .eager_fallback import export_with_eager_fallback
 from .errors import GradientBuildError
 from .torch_trace import (
     LOSS_SCALE_BUFFER,
@@ -183,7 +184,7 @@ def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> Tor
     )
     gradient_names = [f"{p}_grad" for p in trainable]
     try:
-        model = torch_private.export_graph_to_onnx(
+        model = export_with_eager_fallback(  # ops without an ONNX translation run in PyTorch (see there)
             graph,
             [*(state[n] for n in state_inputs), *inputs],
             [*state_inputs, *input_names],

@@ -146,6 +146,7 @@ def _tracing() -> Iterator[None]:
         torch_private.autograd_decompositions(),  # torch_private/decompositions.py, stage "autograd"
         torch_private.reentrant_checkpoint_traceable(),
         torch_private.export_tracing_flags(),  # the model sees what torch.export shows it
+        torch_private.linalg_checks_untraced(),  # torch.linalg.inv, solve, cholesky...
     ):
         yield
 

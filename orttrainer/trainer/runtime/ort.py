@@ -32,7 +32,7 @@ import onnx
 import torch
 
 from ...schema.options import ORTTrainerOptions
-from . import ort_private
+from . import eager_ops, ort_private
 
 DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training")
 EXTRAS = {"onnxruntime": "cpu", "onnxruntime-gpu": "gpu", "onnxruntime-training": "ort-training"}
@@ -157,6 +157,7 @@ def create_session(
     must be in effect, and `device.id` cuda must run on CUDA."""
     import onnxruntime as ort
 
+    eager_ops.prepare_options(model, options)  # ops PyTorch runs inside the graph (gradient/eager_fallback.py)
     saved = (options.optimized_model_filepath, options.enable_mem_pattern)
     options.optimized_model_filepath = optimized_model_path  # read once, at session creation
     # The memory pattern (one block per run, planned from the first run) is off: on a graph with static shapes ONNX
@@ -264,6 +265,7 @@ def optimized_model(model: onnx.ModelProto, options: Any, providers: list) -> on
     restored afterwards."""
     import onnxruntime as ort
 
+    eager_ops.prepare_options(model, options)
     saved = (options.optimized_model_filepath, options.graph_optimization_level)
     extended = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     with tempfile.TemporaryDirectory(prefix="orttrainer_") as directory:

@@ -25,7 +25,10 @@ from .exporting import (
     _quiet_exporter,
     export_graph_to_onnx,
     export_module_to_onnx,
+    failed_node,
+    has_translation,
     onnx_decompositions,
+    views_as_reshapes,
 )
 from .tracing import (
     JointSignature,
@@ -39,6 +42,7 @@ from .tracing import (
     is_data_dependent_error,
     is_missing_gradient_error,
     is_real_tensor_in_trace_error,
+    linalg_checks_untraced,
     math_sdpa,
     module_state_kept,
     no_mkldnn,
@@ -67,9 +71,12 @@ __all__ = [
     "export_tracing_flags",
     "export_graph_to_onnx",
     "export_module_to_onnx",
+    "failed_node",
+    "has_translation",
     "is_data_dependent_error",
     "is_missing_gradient_error",
     "is_real_tensor_in_trace_error",
+    "linalg_checks_untraced",
     "math_sdpa",
     "module_state_kept",
     "no_mkldnn",
@@ -81,4 +88,5 @@ __all__ = [
     "trace_decompositions",
     "training_decompositions",
     "user_frame",
+    "views_as_reshapes",
 ]

@@ -46,6 +46,29 @@ def onnx_decompositions() -> dict:
     return dict(_decomp.create_onnx_friendly_decomposition_table(implemented))
 
 
+def has_translation(target: Any, opset_version: int) -> bool:
+    """Whether torch.onnx has an ONNX translation for an fx node's `target`; True for what is not an aten-level op
+    overload (`operator.getitem`, which the exporter handles itself)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    return bool(_registry(max(opset_version, MIN_DYNAMO_OPSET)).is_registered(target))
+
+
+def failed_node(err: BaseException) -> tuple[str, str] | None:
+    """(name, op) of the fx node whose translation failed, from the exporter's error ("Error when translating node
+    %cholesky : [num_users=2] = call_function[target=torch.ops.aten.cholesky.default]..."; in the error or its
+    causes), else None. The name is the exporter's: torch.export names a graph's nodes again, `<op>` then
+    `<op>_1`, `<op>_2`... in graph order."""
+    import re
+
+    while err is not None:
+        found = re.search(r"Error when translating node %(\w+) : .*?target=torch\.ops\.([\w.]+)\]", str(err))
+        if found:
+            return found.group(1), found.group(2)
+        err = err.__cause__  # type: ignore[assignment]
+    return None
+
+
 def export_graph_to_onnx(
     graph: torch.nn.Module,
     args: Sequence[torch.Tensor],

@@ -169,6 +169,27 @@ def math_sdpa() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def linalg_checks_untraced() -> Iterator[None]:
+    """Within the block, `aten._linalg_check_errors` (which `torch.linalg.inv`, `solve`, `cholesky`, `lu_factor`
+    and `eig`'s backward call to raise on a singular or non-definite input) is not an effectful op.
+
+    Why: AOTAutograd threads an effect token through the joint graph for it, and then mismatches its own
+    tangents ("IndexError: tuple index out of range" in aot_export_module, torch 2.13, with no orttrainer code
+    involved). A fake-tensor trace cannot read the `info` value it checks anyway: the traced graph leaves the
+    check out, as it does with the `_ex` variants (`linalg.inv_ex`), so a singular input gives inf/nan instead
+    of PyTorch's error."""
+    entry = torch._library.simple_registry.singleton.find("aten::_linalg_check_errors")
+    previous = entry.effect.effect
+    handle = entry.effect.register(None)
+    try:
+        yield
+    finally:
+        handle.destroy()
+        if previous is not None and entry.effect.effect != previous:
+            entry.effect.register(previous)
+
+
+@contextlib.contextmanager
 def export_tracing_flags() -> Iterator[None]:
     """Within the block, `torch.compiler.is_compiling()` and `torch.compiler.is_exporting()` are True, as they are
     while torch.export traces a module (non-strict mode, the same make_fx tracer as AOTAutograd).
