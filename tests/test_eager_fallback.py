@@ -1,6 +1,7 @@
 """The torch builder's eager fallback (gradient/eager_fallback.py, runtime/eager_ops.py): aten ops without an ONNX
 translation (torch.linalg) run in PyTorch inside ONNX Runtime, and a model that uses them trains as torch.optim
-trains it; graphs that translate stay plain ONNX; a missing onnxruntime-extensions is a clear error."""
+trains it and evaluates as PyTorch does; graphs that translate stay plain ONNX; a missing onnxruntime-extensions is
+a clear error."""
 
 from __future__ import annotations
 
@@ -75,6 +76,11 @@ def test_linalg_model_trains_like_torch_optim():
         optimizer.zero_grad()
     np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=1e-6)
     assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
+    x, y = batches[0]  # the eval-mode forward, exported by torch.onnx with the same eager nodes
+    with torch.no_grad():
+        want = loss_fn(reference(x), y).item()
+    got = trainer.eval_step(x, y)
+    np.testing.assert_allclose(float(got[0] if isinstance(got, (list, tuple)) else got), want, rtol=1e-5)
 
 
 def test_only_untranslatable_nodes_run_eagerly():

@@ -92,6 +92,7 @@ def error_key(outcome: Outcome) -> str:
     if "reads the value of a tensor in Python" in detail:
         return "reads a tensor's value in Python"
     for pattern in (
+        r"([\w.]+ runs eagerly, which needs [\w ]+)",
         r"target=torch\.ops\.([\w.]+)\]",
         r"No ONNX function found for <OpOverload\(op='([\w.:]+)'",
         r"into a graph: (\w+)",

@@ -33,6 +33,7 @@ from onnx import numpy_helper
 
 from ...debug.subscriber import no_increase_global_step
 from ..gradient import torch_private
+from ..gradient.eager_fallback import with_eager_translations
 from ..gradient.torch_builder import MAX_ORT_OPSET
 from ..gradient.torch_private import DimSpec
 from ..gradient.torch_trace import flatten_tensors
@@ -125,13 +126,16 @@ def export_forward(
     dims = source.dynamic_dims if dynamic else [[] for _ in inputs]
     try:  # orttrainer.debug hooks pass values through while tracing: no step counted, no file written
         with _eval_mode(module), no_increase_global_step():
-            model, specs = torch_private.export_module_to_onnx(
-                _EvalForward(source),
-                [t.detach() for t in inputs],
-                source.input_names,
-                source.output_names,
-                opset,
-                dims,
+            model, specs = with_eager_translations(  # ops without an ONNX translation run in PyTorch (see there)
+                lambda translations: torch_private.export_module_to_onnx(
+                    _EvalForward(source),
+                    [t.detach() for t in inputs],
+                    source.input_names,
+                    source.output_names,
+                    opset,
+                    dims,
+                    translations,
+                )
             )
     except Exception as err:
         raise RuntimeError(

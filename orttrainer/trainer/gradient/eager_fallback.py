@@ -27,20 +27,28 @@ import copy
 import logging
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import onnx
 import torch
 
-from ...dtypes import torch_to_onnx
+from ...dtypes import onnx_to_torch, torch_to_onnx
 from ..runtime import eager_ops
 from . import torch_private
 
 _logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 MAX_RETRIES = 32  # exports tried again after a translation fails on a node (each makes one more node eager)
+
+# Value checks that raise on bad input in eager PyTorch and return nothing: left out of the graph. The trace leaves
+# `_linalg_check_errors` out already (`torch_private.linalg_checks_untraced`), unless a trace before it ran with the
+# check effectful (seen in one process after such a trace).
+DROPPED_CHECKS = {"aten._linalg_check_errors.default"}
 
 # Ops whose torch.onnx translation exists but writes a graph ONNX Runtime refuses, so no retry can see it fail.
 BROKEN_TRANSLATIONS = {
@@ -60,6 +68,7 @@ def export_with_eager_fallback(
     """`torch_private.export_graph_to_onnx` of `graph`, with the nodes it cannot translate run eagerly (module
     docstring). Raises the exporter's error when a failing node cannot be found or made eager."""
     torch_private.views_as_reshapes(graph)  # as the export does, so that the exporter's node names match ours
+    _drop_checks(graph)
     eager = [
         n.name
         for n in graph.graph.nodes
@@ -81,6 +90,17 @@ def export_with_eager_fallback(
             _logger.info("torch.onnx could not translate %s (%s): it runs eagerly", found, failed)
             eager += found
     raise RuntimeError(f"torch.onnx failed on more than {MAX_RETRIES} nodes of the graph")
+
+
+def _drop_checks(graph: torch.fx.GraphModule) -> None:
+    """Rule: `DROPPED_CHECKS` nodes go (in place). Why: they return nothing, and ONNX Runtime would prune an eager
+    node whose outputs nothing reads; the graph then behaves as the `_ex` variants do (README: Gradient builders)."""
+    dropped = [n for n in graph.graph.nodes if n.op == "call_function" and str(n.target) in DROPPED_CHECKS]
+    for node in dropped:
+        if not node.users:
+            graph.graph.erase_node(node)
+    if dropped:
+        graph.recompile()
 
 
 def _exported_node(graph: torch.fx.GraphModule, eager: list[str], name: str, op: str) -> list[str]:
@@ -328,3 +348,72 @@ def topological(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.N
                 if j is not None and not placed[j] and name not in available:
                     stack.append((j, False))
     return ordered
+
+
+def eager_translation(op: str) -> tuple[object, object]:
+    """(the op overload, a torch.onnx translation of it that writes the eager node), for a module export
+    (`torch_private.export_module_to_onnx`'s `translations`: the eval-mode forward, build/torch_route.py). The
+    output count and dtypes come from running the op on meta tensors of the inputs' shapes (dynamic dims: any
+    size), the exporter sets the outputs' shapes; complex tensors are not told apart from their real views there,
+    so ops on them stay unsupported on this path."""
+    namespace, name, overload = op.split(".")
+    target = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+    def translate(*args: object, **kwargs: object) -> object:
+        import onnx_ir as ir
+
+        if op in DROPPED_CHECKS:  # see there
+            return None
+
+        values: list = []
+        metas: list[torch.Tensor] = []
+
+        def encoded(value: object) -> object:
+            if isinstance(value, ir.Value):
+                if value.shape is None or value.dtype is None:
+                    raise ValueError(f"{op} runs eagerly, which needs inputs of known rank and dtype")
+                # only the outputs' count and dtypes are read: a dynamic dim may take any size (2)
+                dims = [d if isinstance(d, int) else 2 for d in value.shape]
+                values.append(value)
+                metas.append(torch.empty(dims, dtype=onnx_to_torch(int(value.dtype)), device="meta"))
+                return {"input": len(values) - 1}
+            if isinstance(value, (list, tuple)):
+                return [encoded(v) for v in value]
+            return value
+
+        arguments = (encoded(list(args)), encoded(dict(kwargs)))
+        call_args, call_kwargs = eager_ops._decode(eager_ops._encode(arguments), metas)
+        result = target(*call_args, **call_kwargs)
+        outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+        call = eager_ops.encode_call(op, arguments, [m.dtype for m in metas], [o.dtype for o in outputs])
+        doubles = [torch_private.record_node("", "Cast", [v], {"to": onnx.TensorProto.DOUBLE}, 1)[0] for v in values]
+        kernel = eager_ops.op_type(len(values), len(outputs))
+        results = torch_private.record_node(
+            eager_ops.DOMAIN, kernel, doubles, {eager_ops.CALL_ATTRIBUTE: call}, len(outputs)
+        )
+        cast = [
+            torch_private.record_node("", "Cast", [r], {"to": _onnx_type(o.dtype)}, 1)[0]
+            for r, o in zip(results, outputs, strict=True)
+        ]
+        return cast[0] if len(cast) == 1 else tuple(cast)
+
+    return target, translate
+
+
+def with_eager_translations(export: Callable[[dict], T]) -> T:
+    """`export(translations)` (a module export, `eager_translation`), tried again with an eager translation for
+    each op torch.onnx names in its error, up to `MAX_RETRIES` times; other errors are raised."""
+    translations: dict = {}
+    for _ in range(MAX_RETRIES + 1):
+        try:
+            return export(translations)
+        except Exception as err:
+            op = torch_private.untranslated_op(err)
+            if op is None or op.split(".")[0] not in ("aten", "prims"):
+                raise
+            target, translate = eager_translation(op)
+            if target in translations:
+                raise
+            _logger.info("torch.onnx could not translate %s: it runs eagerly in the eval-mode forward", op)
+            translations[target] = translate
+    raise RuntimeError(f"torch.onnx failed on more than {MAX_RETRIES} ops of the module")

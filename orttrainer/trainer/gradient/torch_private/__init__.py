@@ -28,6 +28,8 @@ from .exporting import (
     failed_node,
     has_translation,
     onnx_decompositions,
+    record_node,
+    untranslated_op,
     views_as_reshapes,
 )
 from .tracing import (
@@ -88,5 +90,7 @@ __all__ = [
     "trace_decompositions",
     "training_decompositions",
     "user_frame",
+    "record_node",
+    "untranslated_op",
     "views_as_reshapes",
 ]

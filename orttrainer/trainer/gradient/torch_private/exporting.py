@@ -69,6 +69,39 @@ def failed_node(err: BaseException) -> tuple[str, str] | None:
     return None
 
 
+def untranslated_op(err: BaseException) -> str | None:
+    """The op ("aten.x.default") torch.onnx found no translation for or failed to translate, from a module
+    export's error ("No ONNX function found for <OpOverload(op='aten.x', overload='default')>", or `failed_node`'s
+    text; in the error or its causes), else None."""
+    import re
+
+    failed = failed_node(err)
+    if failed is not None:
+        return failed[1]
+    while err is not None:
+        found = re.search(r"No ONNX function found for <OpOverload\(op='([\w.]+)', overload='(\w+)'\)>", str(err))
+        if found:
+            return f"{found.group(1)}.{found.group(2)}"
+        err = err.__cause__  # type: ignore[assignment]
+    return None
+
+
+def record_node(domain: str, op_type: str, inputs: Sequence[Any], attributes: dict[str, Any], outputs: int) -> list:
+    """Inside a translation function (`export_module_to_onnx`'s `translations`), while torch.onnx translates a
+    node: add one ONNX node to the graph being built and return its output values."""
+    import onnx_ir as ir
+    from torch.onnx._internal.exporter import _core
+
+    tracer = _core.current_tracer
+    if tracer is None:
+        raise RuntimeError("record_node is called outside a torch.onnx translation")
+    node = ir.Node(
+        domain, op_type, list(inputs), ir.convenience.convert_attributes(attributes), num_outputs=outputs, version=1
+    )
+    tracer.nodes.append(node)
+    return list(node.outputs)
+
+
 def export_graph_to_onnx(
     graph: torch.nn.Module,
     args: Sequence[torch.Tensor],
@@ -178,16 +211,26 @@ def export_module_to_onnx(
     output_names: list[str],
     opset_version: int,
     dynamic_dims: Sequence[Sequence[int]],
+    translations: dict | None = None,
 ) -> tuple[onnx.ModelProto, list[list[DimSpec]]]:
     """`export_graph_to_onnx(..., allow_static=True)` for a module, and each input's dims as torch.export traced
     them: the size of a static (or specialised) dim, the range of a dynamic one. The ONNX inputs get those
     static sizes too. Why: torch.onnx leaves a dim declared dynamic symbolic in the ONNX inputs even when
-    torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges."""
-    from .tracing import causal_mask_from_hint, module_state_kept
+    torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges.
+    `translations` (op overload -> function) replace or add torch.onnx's translations of those ops."""
+    from .tracing import causal_mask_from_hint, linalg_checks_untraced, module_state_kept
 
-    with causal_mask_from_hint(), module_state_kept(module):  # see there
+    with causal_mask_from_hint(), module_state_kept(module), linalg_checks_untraced():  # see there
         program = _export(
-            module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True, keep_state=True
+            module,
+            args,
+            input_names,
+            output_names,
+            opset_version,
+            dynamic_dims,
+            allow_static=True,
+            keep_state=True,
+            translations=translations,
         )
     exported = program.exported_program
     if exported is None:
@@ -229,6 +272,7 @@ def _export(
     dynamic_dims: Sequence[Sequence[int]] | None,
     allow_static: bool,
     keep_state: bool = False,
+    translations: dict | None = None,
 ) -> Any:
     """`torch.onnx.export(dynamo=True)`. With `keep_state`, the module's parameters and buffers stay initializers
     of the graph with all their uses, whatever their values (`_optimize_keeping_state`). Why: the optimiser folds
@@ -252,6 +296,8 @@ def _export(
         "report": False,
         "verbose": False,
     }
+    if translations:  # op overload -> translation function (`record_node`)
+        options["custom_translation_table"] = translations
     with _quiet_exporter():
         try:
             program = torch.onnx.export(graph, tuple(args), dynamic_shapes=shapes, **options)
