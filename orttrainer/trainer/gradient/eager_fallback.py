@@ -3,22 +3,23 @@
 Rule: a node of the traced joint graph (forward or backward) runs eagerly when torch.onnx has no ONNX translation
 for its op (`torch_private.has_translation`: most of `torch.linalg` — solve, inv, cholesky, eigh, svd, qr, lu,
 det —, Bessel functions, `cdist`...), when its translation is known to be wrong (`BROKEN_TRANSLATIONS`), or when
-its translation fails on it (the exporter names the node; the export
-is tried again with that node eager, up to `MAX_RETRIES` times). Every other node stays plain ONNX: a graph that
-translates has no eager node.
+its translation fails on it (the exporter names the node; the export is tried again with that node eager, up to
+`MAX_RETRIES` times). Every other node stays plain ONNX: a graph that translates has no eager node.
 
 How (`export_with_eager_fallback`): the eager nodes are cut out of the fx graph — each output becomes a new graph
 input, each computed tensor input a new graph output placed before the contract's outputs — the rest is exported
 by torch.onnx as usual, and the ONNX graph is stitched back: the new inputs and outputs go, and one custom node per
 cut node (`runtime/eager_ops.py`: its op, arguments and dtypes in an attribute, float64 across the boundary with
 Cast nodes either side) connects them; the node list is sorted topologically again. ONNX Runtime runs the node
-through onnxruntime-extensions' Python custom ops, which calls `torch.ops.<op>` on the CPU.
+through onnxruntime-extensions' Python custom ops, which calls `torch.ops.<op>` on the CPU. The eval-mode forward,
+which torch.onnx exports from the module, gets the same nodes through a translation of each op it fails on
+(`with_eager_translations`). What this rests on is in docs/engine.md §18.
 
-Limits (clear errors): the eager nodes' output shapes must be static (a dynamic-shape trace falls back to the
-shapes of the sample, `torch_builder.build_torch_gradient_graph`); every output of such an op is a tensor, read
-through `getitem`; at most `eager_ops.MAX_INPUTS` tensor inputs and `eager_ops.MAX_OUTPUTS` outputs; non-tensor
-arguments are plain values, dtypes, devices, layouts or memory formats. The cost: each eager node copies its inputs
-and outputs through host memory (as float64) and ONNX Runtime cannot fuse or plan across it.
+Limits (clear errors): in the joint graph the eager nodes' output shapes must be static (a dynamic-shape trace
+falls back to the shapes of the sample, `torch_builder.build_torch_gradient_graph`); every output of such an op
+is a tensor, read through `getitem`; at most `eager_ops.MAX_INPUTS` tensor inputs and `eager_ops.MAX_OUTPUTS`
+outputs; non-tensor arguments are plain values, dtypes, devices, layouts or memory formats. The cost: each eager
+node copies its inputs and outputs through host memory (as float64) and ONNX Runtime cannot fuse or plan across it.
 """
 
 from __future__ import annotations
