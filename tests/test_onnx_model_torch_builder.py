@@ -13,14 +13,21 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import export_training_onnx, make_trainer, max_difference, needs_training_build, trainer_weights
+from helpers import (
+    cpu_options,
+    export_training_onnx,
+    make_trainer,
+    max_difference,
+    needs_training_build,
+    trainer_weights,
+)
 from models import TinyTransformer, transformer_desc, transformer_loss
 from onnx import helper, numpy_helper
 from test_trainer_features import _batches, _export_with_loss, _log_softmax_nll_model, _ModelWithLoss
 
 from orttrainer import optim
 from orttrainer.trainer.build import forward as build_forward
-from orttrainer.trainer.gradient.choice import choose_builder
+from orttrainer.trainer.gradient.choice import choose_builder, ort_only_options
 from orttrainer.trainer.gradient.errors import GradientBuildError
 from orttrainer.trainer.graph.passes import VERIFY_ENVIRONMENT_VARIABLE
 
@@ -282,8 +289,8 @@ def test_the_builder_choice_for_an_onnx_model():
     assert choose_builder("auto", onnx_model=True, training_build=True).builder == "ort"
     assert choose_builder("auto", onnx_model=True, training_build=False).builder == "torch"
     assert choose_builder("torch", onnx_model=True, training_build=True).builder == "torch"
-    extra = ["_internal_use.extra_postprocess"]  # the OnnxModule runs the post-processed model
-    assert choose_builder("torch", onnx_model=True, ort_only=extra).builder == "torch"
+    options = cpu_options({"_internal_use": {"extra_postprocess": lambda m: m}})
+    assert ort_only_options(options, onnx_model=True) == []  # the OnnxModule runs the post-processed model
     with pytest.raises(ValueError, match="'ort' needs ONNX Runtime's gradient builder"):
         choose_builder("ort", onnx_model=True, training_build=False)
     with pytest.raises(NotImplementedError, match=r"\['mixed_precision.enabled'\] need ONNX Runtime's gradient"):

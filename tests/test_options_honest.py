@@ -47,6 +47,12 @@ _CAST_TRAINING = (
     "test_gradient_options::test_cast_propagation_reaches_the_graph_and_training_stays_within_the_float16_tolerance"
 )
 _CAST_GRAPH = "test_graph_gradient_options::test_each_cast_propagation_setting_changes_the_graph_as_documented"
+_CAST_TORCH = (  # orttrainer's own pass on the torch builder's graphs, both runtimes
+    "test_graph_cast_propagation::test_each_setting_moves_the_casts_as_onnx_runtime_does",
+    "test_cast_propagation::test_every_setting_moves_the_casts_of_an_amp_onnx_model_and_trains_it_within_float16_"
+    "tolerance",
+    "test_cast_propagation::test_under_mixed_precision_every_strategy_trains_within_float16_tolerance",
+)
 
 HONESTY = {
     "batch.gradient_accumulation_steps": Effect(
@@ -96,9 +102,9 @@ HONESTY = {
         "test_recompute::test_number_recompute_layers_counts_from_the_first_layer",
         "test_recompute::test_number_recompute_layers_alone_is_an_error",
     ),
-    "graph_transformer.propagate_cast_ops_config.strategy": Effect(_CAST_TRAINING, _CAST_GRAPH),
-    "graph_transformer.propagate_cast_ops_config.level": Effect(_CAST_TRAINING, _CAST_GRAPH),
-    "graph_transformer.propagate_cast_ops_config.allow": Effect(_CAST_TRAINING, _CAST_GRAPH),
+    "graph_transformer.propagate_cast_ops_config.strategy": Effect(_CAST_TRAINING, _CAST_GRAPH, *_CAST_TORCH),
+    "graph_transformer.propagate_cast_ops_config.level": Effect(_CAST_TRAINING, _CAST_GRAPH, *_CAST_TORCH),
+    "graph_transformer.propagate_cast_ops_config.allow": Effect(_CAST_TRAINING, _CAST_GRAPH, *_CAST_TORCH),
     "utils.frozen_weights": Effect(
         "test_trainer_features::test_frozen_weights_and_requires_grad_false_parameters_stay_unchanged"
     ),
@@ -126,6 +132,7 @@ HONESTY = {
     "_internal_use.extra_postprocess": Effect(
         "test_trainer_features::test_check_model_export_passes_for_a_faithful_export_and_fails_for_a_changed_graph",
         "test_legacy_api::test_onnx_model_extra_postprocess_in_place_and_loss_fn_warning",
+        "test_extra_postprocess::test_an_edit_of_the_forward_graph_is_what_trains_and_evaluates",
     ),
     "_internal_use.onnx_opset_version": Effect("test_legacy_api::test_arguments_reach_the_new_trainer"),
     "_internal_use.gradient_builder": Effect(

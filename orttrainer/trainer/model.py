@@ -34,6 +34,7 @@ from .build.forward import (
     torchscript_forward,
 )
 from .compile.compiler import CompiledModel, CompileRequest, DataParallelPlan, compile_model, output_elem_types
+from .compile.contract import check_same_state_contract
 from .config import TrainerConfig, recompute_plan
 from .gradient.choice import BuilderChoice
 from .gradient.errors import GradientBuildError
@@ -130,6 +131,24 @@ def _build_torch(
             _logger.info("%s; building with the torch gradient builder", reason)
             plan = plan.falling_back(reason)
     return _compile_and_open(config, state, torch_route_forward(config, module, sample_inputs, plan))
+
+
+def reexport_for_shapes(
+    config: TrainerConfig, built: Built, module: torch.nn.Module, batch: list, activations: ActivationStatistics
+) -> CompiledModel:
+    """The TorchScript route's model exported again with `batch` and compiled for its shapes (stages 1 and 2), for
+    a batch the first graph fails on: the TorchScript exporter turns a size read into a Python number while it
+    traces (a causal mask made with `torch.ones(n, n)`, a view sized from `x.size(0)`) into a constant, so a graph
+    exported with dynamic axes can still hold the first batch's sizes. RuntimeError when the new graph's state
+    contract differs from the session's (the trainer then raises the original error)."""
+    with TRACING:
+        plan = prepare_torch(config, module, batch, activations)
+        forward = torchscript_forward(config, module, batch, activations, plan)
+        losses = [o.name for o in forward.model_desc.outputs if o.is_loss]
+        dp_plan, _ = _data_parallel_plan(config, forward.forward, forward.trainable)
+        compiled, _ = compile_model(_compile_request(config, forward, losses[0], dp_plan))
+    check_same_state_contract(built.compiled.step_graph, compiled.step_graph)
+    return compiled
 
 
 def _compile_and_open(config: TrainerConfig, state: TrainerState, forward: Forward) -> Built:

@@ -18,6 +18,7 @@ from .exporting import (
     export_graph_to_onnx,
     export_module_to_onnx,
     onnx_decompositions,
+    unsupported_at_opset,
 )
 from .tracing import (
     JointSignature,
@@ -26,6 +27,7 @@ from .tracing import (
     aot_export_joint,
     aot_export_joint_dynamic,
     autograd_function_of_frame,
+    causal_mask_detection_off,
     core_aten_decompositions,
     export_tracing_flags,
     is_missing_gradient_error,
@@ -47,6 +49,7 @@ __all__ = [
     "aot_export_joint",
     "aot_export_joint_dynamic",
     "autograd_function_of_frame",
+    "causal_mask_detection_off",
     "core_aten_decompositions",
     "export_tracing_flags",
     "export_graph_to_onnx",
@@ -58,5 +61,6 @@ __all__ = [
     "output_values",
     "reentrant_checkpoint_traceable",
     "storage_reads",
+    "unsupported_at_opset",
     "training_decompositions",
 ]
