@@ -190,6 +190,7 @@ def test_the_dynamic_shape_test_of_the_original_ci_trains_shorter_sequences(buil
         ref_opt.step()
         assert list(predictions.shape) == [BPTT - i - 1, BATCH, NTOKENS]
         assert float(loss) == pytest.approx(float(expected), rel=1e-4)
+    assert model.input1_mask is None or type(model.input1_mask) is torch.Tensor  # no traced tensor left behind
     data, targets = get_batch(source, 10 * BPTT)
     eval_loss, _ = trainer.eval_step(data[:20], targets[: 20 * BATCH])  # a length no step had
     with torch.no_grad():

@@ -228,7 +228,7 @@ class ORTTrainer:
 
         The inputs may stop short of model_desc's, as the original's did (a label the loss needs left out): then
         the outputs are the fetched ones, each of which must not need a missing input, or without fetches every
-        model_desc output that does not (README § Evaluating without the label)."""
+        model_desc output that does not (README § Legacy scripts)."""
         descs = self.model_desc.inputs
         inputs = order_inputs(args, kwargs, descs, allow_fewer=True)
         complete = len(inputs) == len(descs)
