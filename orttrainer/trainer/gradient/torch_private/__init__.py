@@ -26,6 +26,7 @@ from .exporting import (
     export_graph_to_onnx,
     export_module_to_onnx,
     onnx_decompositions,
+    unsupported_at_opset,
 )
 from .tracing import (
     JointSignature,
@@ -34,6 +35,7 @@ from .tracing import (
     aot_export_joint,
     aot_export_joint_dynamic,
     autograd_function_of_frame,
+    causal_mask_detection_off,
     causal_mask_from_hint,
     export_tracing_flags,
     is_data_dependent_error,
@@ -62,6 +64,7 @@ __all__ = [
     "aot_export_joint",
     "aot_export_joint_dynamic",
     "autograd_function_of_frame",
+    "causal_mask_detection_off",
     "causal_mask_from_hint",
     "core_aten_decompositions",
     "export_tracing_flags",
@@ -79,6 +82,7 @@ __all__ = [
     "storage_reads",
     "traceable_cumulative_batch_norm",
     "trace_decompositions",
+    "unsupported_at_opset",
     "training_decompositions",
     "user_frame",
 ]
