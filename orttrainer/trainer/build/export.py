@@ -197,29 +197,20 @@ def export_model(
     wrapper = _ModelWithLoss(model, loss_fn, input_names)
     _register_contrib_ops(enable_contrib_ops)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    buffer = io.BytesIO()
+    names = (input_names, output_names, _dynamic_axes(model_desc))
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.onnx.export(
-                wrapper,
-                tuple(sample_inputs),
-                buffer,  # type: ignore[arg-type]  # the TorchScript exporter writes to file objects too
-                input_names=input_names,
-                output_names=output_names,
-                opset_version=opset_version,
-                dynamic_axes=_dynamic_axes(model_desc),
-                do_constant_folding=False,
-                training=torch.onnx.TrainingMode.TRAINING,
-                dynamo=False,
-            )
+        exported, mutated = _torchscript_export(wrapper, sample_inputs, names, opset_version)
     except Exception as err:
+        unsupported = torch_private.unsupported_at_opset(err)
+        if unsupported is not None and unsupported[2] > opset_version:
+            _restore_buffers(model, buffers)
+            works = _first_opset_that_exports(wrapper, sample_inputs, names, unsupported[2])
+            raise OpsetTooLowError(type(model).__name__, *unsupported, works) from err
         raise TorchScriptExportError(f"exporting {type(model).__name__} to ONNX failed: {err}") from err
     finally:
         model.train(dry.was_training)
         _restore_buffers(model, buffers)
-    mutated = _passed_on(caught)
-    onnx_model = set_initializers(strip_prefix(onnx.load_from_string(buffer.getvalue()), MODEL_PREFIX), buffers)
+    onnx_model = set_initializers(strip_prefix(onnx.load_from_string(exported), MODEL_PREFIX), buffers)
     if dry.was_training:
         onnx_model = restore_dropout_training_mode(onnx_model)
     return replace(exported_model(onnx_model, model, dry), mutated=mutated)
@@ -242,8 +233,85 @@ def _passed_on(caught: list[warnings.WarningMessage]) -> list[str]:
     return sorted(set(mutated))
 
 
+def _torchscript_export(
+    wrapper: torch.nn.Module, sample_inputs: list[torch.Tensor], names: tuple, opset_version: int
+) -> tuple[bytes, list[str]]:
+    """`torch.onnx.export` as the module docstring says; `names`: (input names, output names, dynamic axes).
+    Returns the model's bytes and the buffers whose in-place updates the exporter dropped (`_passed_on`)."""
+    input_names, output_names, dynamic_axes = names
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.onnx.export(
+            wrapper,
+            tuple(sample_inputs),
+            buffer,  # type: ignore[arg-type]  # the TorchScript exporter writes to file objects too
+            input_names=input_names,
+            output_names=output_names,
+            opset_version=opset_version,
+            dynamic_axes=dynamic_axes,
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+            dynamo=False,
+        )
+    return buffer.getvalue(), _passed_on(caught)
+
+
+def _first_opset_that_exports(
+    wrapper: torch.nn.Module, sample_inputs: list[torch.Tensor], names: tuple, start: int
+) -> int | None:
+    """The lowest opset from `start` within the option's range at which the export succeeds; None if none does
+    (another op needs a later opset, or the export fails otherwise). Each try restores the module's buffers."""
+    model = wrapper.model if isinstance(wrapper, _ModelWithLoss) else wrapper
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    opset: int | None = start
+    while opset is not None and opset_option_allows(opset):
+        try:
+            _torchscript_export(wrapper, sample_inputs, names, opset)
+            return opset
+        except Exception as err:
+            unsupported = torch_private.unsupported_at_opset(err)
+            opset = unsupported[2] if unsupported is not None and unsupported[2] > opset else None
+        finally:
+            _restore_buffers(model, buffers)
+    return None
+
+
 class TorchScriptExportError(RuntimeError):
     """The TorchScript exporter failed on the model ('auto' then trains it with the torch builder)."""
+
+
+class OpsetTooLowError(TorchScriptExportError):
+    """The TorchScript exporter has `op` only from opset `needed` on, and the model was exported at `opset`.
+
+    `works`: the lowest opset the option allows at which the model exports (None: none). 'auto' does not switch
+    builders when there is one: the opset is the user's choice, and the error says which one works."""
+
+    def __init__(self, model: str, op: str, opset: int, needed: int, works: int | None = None) -> None:
+        self.op, self.opset, self.needed, self.works = op, opset, needed, works
+        found = f"; the model exports at opset {works}" if works is not None and works != needed else ""
+        remedy = (
+            f"set options _internal_use.onnx_opset_version={works} (the capi API's _opset_version={works}), or "
+            if works is not None
+            else ""
+        )
+        none_works = (
+            "" if works is not None else " (no opset that options _internal_use.onnx_opset_version allows exports it)"
+        )
+        super().__init__(
+            f"exporting {model} to ONNX opset {opset} failed: the TorchScript exporter has no translation of "
+            f"'{op}' at opset {opset}; it has one from opset {needed}{found}. To train it, {remedy}use the torch "
+            "gradient builder (options _internal_use.gradient_builder='torch'), whose exporter writes opset 18 or "
+            f"later{none_works}."
+        )
+
+
+def opset_option_allows(opset: int) -> bool:
+    """Whether options `_internal_use.onnx_opset_version` accepts `opset` (its schema's range)."""
+    from ...schema.options import _ORTTRAINER_OPTIONS_SCHEMA
+
+    rule = _ORTTRAINER_OPTIONS_SCHEMA["_internal_use"]["schema"]["onnx_opset_version"]
+    return int(rule.get("min", opset)) <= opset <= int(rule.get("max", opset))
 
 
 def exported_model(onnx_model: onnx.ModelProto, model: torch.nn.Module, dry: DryRun) -> ExportedModel:

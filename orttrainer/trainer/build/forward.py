@@ -17,6 +17,7 @@ carries, a copy of the trainer's (`TrainerConfig.model_desc` stays as the user d
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -40,7 +41,15 @@ from ..runtime.ort import has_training_build
 from ..runtime.session import shape_signature
 from . import export as export_mod
 from .export import record_export_types, record_graph_types
-from .torch_route import ForwardSource, TorchEvalGraphs, module_state, named_dims, same_size_groups, state_model
+from .torch_route import (
+    ForwardSource,
+    TorchEvalGraphs,
+    export_forward,
+    module_state,
+    named_dims,
+    same_size_groups,
+    state_model,
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class TorchExportInfo:
     unused_state: dict[str, torch.Tensor]  # state_dict entries the graph does not use (copies; they never change)
     sample_outputs: list[torch.Tensor]  # PyTorch's outputs for the first batch (debug.check_model_export)
     dropout_off: bool  # the module was in eval mode: it trains without dropout, BatchNorm on running statistics
+    sample_shapes: tuple[tuple[int, ...], ...] = ()  # the first batch's input shapes
 
 
 @dataclass(frozen=True)
@@ -105,19 +115,39 @@ def prepare_torch(
         custom_functions=dry.custom_functions,
         ort_only=ort_only,
         training_build=has_training_build(),
+        edits_forward=options._internal_use.extra_postprocess is not None,
     )
     record_export_types(desc, dry)
     return TorchPlan(desc, dry, choice)
 
 
 def auto_fallback(choice: BuilderChoice, err: Exception) -> str | None:
-    """Why 'auto' switches to the torch builder after `err` on the TorchScript route, or None (no switch)."""
-    if choice.builder == "auto" and isinstance(err, export_mod.TorchScriptExportError):
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    """Why 'auto' switches to the torch builder after `err` on the TorchScript route, or None (no switch).
+
+    Any failure of the route is a reason — the TorchScript export, ONNX Runtime's gradient build, the compile
+    passes, the training session ONNX Runtime opens (a kernel its CPU build lacks, such as `ConvTransposeGrad`) —
+    but three: an operator the exporter has at an opset the option can name (the error says which opset works,
+    `export.OpsetTooLowError`, and the legacy option asked for that opset); an error in the user's input or options
+    (ValueError, TypeError), which the torch route would meet as well; and running out of memory."""
+    if choice.builder != "auto":
+        return None
+    if isinstance(err, export_mod.OpsetTooLowError) and err.works is not None:
+        return None
+    if isinstance(err, (ValueError, TypeError, MemoryError)):
+        return None
+    text = str(err).strip()
+    first_line = text.splitlines()[0] if text else type(err).__name__
+    if isinstance(err, export_mod.TorchScriptExportError):
         return f"auto: the TorchScript exporter failed ({first_line})"
-    if choice.builder == "auto" and isinstance(err, GradientBuildError) and err.op_type is not None:
+    if isinstance(err, GradientBuildError) and err.op_type is not None:
         return f"auto: ONNX Runtime's gradient builder cannot differentiate op '{err.op_type}'"
-    return None
+    if isinstance(err, GradientBuildError):
+        return f"auto: ONNX Runtime's gradient builder failed ({first_line})"
+    return f"auto: the 'ort' builder's graph failed to compile or open ({type(err).__name__}: {first_line})"
+
+
+class NoBuilderTrainsError(RuntimeError):
+    """'auto' tried both gradient builders and neither built the model: the message names both reasons."""
 
 
 def torchscript_forward(
@@ -149,12 +179,15 @@ def torchscript_forward(
     frozen_weights = list(config.options.utils.frozen_weights)
     buffers = exported.buffers + sorted(counters)
     trainable, frozen = split_parameters(forward, frozen_weights, exported.parameters, buffers)
+    trainable, frozen, dropped = read_state(forward, trainable, frozen)
+    state = module.state_dict()
     info = TorchExportInfo(
-        list(module.state_dict().keys()),
+        list(state.keys()),
         exported.aliases,
-        exported.unused_state,
+        {**exported.unused_state, **{name: state[name].detach().clone() for name in dropped if name in state}},
         exported.sample_outputs,
         not exported.was_training,
+        tuple(tuple(t.shape) for t in sample_inputs),
     )
     statistics = activations if activations.instrumented else None
     return Forward(
@@ -229,7 +262,8 @@ def torch_route_forward(
     config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, plan: TorchPlan
 ) -> Forward:
     """The torch route (build/torch_route.py): state from the module, the training graph from AOTAutograd with
-    model_desc's string dims dynamic, the forward model from torch.export when first needed."""
+    model_desc's string dims dynamic, the forward model from torch.export when first needed. With
+    `_internal_use.extra_postprocess`, the edited forward instead (`edited_torch_forward`)."""
     desc, options, dry = plan.model_desc, config.options, plan.dry
     if dry.read_state is None:  # 'auto' came from the TorchScript route: the reads are recorded now
         with no_increase_global_step():
@@ -237,15 +271,47 @@ def torch_route_forward(
     names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
     dims, outputs, amp = named_dims(desc.inputs), [d.name for d in desc.outputs], options.mixed_precision.enabled
     trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
-    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, same_size_groups(desc.inputs))
     forward = ForwardSource(module, config.loss_fn, names, outputs, dims, opset, bool(amp))  # build/export.py
     evals = TorchEvalGraphs(
         forward, shape_signature(sample_inputs), lambda m: postprocess(config, m), trainable + frozen
     )
+    if options._internal_use.extra_postprocess is not None:
+        return edited_torch_forward(config, module, sample_inputs, replace(plan, dry=dry), evals)
+    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, same_size_groups(desc.inputs))
     aliases, unused = export_mod.state_outside_graph(module, set(trainable + frozen))
     info = TorchExportInfo(list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training)
     weights = state_model(module, trainable + frozen)
     return Forward(desc, weights, trainable, frozen, plan.choice, info, source, sample_inputs, None, evals)
+
+
+def edited_torch_forward(
+    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, plan: TorchPlan, evals: TorchEvalGraphs
+) -> Forward:
+    """The torch builder with `_internal_use.extra_postprocess` (README § Gradient builders): the function receives
+    the forward ONNX model, as in the legacy API, and the gradient is built from the graph it returns.
+
+    Rules: the module (+ loss) is exported by torch.export in the mode it trains in (dropout as ONNX Dropout in
+    training mode), float32, with model_desc's string dims dynamic where the trace allows it; post-processed
+    (`postprocess`: the internal passes, the user's function, symbolic shape inference); then trained as an ONNX
+    model is on the torch builder: PyTorch's autograd differentiates an `OnnxModule` of the edited graph, so what
+    the edited graph computes is what trains. The state is the module's (`module_state`), holding the edited
+    graph's initializer values; a parameter the edited graph no longer reads is not trained (a warning names it)
+    and stays in `state_dict(pytorch_format=True)` as it was. Eval graphs and `save_as_onnx` use the torch route's
+    eval-mode exports (`evals`), which the function edits too. A custom `torch.autograd.Function` is refused at
+    the builder choice: the exported graph holds its forward only (gradient/choice.py)."""
+    desc, options, dry = plan.model_desc, config.options, plan.dry
+    names, outputs = [d.name for d in desc.inputs], [d.name for d in desc.outputs]
+    opset = options._internal_use.onnx_opset_version
+    source = ForwardSource(module, config.loss_fn, names, outputs, named_dims(desc.inputs), opset)
+    exported, _ = export_forward(source, sample_inputs, own_mode=True)
+    forward = postprocess(config, exported)
+    trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
+    trainable, frozen, _ = read_state(forward, trainable, frozen)
+    onnx_module = OnnxModule(forward, names, outputs, trainable, frozen)
+    traced = TorchSource(onnx_module, None, names, opset, True, state_names=onnx_module.state_names)
+    aliases, unused = export_mod.state_outside_graph(module, set(trainable + frozen))
+    info = TorchExportInfo(list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training)
+    return Forward(desc, forward, trainable, frozen, plan.choice, info, traced, sample_inputs, None, evals)
 
 
 def onnx_forward(config: TrainerConfig, model: onnx.ModelProto) -> Forward:
@@ -285,6 +351,23 @@ def _onnx_source(
     module = OnnxModule(forward, inputs, outputs, trainable, frozen)
     opset = config.options._internal_use.onnx_opset_version
     return TorchSource(module, None, inputs, opset, True, state_names=module.state_names)
+
+
+def read_state(
+    forward: onnx.ModelProto, trainable: list[str], frozen: list[str]
+) -> tuple[list[str], list[str], list[str]]:
+    """(trainable, frozen, dropped): the state tensors the post-processed `forward` holds as initializers, and the
+    others. Rule: a tensor an `extra_postprocess` edit removed from the graph is neither trained nor fed (it keeps
+    its value in `state_dict(pytorch_format=True)`); a warning names the parameters among them."""
+    initializers = {i.name for i in forward.graph.initializer}
+    dropped = [name for name in [*trainable, *frozen] if name not in initializers]
+    lost = [name for name in trainable if name in dropped]
+    if lost:
+        warnings.warn(
+            f"parameters {lost} are not in the graph _internal_use.extra_postprocess returned; they are not trained",
+            stacklevel=5,
+        )
+    return [n for n in trainable if n in initializers], [n for n in frozen if n in initializers], dropped
 
 
 def split_parameters(

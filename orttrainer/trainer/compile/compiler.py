@@ -91,7 +91,7 @@ class CompileRequest:
     torch_source: TorchSource | None = None  # what the torch builder traces (None: an ONNX model)
     sample_inputs: Sequence[torch.Tensor] | None = None  # the first batch: the torch builder's first signature
     recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder only (gradient/choice.ort_only_options)
-    gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients ('ort' only)
+    gradient_options: GradientOptions | None = None  # cast propagation (both builders), memory-efficient gradients
     statistics: StatisticsInstrument | None = None  # orttrainer.debug statistics ('ort' builder only)
     lazy_eval: bool = False  # the torch route: `forward` holds only the state, eval graphs come from torch_route
     batch_norms: Sequence[BatchNormStatistics] = ()  # running statistics the 'ort' builder's graph updates
@@ -236,6 +236,10 @@ def _eval_forward(request: CompileRequest, state: list[str]) -> onnx.ModelProto:
 
 
 def _gradient_passes(request: CompileRequest, scaled_loss: str) -> list:
+    """Stage 3's passes; the torch builder's graph gets orttrainer's cast propagation (ONNX Runtime's builder
+    propagates casts itself, gradient/ort_options.py)."""
+    options = request.gradient_options
+    torch_built = request.builder.builder == "torch"
     return gradient_passes(
         mixed_precision=request.mixed_precision,
         cpu=request.cpu,
@@ -243,6 +247,7 @@ def _gradient_passes(request: CompileRequest, scaled_loss: str) -> list:
         outputs=request.outputs,
         recompute=request.recompute,
         statistics=request.statistics,
+        cast_propagation=options.cast_propagation if options is not None and torch_built else None,
     )
 
 

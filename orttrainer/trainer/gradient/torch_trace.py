@@ -12,6 +12,11 @@ Rules:
   the graph, as PyTorch's own tracers treat them: their value when the graph is traced is baked in. So are
   tensors read from a global or a closure; only the positional fallback refuses those, with an error asking to
   register them as buffers.
+- A forward that stores a tensor on its module (a causal mask cached in `self.mask` the first time a length is
+  seen, as ONNX Runtime's transformer sample does) leaves the module as it found it after each of the tracer's
+  runs (`attributes_restored`, in `JointWrapper.forward`): every run computes what the forward computes from its
+  inputs (AOTAutograd runs the forward more than once; a tensor kept from an earlier run would be a stray
+  placeholder, "Unexpected fake buffer"), and no placeholder stays on the module afterwards.
 - `torch.utils.checkpoint` traces with either implementation (`torch_private.reentrant_checkpoint_traceable`).
 - Exactly the `trainable` parameters require grad while tracing; the flags are restored afterwards.
 - Tracing leaves the model as it was, also when it fails: attributes, parameters, buffers and submodules a
@@ -74,7 +79,8 @@ class JointWrapper(torch.nn.Module):
             self.register_buffer(LOSS_SCALE_BUFFER, torch.ones((), dtype=torch.float32))
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        loss, *outputs = flatten_tensors(self.inner(*inputs))
+        with attributes_restored(self.inner):  # each of the tracer's runs starts from the module as it is
+            loss, *outputs = flatten_tensors(self.inner(*inputs))
         detached = tuple(t.detach() for t in outputs)
         if not self.mixed_precision:
             return (loss, *detached)
@@ -147,8 +153,31 @@ def _tracing() -> Iterator[None]:
         torch_private.reentrant_checkpoint_traceable(),
         torch_private.export_tracing_flags(),  # the model sees what torch.export shows it
         torch_private.linalg_checks_untraced(),  # torch.linalg.inv, solve, cholesky...
+        torch_private.causal_mask_detection_off(),
     ):
         yield
+
+
+@contextlib.contextmanager
+def attributes_restored(root: torch.nn.Module) -> Iterator[None]:
+    """Within the block the forward may set plain attributes of `root`'s submodules; on exit every submodule's
+    plain attributes are what they were (added ones removed, changed ones set back). Parameters, buffers and
+    submodules are not plain attributes and are left alone."""
+    registries = ("_parameters", "_buffers", "_modules")
+    saved = [(module, dict(vars(module))) for module in root.modules()]
+    try:
+        yield
+    finally:
+        for module, before in saved:
+            now = vars(module)
+            for name in [n for n in now if n not in before and n not in registries]:
+                del now[name]
+            for name, value in before.items():
+                if name not in registries and now.get(name, _ABSENT) is not value:
+                    now[name] = value
+
+
+_ABSENT = object()
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ class DataParallelSession(SessionBase):
         streams: DropoutStreams,
         eval_for: EvalGraphs | None = None,
     ) -> None:
-        super().__init__(compiled.eval_model, state, config, streams, eval_for)
+        super().__init__(compiled.eval_model, state, config, streams, eval_for, compiled.step_graph.data_inputs)
         assert compiled.step is not None and compiled.reduced_inputs is not None  # compiled for data parallelism
         graphs = DataParallelGraphs(compiled.step, compiled.training, compiled.reduced_inputs)
         self.graphs, self.graph = graphs, graphs.optimizer

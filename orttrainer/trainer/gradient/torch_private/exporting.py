@@ -10,6 +10,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,6 +24,24 @@ MIN_DYNAMO_OPSET = 18
 
 
 _logger = logging.getLogger(__name__)
+_UNSUPPORTED_AT_OPSET = re.compile(
+    r"operator '(?P<op>[^']+)' to ONNX opset version (?P<opset>\d+) is not supported\. "
+    r"Support for this operator was added in version (?P<needed>\d+)"
+)
+
+
+def unsupported_at_opset(err: BaseException) -> tuple[str, int, int] | None:
+    """(op, requested opset, first opset that has it) when the TorchScript exporter refused an operator at the
+    requested opset but supports it at a later one (`torch.onnx.errors.UnsupportedOperatorError`, anywhere in
+    `err`'s cause chain); None otherwise."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, torch.onnx.errors.UnsupportedOperatorError):
+            match = _UNSUPPORTED_AT_OPSET.search(str(seen))
+            if match:
+                return match["op"], int(match["opset"]), int(match["needed"])
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 @functools.lru_cache(maxsize=4)

@@ -203,6 +203,29 @@ def export_tracing_flags() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def causal_mask_detection_off() -> Iterator[None]:
+    """Within the block, `torch.nn.TransformerEncoder` (and the decoder) take `is_causal` as given — None and
+    False mean "not known to be causal" — instead of comparing the attention mask with a causal one.
+
+    Why: with `is_causal=None` they test `bool((mask == causal).all())`, a value no fake-tensor trace has
+    (DataDependentOutputException; PyTorch's transformer tutorial and ONNX Runtime's transformer sample pass their
+    mask so). The flag is only a hint for a fused kernel: the mask itself is applied either way, so the traced
+    graph computes the same values (the trace runs attention on the math backend, `math_sdpa`)."""
+    from torch.nn.modules import transformer
+
+    detect = transformer._detect_is_causal_mask
+
+    def as_given(mask: Any, is_causal: bool | None = None, size: int | None = None) -> bool:
+        return bool(is_causal)
+
+    transformer._detect_is_causal_mask = as_given
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
+
+
 @dataclass(frozen=True)
 class JointSignature:
     """What each placeholder and output of a joint forward+backward graph is, in graph order.
