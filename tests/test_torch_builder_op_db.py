@@ -6,11 +6,20 @@ error each gives (`torch_coverage.error_key`); docs/torch_builder_coverage.md is
 
 from __future__ import annotations
 
+import onnxruntime as ort
 import pytest
 from torch_coverage import error_key, op_infos, op_name, op_samples, run_op_sample, sampled
 from torch_coverage_known import OP_DB_UNSUPPORTED
 
 OPS = {op_name(op): op for op in op_infos()}
+
+# Entries that pass on the maintained runtime (where the table is generated) but whose graph onnxruntime-training
+# 1.19 refuses, with the error key they give there.
+ORT_1_19_UNSUPPORTED = {
+    "fft.hfftn": "Fail:FAIL",  # DFT: "is_onesided and inverse attributes cannot be enabled at the same time"
+    "roll": "RuntimeException:RUNTIME_EXCEPTION",  # its graph optimizer: "Should be unreachable" in RemoveNode
+}
+OLD_RUNTIME = ort.__version__.startswith("1.19")
 THROUGH_TRAINER = [  # one per family the builder's own decompositions cover, through ORTTrainer
     "nn.functional.conv2d",
     "nn.functional.conv_transpose2d",
@@ -36,7 +45,8 @@ def check(name: str, through_trainer: bool = False) -> None:
     samples = op_samples(OPS[name])
     assert samples, f"{name}: no float32 sample"
     outcome = run_op_sample(OPS[name], samples[0], through_trainer)
-    expected = OP_DB_UNSUPPORTED.get(name)
+    expected = ORT_1_19_UNSUPPORTED.get(name) if OLD_RUNTIME else None
+    expected = expected or OP_DB_UNSUPPORTED.get(name)
     if expected is not None:
         assert outcome.status != "pass", f"{name} passes now: regenerate tests/torch_coverage_known.py"
         assert error_key(outcome) == expected, f"{name}: {outcome.detail}"
@@ -58,3 +68,4 @@ def test_through_the_trainer(name):
 
 def test_the_known_failures_are_op_db_entries():
     assert set(OP_DB_UNSUPPORTED) <= set(OPS)
+    assert set(ORT_1_19_UNSUPPORTED) <= set(OPS) - set(OP_DB_UNSUPPORTED)
