@@ -14,9 +14,9 @@ from torch_coverage_known import OP_DB_UNSUPPORTED
 OPS = {op_name(op): op for op in op_infos()}
 
 # Entries that pass on the maintained runtime (where the table is generated) but whose graph onnxruntime-training
-# 1.19 refuses, with the error key they give there.
+# 1.19 refuses, with the error key they give there (inverse one-sided DFTs, which it refuses too, run eagerly there:
+# gradient/eager_fallback.BROKEN_ON_TRAINING_BUILD).
 ORT_1_19_UNSUPPORTED = {
-    "fft.hfftn": "Fail:FAIL",  # DFT: "is_onesided and inverse attributes cannot be enabled at the same time"
     "roll": "RuntimeException:RUNTIME_EXCEPTION",  # its graph optimizer: "Should be unreachable" in RemoveNode
 }
 OLD_RUNTIME = ort.__version__.startswith("1.19")

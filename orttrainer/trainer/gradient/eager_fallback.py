@@ -2,9 +2,10 @@
 
 Rule: a node of the traced joint graph (forward or backward) runs eagerly when torch.onnx has no ONNX translation
 for its op (`torch_private.has_translation`: most of `torch.linalg` — solve, inv, cholesky, eigh, svd, qr, lu,
-det —, Bessel functions, `cdist`...), when its translation is known to be wrong (`BROKEN_TRANSLATIONS`), or when
-its translation fails on it (the exporter names the node; the export is tried again with that node eager, up to
-`MAX_RETRIES` times). Every other node stays plain ONNX: a graph that translates has no eager node.
+det —, Bessel functions, `cdist`...), when its translation is known to be wrong (`BROKEN_TRANSLATIONS`, and on
+onnxruntime-training 1.19 `BROKEN_ON_TRAINING_BUILD`), or when its translation fails on it (the exporter names
+the node; the export is tried again with that node eager, up to `MAX_RETRIES` times). Every other node stays
+plain ONNX: a graph that translates has no eager node.
 
 How (`export_with_eager_fallback`): the eager nodes are cut out of the fx graph — each output becomes a new graph
 input, each computed tensor input a new graph output placed before the contract's outputs — the rest is exported
@@ -58,6 +59,19 @@ BROKEN_TRANSLATIONS = {
 }
 
 
+# Ops whose translation onnxruntime-training 1.19 (the training build) cannot run, though newer runtimes do.
+BROKEN_ON_TRAINING_BUILD = {
+    "aten._fft_c2r.default": "its DFT node has `onesided` and `inverse` set, which ONNX Runtime 1.19's shape "
+    "inference refuses (irfft, hfft; the maintained runtime runs it)",
+}
+
+
+def _broken() -> set[str]:
+    from ..runtime.ort import has_training_build
+
+    return set(BROKEN_TRANSLATIONS) | (set(BROKEN_ON_TRAINING_BUILD) if has_training_build() else set())
+
+
 def export_with_eager_fallback(
     graph: torch.fx.GraphModule,
     args: Sequence[torch.Tensor],
@@ -70,11 +84,12 @@ def export_with_eager_fallback(
     docstring). Raises the exporter's error when a failing node cannot be found or made eager."""
     torch_private.views_as_reshapes(graph)  # as the export does, so that the exporter's node names match ours
     _drop_checks(graph)
+    broken = _broken()
     eager = [
         n.name
         for n in graph.graph.nodes
         if n.op == "call_function"
-        and (str(n.target) in BROKEN_TRANSLATIONS or not torch_private.has_translation(n.target, opset_version))
+        and (str(n.target) in broken or not torch_private.has_translation(n.target, opset_version))
     ]
     for _ in range(MAX_RETRIES + 1):
         try:
