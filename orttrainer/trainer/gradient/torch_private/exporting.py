@@ -17,6 +17,8 @@ from typing import Any
 import onnx
 import torch
 
+from .custom_ops import register_translations, translations
+
 # The oldest opset torch's ONNX translations (onnxscript torchlib) are written for. Lower requests go through a
 # version converter that fails on common ops (verified: opset 14 -> "No Adapter From Version $16 for Identity").
 MIN_DYNAMO_OPSET = 18
@@ -27,10 +29,13 @@ _logger = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=4)
 def _registry(opset_version: int) -> Any:
-    """torch.onnx's table of ONNX translations (onnxscript torchlib) for an opset; building one takes ~1.5 s."""
+    """torch.onnx's table of ONNX translations (onnxscript torchlib) for an opset, with orttrainer's own operators
+    (`custom_ops.py`); building one takes ~1.5 s."""
     from torch.onnx._internal.exporter import _registration
 
-    return _registration.ONNXRegistry.from_torchlib(opset_version=opset_version)
+    registry = _registration.ONNXRegistry.from_torchlib(opset_version=opset_version)
+    register_translations(registry)
+    return registry
 
 
 @functools.lru_cache(maxsize=1)
@@ -203,6 +208,7 @@ def _export(
             dynamic_shapes=shapes,
             dynamo=True,
             optimize=not keep_state,
+            custom_translation_table=translations(),
             verify=False,
             report=False,
             verbose=False,
