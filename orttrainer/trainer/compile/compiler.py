@@ -88,9 +88,9 @@ class CompileRequest:
     builder: BuilderChoice = BuilderChoice("ort", "")  # see gradient/choice.py
     torch_source: TorchSource | None = None  # what the torch builder traces (None: an ONNX model)
     sample_inputs: Sequence[torch.Tensor] | None = None  # the first batch: the torch builder's first signature
-    recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder only (gradient/choice.ort_only_options)
-    gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients ('ort' only)
-    statistics: StatisticsInstrument | None = None  # orttrainer.debug statistics ('ort' builder only)
+    recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder's pass (the torch builder's: in its trace)
+    gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients ('ort' builder)
+    statistics: StatisticsInstrument | None = None  # orttrainer.debug statistics
     lazy_eval: bool = False  # the torch route: `forward` holds only the state, eval graphs come from torch_route
     update: str = "auto"  # where the optimizer update runs (update/path.py); resolved by compile_model
 
@@ -231,12 +231,15 @@ def _eval_forward(request: CompileRequest, state: list[str]) -> onnx.ModelProto:
 
 
 def _gradient_passes(request: CompileRequest, scaled_loss: str) -> list:
+    """Stage 3's passes; the torch builder recomputes in its trace (gradient/torch_recompute.py), so its gradient
+    model gets no recompute pass."""
+    torch_built = request.builder.builder == "torch"
     return gradient_passes(
         mixed_precision=request.mixed_precision,
         cpu=request.cpu,
         scaled_loss=scaled_loss,
         outputs=request.outputs,
-        recompute=request.recompute,
+        recompute=RecomputePlan() if torch_built else request.recompute,
         statistics=request.statistics,
     )
 

@@ -37,21 +37,14 @@ class BuilderChoice:
 def ort_only_options(options: ORTTrainerOptions, onnx_model: bool = False) -> list[str]:
     """The options set in `options` (an ORTTrainerOptions) that transform the exported ONNX graph, which only the
     'ort' builder trains from (for an ONNX model, the torch builder traces the post-processed model, so
-    `extra_postprocess` applies there too); recompute, cast propagation other than ONNX Runtime's default and
-    memory-efficient gradients act on ONNX Runtime's gradient graph; mixed precision counts for an ONNX model only
-    (the torch builder traces a PyTorch model in float16 itself, build/export.py). (The trainer adds
-    'orttrainer.debug statistics' when a StatisticsSubscriber's manager is subscribed to the model: the statistics
-    are outputs of the exported graph's marked tensors.)"""
-    graph = options.graph_transformer
+    `extra_postprocess` applies there too); cast propagation other than ONNX Runtime's default acts on ONNX
+    Runtime's gradient graph. (Recompute, memory-efficient gradients, mixed precision and `orttrainer.debug`
+    statistics act on the torch builder's traces too: gradient/torch_recompute.py, gradient/torch_memory.py,
+    build/export.py, trainer/activations.py.)"""
     cast_propagation = not GradientOptions.from_options(options).builtin_cast_propagation
     checks = (
         ("_internal_use.extra_postprocess", options._internal_use.extra_postprocess is not None and not onnx_model),
-        ("mixed_precision.enabled", bool(options.mixed_precision.enabled) and onnx_model),
-        ("graph_transformer.gelu_recompute", graph.gelu_recompute),
-        ("graph_transformer.attn_dropout_recompute", graph.attn_dropout_recompute),
-        ("graph_transformer.transformer_layer_recompute", graph.transformer_layer_recompute),
         ("graph_transformer.propagate_cast_ops_config", cast_propagation),
-        ("utils.memory_efficient_gradient", options.utils.memory_efficient_gradient),
     )
     return [name for name, is_set in checks if is_set]
 
