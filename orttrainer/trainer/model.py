@@ -118,7 +118,7 @@ def _build_torch(
     sample_inputs: list,
     activations: ActivationStatistics,
 ) -> Built:
-    plan = prepare_torch(config, module, sample_inputs, activations)
+    plan = prepare_torch(config, module, sample_inputs)
     if plan.choice.builder != "torch":
         try:
             forward = torchscript_forward(config, module, sample_inputs, activations, plan)
@@ -129,7 +129,7 @@ def _build_torch(
                 raise
             _logger.info("%s; building with the torch gradient builder", reason)
             plan = plan.falling_back(reason)
-    return _compile_and_open(config, state, torch_route_forward(config, module, sample_inputs, plan))
+    return _compile_and_open(config, state, torch_route_forward(config, module, sample_inputs, plan, activations))
 
 
 def _compile_and_open(config: TrainerConfig, state: TrainerState, forward: Forward) -> Built:
@@ -212,6 +212,8 @@ def _open_session(
             opts.debug.graph_save_paths.model_with_training_graph_after_optimization_path,
             "debug.graph_save_paths.model_with_training_graph_after_optimization_path",
         ),
+        # the memory options free buffers when their tensors die (README § Memory; docs/engine.md §16)
+        memory_reuse=not (recompute_plan(opts) or opts.utils.memory_efficient_gradient),
     )
     eval_for = forward.eval_graphs
     if compiled.step is None:

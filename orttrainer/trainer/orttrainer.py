@@ -222,8 +222,11 @@ class ORTTrainer:
         sizes = check_inputs(inputs, built.model_desc.inputs)
         names = self._requested_outputs(self._state.counters.info.fetches)
         watched = self._activations.model in WATCHED
+        data = self._data(inputs)
+        if watched:
+            built.session.prepare_eval(data)  # the torch route exports its eval graph (and statistics) when needed
         statistics = self._activations.begin_step("eval") if watched else []
-        results = built.session.evaluate(self._data(inputs), names + statistics)
+        results = built.session.evaluate(data, names + statistics)
         if watched:
             self._activations.end_step(results)
         check_outputs(results, built.model_desc.outputs, sizes)

@@ -28,10 +28,11 @@ from ...debug.subscriber import no_increase_global_step
 from ...dtypes import FLOAT_ONNX_TYPES
 from ...schema.model_desc import _ORTTrainerModelDesc
 from ..activations import ActivationStatistics
-from ..config import TrainerConfig
+from ..config import TrainerConfig, recompute_plan
 from ..gradient.choice import BuilderChoice, choose_builder, ort_only_options
 from ..gradient.errors import GradientBuildError
 from ..gradient.onnx_module import OnnxModule
+from ..gradient.torch_builder import TraceFeatures
 from ..gradient.torch_graphs import TorchSource
 from ..graph.postprocess import run_postprocess
 from ..inputs import check_inputs
@@ -88,20 +89,17 @@ class TorchPlan:
         return replace(self, choice=BuilderChoice("torch", reason))
 
 
-def prepare_torch(
-    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, activations: ActivationStatistics
-) -> TorchPlan:
+def prepare_torch(config: TrainerConfig, module: torch.nn.Module, sample_inputs: list) -> TorchPlan:
     """The dry run (no debug step counted, no file written) and the builder `choose_builder` picks for it."""
     desc, options = copy.deepcopy(config.model_desc), config.options
     check_inputs(sample_inputs, desc.inputs)
     with no_increase_global_step():
         reads = options._internal_use.gradient_builder == "torch" or not has_training_build()  # the torch route's
         dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs, record_reads=reads)
-    ort_only = ort_only_options(options) + (["orttrainer.debug statistics"] if activations.subscribed else [])
     choice = choose_builder(
         options._internal_use.gradient_builder,
         custom_functions=dry.custom_functions,
-        ort_only=ort_only,
+        ort_only=ort_only_options(options),
         training_build=has_training_build(),
     )
     record_export_types(desc, dry)
@@ -153,10 +151,15 @@ def torchscript_forward(
 
 
 def torch_route_forward(
-    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, plan: TorchPlan
+    config: TrainerConfig,
+    module: torch.nn.Module,
+    sample_inputs: list,
+    plan: TorchPlan,
+    activations: ActivationStatistics | None = None,
 ) -> Forward:
     """The torch route (build/torch_route.py): state from the module, the training graph from AOTAutograd with
-    model_desc's string dims dynamic, the forward model from torch.export when first needed."""
+    model_desc's string dims dynamic, the forward model from torch.export when first needed. With a subscribed
+    model (`activations`), the trace marks its activations (trainer/activations.py)."""
     desc, options, dry = plan.model_desc, config.options, plan.dry
     if dry.read_state is None:  # 'auto' came from the TorchScript route: the reads are recorded now
         with no_increase_global_step():
@@ -164,15 +167,27 @@ def torch_route_forward(
     names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
     dims, outputs, amp = named_dims(desc.inputs), [d.name for d in desc.outputs], options.mixed_precision.enabled
     trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
-    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, same_size_groups(desc.inputs))
-    forward = ForwardSource(module, config.loss_fn, names, outputs, dims, opset, bool(amp))  # build/export.py
+    marking = activations.prepare_traced(config.loss_fn, desc, sample_inputs) if activations is not None else None
+    features = trace_features(config, marking)
+    groups = same_size_groups(desc.inputs)
+    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, groups, features=features)
+    forward = ForwardSource(module, config.loss_fn, names, outputs, dims, opset, bool(amp), marking)
+    instrument = activations.instrument if activations is not None and marking is not None else None
     evals = TorchEvalGraphs(
-        forward, shape_signature(sample_inputs), lambda m: postprocess(config, m), trainable + frozen
+        forward, shape_signature(sample_inputs), lambda m: postprocess(config, m), trainable + frozen, instrument
     )
     aliases, unused = export_mod.state_outside_graph(module, set(trainable + frozen))
     info = TorchExportInfo(list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training)
     weights = state_model(module, trainable + frozen)
-    return Forward(desc, weights, trainable, frozen, plan.choice, info, source, sample_inputs, None, evals)
+    statistics = activations if marking is not None else None
+    return Forward(desc, weights, trainable, frozen, plan.choice, info, source, sample_inputs, statistics, evals)
+
+
+def trace_features(config: TrainerConfig, marking=None) -> TraceFeatures:
+    """What acts on the torch builder's traces: the recompute options, memory-efficient gradients, and the
+    `orttrainer.debug` marks (`marking`, a context factory; None: no subscriber)."""
+    options = config.options
+    return TraceFeatures(recompute_plan(options), bool(options.utils.memory_efficient_gradient), marking)
 
 
 def onnx_forward(config: TrainerConfig, model: onnx.ModelProto) -> Forward:
@@ -205,7 +220,9 @@ def _onnx_source(
         raise ValueError(f"the 'torch' gradient builder needs the loss as the first model_desc output: {outputs}")
     module = OnnxModule(forward, inputs, outputs, trainable, frozen)
     opset = config.options._internal_use.onnx_opset_version
-    return TorchSource(module, None, inputs, opset, True, state_names=module.state_names)
+    return TorchSource(
+        module, None, inputs, opset, True, state_names=module.state_names, features=trace_features(config)
+    )
 
 
 def split_parameters(
