@@ -40,6 +40,7 @@ from ..runtime.ort import has_training_build
 from ..runtime.session import shape_signature
 from . import export as export_mod
 from .export import record_export_types, record_graph_types
+from .onnx_float16 import float16_forward
 from .torch_route import ForwardSource, TorchEvalGraphs, module_state, named_dims, same_size_groups, state_model
 
 
@@ -213,16 +214,19 @@ def _onnx_source(
     config: TrainerConfig, forward: onnx.ModelProto, trainable: list[str], frozen: list[str]
 ) -> TorchSource:
     """The torch builder's source for an ONNX model: an OnnxModule of the post-processed forward model, its state
-    renamed back to initializer names (gradient/onnx_module.py). The torch builder takes output 0 as the loss."""
+    renamed back to initializer names (gradient/onnx_module.py). The torch builder takes output 0 as the loss.
+    Under mixed precision the OnnxModule runs the forward converted to float16 (build/onnx_float16.py), and the
+    trace adds only the loss scale."""
     desc = config.model_desc
     inputs, outputs = [d.name for d in desc.inputs], [d.name for d in desc.outputs]
     if not desc.outputs[0].is_loss:
         raise ValueError(f"the 'torch' gradient builder needs the loss as the first model_desc output: {outputs}")
-    module = OnnxModule(forward, inputs, outputs, trainable, frozen)
+    amp = bool(config.options.mixed_precision.enabled)
+    graph = float16_forward(forward, [*trainable, *frozen], inputs, outputs[0]) if amp else forward
+    module = OnnxModule(graph, inputs, outputs, trainable, frozen)
     opset = config.options._internal_use.onnx_opset_version
-    return TorchSource(
-        module, None, inputs, opset, True, state_names=module.state_names, features=trace_features(config)
-    )
+    names, features = module.state_names, trace_features(config)
+    return TorchSource(module, None, inputs, opset, True, state_names=names, features=features, float16_casts=not amp)
 
 
 def split_parameters(

@@ -136,6 +136,7 @@ def build_torch_gradient_graph(
     same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
     loss_scale: tuple[str, str] | None = None,
     features: TraceFeatures | None = None,
+    float16_casts: bool = True,
 ) -> TorchGradientGraph:
     """Trace `module` (+ `loss_fn`) on `sample_inputs` and return its forward+backward ONNX graph.
 
@@ -144,8 +145,9 @@ def build_torch_gradient_graph(
     `frozen` parameters (and parameters in neither list) get none. `opset_version` below 18 is raised to 18 (the
     exporter's minimum); above 21 is an error. `dynamic_dims[i]` lists the dims of input i to keep dynamic (see
     the module docstring; None: none), `same_sizes` groups of (input, dim) that are one size, `loss_scale` the
-    (scaled loss, loss-scale input) names under mixed precision (module docstring), `features` what else acts on
-    the trace (`TraceFeatures`). Raises
+    (scaled loss, loss-scale input) names under mixed precision (module docstring; `float16_casts` False: the
+    module computes in float16 itself, only the loss scale is added), `features` what else acts on the trace
+    (`TraceFeatures`). Raises
     GradientBuildError (UntraceableFunctionError for a custom Function that cannot be traced) when PyTorch
     cannot trace or export the model.
     """
@@ -164,6 +166,7 @@ def build_torch_gradient_graph(
         same_sizes,
         loss_scale,
         features or TraceFeatures(),
+        float16_casts,
     )
     if dynamic_dims is not None and any(dynamic_dims):
         try:
@@ -199,6 +202,7 @@ class _Trace:
     same_sizes: Sequence[Sequence[tuple[int, int]]]
     loss_scale: tuple[str, str] | None  # (scaled loss output, loss-scale input) under mixed precision
     features: TraceFeatures
+    float16_casts: bool  # under mixed precision: the trace casts the state and inputs (False: the module does)
 
 
 def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> TorchGradientGraph:
@@ -251,7 +255,9 @@ def _wrap(request: _Trace) -> tuple[JointWrapper, dict[int, str], dict[str, torc
     loss-scale buffer too, last, named as the loss-scale input) and the state tensors by those names."""
     module = request.module
     hooks = _trace_hooks(request) if _has_hooks(request.features) else None
-    wrapper = JointWrapper(module, request.loss_fn, request.input_names, request.loss_scale is not None, hooks)
+    wrapper = JointWrapper(
+        module, request.loss_fn, request.input_names, request.loss_scale is not None, hooks, request.float16_casts
+    )
     canonical = _canonical_names(module)  # before tracing: tensor attributes are buffers only while it runs
     state = {name: tensor.detach() for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
     if request.loss_scale:

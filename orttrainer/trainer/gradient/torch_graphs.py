@@ -56,6 +56,7 @@ class TorchSource:
     state_names: Mapping[str, str] | None = None  # module state name -> the trainer's name, where they differ
     mixed_precision: bool = False  # traced in float16 with a loss-scale input (module docstring)
     features: TraceFeatures = field(default_factory=TraceFeatures)  # recompute, memory efficiency, debug marks
+    float16_casts: bool = True  # False: the module computes in float16 itself (build/onnx_float16.py)
 
 
 Accepts = Callable[[Sequence[torch.Tensor]], bool]
@@ -94,6 +95,7 @@ def torch_gradient_model(
             source.same_sizes,
             scale,
             source.features,
+            source.float16_casts,
         )
     if dynamic:
         kind = f"dynamic dims {graph.dynamic_dims}" if graph.dynamic else "the sample's concrete shapes"

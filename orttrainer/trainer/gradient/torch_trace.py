@@ -55,6 +55,9 @@ class JointWrapper(torch.nn.Module):
     builder makes it a graph input, `LOSS_SCALE_BUFFER`): the backward starts from the scaled loss, so its seed
     d(loss · s)/d loss = s enters where the backward starts, as the 'ort' path's `append_loss_scale` does.
 
+    `float16` False (mixed precision for a module that computes in float16 itself, an ONNX model's converted graph,
+    build/onnx_float16.py): the loss scale without the float16 casts.
+
     `hooks`, when given, makes a context each forward runs in (a fresh one per call: a trace may call forward
     more than once): the trainer's tracing features (activation marks, layer boundaries, invertible layer norms;
     gradient/torch_builder.py)."""
@@ -66,9 +69,10 @@ class JointWrapper(torch.nn.Module):
         input_names: Sequence[str],
         mixed_precision: bool = False,
         hooks: Callable[[], contextlib.AbstractContextManager] | None = None,
+        float16: bool = True,
     ) -> None:
         super().__init__()
-        self.inner = _ModelWithLoss(module, loss_fn, list(input_names), float16=mixed_precision)
+        self.inner = _ModelWithLoss(module, loss_fn, list(input_names), float16=mixed_precision and float16)
         self.mixed_precision = mixed_precision
         self.hooks = hooks
         if mixed_precision:
