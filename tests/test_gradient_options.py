@@ -15,7 +15,6 @@ from test_mixed_precision import FP16_TOLERANCE
 from torch import nn
 
 from orttrainer import PropagateCastOpsStrategy, amp, optim
-from orttrainer.trainer.runtime import has_training_build
 
 AMP_DESC = {"inputs": [("x", ["batch", 8]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
 
@@ -134,7 +133,9 @@ def test_memory_efficient_gradient_uses_the_invertible_layer_norm_gradient_and_t
     )
 
 
-def test_these_options_need_the_ort_gradient_builder():
+def test_only_cast_propagation_needs_the_ort_gradient_builder():
+    """Recompute and memory-efficient gradients act on the torch builder's trace too (gradient/torch_recompute.py,
+    gradient/torch_memory.py): neither needs the 'ort' builder nor onnxruntime-training."""
     from helpers import cpu_options
 
     from orttrainer.trainer.gradient.choice import ort_only_options
@@ -143,18 +144,9 @@ def test_these_options_need_the_ort_gradient_builder():
         "graph_transformer": {"gelu_recompute": True, "propagate_cast_ops_config": {"level": 2}},
         "utils": {"memory_efficient_gradient": True},
     }
-    assert ort_only_options(cpu_options(extra)) == [
-        "graph_transformer.gelu_recompute",
-        "graph_transformer.propagate_cast_ops_config",
-        "utils.memory_efficient_gradient",
-    ]
+    assert ort_only_options(cpu_options(extra)) == ["graph_transformer.propagate_cast_ops_config"]
     assert ort_only_options(cpu_options({"graph_transformer": {"propagate_cast_ops_config": {"level": 1}}})) == []
     extra = {"utils": {"memory_efficient_gradient": True}, "_internal_use": {"gradient_builder": "torch"}}
-    if not has_training_build():  # refused at construction: no builder here could honour it
-        refused = r"\['utils.memory_efficient_gradient'\] need onnxruntime-training"
-        with pytest.raises(NotImplementedError, match=refused):
-            make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), nn.functional.cross_entropy, extra)
-        return
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), nn.functional.cross_entropy, extra)
-    with pytest.raises(NotImplementedError, match=r"\['utils.memory_efficient_gradient'\] transform"):
-        trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    assert trainer.gradient_builder == "torch"

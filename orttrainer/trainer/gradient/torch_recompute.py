@@ -403,9 +403,11 @@ def _map(value, tag: str):
 
 
 def layer_nodes(joint: fx.GraphModule) -> list[list[fx.Node]]:
-    """The nodes inside each layer marked by `layer_boundaries` (forward nodes that depend on one of the layer's
-    inputs and that one of its outputs depends on, the outputs themselves excluded), in layer order; removes the
-    marks (each reader reads the marked value). A layer whose marks are missing is left out."""
+    """The nodes inside each layer marked by `layer_boundaries`, in layer order: forward nodes that depend on one of
+    the layer's inputs and that one of its outputs depends on, the outputs themselves excluded, and the layer's side
+    values — forward nodes computed from those alone (and from values outside the layer) that no output depends on,
+    such as the aliases and layer-norm statistics only the backward reads, which would otherwise be saved. Removes
+    the marks (each reader reads the marked value). A layer whose marks are missing is left out."""
     marks: dict[int, dict[str, list[fx.Node]]] = {}
     for node in joint.graph.nodes:
         if node.target is custom_ops.LAYER_BOUNDARY:
@@ -417,8 +419,12 @@ def layer_nodes(joint: fx.GraphModule) -> list[list[fx.Node]]:
         below = _descendants(inputs)
         ends = {o.args[0] for o in outputs if isinstance(o.args[0], fx.Node)}
         above = _ancestors(list(ends))
-        inside = [n for n in joint.graph.nodes if n in below and n in above and n not in ends and is_forward(n)]
-        layers.append([n for n in inside if n.target is not custom_ops.LAYER_BOUNDARY])
+        members = {n for n in below if n in above and n not in ends and is_forward(n)}
+        for node in joint.graph.nodes:  # the side values, in graph order: their sources come first
+            if node in below and node not in members and node not in ends and is_forward(node):
+                if all(s in members or s in inputs or s not in below for s in node.all_input_nodes):
+                    members.add(node)
+        layers.append([n for n in joint.graph.nodes if n in members and n.target is not custom_ops.LAYER_BOUNDARY])
     for node in [n for n in joint.graph.nodes if n.target is custom_ops.LAYER_BOUNDARY]:
         source = node.args[0]
         assert isinstance(source, fx.Node)
