@@ -21,8 +21,9 @@ rejects other shapes instead of computing a wrong result), `TorchGradientGraph.s
 trainer keeps one compiled graph per signature with `ShapeKeyedCache`.
 
 Other rules: the module is traced in its current train/eval mode (dropout in training mode draws one mask, used by
-forward and backward alike). Buffers updated in place by the forward (BatchNorm running statistics) are inputs
-but their updates are not outputs (as with the `ort` builder): they are listed in `mutated_buffers`. State of
+forward and backward alike). Buffers updated in place by the forward (BatchNorm's running statistics and batch
+counter) are inputs, and their new values are outputs after the gradients, named `<buffer>__updated`
+(compile/contract.buffer_update_name) and listed in `mutated_buffers`: exactly PyTorch's update. State of
 `loss_fn` (a loss module's `weight` buffer) and plain tensor attributes are baked into the graph as constants.
 Every trainable parameter must influence the loss. Tied parameters are one input and one summed gradient under
 their first name.
@@ -46,6 +47,7 @@ import onnx
 import torch
 
 from ...dtypes import torch_to_onnx
+from ..compile.contract import buffer_update_name
 from ..graph.recompute import RecomputePlan
 from ..runtime.session import ShapeSignature, shape_signature
 from . import torch_private
@@ -90,7 +92,7 @@ class TorchGradientGraph:
     gradient_names: list[str]  # then `<p>_grad` for each trainable parameter, in `trainable` order
     signature: ShapeSignature  # input shapes and dtypes this graph was traced with
     opset_version: int
-    mutated_buffers: list[str]  # buffers the forward updates in place; this graph does not output the updates
+    mutated_buffers: list[str]  # buffers the forward updates in place: their new values follow the gradients
     guards: torch_private.ShapeGuards | None = None  # a dynamic-shape graph: the shapes it is valid for
     loss_scale_input: str | None = None  # mixed precision: the last graph input (module docstring)
 
@@ -221,7 +223,7 @@ def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> Tor
             graph,
             [*(state[n] for n in state_inputs), *inputs],
             [*state_inputs, *input_names],
-            [*request.output_names, *gradient_names],
+            [*request.output_names, *gradient_names, *(buffer_update_name(b) for b in mutated)],
             request.opset,
             None if guards is None else [*([] for _ in state_inputs), *guards.dynamic_dims],
         )
@@ -364,7 +366,8 @@ def _rewrite_joint(
 
     Rules: a tied parameter's placeholders merge into the first one; state that is not the module's (the loss
     function's) becomes a constant; outputs become the first `n_outputs` user outputs, then one gradient per
-    trainable parameter (the sum of its tied copies' gradients); in-place buffer updates are dropped."""
+    trainable parameter (the sum of its tied copies' gradients), then the new value of each module buffer the
+    forward updates in place, in name order (other in-place updates, of inputs, are dropped)."""
     fx = graph.graph
     placeholders = [n for n in fx.nodes if n.op == "placeholder"]
     first: dict[str, torch.fx.Node] = {}
@@ -388,16 +391,17 @@ def _rewrite_joint(
             f"returns {len(user)} tensors"
         )
     grads: dict[str, list[torch.fx.Node]] = {}
+    updates: dict[str, torch.fx.Node] = {}  # module buffer -> its value after the forward's in-place update
     for value, (kind, name) in zip(values, sig.outputs, strict=True):
         if kind == "gradient":
             grads.setdefault(canonical[id(tensors[name])], []).append(value)
+        elif kind == "mutation" and name in tensors and id(tensors[name]) in canonical:
+            updates[canonical[id(tensors[name])]] = value
     with fx.inserting_before(out):
         summed = [_sum_nodes(fx, grads[p]) for p in trainable]
-    out.args = (tuple(user[:n_outputs] + summed),)
+    mutated = sorted(updates)
+    out.args = (tuple(user[:n_outputs] + summed + [updates[b] for b in mutated]),)
     graph.recompile()
-    mutated = sorted(
-        {canonical.get(id(tensors[name]), name) for kind, name in sig.outputs if kind == "mutation" and name in tensors}
-    )
     return list(first), mutated
 
 
