@@ -142,5 +142,5 @@ def test_recompute_memory_efficiency_and_cast_propagation_train_with_the_torch_g
         "_internal_use": {"gradient_builder": "torch"},
     }
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), nn.functional.cross_entropy, extra)
-    loss = trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    loss, _ = trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
     assert trainer.gradient_builder == "torch" and np.isfinite(float(loss))
