@@ -1,6 +1,8 @@
 """orttrainer.debug on the ONNX Runtime path: the same model and weights, run in PyTorch and in ORTTrainer, write the
 same files in the same order with statistics that agree (forward and backward), step ranges, eval steps,
-override_output_dir, inspect_activation inside a module's forward, and what happens without subscribers."""
+override_output_dir, inspect_activation inside a module's forward, and what happens without subscribers. With both
+gradient builders (`builder`): the 'ort' builder where onnxruntime-training is installed, the torch builder on every
+runtime."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-from helpers import needs_training_build
 from torch import nn
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
@@ -69,10 +70,23 @@ class TwoUses(nn.Module):
         return self.head(torch.relu(inspect_activation("inspected", h)) + h * 2)
 
 
+BUILDERS = ["torch", "ort"] if has_training_build() else ["torch"]
+_BUILDER = {"name": "auto"}
+
+
 @pytest.fixture(autouse=True)
 def _detach_global_manager():
     yield
     GlobalSubscriberManager.unsubscribe()
+    _BUILDER["name"] = "auto"
+
+
+@pytest.fixture(params=BUILDERS)
+def builder(request) -> str:
+    """The gradient builder the trainer runs with: both write the same files (the torch builder marks the
+    activations in its trace, trainer/activations.py)."""
+    _BUILDER["name"] = request.param
+    return request.param
 
 
 def make_model(cls=DebugMLP) -> nn.Module:
@@ -108,7 +122,9 @@ def pytorch_run(model, out, schedule: str = "ttt", **kwargs) -> None:
 
 
 def make_trainer(model, extra: dict | None = None) -> ORTTrainer:
-    options = ORTTrainerOptions({"device": {"id": "cpu"}, **(extra or {})})
+    """On the `builder` fixture's gradient builder where a test takes it (else 'auto' or what `extra` says)."""
+    extra = {"_internal_use": {"gradient_builder": _BUILDER["name"]}, **(extra or {})}
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, **extra})
     return ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=nn.functional.mse_loss, options=options)
 
 
@@ -149,8 +165,7 @@ def assert_same_dumps(pt, ort, sign_slack: float = 0.0) -> None:
 
 
 # --------------------------------------------------------------------------------------- PyTorch vs the trainer
-@needs_training_build
-def test_pytorch_and_trainer_write_the_same_files_and_statistics(tmp_path):
+def test_pytorch_and_trainer_write_the_same_files_and_statistics(tmp_path, builder):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt")
     trainer_run(model, tmp_path / "ort")
@@ -166,8 +181,7 @@ def test_pytorch_and_trainer_write_the_same_files_and_statistics(tmp_path):
     assert len(merged[0]) == len(merged[1]) and headers[0] == headers[1] and len(headers[0]) == len(SAMPLE_ORDER)
 
 
-@needs_training_build
-def test_transformer_dumps_agree(tmp_path):
+def test_transformer_dumps_agree(tmp_path, builder):
     from models import TinyTransformer, transformer_desc, transformer_loss
 
     torch.manual_seed(0)
@@ -190,7 +204,7 @@ def test_transformer_dumps_agree(tmp_path):
         transformer_desc(),
         optim.SGDConfig(lr=0.1),
         loss_fn=transformer_loss,
-        options=ORTTrainerOptions({"device": {"id": "cpu"}}),
+        options=ORTTrainerOptions({"device": {"id": "cpu"}, "_internal_use": {"gradient_builder": builder}}),
     )
     for tokens, target in data:
         trainer.train_step(tokens, target)
@@ -198,8 +212,7 @@ def test_transformer_dumps_agree(tmp_path):
     assert_same_dumps(tmp_path / "pt", tmp_path / "ort", sign_slack=0.01)
 
 
-@needs_training_build
-def test_merge_names_the_activation_where_a_perturbed_weight_first_shows_up(tmp_path, capsys):
+def test_merge_names_the_activation_where_a_perturbed_weight_first_shows_up(tmp_path, builder, capsys):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt")
     with torch.no_grad():
@@ -223,8 +236,7 @@ def test_merge_names_the_activation_where_a_perturbed_weight_first_shows_up(tmp_
     assert "step_0: first divergence: Linear_4_0th_output_forward" in capsys.readouterr().out
 
 
-@needs_training_build
-def test_gradients_of_an_inspected_tensor_with_two_consumers(tmp_path):
+def test_gradients_of_an_inspected_tensor_with_two_consumers(tmp_path, builder):
     model = make_model(TwoUses)
     pytorch_run(copy.deepcopy(model), tmp_path / "pt", "tt")
     trainer_run(model, tmp_path / "ort", "tt")
@@ -234,8 +246,7 @@ def test_gradients_of_an_inspected_tensor_with_two_consumers(tmp_path):
     assert inspected["depth"] == -1 and inspected["mean"] != pytest.approx(total["mean"])  # not the summed gradient
 
 
-@needs_training_build
-def test_an_eval_step_is_a_forward_only_step_in_both_paths(tmp_path):
+def test_an_eval_step_is_a_forward_only_step_in_both_paths(tmp_path, builder):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt", "ttet")
     trainer_run(model, tmp_path / "ort", "ttet")
@@ -244,8 +255,7 @@ def test_an_eval_step_is_a_forward_only_step_in_both_paths(tmp_path):
     assert_same_dumps(tmp_path / "pt", tmp_path / "ort")
 
 
-@needs_training_build
-def test_a_first_eval_step_under_no_grad_still_traces_the_backward_order(tmp_path):
+def test_a_first_eval_step_under_no_grad_still_traces_the_backward_order(tmp_path, builder):
     model = make_model()
     subscribe(model, tmp_path / "o")
     trainer = make_trainer(model)
@@ -257,9 +267,8 @@ def test_a_first_eval_step_under_no_grad_still_traces_the_backward_order(tmp_pat
     assert order(tmp_path / "o", 1) == SAMPLE_ORDER
 
 
-@needs_training_build
 @pytest.mark.parametrize("schedule", ["tttt", "tete"])
-def test_step_ranges_in_both_paths(tmp_path, schedule):
+def test_step_ranges_in_both_paths(tmp_path, builder, schedule):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt", schedule, start_step=1, end_step=3)
     trainer_run(model, tmp_path / "ort", schedule, start_step=1, end_step=3)
@@ -269,8 +278,7 @@ def test_step_ranges_in_both_paths(tmp_path, schedule):
     assert GlobalSubscriberManager.get_run_context().global_states.execution_step == 4
 
 
-@needs_training_build
-def test_override_output_dir_in_both_paths(tmp_path):
+def test_override_output_dir_in_both_paths(tmp_path, builder):
     for out in (tmp_path / "pt", tmp_path / "ort"):
         (out / "step_0").mkdir(parents=True)
         (out / "step_0" / "stale").write_text("old run")
@@ -285,8 +293,7 @@ def test_override_output_dir_in_both_paths(tmp_path):
     assert_same_dumps(tmp_path / "pt", tmp_path / "ort")
 
 
-@needs_training_build
-def test_gradient_accumulation_micro_steps_are_steps(tmp_path):
+def test_gradient_accumulation_micro_steps_are_steps(tmp_path, builder):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt", "t")
     trainer_run(model, tmp_path / "ort", "tttt", extra={"batch": {"gradient_accumulation_steps": 2}})
@@ -298,8 +305,7 @@ def test_gradient_accumulation_micro_steps_are_steps(tmp_path):
         assert b["mean"] == pytest.approx(a["mean"], rel=1e-4, abs=1e-6)
 
 
-@needs_training_build
-def test_mixed_precision_dumps_float16_activations_and_scaled_gradients(tmp_path):
+def test_mixed_precision_dumps_float16_activations_and_scaled_gradients(tmp_path, builder):
     model = make_model()
     pytorch_run(copy.deepcopy(model), tmp_path / "pt", "t")
     trainer_run(model, tmp_path / "ort", "te", extra={"mixed_precision": {"enabled": True}})
@@ -338,8 +344,7 @@ def test_subscribing_after_compilation_counts_steps_but_warns(tmp_path):
     assert not (tmp_path / "late").exists()
 
 
-@needs_training_build
-def test_resubscribing_restarts_the_step_counter_in_the_new_directory(tmp_path):
+def test_resubscribing_restarts_the_step_counter_in_the_new_directory(tmp_path, builder):
     model = make_model()
     trainer = trainer_run(model, tmp_path / "a", "tt")
     subscribe(model, tmp_path / "b", end_step=1)
@@ -351,8 +356,7 @@ def test_resubscribing_restarts_the_step_counter_in_the_new_directory(tmp_path):
     assert trainer._activations.begin_step("train") == []  # unsubscribed: nothing fetched, nothing counted
 
 
-@needs_training_build
-def test_only_statistics_subscribers_are_collected(tmp_path):
+def test_only_statistics_subscribers_are_collected(tmp_path, builder):
     class Counting(SubscriberBase):
         def __init__(self):
             super().__init__(None, None)
@@ -369,8 +373,7 @@ def test_only_statistics_subscribers_are_collected(tmp_path):
     assert counting.calls == 0 and order(tmp_path / "o", 0) == SAMPLE_ORDER
 
 
-@needs_training_build
-def test_a_private_manager_and_the_global_one_keep_their_own_steps(tmp_path):
+def test_a_private_manager_and_the_global_one_keep_their_own_steps(tmp_path, builder):
     model = make_model()
     private = SubscriberManager()
     private.subscribe(model, [StatisticsSubscriber(tmp_path / "private", start_step=1)])
@@ -386,8 +389,9 @@ def test_a_private_manager_and_the_global_one_keep_their_own_steps(tmp_path):
         private.unsubscribe()
 
 
-@needs_training_build
-def test_fused_log_probabilities_have_no_backward_file(tmp_path):
+def test_fused_log_probabilities_have_no_backward_file(tmp_path, builder):
+    """The 'ort' builder fuses log_softmax + NLL into one loss op, whose input gradient no graph holds."""
+
     class LogSoftmaxNet(nn.Module):
         def __init__(self):
             super().__init__()
@@ -404,47 +408,38 @@ def test_fused_log_probabilities_have_no_backward_file(tmp_path):
         desc,
         optim.SGDConfig(lr=0.1),
         loss_fn=nn.functional.nll_loss,
-        options=ORTTrainerOptions({"device": {"id": "cpu"}}),
+        options=ORTTrainerOptions({"device": {"id": "cpu"}, "_internal_use": {"gradient_builder": builder}}),
     )
-    with pytest.warns(UserWarning, match=r"cannot collect statistics for \['LogSoftmaxNet_0_0th_output_backward'\]"):
-        loss = trainer.train_step(torch.randn(5, 3), torch.tensor([0, 1, 2, 3, 0]))
+    batch = torch.randn(5, 3), torch.tensor([0, 1, 2, 3, 0])
+    expected = ["Linear_1_0th_output_forward", "LogSoftmaxNet_0_0th_output_forward", "Linear_1_0th_output_backward"]
+    if builder == "torch":  # PyTorch's autograd keeps log_softmax and NLL apart: the backward file is written
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            loss = trainer.train_step(*batch)
+        expected.insert(2, "LogSoftmaxNet_0_0th_output_backward")
+    else:
+        unreachable = r"cannot collect statistics for \['LogSoftmaxNet_0_0th_output_backward'\]"
+        with pytest.warns(UserWarning, match=unreachable):
+            loss = trainer.train_step(*batch)
     assert math.isfinite(float(loss))
-    assert order(tmp_path / "o", 0) == [
-        "Linear_1_0th_output_forward",
-        "LogSoftmaxNet_0_0th_output_forward",
-        "Linear_1_0th_output_backward",
-    ]
+    assert order(tmp_path / "o", 0) == expected
 
 
-@needs_training_build
-def test_no_warning_for_a_plain_subscribed_run(tmp_path):
+def test_no_warning_for_a_plain_subscribed_run(tmp_path, builder):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the exporter's TracerWarnings are not ours
         trainer_run(make_model(), tmp_path / "o", "te")
 
 
-def test_statistics_need_the_ort_gradient_builder(tmp_path):
-    """The statistics are outputs of the exported graph's marked tensors, which only the 'ort' builder trains;
-    without onnxruntime-training, a subscribed model is refused on its first step, whatever the builder."""
-    without_training_build = r"\['orttrainer.debug statistics'\] need onnxruntime-training .* pip install"
-    subscribe(make_model(), tmp_path / "auto")
-    if has_training_build():
-        assert trainer_run(GlobalSubscriberManager._module, None, "t").gradient_builder == "ort"  # 'auto' stays
-    else:
-        with pytest.raises(NotImplementedError, match=without_training_build):
-            trainer_run(GlobalSubscriberManager._module, None, "t")
-    GlobalSubscriberManager.unsubscribe()
+def test_auto_writes_the_statistics_on_every_runtime(tmp_path):
+    """'auto' keeps its choice with subscribers ('ort' with onnxruntime-training, 'torch' on the maintained
+    onnxruntime), and either writes PyTorch's files."""
     model = make_model()
-    subscribe(model, tmp_path / "torch")
-    trainer = make_trainer(model, {"_internal_use": {"gradient_builder": "torch"}})
-    with pytest.raises(
-        NotImplementedError,
-        match=r"\['orttrainer.debug statistics'\] transform the exported ONNX "
-        "graph, which only the 'ort' gradient builder trains"
-        if has_training_build()
-        else without_training_build,
-    ):
-        trainer.train_step(*batches(1)[0])
+    pytorch_run(copy.deepcopy(model), tmp_path / "pt")
+    GlobalSubscriberManager.unsubscribe()
+    trainer = trainer_run(model, tmp_path / "auto")
+    assert trainer.gradient_builder == ("ort" if has_training_build() else "torch")
+    assert_same_dumps(tmp_path / "pt", tmp_path / "auto")
 
 
 def test_a_torch_builder_trace_after_subscribing_writes_nothing(tmp_path):

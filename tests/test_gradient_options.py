@@ -15,7 +15,6 @@ from test_mixed_precision import FP16_TOLERANCE
 from torch import nn
 
 from orttrainer import PropagateCastOpsStrategy, amp, optim
-from orttrainer.trainer.runtime import has_training_build
 
 AMP_DESC = {"inputs": [("x", ["batch", 8]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
 
@@ -134,26 +133,14 @@ def test_memory_efficient_gradient_uses_the_invertible_layer_norm_gradient_and_t
     )
 
 
-def test_these_options_need_the_ort_gradient_builder():
-    from helpers import cpu_options
-
-    from orttrainer.trainer.gradient.choice import ort_only_options
-
+def test_recompute_memory_efficiency_and_cast_propagation_train_with_the_torch_gradient_builder():
+    """None of these options needs the 'ort' builder or onnxruntime-training (gradient/torch_recompute.py,
+    gradient/torch_memory.py, graph/cast_propagation.py): with the torch builder they train."""
     extra = {
         "graph_transformer": {"gelu_recompute": True, "propagate_cast_ops_config": {"level": 2}},
         "utils": {"memory_efficient_gradient": True},
+        "_internal_use": {"gradient_builder": "torch"},
     }
-    assert ort_only_options(cpu_options(extra)) == [
-        "graph_transformer.gelu_recompute",
-        "utils.memory_efficient_gradient",
-    ]  # cast propagation works on both builders (test_cast_propagation)
-    assert ort_only_options(cpu_options({"graph_transformer": {"propagate_cast_ops_config": {"level": 2}}})) == []
-    extra = {"utils": {"memory_efficient_gradient": True}, "_internal_use": {"gradient_builder": "torch"}}
-    if not has_training_build():  # refused at construction: no builder here could honour it
-        refused = r"\['utils.memory_efficient_gradient'\] need onnxruntime-training"
-        with pytest.raises(NotImplementedError, match=refused):
-            make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), nn.functional.cross_entropy, extra)
-        return
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), nn.functional.cross_entropy, extra)
-    with pytest.raises(NotImplementedError, match=r"\['utils.memory_efficient_gradient'\] transform"):
-        trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    loss, _ = trainer.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    assert trainer.gradient_builder == "torch" and np.isfinite(float(loss))

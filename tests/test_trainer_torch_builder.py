@@ -11,7 +11,6 @@ import pytest
 import torch
 from helpers import (
     clone,
-    cpu_options,
     export_training_onnx,
     make_trainer,
     max_difference,
@@ -24,7 +23,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from orttrainer import optim
-from orttrainer.trainer.gradient.choice import ort_only_options
 from orttrainer.trainer.gradient.torch_builder import UntraceableFunctionError
 from orttrainer.trainer.runtime import ort_private
 
@@ -239,10 +237,6 @@ def test_extra_postprocess_no_longer_needs_the_ort_builder_but_refuses_custom_fu
         return model
 
     extra = {"_internal_use": {"extra_postprocess": postprocess}}
-    assert ort_only_options(cpu_options(extra)) == []  # the torch builder edits torch.export's forward
-    amp = cpu_options({"mixed_precision": {"enabled": True}})
-    assert ort_only_options(amp) == []  # the torch builder traces a PyTorch model in float16 itself
-    assert ort_only_options(amp, onnx_model=True) == ["mixed_precision.enabled"]
     trainer = make_trainer(CumulativeHead(), mlp_desc(), optim.SGDConfig(), CE, extra)
     trainer.train_step(*batches(1)[0])  # 'auto': ONNX Runtime cannot differentiate CumSum, the torch builder can
     assert trainer.gradient_builder == "torch" and "CumSum" in seen[-1]

@@ -52,7 +52,7 @@ MEANINGS = {
     "graph_transformer.propagate_cast_ops_config.allow": "extra op types cast propagation may move casts across",
     "utils.frozen_weights": "parameter (or ONNX initializer) names to keep fixed",
     "utils.grad_norm_clip": "clip the global gradient norm to the optimizer's `max_norm_clip` (Adam, LAMB)",
-    "utils.memory_efficient_gradient": "ONNX Runtime's memory-efficient gradients (invertible layer-norm grads)",
+    "utils.memory_efficient_gradient": "free activations early: layer-norm gradients from the outputs (both builders)",
     "utils.run_symbolic_shape_infer": "run ONNX Runtime's symbolic shape inference on the exported model",
     "debug.deterministic_compute": "ONNX Runtime's deterministic kernels (`SessionOptions.use_deterministic_compute`)",
     "debug.check_model_export": "on the first step, compare the exported graph's outputs with PyTorch's",

@@ -17,6 +17,13 @@ PyTorch or in ORTTrainer. How, in the trainer:
    the manager's current step in its range, the statistics outputs are fetched too and written with
    `StatisticsSubscriber.dump` in the traced order. Otherwise nothing extra is fetched, so nothing extra runs.
 
+With the torch gradient builder (`prepare_traced`), steps 1-3 happen in the trace instead: while AOTAutograd
+traces the training graph (and torch.export the eval graph), a private manager marks each activation with
+`activation_mark` (gradient/torch_private/custom_ops.py), whose gradient marks the activation's gradient, so the
+exported graph carries a marker for every forward activation and every gradient; `instrument` makes them Identity
+nodes (`directed_marks_to_identity`) and appends the same statistics outputs. The files are the same: names,
+depths, order (from the same PyTorch trace) and format.
+
 Steps: a `train_step` is one step (one forward and its backward) and an `eval_step` one step (forward files only),
 as one completed root forward is in PyTorch; the trainer moves the subscribed managers' counters itself
 (`SubscriberManager.advance_step`). A model subscribed only after the graph was compiled gets its steps counted but
@@ -29,7 +36,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import onnx
@@ -39,6 +47,7 @@ from ..debug import StatisticsSubscriber, TensorStatistics, trace_activations
 from ..debug.statistics import to_torch_dtype
 from ..debug.subscriber import SubscriberManager, exclusive, managers_of, no_increase_global_step
 from ..debug.trace import ActivationRecord, RecordingSubscriber
+from .gradient.torch_private.custom_ops import activation_mark
 from .graph.editor import graph_value_names, tensor_elem_type
 from .graph.statistics import (
     MARK_ATTRIBUTE,
@@ -48,6 +57,7 @@ from .graph.statistics import (
     StatisticsTarget,
     append_statistics,
     decode_statistics,
+    directed_marks_to_identity,
     gradient_tensor,
     marks_to_identity,
 )
@@ -78,6 +88,13 @@ class MarkingSubscriber(RecordingSubscriber):
         return _Mark.apply(tensor, name)
 
 
+class TraceMarkingSubscriber(RecordingSubscriber):
+    """Marks each activation, and through its gradient the activation's gradient, for the torch builder's traces."""
+
+    def _tap(self, name: str, depth: int, details: dict[str, Any], tensor: torch.Tensor) -> torch.Tensor:
+        return activation_mark(tensor, name, False)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Dump:
     """One file per collected step: the record's name, direction and depth, and the graph outputs to read."""
@@ -101,6 +118,7 @@ class ActivationStatistics:
         self._pending: list[tuple[SubscriberManager, int, list[StatisticsSubscriber]]] = []
         self._kind = "train"
         self._warned_late = False
+        self._traced = False  # the torch builder marks in its traces (prepare_traced)
 
     @property
     def subscribed(self) -> bool:
@@ -143,19 +161,49 @@ class ActivationStatistics:
         self._order = trace_order(self.model, loss_fn, model_desc, inputs)
         return model
 
+    def prepare_traced(self, loss_fn, model_desc, inputs: list) -> Callable[[], AbstractContextManager] | None:
+        """For the torch builder: None when no manager is subscribed to the model; otherwise traces the dump order
+        and returns the context in which a trace marks the activations (`trace_marking`)."""
+        if self.model is None or not managers_of(self.model):
+            return None
+        _warn_unserved(self.model)
+        self._order = trace_order(self.model, loss_fn, model_desc, inputs)
+        self._marked = self._traced = True
+        return self.trace_marking
+
+    @contextlib.contextmanager
+    def trace_marking(self) -> Iterator[None]:
+        """Within the block, a forward of the model marks each activation (`TraceMarkingSubscriber`) and no other
+        manager acts; a fresh manager each time, so each trace names the activations as one PyTorch step does."""
+        assert self.model is not None  # prepare_traced returned this context for a model
+        manager = SubscriberManager()
+        with exclusive(manager):
+            manager.subscribe(self.model, [TraceMarkingSubscriber()])
+            try:
+                yield
+            finally:
+                manager.unsubscribe()
+
     def instrument(self, model: onnx.ModelProto, kind: str) -> onnx.ModelProto:
         """A pass: `model` with the statistics outputs appended. `kind` 'train': the gradient model (forward
         activations and their gradients; a tensor the graph lacks is named in a warning); 'eval': the eval model
         (forward activations only)."""
         if self._order is None:
             return model
+        traced: dict[tuple[str, str], str] = {}
+        if self._traced:
+            model, found = directed_marks_to_identity(model)
+            traced = {(activation, direction): tensor for activation, direction, tensor in found}
         names, targets, records, lost = graph_value_names(model.graph), {}, {}, []
         for record in self._order:
             if kind == "eval" and record.direction != "forward":
                 continue
-            tensor = self._marks.get(record.name)
-            if tensor is not None and record.direction == "backward":
-                tensor = gradient_tensor(model, tensor)
+            if self._traced:
+                tensor = traced.get((record.name, record.direction))
+            else:
+                tensor = self._marks.get(record.name)
+                if tensor is not None and record.direction == "backward":
+                    tensor = gradient_tensor(model, tensor)
             if tensor is None or tensor not in names:
                 lost.append(record.file_name)
                 continue

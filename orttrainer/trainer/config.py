@@ -22,7 +22,6 @@ from ..optim.config import _OptimizerConfig
 from ..schema.model_desc import _ORTTrainerModelDesc
 from ..schema.options import ORTTrainerOptions
 from .gradient.choice import OPTION as BUILDER_OPTION
-from .gradient.choice import ort_only_options
 from .graph.recompute import RecomputePlan
 from .runtime.data_parallel import DistributedContext, check_adasum_world_size, resolve_context
 from .runtime.ort import (
@@ -93,7 +92,7 @@ def make_config(
         checked_options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
     check_supported_options(checked_options)
     check_runtime()
-    check_runtime_supports(checked_options, onnx_model=isinstance(model, onnx.ModelProto))
+    check_runtime_supports(checked_options)
     check_provider_options(checked_options)
     check_graph_save_paths(checked_options)
     device = Device.parse(checked_options.device.id)
@@ -181,24 +180,17 @@ def check_data_parallel_options(options: ORTTrainerOptions, world_size: int) -> 
             )
 
 
-def check_runtime_supports(options: ORTTrainerOptions, onnx_model: bool = False) -> None:
-    """Options that need onnxruntime-training (its gradient builder and the graph transformations that act on its
-    gradient graph) raise NotImplementedError at construction where only the maintained onnxruntime is installed,
-    naming the options and the extra to install."""
+def check_runtime_supports(options: ORTTrainerOptions) -> None:
+    """`_internal_use.gradient_builder='ort'` raises NotImplementedError at construction where only the maintained
+    onnxruntime is installed, naming the option and the extra to install: ONNX Runtime's gradient builder is in
+    onnxruntime-training only. Every other option acts on the torch builder's graphs too, for PyTorch and ONNX
+    models alike."""
     if has_training_build():
         return
-    builder = options._internal_use.gradient_builder
-    if builder == "ort":
+    if options._internal_use.gradient_builder == "ort":
         raise NotImplementedError(
             f"options {BUILDER_OPTION}='ort' needs ONNX Runtime's gradient builder, which only onnxruntime-training "
             f"has: {TRAINING_EXTRA_HINT}; or use 'torch' or 'auto' (which picks 'torch' here)"
-        )
-    needs_training = ort_only_options(options, onnx_model)
-    if needs_training:
-        raise NotImplementedError(
-            f"options {needs_training} need onnxruntime-training (they transform ONNX Runtime's gradient graph), "
-            f"and the maintained onnxruntime installed here trains with the torch gradient builder: turn them off, or "
-            f"{TRAINING_EXTRA_HINT}"
         )
 
 

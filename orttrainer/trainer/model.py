@@ -120,7 +120,7 @@ def _build_torch(
     sample_inputs: list,
     activations: ActivationStatistics,
 ) -> Built:
-    plan = prepare_torch(config, module, sample_inputs, activations)
+    plan = prepare_torch(config, module, sample_inputs)
     if plan.choice.builder != "torch":
         try:
             forward = torchscript_forward(config, module, sample_inputs, activations, plan)
@@ -132,14 +132,16 @@ def _build_torch(
             _logger.info("%s; building with the torch gradient builder", reason)
             try:
                 return _compile_and_open(
-                    config, state, torch_route_forward(config, module, sample_inputs, plan.falling_back(reason))
+                    config,
+                    state,
+                    torch_route_forward(config, module, sample_inputs, plan.falling_back(reason), activations),
                 )
             except Exception as torch_err:
                 raise NoBuilderTrainsError(
                     f"neither gradient builder can train {type(module).__name__}: the 'ort' builder: "
                     f"{reason.removeprefix('auto: ')}; the torch builder: {type(torch_err).__name__}: {torch_err}"
                 ) from torch_err
-    return _compile_and_open(config, state, torch_route_forward(config, module, sample_inputs, plan))
+    return _compile_and_open(config, state, torch_route_forward(config, module, sample_inputs, plan, activations))
 
 
 def reexport_for_shapes(
@@ -151,7 +153,7 @@ def reexport_for_shapes(
     exported with dynamic axes can still hold the first batch's sizes. RuntimeError when the new graph's state
     contract differs from the session's (the trainer then raises the original error)."""
     with TRACING:
-        plan = prepare_torch(config, module, batch, activations)
+        plan = prepare_torch(config, module, batch)
         forward = torchscript_forward(config, module, batch, activations, plan)
         losses = [o.name for o in forward.model_desc.outputs if o.is_loss]
         dp_plan, _ = _data_parallel_plan(config, forward.forward, forward.trainable)
@@ -241,6 +243,8 @@ def _open_session(
             opts.debug.graph_save_paths.model_with_training_graph_after_optimization_path,
             "debug.graph_save_paths.model_with_training_graph_after_optimization_path",
         ),
+        # the memory options free buffers when their tensors die (README § Memory; docs/engine.md §16)
+        memory_reuse=not (recompute_plan(opts) or opts.utils.memory_efficient_gradient),
     )
     eval_for = forward.eval_graphs
     if compiled.step is None:

@@ -238,6 +238,8 @@ class ORTTrainer:
         names = self._requested_outputs(fetches)
         data = self._data(inputs)
         watched = self._activations.model in WATCHED
+        if watched and complete:
+            built.session.prepare_eval(data)  # the torch route exports its eval graph (and statistics) when needed
         if not complete:
             names = self._outputs_without(built, data, names, bool(fetches), watched)
         statistics = self._activations.begin_step("eval") if watched else []

@@ -29,10 +29,11 @@ from ...debug.subscriber import no_increase_global_step
 from ...dtypes import FLOAT_ONNX_TYPES
 from ...schema.model_desc import _ORTTrainerModelDesc
 from ..activations import ActivationStatistics
-from ..config import TrainerConfig
-from ..gradient.choice import BuilderChoice, choose_builder, ort_only_options
+from ..config import TrainerConfig, recompute_plan
+from ..gradient.choice import BuilderChoice, choose_builder
 from ..gradient.errors import GradientBuildError
 from ..gradient.onnx_module import OnnxModule, running_statistics
+from ..gradient.torch_builder import TraceFeatures
 from ..gradient.torch_graphs import TorchSource
 from ..graph.batch_norm_statistics import BatchNormStatistics, onnx_batch_norm_statistics
 from ..graph.postprocess import run_postprocess
@@ -41,6 +42,7 @@ from ..runtime.ort import has_training_build
 from ..runtime.session import shape_signature
 from . import export as export_mod
 from .export import record_export_types, record_graph_types
+from .onnx_float16 import float16_forward
 from .torch_route import (
     ForwardSource,
     TorchEvalGraphs,
@@ -100,20 +102,16 @@ class TorchPlan:
         return replace(self, choice=BuilderChoice("torch", reason))
 
 
-def prepare_torch(
-    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, activations: ActivationStatistics
-) -> TorchPlan:
+def prepare_torch(config: TrainerConfig, module: torch.nn.Module, sample_inputs: list) -> TorchPlan:
     """The dry run (no debug step counted, no file written) and the builder `choose_builder` picks for it."""
     desc, options = copy.deepcopy(config.model_desc), config.options
     check_inputs(sample_inputs, desc.inputs)
     with no_increase_global_step():
         reads = options._internal_use.gradient_builder == "torch" or not has_training_build()  # the torch route's
         dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs, record_reads=reads)
-    ort_only = ort_only_options(options) + (["orttrainer.debug statistics"] if activations.subscribed else [])
     choice = choose_builder(
         options._internal_use.gradient_builder,
         custom_functions=dry.custom_functions,
-        ort_only=ort_only,
         training_build=has_training_build(),
         edits_forward=options._internal_use.extra_postprocess is not None,
     )
@@ -259,10 +257,15 @@ def _with_initializers(model: onnx.ModelProto, values: dict[str, torch.Tensor]) 
 
 
 def torch_route_forward(
-    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, plan: TorchPlan
+    config: TrainerConfig,
+    module: torch.nn.Module,
+    sample_inputs: list,
+    plan: TorchPlan,
+    activations: ActivationStatistics | None = None,
 ) -> Forward:
     """The torch route (build/torch_route.py): state from the module, the training graph from AOTAutograd with
-    model_desc's string dims dynamic, the forward model from torch.export when first needed. With
+    model_desc's string dims dynamic, the forward model from torch.export when first needed. With a subscribed
+    model (`activations`), the trace marks its activations (trainer/activations.py). With
     `_internal_use.extra_postprocess`, the edited forward instead (`edited_torch_forward`)."""
     desc, options, dry = plan.model_desc, config.options, plan.dry
     if dry.read_state is None:  # 'auto' came from the TorchScript route: the reads are recorded now
@@ -271,17 +274,29 @@ def torch_route_forward(
     names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
     dims, outputs, amp = named_dims(desc.inputs), [d.name for d in desc.outputs], options.mixed_precision.enabled
     trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
-    forward = ForwardSource(module, config.loss_fn, names, outputs, dims, opset, bool(amp))  # build/export.py
+    marking = activations.prepare_traced(config.loss_fn, desc, sample_inputs) if activations is not None else None
+    features = trace_features(config, marking)
+    groups = same_size_groups(desc.inputs)
+    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, groups, features=features)
+    forward = ForwardSource(module, config.loss_fn, names, outputs, dims, opset, bool(amp), marking)
+    instrument = activations.instrument if activations is not None and marking is not None else None
     evals = TorchEvalGraphs(
-        forward, shape_signature(sample_inputs), lambda m: postprocess(config, m), trainable + frozen
+        forward, shape_signature(sample_inputs), lambda m: postprocess(config, m), trainable + frozen, instrument
     )
     if options._internal_use.extra_postprocess is not None:
         return edited_torch_forward(config, module, sample_inputs, replace(plan, dry=dry), evals)
-    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, same_size_groups(desc.inputs))
     aliases, unused = export_mod.state_outside_graph(module, set(trainable + frozen))
     info = TorchExportInfo(list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training)
     weights = state_model(module, trainable + frozen)
-    return Forward(desc, weights, trainable, frozen, plan.choice, info, source, sample_inputs, None, evals)
+    statistics = activations if marking is not None else None
+    return Forward(desc, weights, trainable, frozen, plan.choice, info, source, sample_inputs, statistics, evals)
+
+
+def trace_features(config: TrainerConfig, marking=None) -> TraceFeatures:
+    """What acts on the torch builder's traces: the recompute options, memory-efficient gradients, and the
+    `orttrainer.debug` marks (`marking`, a context factory; None: no subscriber)."""
+    options = config.options
+    return TraceFeatures(recompute_plan(options), bool(options.utils.memory_efficient_gradient), marking)
 
 
 def edited_torch_forward(
@@ -308,7 +323,8 @@ def edited_torch_forward(
     trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
     trainable, frozen, _ = read_state(forward, trainable, frozen)
     onnx_module = OnnxModule(forward, names, outputs, trainable, frozen)
-    traced = TorchSource(onnx_module, None, names, opset, True, state_names=onnx_module.state_names)
+    names_back, features = onnx_module.state_names, trace_features(config)
+    traced = TorchSource(onnx_module, None, names, opset, True, state_names=names_back, features=features)
     aliases, unused = export_mod.state_outside_graph(module, set(trainable + frozen))
     info = TorchExportInfo(list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training)
     return Forward(desc, forward, trainable, frozen, plan.choice, info, traced, sample_inputs, None, evals)
@@ -322,7 +338,6 @@ def onnx_forward(config: TrainerConfig, model: onnx.ModelProto) -> Forward:
     choice = choose_builder(
         options._internal_use.gradient_builder,
         onnx_model=True,
-        ort_only=ort_only_options(options, onnx_model=True),
         training_build=has_training_build(),
     )
     desc = copy.deepcopy(config.model_desc)
@@ -343,14 +358,19 @@ def _onnx_source(
     config: TrainerConfig, forward: onnx.ModelProto, trainable: list[str], frozen: list[str]
 ) -> TorchSource:
     """The torch builder's source for an ONNX model: an OnnxModule of the post-processed forward model, its state
-    renamed back to initializer names (gradient/onnx_module/). The torch builder takes output 0 as the loss."""
+    renamed back to initializer names (gradient/onnx_module/). The torch builder takes output 0 as the loss.
+    Under mixed precision the OnnxModule runs the forward converted to float16 (build/onnx_float16.py), and the
+    trace adds only the loss scale."""
     desc = config.model_desc
     inputs, outputs = [d.name for d in desc.inputs], [d.name for d in desc.outputs]
     if not desc.outputs[0].is_loss:
         raise ValueError(f"the 'torch' gradient builder needs the loss as the first model_desc output: {outputs}")
-    module = OnnxModule(forward, inputs, outputs, trainable, frozen)
+    amp = bool(config.options.mixed_precision.enabled)
+    graph = float16_forward(forward, [*trainable, *frozen], inputs, outputs[0]) if amp else forward
+    module = OnnxModule(graph, inputs, outputs, trainable, frozen)
     opset = config.options._internal_use.onnx_opset_version
-    return TorchSource(module, None, inputs, opset, True, state_names=module.state_names)
+    names, features = module.state_names, trace_features(config)
+    return TorchSource(module, None, inputs, opset, True, state_names=names, features=features, float16_casts=not amp)
 
 
 def read_state(

@@ -18,6 +18,9 @@ Rules:
   `save_as_onnx` wrote the training-mode graph; see README § Gradient builders.
 - Mixed precision (`ForwardSource.mixed_precision`): the module computes in float16 on the float32 state, as in
   training (build/export.py); the loss output is float32, the other float outputs the module's float16.
+- `orttrainer.debug` (`ForwardSource.marking`, `TorchEvalGraphs(instrument=...)`): with a subscribed model the
+  export marks the activations as the training trace does (trainer/activations.py); the eval graphs get their
+  forward statistics, and `forward_model()` (what `save_as_onnx` writes) has the marks as Identity nodes.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from ..gradient.torch_private import DimSpec
 from ..gradient.torch_trace import attributes_restored, flatten_tensors
 from ..graph.class_labels import guard_pytorch_indices
 from ..graph.pipeline import build_eval_model
+from ..graph.statistics import marks_to_identity
 from ..runtime.session import EvalGraph, ShapeKeyedCache, ShapeSignature
 from .export import MODEL_PREFIX, DryRun, _ModelWithLoss, set_initializers, strip_prefix
 
@@ -101,6 +105,7 @@ class ForwardSource:
     dynamic_dims: list[list[int]]
     opset_version: int
     mixed_precision: bool = False
+    marking: Callable[[], contextlib.AbstractContextManager] | None = None  # orttrainer.debug marks (module doc)
 
 
 class _EvalForward(_ModelWithLoss):
@@ -126,8 +131,9 @@ def export_forward(
     opset = min(max(source.opset_version, torch_private.MIN_DYNAMO_OPSET), MAX_ORT_OPSET)
     dims = source.dynamic_dims if dynamic else [[] for _ in inputs]
     mode = contextlib.nullcontext() if own_mode else _eval_mode(module)
+    marking = source.marking() if source.marking is not None else contextlib.nullcontext()
     try:  # orttrainer.debug hooks pass values through while tracing: no step counted, no file written
-        with mode, no_increase_global_step(), torch_private.causal_mask_detection_off():
+        with mode, no_increase_global_step(), torch_private.causal_mask_detection_off(), marking:
             model, specs = with_eager_translations(  # ops without an ONNX translation run in PyTorch (see there)
                 lambda translations: torch_private.export_module_to_onnx(
                     _EvalForward(source),
@@ -217,9 +223,11 @@ class TorchEvalGraphs:
         sample: ShapeSignature,
         postprocess: Callable[[onnx.ModelProto], onnx.ModelProto],
         state: list[str],
+        instrument: Callable[[onnx.ModelProto, str], onnx.ModelProto] | None = None,
     ) -> None:
         self.data_inputs = list(source.input_names)
         self._source, self._sample, self._postprocess, self._state = source, sample, postprocess, list(state)
+        self._instrument = instrument  # orttrainer.debug: the eval graphs' statistics (module docstring)
         self._dtypes = [_torch_dtype(dtype) for _, dtype in sample]
         self._forward: onnx.ModelProto | None = None
         self._first: tuple[EvalGraph, list[list[DimSpec]]] | None = None
@@ -234,8 +242,9 @@ class TorchEvalGraphs:
     def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph:
         if self._first is None:
             model, dims = export_forward(self._source, inputs)
-            self._forward = self._postprocess(model)
-            self._first = (self._eval_graph(self._forward), dims)
+            marked = self._postprocess(model)
+            self._forward = marks_to_identity(marked)[0]
+            self._first = (self._eval_graph(marked), dims)
             return self._first[0]
         first, dims = self._first
         if accepts(dims, self._dtypes, inputs):
@@ -271,6 +280,8 @@ class TorchEvalGraphs:
 
     def _eval_graph(self, forward: onnx.ModelProto) -> EvalGraph:
         model = guard_pytorch_indices(build_eval_model(forward, self._state, self._source.output_names))
+        if self._instrument is not None:
+            model = self._instrument(model, "eval")
         return EvalGraph(model, self.data_inputs)  # indices range-checked as PyTorch does: graph/class_labels.py
 
     def _sample_inputs(self) -> list[torch.Tensor]:

@@ -90,9 +90,9 @@ class CompileRequest:
     builder: BuilderChoice = BuilderChoice("ort", "")  # see gradient/choice.py
     torch_source: TorchSource | None = None  # what the torch builder traces (None: an ONNX model)
     sample_inputs: Sequence[torch.Tensor] | None = None  # the first batch: the torch builder's first signature
-    recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder only (gradient/choice.ort_only_options)
+    recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder's pass (the torch builder's: in its trace)
     gradient_options: GradientOptions | None = None  # cast propagation (both builders), memory-efficient gradients
-    statistics: StatisticsInstrument | None = None  # orttrainer.debug statistics ('ort' builder only)
+    statistics: StatisticsInstrument | None = None  # orttrainer.debug statistics
     lazy_eval: bool = False  # the torch route: `forward` holds only the state, eval graphs come from torch_route
     batch_norms: Sequence[BatchNormStatistics] = ()  # running statistics the 'ort' builder's graph updates
     update: str = "auto"  # where the optimizer update runs (update/path.py); resolved by compile_model
@@ -236,8 +236,9 @@ def _eval_forward(request: CompileRequest, state: list[str]) -> onnx.ModelProto:
 
 
 def _gradient_passes(request: CompileRequest, scaled_loss: str) -> list:
-    """Stage 3's passes; the torch builder's graph gets orttrainer's cast propagation (ONNX Runtime's builder
-    propagates casts itself, gradient/ort_options.py)."""
+    """Stage 3's passes; the torch builder recomputes in its trace (gradient/torch_recompute.py), so its gradient
+    model gets no recompute pass, and orttrainer's cast propagation (ONNX Runtime's builder propagates casts
+    itself, gradient/ort_options.py)."""
     options = request.gradient_options
     torch_built = request.builder.builder == "torch"
     return gradient_passes(
@@ -245,7 +246,7 @@ def _gradient_passes(request: CompileRequest, scaled_loss: str) -> list:
         cpu=request.cpu,
         scaled_loss=scaled_loss,
         outputs=request.outputs,
-        recompute=request.recompute,
+        recompute=RecomputePlan() if torch_built else request.recompute,
         statistics=request.statistics,
         cast_propagation=options.cast_propagation if options is not None and torch_built else None,
     )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..runtime.ort import TRAINING_EXTRA_HINT
 
 if TYPE_CHECKING:
-    from ...schema.options import ORTTrainerOptions
+    pass
 
 OPTION = "_internal_use.gradient_builder"
 
@@ -31,25 +31,6 @@ class BuilderChoice:
 
     builder: str
     reason: str
-
-
-def ort_only_options(options: ORTTrainerOptions, onnx_model: bool = False) -> list[str]:
-    """The options set in `options` (an ORTTrainerOptions) that only the 'ort' builder honours: recompute and
-    memory-efficient gradients act on ONNX Runtime's gradient graph (cast propagation works on both builders,
-    graph/cast_propagation.py for the torch builder's graphs; so does `extra_postprocess`, which on the torch
-    builder edits torch.export's forward graph, build/forward.edited_torch_forward); mixed precision counts for an
-    ONNX model only (the torch builder traces a PyTorch model in float16 itself, build/export.py). (The trainer adds
-    'orttrainer.debug statistics' when a StatisticsSubscriber's manager is subscribed to the model: the statistics
-    are outputs of the exported graph's marked tensors.)"""
-    graph = options.graph_transformer
-    checks = (
-        ("mixed_precision.enabled", bool(options.mixed_precision.enabled) and onnx_model),
-        ("graph_transformer.gelu_recompute", graph.gelu_recompute),
-        ("graph_transformer.attn_dropout_recompute", graph.attn_dropout_recompute),
-        ("graph_transformer.transformer_layer_recompute", graph.transformer_layer_recompute),
-        ("utils.memory_efficient_gradient", options.utils.memory_efficient_gradient),
-    )
-    return [name for name, is_set in checks if is_set]
 
 
 def choose_builder(
@@ -68,8 +49,9 @@ def choose_builder(
     - custom Functions with `edits_forward` (`_internal_use.extra_postprocess` on a PyTorch model) are a
       NotImplementedError: both exporters write a Function's forward only, so the edited graph's gradient would
       ignore the user's backward;
-    - `ort_only` features (see `ort_only_options`) need 'ort': with them 'torch' is a NotImplementedError (so is
-      'auto' with custom Functions, or for an ONNX model without the training build), and 'auto' means 'ort';
+    - `ort_only` features (named by the caller; every trainer option now works on both builders) need 'ort':
+      with them 'torch' is a NotImplementedError (so is 'auto' with custom Functions, or for an ONNX model without
+      the training build), and 'auto' means 'ort';
     - 'ort' with custom Functions is a NotImplementedError naming them (their backward would be ignored);
     - 'torch', and 'auto' with custom Functions, mean 'torch'; 'auto' without the training build
       (`training_build=False`: the maintained onnxruntime) means 'torch'; 'auto' otherwise stays 'auto'."""

@@ -37,19 +37,24 @@ loss, so the gradients are those of the scaled loss (float32, through each param
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import onnx
 import torch
 
 from ...dtypes import torch_to_onnx
 from ..compile.contract import buffer_update_name
+from ..graph.recompute import RecomputePlan
 from ..runtime.session import ShapeSignature, shape_signature
 from . import torch_private
 from .eager_fallback import export_with_eager_fallback
 from .errors import GradientBuildError
+from .torch_memory import invertible_layer_norm, pin_outputs
+from .torch_recompute import layer_boundaries, layer_nodes, recompute_joint
 from .torch_trace import (
     LOSS_SCALE_BUFFER,
     JointWrapper,
@@ -63,6 +68,18 @@ _logger = logging.getLogger(__name__)
 __all__ = ["MAX_ORT_OPSET", "TorchGradientGraph", "UntraceableFunctionError", "build_torch_gradient_graph"]
 
 MAX_ORT_OPSET = 21  # the newest ONNX opset ONNX Runtime 1.19 runs
+RECOMPUTED_KEY = "orttrainer.recomputed_nodes"  # model metadata: how many nodes the backward recomputes
+
+
+@dataclass(frozen=True)
+class TraceFeatures:
+    """The trainer's features that act on the traced joint graph (module docstring, "Features"): the recompute
+    options (gradient/torch_recompute.py), memory-efficient gradients (gradient/torch_memory.py), and `marking`,
+    a context in which the `orttrainer.debug` marks are taken while the module runs (trainer/activations.py)."""
+
+    recompute: RecomputePlan = field(default_factory=RecomputePlan)
+    memory_efficient: bool = False
+    marking: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,8 @@ def build_torch_gradient_graph(
     dynamic_dims: Sequence[Sequence[int]] | None = None,
     same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
     loss_scale: tuple[str, str] | None = None,
+    features: TraceFeatures | None = None,
+    float16_casts: bool = True,
 ) -> TorchGradientGraph:
     """Trace `module` (+ `loss_fn`) on `sample_inputs` and return its forward+backward ONNX graph.
 
@@ -129,7 +148,9 @@ def build_torch_gradient_graph(
     `frozen` parameters (and parameters in neither list) get none. `opset_version` below 18 is raised to 18 (the
     exporter's minimum); above 21 is an error. `dynamic_dims[i]` lists the dims of input i to keep dynamic (see
     the module docstring; None: none), `same_sizes` groups of (input, dim) that are one size, `loss_scale` the
-    (scaled loss, loss-scale input) names under mixed precision (module docstring). Raises
+    (scaled loss, loss-scale input) names under mixed precision (module docstring; `float16_casts` False: the
+    module computes in float16 itself, only the loss scale is added), `features` what else acts on the trace
+    (`TraceFeatures`). Raises
     GradientBuildError (UntraceableFunctionError for a custom Function that cannot be traced) when PyTorch
     cannot trace or export the model.
     """
@@ -137,7 +158,19 @@ def build_torch_gradient_graph(
     opset = _effective_opset(opset_version)
     inputs = [t.detach() for t in sample_inputs]  # gradients are for parameters only
     names = [loss_scale[0], *output_names] if loss_scale else list(output_names)
-    request = _Trace(module, loss_fn, list(input_names), inputs, names, list(trainable), opset, same_sizes, loss_scale)
+    request = _Trace(
+        module,
+        loss_fn,
+        list(input_names),
+        inputs,
+        names,
+        list(trainable),
+        opset,
+        same_sizes,
+        loss_scale,
+        features or TraceFeatures(),
+        float16_casts,
+    )
     if dynamic_dims is not None and any(dynamic_dims):
         try:
             return _build(request, dynamic_dims)
@@ -171,6 +204,8 @@ class _Trace:
     opset: int
     same_sizes: Sequence[Sequence[tuple[int, int]]]
     loss_scale: tuple[str, str] | None  # (scaled loss output, loss-scale input) under mixed precision
+    features: TraceFeatures
+    float16_casts: bool  # under mixed precision: the trace casts the state and inputs (False: the module does)
 
 
 def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> TorchGradientGraph:
@@ -182,6 +217,7 @@ def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> Tor
     state_inputs, mutated = _rewrite_joint(
         graph, sig, _traced_state(wrapper), canonical, trainable, len(request.output_names), type(module).__name__
     )
+    graph, recomputed = _apply_features(graph, request)
     gradient_names = [f"{p}_grad" for p in trainable]
     try:
         model = export_with_eager_fallback(  # ops without an ONNX translation run in PyTorch (see there)
@@ -198,6 +234,8 @@ def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> Tor
             f"{type(module).__name__} to ONNX opset {request.opset}: {err}"
         ) from err
     model = _order_inputs(model, list(input_names), {n: state[n] for n in canonical.values()})  # the scale last
+    if request.features.recompute:
+        model.metadata_props.add(key=RECOMPUTED_KEY, value=str(recomputed))
     scale_input = request.loss_scale[1] if request.loss_scale else None
     state_names = [n for n in canonical.values() if n != scale_input]
     signature = shape_signature(inputs)
@@ -219,13 +257,56 @@ def _wrap(request: _Trace) -> tuple[JointWrapper, dict[int, str], dict[str, torc
     """The wrapper to trace, id(tensor) -> its state name (`_canonical_names`; under mixed precision the wrapper's
     loss-scale buffer too, last, named as the loss-scale input) and the state tensors by those names."""
     module = request.module
-    wrapper = JointWrapper(module, request.loss_fn, request.input_names, request.loss_scale is not None)
+    hooks = _trace_hooks(request) if _has_hooks(request.features) else None
+    wrapper = JointWrapper(
+        module, request.loss_fn, request.input_names, request.loss_scale is not None, hooks, request.float16_casts
+    )
     canonical = _canonical_names(module)  # before tracing: tensor attributes are buffers only while it runs
     state = {name: tensor.detach() for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
     if request.loss_scale:
         scale = getattr(wrapper, LOSS_SCALE_BUFFER)
         canonical[id(scale)], state[request.loss_scale[1]] = request.loss_scale[1], scale
     return wrapper, canonical, state
+
+
+def _has_hooks(features: TraceFeatures) -> bool:
+    return features.marking is not None or features.memory_efficient or features.recompute.layers is not None
+
+
+def _trace_hooks(request: _Trace) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context the module runs in while traced: the activation marks, each transformer layer's boundaries
+    (layer recompute), layer norms with the invertible gradient (memory-efficient gradients)."""
+    features = request.features
+
+    @contextlib.contextmanager
+    def hooks() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if features.marking is not None:
+                stack.enter_context(features.marking())
+            if features.recompute.layers is not None:
+                stack.enter_context(layer_boundaries(request.module))
+            if features.memory_efficient:
+                stack.enter_context(invertible_layer_norm())
+            yield
+
+    return hooks
+
+
+def _apply_features(graph: torch.fx.GraphModule, request: _Trace) -> tuple[torch.fx.GraphModule, int]:
+    """The traced joint graph with recompute applied and, with recompute or memory-efficient gradients, every
+    output pinned where autograd computes it (gradient/torch_memory.py); the layer marks removed. Returns the
+    graph and how many nodes its backward recomputes. Recompute's notes become warnings."""
+    features, forward_outputs = request.features, len(request.output_names)
+    layers = layer_nodes(graph)
+    recomputed = 0
+    if features.recompute:
+        result = recompute_joint(graph, features.recompute, forward_outputs, layers)
+        graph, recomputed = result.graph, result.count
+        for note in result.notes:
+            warnings.warn(f"options {note}", stacklevel=2)
+    if features.recompute or features.memory_efficient:
+        pin_outputs(graph)
+    return graph, recomputed
 
 
 def _check_arguments(

@@ -13,6 +13,8 @@ Rules:
 - Mixed precision (`TorchSource.mixed_precision`): the module is traced in float16 on its float32 state, with the
   loss-scale input and the scaled-loss output `loss_scale_names` gives (gradient/torch_builder.py); every graph
   traced from that source, for any input shapes, has them.
+- Features (`TorchSource.features`): recompute, memory-efficient gradients and the `orttrainer.debug` marks act on
+  every graph traced from the source (`torch_builder.TraceFeatures`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..graph.mixed_precision import LOSS_SCALE_INPUT
 from ..graph.passes import run_passes
 from ..graph.state_names import rename_state_pass
 from .errors import GradientBuildError
-from .torch_builder import build_torch_gradient_graph
+from .torch_builder import TraceFeatures, build_torch_gradient_graph
 
 _logger = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ class TorchSource:
     same_sizes: list[list[tuple[int, int]]] = field(default_factory=list)
     state_names: Mapping[str, str] | None = None  # module state name -> the trainer's name, where they differ
     mixed_precision: bool = False  # traced in float16 with a loss-scale input (module docstring)
+    features: TraceFeatures = field(default_factory=TraceFeatures)  # recompute, memory efficiency, debug marks
+    float16_casts: bool = True  # False: the module computes in float16 itself (build/onnx_float16.py)
 
 
 Accepts = Callable[[Sequence[torch.Tensor]], bool]
@@ -102,6 +106,8 @@ def torch_gradient_model(
             source.dynamic_dims if dynamic else None,
             source.same_sizes,
             scale,
+            source.features,
+            source.float16_casts,
         )
     if dynamic:
         kind = f"dynamic dims {graph.dynamic_dims}" if graph.dynamic else "the sample's concrete shapes"

@@ -63,7 +63,14 @@ class JointWrapper(torch.nn.Module):
     With `mixed_precision`: the model computes in float16 on float32 state (build/export.py), and the result
     is `(loss · loss_scale, loss, *outputs)` with the loss float32 and `loss_scale` a float32 scalar buffer (the
     builder makes it a graph input, `LOSS_SCALE_BUFFER`): the backward starts from the scaled loss, so its seed
-    d(loss · s)/d loss = s enters where the backward starts, as the 'ort' path's `append_loss_scale` does."""
+    d(loss · s)/d loss = s enters where the backward starts, as the 'ort' path's `append_loss_scale` does.
+
+    `float16` False (mixed precision for a module that computes in float16 itself, an ONNX model's converted graph,
+    build/onnx_float16.py): the loss scale without the float16 casts.
+
+    `hooks`, when given, makes a context each forward runs in (a fresh one per call: a trace may call forward
+    more than once): the trainer's tracing features (activation marks, layer boundaries, invertible layer norms;
+    gradient/torch_builder.py)."""
 
     def __init__(
         self,
@@ -71,15 +78,19 @@ class JointWrapper(torch.nn.Module):
         loss_fn: Callable | None,
         input_names: Sequence[str],
         mixed_precision: bool = False,
+        hooks: Callable[[], contextlib.AbstractContextManager] | None = None,
+        float16: bool = True,
     ) -> None:
         super().__init__()
-        self.inner = _ModelWithLoss(module, loss_fn, list(input_names), float16=mixed_precision)
+        self.inner = _ModelWithLoss(module, loss_fn, list(input_names), float16=mixed_precision and float16)
         self.mixed_precision = mixed_precision
+        self.hooks = hooks
         if mixed_precision:
             self.register_buffer(LOSS_SCALE_BUFFER, torch.ones((), dtype=torch.float32))
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with attributes_restored(self.inner):  # each of the tracer's runs starts from the module as it is
+        hooks = self.hooks() if self.hooks is not None else contextlib.nullcontext()
+        with attributes_restored(self.inner), hooks:  # each of the tracer's runs starts from the module as it is
             loss, *outputs = flatten_tensors(self.inner(*inputs))
         detached = tuple(t.detach() for t in outputs)
         if not self.mixed_precision:

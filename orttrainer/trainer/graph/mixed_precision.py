@@ -54,15 +54,16 @@ FP32_ONLY_CPU_KERNELS = ("SliceGrad",)  # data input 0 is the gradient
 LOSS_SCALE_INPUT = "loss_scale"
 
 
-def to_float16(model: onnx.ModelProto, keep_float32: list[str]) -> onnx.ModelProto:
-    """Rule 1 above. Inputs/outputs in `keep_float32` stay float32; the argument is not modified.
+def to_float16(model: onnx.ModelProto, keep_float32: list[str], block: tuple[str, ...] = ()) -> onnx.ModelProto:
+    """Rule 1 above. Inputs/outputs in `keep_float32` stay float32, and so do the ops in `block` besides
+    `FLOAT32_OPS`; the argument is not modified.
 
     Precondition: no name in `keep_float32` is an initializer: the converter keeps only graph inputs and outputs
     float32, so that initializer would silently become float16 (`move_initializers_to_inputs` first)."""
     require("to_float16", _keep_float32_problem(model, keep_float32))
     from onnxruntime.transformers import float16
 
-    blocked = list(dict.fromkeys([*float16.DEFAULT_OP_BLOCK_LIST, *FLOAT32_OPS]))
+    blocked = list(dict.fromkeys([*float16.DEFAULT_OP_BLOCK_LIST, *FLOAT32_OPS, *block]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the converter warns about values clamped to the fp16 range
         converted = float16.convert_float_to_float16(

@@ -12,7 +12,8 @@ runs them (its stages carry the same numbers).
 3. `gradient_passes`: on the gradient model (forward outputs + `<p>_grad`), the same for both builders and every
    input-shape signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels
    get casts; embedding gradients become scatter-adds; on the CPU in float32, softmax cross-entropy becomes plain
-   ops; then recompute and the activation statistics (the 'ort' builder only).
+   ops; then recompute (the 'ort' builder's; the torch builder recomputes in its trace, gradient/torch_recompute.py)
+   and the activation statistics.
 4. `training_tail`: accumulation, clipping and the optimizer update as one pass whose result carries its state
    contract (graph/training.py, compile/contract.py); with data parallelism, the gradient-step pass (the optimizer
    graph is a model of its own, graph/data_parallel.build_optimizer_graph).
@@ -118,8 +119,8 @@ def gradient_passes(
     statistics: StatisticsInstrument | None,
     cast_propagation: CastPropagation | None = None,
 ) -> list[GraphPass]:
-    """`gradient_model_passes`, then recompute and statistics (the 'ort' builder only: the choice of builder
-    refuses them for the torch builder, gradient/choice.py)."""
+    """`gradient_model_passes`, then recompute (an empty plan for the torch builder, which recomputes in its trace)
+    and statistics."""
     passes = gradient_model_passes(
         mixed_precision=mixed_precision, cpu=cpu, scaled_loss=scaled_loss, cast_propagation=cast_propagation
     )

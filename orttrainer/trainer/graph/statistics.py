@@ -5,7 +5,9 @@ Two passes, and `decode_statistics`, which turns the fetched outputs back into `
 * `marks_to_identity`: the export routes every subscribed activation through a marker op
   (`orttrainer.debug::ActivationMark`, attribute `activation`); this pass makes each marker a plain `Identity`, so the
   graph is standard ONNX again, and reports which tensor holds which activation. The marker outputs stay distinct
-  tensors, so the gradient builder gives each its own gradient (`<tensor>_grad`, the sum over its consumers).
+  tensors, so the gradient builder gives each its own gradient (`<tensor>_grad`, the sum over its consumers). The
+  torch builder's traces mark gradients too (attribute `direction` 'backward', gradient/torch_private/custom_ops.py):
+  `directed_marks_to_identity` reports the direction of each.
 * `append_statistics`: for each target tensor, reductions computed on the device (min, max, sum, sum of squared
   deviations, nan/inf/neg/pos/zero counts, the shape and the first 128 flattened elements) become three graph
   outputs. Nothing else changes, so a session that runs with `only_execute_path_to_fetches` computes them only on
@@ -61,28 +63,39 @@ class StatisticsOutputs:
 
 def marks_to_identity(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tuple[str, str]]]:
     """Rule: every `orttrainer.debug::ActivationMark(x) -> y` node becomes `Identity(x) -> y`, named
-    `orttrainer/activation/<activation>`; the `orttrainer.debug` opset import is dropped.
+    `orttrainer/activation/<activation>` (a backward mark: `orttrainer/activation_backward/<activation>`); the
+    `orttrainer.debug` opset import is dropped.
 
-    Returns the new model and `(activation, y)` pairs in node order. Precondition: each marker has one input, one
-    output and a string `activation` attribute (else `PassPreconditionError` naming the node).
+    Returns the new model and `(activation, y)` pairs of the forward marks in node order. Precondition: each marker
+    has one input, one output and a string `activation` attribute (else `PassPreconditionError` naming the node).
     """
+    result, marks = directed_marks_to_identity(model)
+    return result, [(activation, y) for activation, direction, y in marks if direction == "forward"]
+
+
+def directed_marks_to_identity(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tuple[str, str, str]]]:
+    """`marks_to_identity`, returning `(activation, direction, y)` for every mark; `direction` is the marker's
+    `direction` attribute ('forward' when absent)."""
     require("marks_to_identity", _marker_problem(model))
     result = copy_model(model)
     taken = {n.name for n in result.graph.node} | graph_value_names(result.graph)
-    marks: list[tuple[str, str]] = []
+    marks: list[tuple[str, str, str]] = []
     for node in result.graph.node:
         if not _is_marker(node):
             continue
         activation = _marked_activation(node).decode("utf-8")
+        found = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "direction"), b"forward")
+        direction = found.decode("utf-8")
+        scope = "activation" if direction == "forward" else "activation_backward"
         node.CopyFrom(
             helper.make_node(
                 "Identity",
                 list(node.input),
                 list(node.output),
-                name=fresh_name(f"orttrainer/activation/{activation}", taken),
+                name=fresh_name(f"orttrainer/{scope}/{activation}", taken),
             )
         )
-        marks.append((activation, node.output[0]))
+        marks.append((activation, direction, node.output[0]))
     kept = [o for o in result.opset_import if o.domain != MARK_DOMAIN]
     del result.opset_import[:]
     result.opset_import.extend(kept)

@@ -151,25 +151,29 @@ def create_session(
     device: Device,
     optimized_model_path: str,
     disabled_optimizers: Sequence[str] = (),
+    memory_reuse: bool = True,
 ) -> Any:
     """An `onnxruntime.InferenceSession` for `model`; `optimized_model_path` (may be "") receives the optimized
-    graph; `disabled_optimizers` names ONNX Runtime graph transformers not to run. Every provider option asked for
-    must be in effect, and `device.id` cuda must run on CUDA."""
+    graph; `disabled_optimizers` names ONNX Runtime graph transformers not to run; `memory_reuse` False turns off
+    the allocation planner's buffer reuse (`SessionOptions.enable_mem_reuse`) for this session. Every provider
+    option asked for must be in effect, and `device.id` cuda must run on CUDA."""
     import onnxruntime as ort
 
     eager_ops.prepare_options(model, options)  # ops PyTorch runs inside the graph (gradient/eager_fallback.py)
-    saved = (options.optimized_model_filepath, options.enable_mem_pattern)
+    saved = (options.optimized_model_filepath, options.enable_mem_pattern, options.enable_mem_reuse)
     options.optimized_model_filepath = optimized_model_path  # read once, at session creation
     # The memory pattern (one block per run, planned from the first run) is off: on a graph with static shapes ONNX
     # Runtime keeps that block besides the first run's arena chunks (docs/engine.md §14: +120 MB on the benchmark
     # transformer), and it was not faster on the dynamic graph either.
     options.enable_mem_pattern = False
+    if not memory_reuse:  # a freed buffer stays allocated until its reuser runs (docs/engine.md §16)
+        options.enable_mem_reuse = False
     try:
         session = ort.InferenceSession(
             model.SerializeToString(), options, providers=providers, disabled_optimizers=list(disabled_optimizers)
         )
     finally:
-        options.optimized_model_filepath, options.enable_mem_pattern = saved
+        options.optimized_model_filepath, options.enable_mem_pattern, options.enable_mem_reuse = saved
     if device.type == "cuda" and session.get_providers()[0] != "CUDAExecutionProvider":
         raise RuntimeError(
             f"options device.id is cuda:{device.index} but ONNX Runtime's CUDAExecutionProvider could not "

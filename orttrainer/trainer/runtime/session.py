@@ -310,6 +310,7 @@ class SessionConfig:
     session_options: Any = None  # onnxruntime.SessionOptions given by the user
     deterministic: bool = False
     optimized_model_path: str = ""
+    memory_reuse: bool = True  # False: training sessions without ONNX Runtime's buffer reuse (docs/engine.md §16)
 
 
 class SessionBase(ABC):
@@ -347,7 +348,10 @@ class SessionBase(ABC):
 
     def _session(self, model: onnx.ModelProto, optimized_model_path: str, training: bool = True) -> Any:
         unsafe = TRAINING_UNSAFE_FUSIONS if training else ()
-        return create_session(model, self._options, self._providers, self.config.device, optimized_model_path, unsafe)
+        reuse = self.config.memory_reuse or not training
+        return create_session(
+            model, self._options, self._providers, self.config.device, optimized_model_path, unsafe, reuse
+        )
 
     def _eval_session(self, model: onnx.ModelProto, optimized_model_path: str) -> Any:
         return self._session(model, optimized_model_path, training=False)
@@ -400,6 +404,10 @@ class SessionBase(ABC):
         """How many training graphs are compiled and kept (torch builder: one per input-shape signature its first,
         dynamic-shape graph does not serve)."""
         return self._runners.graph_count
+
+    def prepare_eval(self, data: dict[str, torch.Tensor]) -> None:
+        """Build (if needed) the eval graph and session for this batch's shapes, without running anything."""
+        self._evals.for_data(data)
 
     def evaluate(self, data: dict[str, torch.Tensor], outputs: list[str]) -> dict[str, torch.Tensor]:
         """Run the eval graph (for `data`'s shapes) on `data`; returns the requested outputs. Where `data` lacks

@@ -18,6 +18,9 @@ from typing import Any
 import onnx
 import torch
 
+from .custom_ops import register_translations
+from .custom_ops import translations as own_translations
+
 # The oldest opset torch's ONNX translations (onnxscript torchlib) are written for. Lower requests go through a
 # version converter that fails on common ops (verified: opset 14 -> "No Adapter From Version $16 for Identity").
 MIN_DYNAMO_OPSET = 18
@@ -46,10 +49,13 @@ def unsupported_at_opset(err: BaseException) -> tuple[str, int, int] | None:
 
 @functools.lru_cache(maxsize=4)
 def _registry(opset_version: int) -> Any:
-    """torch.onnx's table of ONNX translations (onnxscript torchlib) for an opset; building one takes ~1.5 s."""
+    """torch.onnx's table of ONNX translations (onnxscript torchlib) for an opset, with orttrainer's own operators
+    (`custom_ops.py`); building one takes ~1.5 s."""
     from torch.onnx._internal.exporter import _registration
 
-    return _registration.ONNXRegistry.from_torchlib(opset_version=opset_version)
+    registry = _registration.ONNXRegistry.from_torchlib(opset_version=opset_version)
+    register_translations(registry)
+    return registry
 
 
 @functools.lru_cache(maxsize=1)
@@ -314,9 +320,9 @@ def _export(
         "verify": False,
         "report": False,
         "verbose": False,
+        # orttrainer's own operators (custom_ops.py), and the caller's (op overload -> translation function)
+        "custom_translation_table": {**own_translations(), **(translations or {})},
     }
-    if translations:  # op overload -> translation function (`record_node`)
-        options["custom_translation_table"] = translations
     with _quiet_exporter():
         try:
             program = torch.onnx.export(graph, tuple(args), dynamic_shapes=shapes, **options)
