@@ -314,9 +314,13 @@ class TorchShapeGraphs:
 
     Why: a traced graph is valid only for the inputs it accepts (gradient/torch_builder.py): with model_desc's
     string dims traced dynamic, every size the trace's guards allow; else its own shapes. `first` was compiled
-    for the first batch and is returned for every input `accepts` takes (logged once per signature); other
-    inputs get a graph traced for their shapes and run through stages 2-4 (graph/pipeline.py), which must have
-    `first`'s state contract (checked). The session caches the results per signature."""
+    for the first batch and is returned for every input `accepts` takes (logged once per signature). Other
+    inputs: the first time a batch of another signature arrives (and its dynamic dims are all >= 2, the sizes
+    PyTorch's tracer does not specialise), the graph is traced with model_desc's string dims dynamic and then
+    serves every later batch its guards accept (the first graph is traced for the first batch's shapes:
+    `graph/passes.rewrite_enabled("static_shapes")`, gradient/differentiate.py); any other batch gets a graph
+    traced for its shapes. Each runs through stages 2-4 (graph/pipeline.py) and must have `first`'s state
+    contract (checked). The session caches the results per signature."""
 
     def __init__(self, request: CompileRequest, first: StepGraph, accepts: Accepts | None) -> None:
         if request.torch_source is None or request.sample_inputs is None:
@@ -325,6 +329,8 @@ class TorchShapeGraphs:
         self._signature = shape_signature(request.sample_inputs)
         self._accepts = accepts
         self._source = request.torch_source
+        self._dynamic: tuple[StepGraph, Accepts] | None = None  # the dynamic-dims graph, once traced
+        self._dynamic_tried = not any(self._source.dynamic_dims)  # nothing to trace dynamic
         # keeps no batch and no forward model alive
         self._request = replace(request, forward=onnx.ModelProto(), sample_inputs=None)
 
@@ -332,22 +338,34 @@ class TorchShapeGraphs:
         shapes = [list(t.shape) for t in inputs]
         if shape_signature(inputs) == self._signature:
             return self.first
-        if self._accepts is not None and self._accepts(inputs):
-            _logger.info("input shapes %s: the first training graph serves them (dynamic dims)", shapes)
-            return self.first
+        for graph, accepts in [(self.first, self._accepts), *([self._dynamic] if self._dynamic else [])]:
+            if accepts is not None and accepts(inputs):
+                _logger.info("input shapes %s: an earlier training graph serves them (dynamic dims)", shapes)
+                return graph
+        dynamic = not self._dynamic_tried and all(
+            t.shape[d] >= 2 for t, dims in zip(inputs, self._source.dynamic_dims, strict=False) for d in dims
+        )
         request = self._request
         _logger.info(
-            "tracing and compiling a training graph for the new input shapes %s (torch gradient builder: the "
-            "first graph is not valid for them; one graph per such input-shape signature)",
+            "tracing and compiling a training graph for the new input shapes %s (torch gradient builder%s)",
             shapes,
+            ": with model_desc's string dims dynamic, for the shapes to come" if dynamic else "",
         )
         with TRACING:
-            model, _ = torch_gradient_model(
-                self._source, inputs, request.outputs, request.trainable, request.trainable + request.frozen
+            model, accepts = torch_gradient_model(
+                self._source,
+                inputs,
+                request.outputs,
+                request.trainable,
+                request.trainable + request.frozen,
+                dynamic=dynamic,
             )
         loss, scale = _torch_loss_names(request)
         graph = _tail(request, run_passes(model, _gradient_passes(request, loss)), scale, {})
         check_same_state_contract(self.first, graph)
+        if dynamic:
+            self._dynamic_tried = True
+            self._dynamic = (graph, accepts)
         return graph
 
 

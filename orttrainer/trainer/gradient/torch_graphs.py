@@ -93,7 +93,7 @@ def torch_gradient_model(
         )
     if dynamic:
         kind = f"dynamic dims {graph.dynamic_dims}" if graph.dynamic else "the sample's concrete shapes"
-        _logger.info("torch gradient builder: the first training graph is traced with %s", kind)
+        _logger.info("torch gradient builder: the training graph is traced with %s", kind)
     values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
     model = bind_foreign_state(graph.model, len(source.input_names), [*state, *scale[1:]] if scale else state, values)
     passes = [GUARD_PYTORCH_INDICES, *([rename_state_pass(names)] if names else [])]  # graph/class_labels.py

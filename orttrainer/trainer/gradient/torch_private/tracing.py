@@ -47,9 +47,11 @@ def training_decompositions() -> dict:
     return table
 
 
-def trace_decompositions(float16: bool = False) -> dict:
-    """What the torch builder traces with: `training_decompositions()`, and `onnx_decompositions()` for the ops
-    left that torch.onnx has no ONNX translation for (so its graphs export without a decomposition pass) — except
+def trace_decompositions(float16: bool = False, for_torch_onnx: bool = True) -> dict:
+    """What the torch builder traces with: `training_decompositions()`, and (`for_torch_onnx`) `onnx_decompositions()`
+    for the ops left that torch.onnx has no ONNX translation for (so its graphs export without a decomposition
+    pass; building that table needs torch.onnx's translation table, ~2.5 s; the direct translation,
+    gradient/aten_onnx.py, does without it) — except
     `lift`/`lift_fresh`: the tracer itself turns a tensor created during the trace (`torch.from_numpy` in an
     OnnxModule, a constant) into a graph constant through them; decomposed, they alias the real tensor, which the
     fake-tensor mode refuses ("Please convert all Tensors to FakeTensors first").
@@ -63,6 +65,8 @@ def trace_decompositions(float16: bool = False) -> dict:
     table = training_decompositions()
     if float16:
         table.update(get_decompositions([torch.ops.aten.native_layer_norm.default]))
+    if not for_torch_onnx:
+        return table
     tracer_ops = {torch.ops.aten.lift.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.out}
     for op, decomposition in onnx_decompositions().items():
         if op not in table and op not in tracer_ops:  # not setdefault: CustomDecompTable ignores it (torch 2.13)
@@ -112,11 +116,16 @@ class JointSignature:
 
 
 def aot_export_joint(
-    module: torch.nn.Module, args: Sequence[Any], loss_index: int = 0, float16: bool = False
+    module: torch.nn.Module,
+    args: Sequence[Any],
+    loss_index: int = 0,
+    float16: bool = False,
+    for_torch_onnx: bool = True,
 ) -> tuple[torch.fx.GraphModule, JointSignature]:
     """Trace `module(*args)` and PyTorch's backward of its output `loss_index` into one functional aten graph.
 
-    Decompositions: `trace_decompositions(float16)` (`float16`: the module computes in float16). Placeholders
+    Decompositions: `trace_decompositions(float16, for_torch_onnx)` (`float16`: the module computes in float16).
+    Placeholders
     are (parameters, buffers, user inputs); outputs are (mutated inputs, user outputs, parameter gradients), as
     `JointSignature` spells out. Custom
     `torch.autograd.Function`s contribute their own forward and backward. `module` must return a tuple; every
@@ -132,7 +141,7 @@ def aot_export_joint(
             list(args),
             trace_joint=True,
             output_loss_index=loss_index,
-            decompositions=trace_decompositions(float16),
+            decompositions=trace_decompositions(float16, for_torch_onnx),
         )
     if not isinstance(graph, torch.fx.GraphModule):  # the joint trace always returns one
         raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
@@ -164,11 +173,12 @@ def aot_export_joint_dynamic(
     dynamic_dims: Sequence[Sequence[int]],
     same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
     float16: bool = False,
+    for_torch_onnx: bool = True,
 ) -> tuple[torch.fx.GraphModule, JointSignature, ShapeGuards]:
     """`aot_export_joint` with the dims `dynamic_dims[i]` of `args[i]` symbolic: one graph for every size of
     those dims that satisfies the returned guards. Each group of `same_sizes` ((input, dim) pairs) is one size
-    (model_desc names them alike): one symbol, which keeps the symbolic arithmetic small. `float16`: as
-    `aot_export_joint`'s.
+    (model_desc names them alike): one symbol, which keeps the symbolic arithmetic small. `float16`,
+    `for_torch_onnx`: as `aot_export_joint`'s.
 
     How: the user inputs become fake tensors with symbolic sizes in a ShapeEnv, and
     `aot_export_joint_with_descriptors` traces the joint graph (aot_export_module re-traces its joint without
@@ -200,7 +210,7 @@ def aot_export_joint_dynamic(
             torch._check(fakes[i].shape[d] == fakes[first].shape[first_dim])
     with contextlib.ExitStack() as stack, torch.enable_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        table = trace_decompositions(float16)
+        table = trace_decompositions(float16, for_torch_onnx)
         joint = aot_export_joint_with_descriptors(stack, module, tuple(fakes), decompositions=table)
     graph = joint.graph_module
     tied: dict[int, list[str]] = {}  # a parameter's names (several when tied), in module order
@@ -233,6 +243,7 @@ def _descriptor_signature(graph: torch.fx.GraphModule, requiring_grad: list[list
             options = {"dtype": value.dtype, "device": value.device}
             with fx.inserting_before(node):
                 one = fx.call_function(torch.ops.aten.full.default, ([], 1.0), options)
+            one.meta["val"] = value  # the translator reads each node's shape and dtype from its value
             node.replace_all_uses_with(one)
             fx.erase_node(node)
         elif isinstance(desc, d.ParamAOTInput):
@@ -308,6 +319,10 @@ def storage_reads(named: dict[str, torch.Tensor]) -> Iterator[set[str]]:
     found: set[str] = set()
 
     class Reads(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False  # see `_Recorder`: entering the mode then imports no torch._dynamo
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             for leaf in pytree.tree_leaves((args, kwargs or {})):
                 if isinstance(leaf, torch.Tensor):
