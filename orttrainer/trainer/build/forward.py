@@ -89,13 +89,18 @@ class TorchPlan:
 
 
 def prepare_torch(
-    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, activations: ActivationStatistics
+    config: TrainerConfig,
+    module: torch.nn.Module,
+    sample_inputs: list,
+    activations: ActivationStatistics,
+    record_reads: bool = True,
 ) -> TorchPlan:
-    """The dry run (no debug step counted, no file written) and the builder `choose_builder` picks for it."""
+    """The dry run (no debug step counted, no file written) and the builder `choose_builder` picks for it.
+    `record_reads=False`: the torch route's state reads are not needed (they come from the compile cache)."""
     desc, options = copy.deepcopy(config.model_desc), config.options
     check_inputs(sample_inputs, desc.inputs)
     with no_increase_global_step():
-        reads = options._internal_use.gradient_builder == "torch" or not has_training_build()  # the torch route's
+        reads = record_reads and (options._internal_use.gradient_builder == "torch" or not has_training_build())
         dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs, record_reads=reads)
     ort_only = ort_only_options(options) + (["orttrainer.debug statistics"] if activations.subscribed else [])
     choice = choose_builder(
@@ -153,17 +158,22 @@ def torchscript_forward(
 
 
 def torch_route_forward(
-    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, plan: TorchPlan
+    config: TrainerConfig,
+    module: torch.nn.Module,
+    sample_inputs: list,
+    plan: TorchPlan,
+    split: tuple[list[str], list[str]] | None = None,
 ) -> Forward:
     """The torch route (build/torch_route.py): state from the module, the training graph from AOTAutograd with
-    model_desc's string dims dynamic, the forward model from torch.export when first needed."""
+    model_desc's string dims dynamic, the forward model from torch.export when first needed. `split`: the
+    (trainable, frozen) lists an earlier build found (the compile cache), instead of the dry run's reads."""
     desc, options, dry = plan.model_desc, config.options, plan.dry
-    if dry.read_state is None:  # 'auto' came from the TorchScript route: the reads are recorded now
+    if dry.read_state is None and split is None:  # 'auto' came from the TorchScript route: the reads are recorded now
         with no_increase_global_step():
             dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs)
     names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
     dims, outputs, amp = named_dims(desc.inputs), [d.name for d in desc.outputs], options.mixed_precision.enabled
-    trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
+    trainable, frozen = split or module_state(module, list(options.utils.frozen_weights), dry)
     source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, same_size_groups(desc.inputs))
     forward = ForwardSource(module, config.loss_fn, names, outputs, dims, opset, bool(amp))  # build/export.py
     evals = TorchEvalGraphs(
