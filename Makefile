@@ -19,7 +19,7 @@ VENV_M := .venv-maintained$(if $(filter 3.11,$(PYVER)),,-$(PYVER))
 PY_M := $(VENV_M)/bin/python
 STAMP_M := $(VENV_M)/.installed
 
-.PHONY: test test-maintained lint demo bench clean
+.PHONY: test test-maintained coverage lint demo bench clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,19 @@ test: $(STAMP)
 # The same suite on the maintained onnxruntime: tests that need onnxruntime-training skip, saying so.
 test-maintained: $(STAMP_M)
 	$(PY_M) -m pytest
+
+# The coverage tables, regenerated on the maintained runtime: PyTorch's module_db/op_db through the torch builder
+# (docs/torch_builder_coverage.md and tests/torch_coverage_known.py; the default lanes test a sample of the entries,
+# this runs them all) and the onnx package's backend node cases through OnnxModule (docs/onnx_coverage.md).
+COVERAGE_JSON := benchmarks/results
+coverage: $(STAMP_M)
+	mkdir -p $(COVERAGE_JSON)
+	PYTHONPATH=. $(PY_M) tests/torch_coverage.py --run module_db --json $(COVERAGE_JSON)/module_db.json
+	PYTHONPATH=. $(PY_M) tests/torch_coverage.py --run op_db --json $(COVERAGE_JSON)/op_db.json
+	PYTHONPATH=. $(PY_M) tests/torch_coverage.py --table $(COVERAGE_JSON)/module_db.json $(COVERAGE_JSON)/op_db.json \
+		--known $(COVERAGE_JSON)/module_db.json $(COVERAGE_JSON)/op_db.json
+	PYTHONPATH=. $(PY_M) tests/test_onnx_conformance.py
+	$(PY_M) -m pytest -m "sweep or not sweep" tests/test_torch_builder_module_db.py tests/test_torch_builder_op_db.py
 
 # The style and type gates CI runs before the tests.
 lint: $(STAMP)

@@ -2,7 +2,9 @@
 
 The config names the scenario, rank, world size and options; the worker trains the MLP on its shard of a fixed
 sequence of global batches and saves what the test compares (weights, optimizer state, counters, collective calls).
-Run by tests/test_distributed.py with MASTER_ADDR/MASTER_PORT set; world_size 1 gives the single-process reference.
+Run by `helpers.run_ranks` with MASTER_ADDR/MASTER_PORT set; world_size 1 gives the single-process reference. A config
+with "runs" (a list of partial configs) trains one trainer per entry, in order, in the same processes, and saves their
+results as {"runs": [...]}.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def run(cfg: dict) -> dict:
 
 if __name__ == "__main__":
     config = json.loads(sys.argv[1])
-    result = run(config)
+    result = {"runs": [run({**config, **part}) for part in config["runs"]]} if "runs" in config else run(config)
     with open(config["out"], "w") as f:
         json.dump(result, f)
     if torch.distributed.is_initialized():

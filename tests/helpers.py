@@ -1,15 +1,24 @@
-"""Small helpers shared by trainer tests."""
+"""Small helpers shared by the tests: trainers on the CPU and their weights, hand-built ONNX graphs and running them
+with ONNX Runtime, the legacy-style export."""
 
 from __future__ import annotations
 
 import copy
 import io
+import json
+import os
+import socket
+import subprocess
+import sys
 import warnings
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
+from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer import ORTTrainer, ORTTrainerOptions
 from orttrainer.trainer.runtime import has_training_build
@@ -45,6 +54,14 @@ def torch_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
+def state_and_counters(trainer: ORTTrainer) -> dict[str, np.ndarray]:
+    """Everything a step may change: the session's state, and the step counters as "counters"."""
+    state = trainer._training_session.get_state()
+    info = trainer._train_step_info
+    state["counters"] = np.array([info.step, info.optimization_step, trainer._state.counters.optimizer_updates])
+    return state
+
+
 def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     assert set(a) == set(b), (sorted(a), sorted(b))
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)
@@ -52,6 +69,45 @@ def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
+
+
+def run_ranks(directory, world_size: int, steps: int, global_batch: int, **scenario) -> list[dict]:
+    """Run tests/dist_worker.py in `world_size` processes (Gloo on the CPU) and return each rank's result: `steps`
+    global batches of `global_batch` rows, each rank training on its shard; `scenario` is the rest of the worker's
+    config (optimizer, accumulation, options, "runs", ...)."""
+    worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+    port, procs, outs = _free_port(), [], []
+    for rank in range(world_size):
+        out = os.path.join(directory, f"rank{rank}_{len(os.listdir(directory))}.json")
+        config = {"rank": rank, "world_size": world_size, "steps": steps, "global_batch": global_batch, "out": out}
+        config.update(scenario)
+        if "save" in scenario:
+            config["save"] = scenario["save"].format(rank=rank)
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, worker, json.dumps(config)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+        outs.append(out)
+    for proc in procs:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output[-3000:]
+    results = []
+    for out in outs:
+        with open(out) as f:
+            results.append(json.load(f))
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def export_training_onnx(
@@ -80,3 +136,51 @@ def export_training_onnx(
             dynamo=False,
         )
     return onnx.load_from_string(buffer.getvalue())
+
+
+# hand-built ONNX graphs ---------------------------------------------------------------------------------------------
+
+
+def value_info(name: str, shape: Sequence | None = None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
+    """A graph input or output; `shape` None: unknown rank."""
+    return helper.make_tensor_value_info(name, elem_type, shape)
+
+
+def initializer(name: str, value, dtype=np.float32) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+
+
+def onnx_model(
+    nodes: Iterable[onnx.NodeProto],
+    inputs: Iterable[onnx.ValueInfoProto],
+    outputs: Iterable[onnx.ValueInfoProto],
+    initializers: Iterable[onnx.TensorProto] = (),
+    opset: int = 14,
+    ms: bool = False,
+    domains: Iterable[tuple[str, int]] = (),
+    ir_version: int = 8,
+) -> onnx.ModelProto:
+    """A model of one graph named "g": the ONNX domain at `opset`, then com.microsoft 1 when `ms` (ONNX Runtime's
+    contrib and training ops), then any other (domain, version) in `domains`. IR version 8, which every ONNX Runtime
+    the tests run on loads."""
+    graph = helper.make_graph(list(nodes), "g", list(inputs), list(outputs), list(initializers))
+    opsets = [("", opset), *([("com.microsoft", 1)] if ms else []), *domains]
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
+    model.ir_version = ir_version
+    return model
+
+
+def run_onnx(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> list[np.ndarray]:
+    """One run of `model` by ONNX Runtime on the CPU: the `outputs` asked for, or all of them in graph order."""
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(outputs, feeds)
+
+
+def run_onnx_by_name(model: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    """`run_onnx`'s results keyed by the graph's output names."""
+    return dict(zip([o.name for o in model.graph.output], run_onnx(model, feeds), strict=True))
+
+
+def value_names(values: Iterable) -> list[str]:
+    """The names of graph inputs, outputs or initializers, in order."""
+    return [v.name for v in values]

@@ -25,6 +25,15 @@ def mlp_desc(d_in: int = 32, classes: int = 10) -> dict:
     }
 
 
+def mlp_batches(n: int, batch: int = 8, seed: int = 1, scale: float = 1.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` (x, target) batches for `MLP()`: x standard normal times `scale`, targets in 0..9, drawn in order from a
+    generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (scale * torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)
+    ]
+
+
 class TinyTransformer(nn.Module):
     """Token + position embedding, a 2-layer post-LN TransformerEncoder with GELU and dropout, and an LM head."""
 

@@ -72,6 +72,18 @@ def test_a_second_trainer_gets_the_graphs_from_the_cache_and_trains_the_same(bui
 
 
 @pytest.mark.parametrize("builder", BUILDERS)
+def test_batch_norm_statistics_move_the_same_on_a_cached_build(builder, cache_dir, caplog):
+    first, losses, _ = _train(Normalised, builder, caplog)
+    second, cached_losses, hit = _train(Normalised, builder, caplog)
+    assert hit and cached_losses == losses
+    before, after = (t.state_dict()["model"]["full_precision"] for t in (first, second))
+    assert {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"} <= after.keys()
+    assert max_difference(before, after) == 0.0 and int(after["bn.num_batches_tracked"]) == 3
+    assert float(np.abs(np.asarray(after["bn.running_mean"])).max()) > 0  # they moved (tests/test_batch_norm.py
+    # checks how against PyTorch)
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
 def test_save_as_onnx_after_a_cached_build(builder, cache_dir, caplog, tmp_path):
     _train(MLP, builder, caplog)
     trainer, _, hit = _train(MLP, builder, caplog)
@@ -129,6 +141,22 @@ class Renamed(nn.Module):
         return self.second(nn.functional.gelu(self.first(x)))
 
 
+class Normalised(MLP):
+    """BatchNorm between the layers: its running statistics are `<buffer>__updated` outputs of the graph."""
+
+    def __init__(self, momentum: float | None = 0.1) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(64, momentum=momentum)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.gelu(self.bn(self.fc1(x))))
+
+
+class CumulativeNormalised(Normalised):
+    def __init__(self) -> None:
+        super().__init__(momentum=None)
+
+
 def _weighted(weights: list[float]):
     table = torch.tensor(weights)
 
@@ -149,7 +177,9 @@ CHANGES = {
     "the optimizer": {"config": optim.AdamConfig(lr=1e-2, alpha=0.8)},
     "the input shapes": {"data": _batches(size=6)},
     "a constant of the loss": {"loss_fn": _weighted([2.0] + [1.0] * 9)},
+    "BatchNorm's momentum": {"model": CumulativeNormalised},
 }
+BASES = {"a constant of the loss": {"loss_fn": _weighted([1.0] * 10)}, "BatchNorm's momentum": {"model": Normalised}}
 
 
 # float64 needs the torch builder: ONNX Runtime's SoftmaxCrossEntropyLossGrad mixes float32 and float64
@@ -161,7 +191,7 @@ CHANGES = {
     ],
 )
 def test_a_change_of_what_the_key_covers_is_a_miss(change, builder, cache_dir, caplog):
-    base = {"model": MLP, "loss_fn": _weighted([1.0] * 10)} if change == "a constant of the loss" else {"model": MLP}
+    base = {"model": MLP, **BASES.get(change, {})}
     _train(base["model"], builder, caplog, loss_fn=base.get("loss_fn", CE))
     changed = {**base, **CHANGES[change]}
     before = _entries(cache_dir)

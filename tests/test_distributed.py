@@ -3,12 +3,10 @@ concatenated batch, both all-reduce modes, ZeRO stage 1, checkpoint aggregation 
 
 from __future__ import annotations
 
-import json
+import functools
 import os
-import socket
-import subprocess
-import sys
 
+import helpers
 import numpy as np
 import pytest
 import torch
@@ -18,50 +16,11 @@ from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer.trainer.runtime.data_parallel import adasum_pair, partition_parameters
 
 pytestmark = pytest.mark.distributed
-WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 STEPS, PER_RANK = 10, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(tmp_path, world_size: int, **cfg) -> list[dict]:
-    """Run dist_worker.py in `world_size` processes and return each rank's result."""
-    port, procs, outs = _free_port(), [], []
-    for rank in range(world_size):
-        out = str(tmp_path / f"rank{rank}_{len(list(tmp_path.iterdir()))}.json")
-        config = {
-            "rank": rank,
-            "world_size": world_size,
-            "steps": STEPS,
-            "global_batch": 2 * PER_RANK,
-            "out": out,
-            **cfg,
-        }
-        if "save" in cfg:
-            config["save"] = cfg["save"].format(rank=rank)
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, json.dumps(config)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-        outs.append(out)
-    for proc in procs:
-        output, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, output[-3000:]
-    results = []
-    for out in outs:
-        with open(out) as f:
-            results.append(json.load(f))
-    return results
+# the scenario of every run here: STEPS global batches of PER_RANK rows per rank
+run_ranks = functools.partial(helpers.run_ranks, steps=STEPS, global_batch=2 * PER_RANK)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -145,10 +145,9 @@ def test_these_options_need_the_ort_gradient_builder():
     }
     assert ort_only_options(cpu_options(extra)) == [
         "graph_transformer.gelu_recompute",
-        "graph_transformer.propagate_cast_ops_config",
         "utils.memory_efficient_gradient",
-    ]
-    assert ort_only_options(cpu_options({"graph_transformer": {"propagate_cast_ops_config": {"level": 1}}})) == []
+    ]  # cast propagation works on both builders (test_cast_propagation)
+    assert ort_only_options(cpu_options({"graph_transformer": {"propagate_cast_ops_config": {"level": 2}}})) == []
     extra = {"utils": {"memory_efficient_gradient": True}, "_internal_use": {"gradient_builder": "torch"}}
     if not has_training_build():  # refused at construction: no builder here could honour it
         refused = r"\['utils.memory_efficient_gradient'\] need onnxruntime-training"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from helpers import needs_training_build
+from helpers import needs_training_build, run_onnx
 from onnx import TensorProto, helper
 
 from orttrainer.trainer.graph.cross_entropy import CROSS_ENTROPY_AS_PLAIN_OPS, cross_entropy_as_plain_ops
@@ -58,8 +58,7 @@ def _run(model, scores_shape, reduction, ignore_index=None, seed=0):
         "y": labels.astype(np.int64),
         "dloss": np.asarray(rng.standard_normal(loss_shape) + 2, dtype=np.float32),
     }
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(["loss", "dx"], feeds)
+    return run_onnx(model, feeds, ["loss", "dx"])
 
 
 @needs_training_build

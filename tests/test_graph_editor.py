@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from helpers import onnx_model, run_onnx, value_info
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.editor import (
@@ -23,16 +23,6 @@ from orttrainer.trainer.graph.editor import (
 )
 from orttrainer.trainer.graph.passes import PassPreconditionError
 
-OPSET = [helper.make_opsetid("", 14)]
-
-
-def _vi(name: str, shape=None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, shape)
-
-
-def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
-    return helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(initializers)), opset_imports=OPSET)
-
 
 def _add_model() -> onnx.ModelProto:
     """y = x + b; a tensor and a node already use names the editor would invent."""
@@ -41,11 +31,7 @@ def _add_model() -> onnx.ModelProto:
         helper.make_node("Add", ["x", "b"], ["orttrainer/t/Mul"], name="orttrainer/t/Mul_node"),
         helper.make_node("Identity", ["orttrainer/t/Mul"], ["y"], name="id"),
     ]
-    return _model(nodes, [_vi("x", [])], [_vi("y", [])], [b])
-
-
-def _run(model: onnx.ModelProto, feeds: dict, outputs: list[str]) -> list[np.ndarray]:
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(outputs, feeds)
+    return onnx_model(nodes, [value_info("x", [])], [value_info("y", [])], [b])
 
 
 def test_fresh_name_skips_taken_names_and_records_the_result():
@@ -173,7 +159,7 @@ def test_scalar_product_of_one_tensor_and_unit_floats_adds_nothing():
 
 def test_scalar_product_multiplies_tensors_and_the_folded_constant():
     model = _add_model()
-    model.graph.input.append(_vi("z", []))
+    model.graph.input.append(value_info("z", []))
     ed = GraphEditor(model.graph, "s")
     product = ed.scalar_product([3.0, "y", 0.5, "z", 4.0], "f")
     assert isinstance(product, str)
@@ -181,7 +167,7 @@ def test_scalar_product_multiplies_tensors_and_the_folded_constant():
     ed.add_output(product, TensorProto.FLOAT, [])
     folded = numpy_helper.to_array(model.graph.initializer[-1])
     assert folded == np.float32(6.0)
-    (value,) = _run(model, {"x": np.array(1.5, np.float32), "z": np.array(-2.0, np.float32)}, [product])
+    (value,) = run_onnx(model, {"x": np.array(1.5, np.float32), "z": np.array(-2.0, np.float32)}, [product])
     np.testing.assert_allclose(value, 6.0 * (1.5 + 2.0) * -2.0, rtol=0, atol=0)
 
 
@@ -197,13 +183,13 @@ def test_as_tensor_and_inputs_outputs():
     out = ed.op("Mul", [ed.op("Mul", ["y", c]), "scale"], outputs=["scaled"])
     ed.add_output(out, TensorProto.FLOAT, [])
     onnx.checker.check_model(model, full_check=True)
-    (value,) = _run(model, {"x": np.array(2.0, np.float32), "scale": np.array(3.0, np.float32)}, ["scaled"])
+    (value,) = run_onnx(model, {"x": np.array(2.0, np.float32), "scale": np.array(3.0, np.float32)}, ["scaled"])
     np.testing.assert_allclose(value, (2.0 + 2.0) * 0.25 * 3.0, rtol=0, atol=0)
 
 
 def test_tensor_elem_type_reads_initializers_inputs_outputs_and_value_info():
     model = _add_model()
-    model.graph.value_info.append(_vi("orttrainer/t/Mul", [], TensorProto.DOUBLE))
+    model.graph.value_info.append(value_info("orttrainer/t/Mul", [], TensorProto.DOUBLE))
     model.graph.initializer.append(numpy_helper.from_array(np.zeros(2, np.int64), "idx"))
     assert tensor_elem_type(model, "b") == TensorProto.FLOAT
     assert tensor_elem_type(model, "idx") == TensorProto.INT64
@@ -223,7 +209,7 @@ def _shuffled_model() -> onnx.ModelProto:
         helper.make_node("Neg", ["x"], ["w"], name="neg"),
     ]
     inits = [numpy_helper.from_array(np.array(2.0, np.float32), n) for n in ("b", "two")]
-    return _model(nodes, [_vi("x", [3])], [_vi("z", [3]), _vi("w", [3])], inits)
+    return onnx_model(nodes, [value_info("x", [3])], [value_info("z", [3]), value_info("w", [3])], inits)
 
 
 def test_topologically_sorted_orders_producers_first_and_keeps_the_order_elsewhere():
@@ -232,7 +218,7 @@ def test_topologically_sorted_orders_producers_first_and_keeps_the_order_elsewhe
     assert [n.name for n in result.graph.node] == ["add", "mul", "neg"]
     assert [n.name for n in model.graph.node] == ["mul", "add", "neg"]  # the argument is not modified
     x = np.array([1.0, -2.0, 3.0], np.float32)
-    z, w = _run(result, {"x": x}, ["z", "w"])
+    z, w = run_onnx(result, {"x": x}, ["z", "w"])
     np.testing.assert_array_equal(z, (x + 2.0) * 2.0)
     np.testing.assert_array_equal(w, -x)
     assert topologically_sorted(result) == result  # a sorted graph keeps its order
@@ -258,7 +244,7 @@ def test_topologically_sorted_precondition(extra, message):
 
 def test_topologically_sorted_rejects_a_cycle():
     nodes = [helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Neg", ["a"], ["b"])]
-    model = _model(nodes, [_vi("x", [1])], [_vi("a", [1])])
+    model = onnx_model(nodes, [value_info("x", [1])], [value_info("a", [1])])
     with pytest.raises(PassPreconditionError, match="'topologically_sorted': the graph has a cycle"):
         topologically_sorted(model)
 
@@ -275,7 +261,7 @@ def test_raise_opset_raises_the_default_domain_in_place_and_never_lowers_it():
     assert _opsets(model) == {"": 16, "com.microsoft": 1}
     raise_opset(model, 15)
     assert _opsets(model)[""] == 16
-    (y,) = _run(model, {"x": np.array(1.0, np.float32)}, ["y"])
+    (y,) = run_onnx(model, {"x": np.array(1.0, np.float32)}, ["y"])
     assert y == 3.0
 
 

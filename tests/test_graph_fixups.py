@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from helpers import initializer, onnx_model, run_onnx, value_info
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.fixups import (
@@ -19,28 +19,12 @@ from orttrainer.trainer.graph.fixups import (
 )
 
 
-def _vi(name: str, shape=None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, shape)
-
-
-def _model(nodes, inputs, outputs, initializers=(), opset: int = 14) -> onnx.ModelProto:
-    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-
-
-def _run(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> list[np.ndarray]:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(outputs, feeds)
-
-
-def _const(name: str, value, dtype=np.float32) -> onnx.TensorProto:
-    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
-
-
 # ------------------------------------------------------------------------------------------ name_optional_outputs
 def _sce_model(outputs: list[str]) -> onnx.ModelProto:
     node = helper.make_node("SoftmaxCrossEntropyLoss", ["x", "y"], outputs, name="sce", reduction="sum")
-    return _model([node], [_vi("x", [4, 3]), _vi("y", [4], TensorProto.INT64)], [_vi("loss", [])])
+    return onnx_model(
+        [node], [value_info("x", [4, 3]), value_info("y", [4], TensorProto.INT64)], [value_info("loss", [])]
+    )
 
 
 def test_softmax_cross_entropy_gets_its_log_prob_output():
@@ -50,17 +34,17 @@ def test_softmax_cross_entropy_gets_its_log_prob_output():
     assert list(model.graph.node[0].output) == ["loss"]  # the argument is untouched
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((4, 3)).astype(np.float32), "y": np.array([0, 2, 1, 2], np.int64)}
-    np.testing.assert_array_equal(_run(fixed, feeds)[0], _run(model, feeds)[0])
+    np.testing.assert_array_equal(run_onnx(fixed, feeds)[0], run_onnx(model, feeds)[0])
 
 
 def test_empty_output_names_are_replaced_and_names_never_collide():
     # `loss__extra1` is already a graph tensor, so the fresh name takes a suffix.
     node = helper.make_node("SoftmaxCrossEntropyLoss", ["x", "y"], ["loss", ""], name="sce")
     taken = helper.make_node("Identity", ["x"], ["loss__extra1"], name="id")
-    model = _model(
+    model = onnx_model(
         [taken, node],
-        [_vi("x", [4, 3]), _vi("y", [4], TensorProto.INT64)],
-        [_vi("loss", []), _vi("loss__extra1", [4, 3])],
+        [value_info("x", [4, 3]), value_info("y", [4], TensorProto.INT64)],
+        [value_info("loss", []), value_info("loss__extra1", [4, 3])],
     )
     fixed = name_optional_outputs(model)
     assert list(fixed.graph.node[1].output) == ["loss", "loss__extra1_1"]
@@ -70,11 +54,11 @@ def test_empty_output_names_are_replaced_and_names_never_collide():
 def test_layer_normalization_gets_mean_and_inv_std_dev_outputs():
     # LayerNormalization is a standard op from opset 17.
     node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y", "", ""], name="ln", axis=-1)
-    model = _model(
+    model = onnx_model(
         [node],
-        [_vi("x", [2, 3])],
-        [_vi("y", [2, 3])],
-        [_const("scale", [1.0, 2.0, 3.0]), _const("bias", [0.0, 0.5, -1.0])],
+        [value_info("x", [2, 3])],
+        [value_info("y", [2, 3])],
+        [initializer("scale", [1.0, 2.0, 3.0]), initializer("bias", [0.0, 0.5, -1.0])],
         opset=17,
     )
     fixed = name_optional_outputs(model)
@@ -82,13 +66,15 @@ def test_layer_normalization_gets_mean_and_inv_std_dev_outputs():
     x = np.array([[1.0, 2.0, 4.0], [-1.0, 0.0, 3.0]], np.float32)
     normalised = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(
-        _run(fixed, {"x": x})[0], normalised * [1.0, 2.0, 3.0] + [0.0, 0.5, -1.0], rtol=1e-5, atol=1e-6
+        run_onnx(fixed, {"x": x})[0], normalised * [1.0, 2.0, 3.0] + [0.0, 0.5, -1.0], rtol=1e-5, atol=1e-6
     )
 
 
 def test_layer_normalization_with_one_missing_output_keeps_the_named_one():
     node = helper.make_node("LayerNormalization", ["x", "scale"], ["y", "mean"], name="ln")
-    model = _model([node], [_vi("x", [2, 3])], [_vi("y", [2, 3])], [_const("scale", [1.0, 1.0, 1.0])], opset=17)
+    model = onnx_model(
+        [node], [value_info("x", [2, 3])], [value_info("y", [2, 3])], [initializer("scale", [1.0, 1.0, 1.0])], opset=17
+    )
     assert list(name_optional_outputs(model).graph.node[0].output) == ["y", "mean", "y__extra2"]
 
 
@@ -98,7 +84,7 @@ def test_dropout_gets_its_mask_output_and_other_ops_are_untouched():
         helper.make_node("Softmax", ["d"], ["y"], name="softmax"),
         helper.make_node("SoftmaxCrossEntropyLoss", ["x", "lbl"], ["custom"], domain="my.domain"),
     ]
-    model = _model(nodes, [_vi("x", [2, 3])], [_vi("y", [2, 3])])
+    model = onnx_model(nodes, [value_info("x", [2, 3])], [value_info("y", [2, 3])])
     fixed = name_optional_outputs(model)
     assert [list(n.output) for n in fixed.graph.node] == [["d", "d__extra1"], ["y"], ["custom"]]
 
@@ -115,8 +101,8 @@ def _dropout_model(outputs: list[str], extra_nodes=(), graph_outputs=("y",)) -> 
         helper.make_node("Mul", [outputs[0], "two"], ["y"], name="mul"),
         *extra_nodes,
     ]
-    inits = [_const("ratio", 0.5), _const("training", True, dtype=np.bool_), _const("two", 2.0)]
-    return _model(nodes, [_vi("x", [64])], [_vi(n, None) for n in graph_outputs], inits)
+    inits = [initializer("ratio", 0.5), initializer("training", True, dtype=np.bool_), initializer("two", 2.0)]
+    return onnx_model(nodes, [value_info("x", [64])], [value_info(n, None) for n in graph_outputs], inits)
 
 
 @pytest.mark.parametrize("outputs", [["d"], ["d", ""], ["d", "mask"]])
@@ -128,9 +114,9 @@ def test_dropout_becomes_identity(outputs):
     assert not node.attribute
     assert model.graph.node[0].op_type == "Dropout"  # the argument is untouched
     x = np.linspace(1.0, 2.0, 64, dtype=np.float32)
-    (y,) = _run(fixed, {"x": x})
+    (y,) = run_onnx(fixed, {"x": x})
     np.testing.assert_array_equal(y, 2.0 * x)
-    (train_y,) = _run(model, {"x": x})  # the original really drops: half of the values are zero
+    (train_y,) = run_onnx(model, {"x": x})  # the original really drops: half of the values are zero
     assert 0 < np.count_nonzero(train_y == 0) < 64
 
 
@@ -153,8 +139,8 @@ def _dropout_pair() -> onnx.ModelProto:
         helper.make_node("Dropout", ["x", "ratio"], ["a", "a_mask"], name="inference"),
         helper.make_node("Dropout", ["x", "ratio", "training"], ["b", "b_mask"], name="training"),
     ]
-    inits = [_const("ratio", 0.5), _const("training", True, dtype=np.bool_)]
-    return _model(nodes, [_vi("x", [64])], [_vi("a"), _vi("b")], inits)
+    inits = [initializer("ratio", 0.5), initializer("training", True, dtype=np.bool_)]
+    return onnx_model(nodes, [value_info("x", [64])], [value_info("a"), value_info("b")], inits)
 
 
 def test_a_dropout_without_training_mode_gets_a_true_one_after_a_pytorch_training_export():
@@ -163,7 +149,7 @@ def test_a_dropout_without_training_mode_gets_a_true_one_after_a_pytorch_trainin
     flag = fixed.graph.node[0].input[2]
     assert numpy_helper.to_array(next(i for i in fixed.graph.initializer if i.name == flag)) == np.array(True)
     assert list(fixed.graph.node[1].input) == ["x", "ratio", "training"] and len(model.graph.node[0].input) == 2
-    a, b = _run(fixed, {"x": np.ones(64, np.float32)})
+    a, b = run_onnx(fixed, {"x": np.ones(64, np.float32)})
     assert 0 < np.count_nonzero(a == 0) < 64  # now really drops, as PyTorch does in training
     assert restore_dropout_training_mode(fixed) is fixed
 
@@ -187,12 +173,12 @@ def _batchnorm_model() -> onnx.ModelProto:
         momentum=0.8,
     )
     inits = [
-        _const("scale", [1.0, 2.0]),
-        _const("bias", [0.5, -0.5]),
-        _const("mean", [1.0, -1.0]),
-        _const("var", [4.0, 0.25]),
+        initializer("scale", [1.0, 2.0]),
+        initializer("bias", [0.5, -0.5]),
+        initializer("mean", [1.0, -1.0]),
+        initializer("var", [4.0, 0.25]),
     ]
-    return _model([node], [_vi("x", [3, 2, 2])], [_vi("y", [3, 2, 2])], inits)
+    return onnx_model([node], [value_info("x", [3, 2, 2])], [value_info("y", [3, 2, 2])], inits)
 
 
 def test_batchnorm_uses_running_statistics():
@@ -211,8 +197,8 @@ def test_batchnorm_uses_running_statistics():
     expected = (x - np.reshape([1.0, -1.0], shape)) / np.sqrt(np.reshape([4.0, 0.25], shape) + 1e-3) * np.reshape(
         [1.0, 2.0], shape
     ) + np.reshape([0.5, -0.5], shape)
-    np.testing.assert_allclose(_run(fixed, {"x": x})[0], expected, rtol=1e-6, atol=1e-6)
-    batch_stats = _run(model, {"x": x}, ["y"])[0]  # training mode normalises with the batch statistics instead
+    np.testing.assert_allclose(run_onnx(fixed, {"x": x})[0], expected, rtol=1e-6, atol=1e-6)
+    batch_stats = run_onnx(model, {"x": x}, ["y"])[0]  # training mode normalises with the batch statistics instead
     assert np.abs(batch_stats - expected).max() > 0.1
 
 
@@ -230,12 +216,12 @@ def _inference_batchnorm_model(shape: list) -> onnx.ModelProto:
     bn = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y"], name="bn", epsilon=1e-3)
     relu = helper.make_node("Relu", ["y"], ["out"], name="relu")
     inits = [
-        _const("scale", [1.0, 2.0]),
-        _const("bias", [0.5, -0.5]),
-        _const("mean", [1.0, -1.0]),
-        _const("var", [4.0, 0.25]),
+        initializer("scale", [1.0, 2.0]),
+        initializer("bias", [0.5, -0.5]),
+        initializer("mean", [1.0, -1.0]),
+        initializer("var", [4.0, 0.25]),
     ]
-    return _model([bn, relu], [_vi("x", ["N", *shape])], [_vi("out", ["N", *shape])], inits)
+    return onnx_model([bn, relu], [value_info("x", ["N", *shape])], [value_info("out", ["N", *shape])], inits)
 
 
 @pytest.mark.parametrize("shape", [[2], [2, 3], [2, 3, 2]], ids=["rank2", "rank3", "rank4"])
@@ -248,9 +234,9 @@ def test_inference_batchnorm_becomes_its_affine_map(shape):
     assert ops.count("Reshape") == 3 and "Sqrt" in ops and "Div" in ops
     assert [n.op_type for n in model.graph.node] == ["BatchNormalization", "Relu"]  # the argument is untouched
     x = np.random.default_rng(0).normal(size=(5, *shape)).astype(np.float32) * 3
-    expected = _run(model, {"x": x})[0]  # ONNX Runtime's own inference BatchNormalization
-    np.testing.assert_allclose(_run(fixed, {"x": x})[0], expected, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(_run(fixed, {"x": x[:2]})[0], expected[:2], rtol=1e-6, atol=1e-6)  # another batch
+    expected = run_onnx(model, {"x": x})[0]  # ONNX Runtime's own inference BatchNormalization
+    np.testing.assert_allclose(run_onnx(fixed, {"x": x})[0], expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(run_onnx(fixed, {"x": x[:2]})[0], expected[:2], rtol=1e-6, atol=1e-6)  # another batch
 
 
 def test_training_batchnorm_is_not_made_affine():

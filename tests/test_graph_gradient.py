@@ -7,7 +7,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import needs_training_build
+from helpers import needs_training_build, onnx_model, run_onnx_by_name, value_info, value_names
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.gradient.ort_builder import (
@@ -24,20 +24,6 @@ B0 = RNG.standard_normal(2).astype(np.float32)
 S0 = np.array(1.5, np.float32)
 X = RNG.standard_normal((4, 3)).astype(np.float32)
 LABEL = np.array([0, 1, 1, 0], np.int64)
-
-
-def _vi(name: str, shape=None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, shape)
-
-
-def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
-    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
-
-
-def _run(model: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return dict(zip([o.name for o in model.graph.output], session.run(None, feeds), strict=True))
 
 
 def _classifier(reduction: str = "mean") -> onnx.ModelProto:
@@ -58,8 +44,8 @@ def _classifier(reduction: str = "mean") -> onnx.ModelProto:
         numpy_helper.from_array(S0, "s"),
         numpy_helper.from_array(np.array(0.5, np.float32), "half"),
     ]
-    inputs = [_vi("x", [4, 3]), _vi("label", [4], TensorProto.INT64)]
-    return _model(nodes, inputs, [_vi("probs", [4, 2]), _vi("loss", [])], inits)
+    inputs = [value_info("x", [4, 3]), value_info("label", [4], TensorProto.INT64)]
+    return onnx_model(nodes, inputs, [value_info("probs", [4, 2]), value_info("loss", [])], inits)
 
 
 def _torch_reference(reduction: str = "mean") -> dict[str, np.ndarray]:
@@ -93,20 +79,20 @@ def test_move_initializers_to_inputs():
     ]
     assert [i.name for i in moved.graph.initializer] == ["half"]
     assert len(model.graph.initializer) == 4 and len(model.graph.input) == 2  # the argument is untouched
-    outputs = _run(moved, {"x": X, "label": LABEL, "W": W0, "B": B0, "s": S0})
+    outputs = run_onnx_by_name(moved, {"x": X, "label": LABEL, "W": W0, "B": B0, "s": S0})
     np.testing.assert_allclose(outputs["loss"], _torch_reference()["loss"], rtol=1e-6)
-    doubled = _run(moved, {"x": X, "label": LABEL, "W": W0, "B": B0, "s": np.array(2 * S0)})
+    doubled = run_onnx_by_name(moved, {"x": X, "label": LABEL, "W": W0, "B": B0, "s": np.array(2 * S0)})
     assert not np.allclose(doubled["probs"], outputs["probs"])  # the moved state is really read from the input
 
 
 def test_move_initializers_keeps_an_initializer_that_is_already_an_input():
     # Old-IR style: W is both an initializer and a graph input. Listing it twice is a duplicate definition.
     model = _classifier()
-    model.graph.input.append(_vi("W", [3, 2]))
+    model.graph.input.append(value_info("W", [3, 2]))
     moved = move_initializers_to_inputs(model, ["W", "B"])
     assert [i.name for i in moved.graph.input] == ["x", "label", "W", "B"]
     assert [i.name for i in moved.graph.initializer] == ["s", "half"]
-    outputs = _run(moved, {"x": X, "label": LABEL, "W": W0, "B": B0})
+    outputs = run_onnx_by_name(moved, {"x": X, "label": LABEL, "W": W0, "B": B0})
     np.testing.assert_allclose(outputs["loss"], _torch_reference()["loss"], rtol=1e-6)
 
 
@@ -125,7 +111,7 @@ def test_gradients_match_torch_and_outputs_are_ordered(reduction):
     input_names = {i.name for i in graded.graph.input}
     assert {"x", "label", "W", "B", "s"} <= input_names and "half" not in input_names
     assert "s_grad" not in {o.name for o in graded.graph.output}  # frozen state gets no gradient
-    got = _run(graded, {"x": X, "label": LABEL, "W": W0, "B": B0, "s": S0})
+    got = run_onnx_by_name(graded, {"x": X, "label": LABEL, "W": W0, "B": B0, "s": S0})
     want = _torch_reference(reduction)
     for name in ("probs", "loss", "B_grad", "W_grad"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
@@ -157,7 +143,7 @@ def test_an_op_without_gradient_is_named_with_its_node():
         helper.make_node("ReduceSum", ["c"], ["loss"], name="total", keepdims=0),
     ]
     inits = [numpy_helper.from_array(W0, "W"), numpy_helper.from_array(np.array(1, np.int64), "axis")]
-    model = _model(nodes, [_vi("x", [4, 3])], [_vi("loss", [])], inits)
+    model = onnx_model(nodes, [value_info("x", [4, 3])], [value_info("loss", [])], inits)
     with pytest.raises(GradientBuildError, match=r"cannot differentiate op 'CumSum' \(node 'running_total'\)") as info:
         build_ort_gradient_graph(model, "loss", ["W"], ["W"])
     assert info.value.op_type == "CumSum"  # the trainer's 'auto' builder switches to the torch builder on this
@@ -172,10 +158,10 @@ def test_negative_log_likelihood_has_no_gradient():
         helper.make_node("LogSoftmax", ["h"], ["log_prob"], name="log_softmax", axis=1),
         helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "label"], ["loss"], name="nll"),
     ]
-    model = _model(
+    model = onnx_model(
         nodes,
-        [_vi("x", [4, 3]), _vi("label", [4], TensorProto.INT64)],
-        [_vi("loss", [])],
+        [value_info("x", [4, 3]), value_info("label", [4], TensorProto.INT64)],
+        [value_info("loss", [])],
         [numpy_helper.from_array(W0, "W")],
     )
     with pytest.raises(GradientBuildError, match=r"op 'NegativeLogLikelihoodLoss' \(node 'nll'\)") as info:
@@ -191,7 +177,7 @@ def test_a_parameter_that_does_not_reach_the_loss_is_reported():
         helper.make_node("Add", ["x", "unused"], ["side"], name="side"),
     ]
     inits = [numpy_helper.from_array(W0, "W"), numpy_helper.from_array(np.ones(3, np.float32), "unused")]
-    model = _model(nodes, [_vi("x", [4, 3])], [_vi("loss", []), _vi("side", [4, 3])], inits)
+    model = onnx_model(nodes, [value_info("x", [4, 3])], [value_info("loss", []), value_info("side", [4, 3])], inits)
     with pytest.raises(GradientBuildError, match=r"parameters \['unused'\] have no differentiable path") as info:
         build_ort_gradient_graph(model, "loss", ["W", "unused"], ["W", "unused"])
     assert info.value.unreachable == ["unused"]  # the compiler freezes these and retries
@@ -208,12 +194,10 @@ def test_other_builder_failures_keep_ort_message():
 def test_output_order_and_missing_gradients():
     # The contract check behind build_ort_gradient_graph, on a hand-built "gradient model".
     nodes = [helper.make_node("Identity", ["x"], [name]) for name in ("B_grad", "loss", "W_grad", "probs", "extra")]
-    model = _model(nodes, [_vi("x", [2])], [_vi(n, [2]) for n in ("B_grad", "extra", "loss", "W_grad", "probs")])
+    model = onnx_model(
+        nodes, [value_info("x", [2])], [value_info(n, [2]) for n in ("B_grad", "extra", "loss", "W_grad", "probs")]
+    )
     ordered = _order_outputs(model, ["probs", "loss"], ["W", "B"])
-    assert _names(ordered.graph.output) == ["probs", "loss", "W_grad", "B_grad"]  # extra outputs are dropped
+    assert value_names(ordered.graph.output) == ["probs", "loss", "W_grad", "B_grad"]  # extra outputs are dropped
     with pytest.raises(GradientBuildError, match=r"produced no gradient for \['V_grad'\].*frozen_weights"):
         _order_outputs(model, ["loss"], ["W", "V"])
-
-
-def _names(values) -> list[str]:
-    return [v.name for v in values]

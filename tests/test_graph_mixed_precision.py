@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnxruntime as ort
-from helpers import needs_training_build
+from helpers import needs_training_build, onnx_model
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.mixed_precision import append_loss_scale, cast_fp32_only_kernels, to_float16
 
 FLOAT, HALF = TensorProto.FLOAT, TensorProto.FLOAT16
-
-
-def _model(nodes, inputs, outputs, initializers=(), opset=14):
-    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
-    )
-    model.ir_version = 8
-    return model
 
 
 def _mlp_loss():
@@ -28,7 +19,7 @@ def _mlp_loss():
         helper.make_node("Relu", ["h"], ["logits"]),
         helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss", "log_prob"]),
     ]
-    return _model(
+    return onnx_model(
         nodes,
         [
             helper.make_tensor_value_info("x", FLOAT, [4, 3]),
@@ -36,6 +27,7 @@ def _mlp_loss():
             helper.make_tensor_value_info("W", FLOAT, [3, 5]),
         ],
         [helper.make_tensor_value_info("loss", FLOAT, []), helper.make_tensor_value_info("logits", FLOAT, [4, 5])],
+        ms=True,
     )
 
 
@@ -102,12 +94,13 @@ def _slice_grad_model(dtype: int):
         numpy_helper.from_array(np.array([4], np.int64), "ends"),
         numpy_helper.from_array(np.array([0], np.int64), "axes"),
     ]
-    return _model(
+    return onnx_model(
         nodes,
         [helper.make_tensor_value_info("g32", FLOAT, [3])],
         [helper.make_tensor_value_info("dx", dtype, [6])],
         inits,
         opset=15,
+        ms=True,
     )
 
 

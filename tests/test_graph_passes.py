@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import needs_training_build
+from helpers import needs_training_build, onnx_model, value_info
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.editor import copy_model, raise_opset_pass
@@ -27,10 +27,6 @@ from orttrainer.trainer.graph.statistics import MARKS_TO_IDENTITY
 FLOAT = TensorProto.FLOAT
 
 
-def _vi(name: str, shape=None, elem_type: int = FLOAT) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, shape)
-
-
 def _chain(opsets=(("", 14),)) -> onnx.ModelProto:
     """y = Relu(Neg(x) + b): three unnamed nodes in order."""
     nodes = [
@@ -39,7 +35,7 @@ def _chain(opsets=(("", 14),)) -> onnx.ModelProto:
         helper.make_node("Relu", ["s"], ["y"]),
     ]
     b = numpy_helper.from_array(np.array([1.0, -1.0], np.float32), "b")
-    graph = helper.make_graph(nodes, "g", [_vi("x", [2])], [_vi("y", [2])], [b])
+    graph = helper.make_graph(nodes, "g", [value_info("x", [2])], [value_info("y", [2])], [b])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
     model.ir_version = 8
     return model
@@ -167,8 +163,9 @@ def test_postprocess_passes_pass_verification():
         helper.make_node("LogSoftmax", ["x"], ["lp"], axis=1),
         helper.make_node("NegativeLogLikelihoodLoss", ["lp", "t"], ["loss"]),
     ]
-    graph = helper.make_graph(nodes, "g", [_vi("x", [3, 4]), _vi("t", [3], TensorProto.INT64)], [_vi("loss", [])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+    model = onnx_model(
+        nodes, [value_info("x", [3, 4]), value_info("t", [3], TensorProto.INT64)], [value_info("loss", [])]
+    )
     result = run_passes(model, [NAME_NODES, FUSE_LOG_SOFTMAX_NLL], verify=True)
     assert [n.op_type for n in result.graph.node] == ["SoftmaxCrossEntropyLoss"]
 
@@ -205,10 +202,8 @@ def test_the_checker_accepts_onnx_runtime_s_gradient_graph_and_the_passes_after_
         helper.make_node("Gather", ["E", "ids"], ["emb"]),
         helper.make_node("SoftmaxCrossEntropyLoss", ["emb", "y"], ["loss"]),
     ]
-    inputs = [_vi("ids", [5], TensorProto.INT64), _vi("y", [5], TensorProto.INT64)]
-    graph = helper.make_graph(nodes, "g", inputs, [_vi("loss", [])], [table])
-    forward = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
-    forward.ir_version = 8
+    inputs = [value_info("ids", [5], TensorProto.INT64), value_info("y", [5], TensorProto.INT64)]
+    forward = onnx_model(nodes, inputs, [value_info("loss", [])], [table])
     gradient = build_ort_gradient_graph(name_optional_outputs(forward), "loss", ["E"], ["E"])
     ops = {n.op_type for n in gradient.graph.node}
     assert {"GatherGrad", "SoftmaxCrossEntropyLossGrad"} <= ops
@@ -220,7 +215,7 @@ def test_the_checker_accepts_onnx_runtime_s_gradient_graph_and_the_passes_after_
 def test_inputs_and_outputs_declared_without_shape_or_type_are_not_held_against_a_pass():
     def untyped_output(model: onnx.ModelProto) -> onnx.ModelProto:
         result = _append(model, helper.make_node("Shape", ["y"], ["shape"]))
-        result.graph.output.append(_vi("shape", None, TensorProto.INT64))  # no shape: an unknown rank
+        result.graph.output.append(value_info("shape", None, TensorProto.INT64))  # no shape: an unknown rank
         result.graph.output.append(onnx.ValueInfoProto(name="y"))  # no type: ONNX Runtime infers it
         return result
 

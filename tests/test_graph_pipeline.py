@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from helpers import needs_training_build
+from helpers import needs_training_build, onnx_model, run_onnx, value_info, value_names
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.outputs import keep_outputs, keep_outputs_pass, without_outputs, without_outputs_pass
@@ -22,38 +21,18 @@ from orttrainer.trainer.graph.pipeline import (
 FLOAT, HALF, INT64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64
 
 
-def _vi(name: str, shape=None, elem_type: int = FLOAT) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, shape)
-
-
-def _model(nodes, inputs, outputs, initializers=(), ms: bool = False) -> onnx.ModelProto:
-    opsets = [helper.make_opsetid("", 14)] + ([helper.make_opsetid("com.microsoft", 1)] if ms else [])
-    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(initializers)), opset_imports=opsets)
-    model.ir_version = 8
-    return model
-
-
-def _run(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> list[np.ndarray]:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(outputs, feeds)
-
-
-def _names(values) -> list[str]:
-    return [v.name for v in values]
-
-
 # ---------------------------------------------------------------------------------------------------------- outputs
 def _three_outputs() -> onnx.ModelProto:
     nodes = [helper.make_node(op, ["x"], [out]) for op, out in (("Neg", "a"), ("Relu", "b"), ("Abs", "c"))]
-    return _model(nodes, [_vi("x", [2])], [_vi(n, [2]) for n in ("a", "b", "c")])
+    return onnx_model(nodes, [value_info("x", [2])], [value_info(n, [2]) for n in ("a", "b", "c")])
 
 
 def test_without_and_keep_outputs_select_graph_outputs_in_graph_order():
     model = _three_outputs()
-    assert _names(run_passes(model, [without_outputs_pass(["b"])], verify=True).graph.output) == ["a", "c"]
-    assert _names(run_passes(model, [keep_outputs_pass(["c", "a"])], verify=True).graph.output) == ["a", "c"]
-    assert _names(model.graph.output) == ["a", "b", "c"]  # the argument is untouched
-    (c,) = _run(keep_outputs(model, ["c"]), {"x": np.array([-1.0, 2.0], np.float32)})
+    assert value_names(run_passes(model, [without_outputs_pass(["b"])], verify=True).graph.output) == ["a", "c"]
+    assert value_names(run_passes(model, [keep_outputs_pass(["c", "a"])], verify=True).graph.output) == ["a", "c"]
+    assert value_names(model.graph.output) == ["a", "b", "c"]  # the argument is untouched
+    (c,) = run_onnx(keep_outputs(model, ["c"]), {"x": np.array([-1.0, 2.0], np.float32)})
     np.testing.assert_array_equal(c, [1.0, 2.0])
 
 
@@ -84,7 +63,7 @@ def _training_forward() -> onnx.ModelProto:
             for n, v in (("s", [1.0, 2.0]), ("b", [0.5, -0.5]), ("m", [0.1, -0.2]), ("v", [4.0, 0.25]))
         ),
     ]
-    return _model(nodes, [_vi("x", [4, 3])], [_vi("y", [4, 2]), _vi("h", [4, 2])], inits)
+    return onnx_model(nodes, [value_info("x", [4, 3])], [value_info("y", [4, 2]), value_info("h", [4, 2])], inits)
 
 
 def test_build_eval_model_feeds_state_disables_dropout_and_uses_running_statistics():
@@ -92,12 +71,12 @@ def test_build_eval_model_feeds_state_disables_dropout_and_uses_running_statisti
     before = forward.SerializeToString()
     evaluation = build_eval_model(forward, ["W", "s", "b"], ["y"])
     assert forward.SerializeToString() == before
-    assert _names(evaluation.graph.input) == ["x", "W", "s", "b"] and _names(evaluation.graph.output) == ["y"]
+    assert value_names(evaluation.graph.input) == ["x", "W", "s", "b"] and value_names(evaluation.graph.output) == ["y"]
     assert [n.op_type for n in evaluation.graph.node] == ["MatMul", "Identity", "BatchNormalization"]
     rng = np.random.default_rng(1)
     x, w = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal((3, 2)).astype(np.float32)
     scale, bias = np.array([1.0, 2.0], np.float32), np.array([0.5, -0.5], np.float32)
-    (y,) = _run(evaluation, {"x": x, "W": w, "s": scale, "b": bias})
+    (y,) = run_onnx(evaluation, {"x": x, "W": w, "s": scale, "b": bias})
     expected = (x @ w - [0.1, -0.2]) / np.sqrt(np.array([4.0, 0.25]) + 1e-5) * scale + bias
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
 
@@ -106,7 +85,7 @@ def test_build_eval_model_precondition():
     with pytest.raises(PassPreconditionError, match=r"'keep_outputs': outputs \['logits'\] are missing"):
         build_eval_model(_training_forward(), ["W"], ["y", "logits"])
     read_mask = _training_forward()
-    read_mask.graph.output.append(_vi("mask", [4, 2], TensorProto.BOOL))
+    read_mask.graph.output.append(value_info("mask", [4, 2], TensorProto.BOOL))
     with pytest.raises(PassPreconditionError, match="'dropout_to_identity': Dropout node 'drop': its mask output"):
         build_eval_model(read_mask, ["W"], ["y"])
 
@@ -116,7 +95,7 @@ def test_forward_and_mixed_precision_passes_prepare_the_gradient_builder_s_input
     forward = _training_forward()
     loss = helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)
     forward.graph.node.append(loss)
-    forward.graph.output.insert(0, _vi("loss", []))
+    forward.graph.output.insert(0, value_info("loss", []))
     passes = [*forward_passes(dropout_off=True), *mixed_precision_passes(["W"], ["x", "W", "loss"], "loss")]
     assert [p.name for p in passes] == [
         "name_optional_outputs",
@@ -129,7 +108,7 @@ def test_forward_and_mixed_precision_passes_prepare_the_gradient_builder_s_input
     ]
     result = run_passes(forward, passes, verify=True)
     assert "BatchNormalization" not in {n.op_type for n in result.graph.node}  # affine, in float16
-    assert _names(result.graph.input) == ["x", "W", "loss_scale"]
+    assert value_names(result.graph.input) == ["x", "W", "loss_scale"]
     assert [o.type.tensor_type.elem_type for o in result.graph.output] == [FLOAT, HALF, HALF, FLOAT]
     assert [p.name for p in forward_passes(dropout_off=False)] == [
         "name_optional_outputs",
@@ -152,9 +131,19 @@ def _gradient_model() -> onnx.ModelProto:
         numpy_helper.from_array(np.array(v, np.int64), n)
         for n, v in (("table_shape", [5, 3]), ("x_shape", [6]), ("starts", [1]), ("ends", [4]), ("axes", [0]))
     ]
-    inputs = [_vi("ids", [4], INT64), _vi("dy", [4, 3]), _vi("g32", [3]), _vi("loss_scale", [])]
-    outputs = [_vi("loss", []), _vi("loss_scaled", []), _vi("E_grad", [5, 3]), _vi("x_grad", [6], HALF)]
-    return _model(nodes, inputs, outputs, inits, ms=True)
+    inputs = [
+        value_info("ids", [4], INT64),
+        value_info("dy", [4, 3]),
+        value_info("g32", [3]),
+        value_info("loss_scale", []),
+    ]
+    outputs = [
+        value_info("loss", []),
+        value_info("loss_scaled", []),
+        value_info("E_grad", [5, 3]),
+        value_info("x_grad", [6], HALF),
+    ]
+    return onnx_model(nodes, inputs, outputs, inits, ms=True)
 
 
 @needs_training_build
@@ -170,7 +159,7 @@ def test_gradient_model_passes_drop_the_scaled_loss_cast_cpu_kernels_and_scatter
     ]
     result = run_passes(model, passes, verify=True)
     assert model.SerializeToString() == before
-    assert _names(result.graph.output) == ["loss", "E_grad", "x_grad"]
+    assert value_names(result.graph.output) == ["loss", "E_grad", "x_grad"]
     ops = [n.op_type for n in result.graph.node]
     assert "GatherGrad" not in ops and "ScatterND" in ops and ops.count("CastLike") == 2
     assert next(o.version for o in result.opset_import if o.domain == "") == 16
@@ -181,7 +170,7 @@ def test_gradient_model_passes_drop_the_scaled_loss_cast_cpu_kernels_and_scatter
         "g32": np.array([1.0, 2.0, 3.0], np.float32),
         "loss_scale": np.array(8.0, np.float32),
     }
-    loss, e_grad, x_grad = _run(result, feeds)
+    loss, e_grad, x_grad = run_onnx(result, feeds)
     expected = np.zeros((5, 3), np.float32)
     np.add.at(expected, feeds["ids"], feeds["dy"])
     np.testing.assert_allclose(loss, feeds["dy"].sum(), rtol=1e-6)
@@ -203,7 +192,7 @@ def test_gradient_model_passes_without_mixed_precision_only_scatter():
         "guard_class_labels",
     ]
     result = run_passes(_gradient_model(), passes, verify=True)
-    assert "loss_scaled" in _names(result.graph.output) and "SliceGrad" in {n.op_type for n in result.graph.node}
+    assert "loss_scaled" in value_names(result.graph.output) and "SliceGrad" in {n.op_type for n in result.graph.node}
 
 
 def test_gradient_model_passes_precondition():

@@ -4,25 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from helpers import onnx_model, run_onnx, value_info
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.postprocess import fuse_log_softmax_nll, name_nodes, run_postprocess
-
-
-def _vi(name: str, shape=None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, shape)
-
-
-def _model(nodes, inputs, outputs, initializers=(), opset: int = 14) -> onnx.ModelProto:
-    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-
-
-def _run(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> list[np.ndarray]:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(outputs, feeds)
 
 
 def _op_types(model: onnx.ModelProto) -> list[str]:
@@ -41,7 +27,7 @@ def test_name_nodes_keeps_names_and_names_unnamed_nodes_uniquely():
         helper.make_node("Relu", ["f"], ["g"]),  # Relu_6
         helper.make_node("Relu", ["g"], ["y"], name="Relu_0_1"),
     ]
-    model = _model(nodes, [_vi("x", [2])], [_vi("y", [2])])
+    model = onnx_model(nodes, [value_info("x", [2])], [value_info("y", [2])])
     named = name_nodes(model)
     assert [n.name for n in named.graph.node] == [
         "Relu_0_2",
@@ -84,17 +70,17 @@ def _nll_model(
             **nll_attrs,
         ),
     ]
-    outputs = [_vi("loss", [n, *rest] if reduction == "none" else [])]
+    outputs = [value_info("loss", [n, *rest] if reduction == "none" else [])]
     if extra_consumer:
         nodes.append(helper.make_node("Exp", ["log_prob"], ["prob"], name="exp"))
-        outputs.append(_vi("prob", None))
+        outputs.append(value_info("prob", None))
     if log_prob_output:
-        outputs.append(_vi("log_prob", list(shape)))
+        outputs.append(value_info("log_prob", list(shape)))
     inits = [numpy_helper.from_array(np.array(1.0, np.float32), "one")]
     if weight:
         inits.append(numpy_helper.from_array(np.linspace(0.5, 2.0, c, dtype=np.float32), "w"))
-    inputs = [_vi("x", list(shape)), _vi("label", [n, *rest], TensorProto.INT64)]
-    return _model(nodes, inputs, outputs, inits, opset)
+    inputs = [value_info("x", list(shape)), value_info("label", [n, *rest], TensorProto.INT64)]
+    return onnx_model(nodes, inputs, outputs, inits, opset)
 
 
 def _feeds(shape: tuple[int, ...], ignore_index: int | None = None) -> dict[str, np.ndarray]:
@@ -109,7 +95,7 @@ def _feeds(shape: tuple[int, ...], ignore_index: int | None = None) -> dict[str,
 def _assert_same_outputs(model: onnx.ModelProto, fused: onnx.ModelProto, feeds: dict) -> None:
     names = [o.name for o in model.graph.output]
     assert [o.name for o in fused.graph.output] == names
-    for want, got in zip(_run(model, feeds, names), _run(fused, feeds, names), strict=True):
+    for want, got in zip(run_onnx(model, feeds, names), run_onnx(fused, feeds, names), strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
@@ -167,7 +153,7 @@ def test_no_fusion_when_the_softmax_axis_is_not_the_class_axis(shape, axis, opse
     fused = fuse_log_softmax_nll(model)
     assert fused == model
     if axis != 0:  # NLL rejects the other layouts at run time anyway
-        _run(fused, _feeds(shape))
+        run_onnx(fused, _feeds(shape))
 
 
 @pytest.mark.parametrize("axis", [1, -1, None])
@@ -188,7 +174,9 @@ def test_no_fusion_without_log_softmax_producer():
         helper.make_node("Identity", ["x"], ["log_prob"], name="id"),
         helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "label"], ["loss"], name="nll"),
     ]
-    model = _model(nodes, [_vi("x", [5, 4]), _vi("label", [5], TensorProto.INT64)], [_vi("loss", None)])
+    model = onnx_model(
+        nodes, [value_info("x", [5, 4]), value_info("label", [5], TensorProto.INT64)], [value_info("loss", None)]
+    )
     assert fuse_log_softmax_nll(model) == model
 
 
@@ -200,7 +188,9 @@ def test_two_losses_are_both_fused_and_stay_in_topological_order():
         helper.make_node("NegativeLogLikelihoodLoss", ["lp_b", "label"], ["loss_b"], name="nll_b", reduction="sum"),
         helper.make_node("Add", ["loss_a", "loss_b"], ["loss"], name="add"),
     ]
-    model = _model(nodes, [_vi("x", [5, 4]), _vi("label", [5], TensorProto.INT64)], [_vi("loss", [])])
+    model = onnx_model(
+        nodes, [value_info("x", [5, 4]), value_info("label", [5], TensorProto.INT64)], [value_info("loss", [])]
+    )
     fused = fuse_log_softmax_nll(model)
     assert [n.name for n in fused.graph.node] == [
         "nll_a_fused_softmax_cross_entropy",

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from helpers import initializer, onnx_model, value_info
+from onnx import TensorProto, helper
 
 from orttrainer.trainer.graph import fixups, mixed_precision, postprocess, recompute, scatter_grad, statistics
 from orttrainer.trainer.graph.editor import GraphEditor
@@ -15,22 +16,6 @@ from orttrainer.trainer.graph.passes import FunctionPass, PassPreconditionError,
 from orttrainer.trainer.update.in_graph import StepScalars, append_adam, append_lamb
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
-
-
-def _vi(name: str, shape=None, elem_type: int = FLOAT) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, shape)
-
-
-def _model(nodes, inputs, outputs, initializers=(), opset: int = 14, ms: bool = False) -> onnx.ModelProto:
-    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
-    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid("com.microsoft", 1)] if ms else [])
-    model = helper.make_model(graph, opset_imports=opsets)
-    model.ir_version = 8
-    return model
-
-
-def _const(name: str, value, dtype=np.float32) -> onnx.TensorProto:
-    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
 
 
 def _rejects(graph_pass: FunctionPass, model: onnx.ModelProto, message: str) -> None:
@@ -44,13 +29,13 @@ def _rejects(graph_pass: FunctionPass, model: onnx.ModelProto, message: str) -> 
 # ------------------------------------------------------------------------------------------------------- fixups.py
 def _dropout(outputs, inputs=("x", "ratio", "training"), opset: int = 14, extra=(), graph_outputs=("y",)):
     nodes = [helper.make_node("Dropout", list(inputs), outputs, name="drop"), *extra]
-    inits = [_const("ratio", 0.5), _const("training", True, np.bool_)]
-    return _model(nodes, [_vi("x", [4])], [_vi(n) for n in graph_outputs], inits, opset)
+    inits = [initializer("ratio", 0.5), initializer("training", True, np.bool_)]
+    return onnx_model(nodes, [value_info("x", [4])], [value_info(n) for n in graph_outputs], inits, opset)
 
 
 def test_name_optional_outputs_needs_a_named_first_output():
     node = helper.make_node("SoftmaxCrossEntropyLoss", ["x", "t"], ["", "lp"], name="sce")
-    model = _model([node], [_vi("x", [2, 3]), _vi("t", [2], INT64)], [_vi("lp")])
+    model = onnx_model([node], [value_info("x", [2, 3]), value_info("t", [2], INT64)], [value_info("lp")])
     with pytest.raises(PassPreconditionError, match="SoftmaxCrossEntropyLoss node 'sce' has no named first output"):
         fixups.name_optional_outputs(model)
     _rejects(fixups.NAME_OPTIONAL_OUTPUTS, model, "SoftmaxCrossEntropyLoss node 'sce'")
@@ -83,8 +68,8 @@ def test_restore_dropout_training_mode_needs_opset_12():
 def _batchnorm(outputs, training: int | None, inputs=("x", "s", "b", "m", "v"), extra=()):
     attrs = {} if training is None else {"training_mode": training}
     node = helper.make_node("BatchNormalization", list(inputs), outputs, name="bn", **attrs)
-    inits = [_const(n, [1.0, 2.0]) for n in ("s", "b", "m", "v")]
-    return _model([node, *extra], [_vi("x", [3, 2])], [_vi("y")], inits)
+    inits = [initializer(n, [1.0, 2.0]) for n in ("s", "b", "m", "v")]
+    return onnx_model([node, *extra], [value_info("x", [3, 2])], [value_info("y")], inits)
 
 
 def test_batchnorm_to_inference_needs_unread_running_statistics():
@@ -106,8 +91,8 @@ def test_fixup_passes_results_pass_verification():
     model = _dropout(["y", "mask"], inputs=("x", "ratio"))
     sce = helper.make_node("SoftmaxCrossEntropyLoss", ["z", "t"], ["loss"], name="sce")
     model.graph.node.extend([helper.make_node("Reshape", ["y", "shape"], ["z"]), sce])
-    model.graph.initializer.append(_const("shape", [2, 2], np.int64))
-    model.graph.input.append(_vi("t", [2], INT64))
+    model.graph.initializer.append(initializer("shape", [2, 2], np.int64))
+    model.graph.input.append(value_info("t", [2], INT64))
     passes = [fixups.NAME_OPTIONAL_OUTPUTS, fixups.RESTORE_DROPOUT_TRAINING_MODE, fixups.DROPOUT_TO_IDENTITY]
     result = run_passes(model, passes, verify=True)
     assert [n.op_type for n in result.graph.node] == ["Identity", "Reshape", "SoftmaxCrossEntropyLoss"]
@@ -117,7 +102,9 @@ def test_fixup_passes_results_pass_verification():
 # ---------------------------------------------------------------------------------------------- mixed_precision.py
 def _loss_model(loss_type: int = FLOAT) -> onnx.ModelProto:
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0)]
-    return _model(nodes, [_vi("x", [2, 3])], [_vi("loss", [], loss_type)], [_const("W", np.ones((3, 2)))])
+    return onnx_model(
+        nodes, [value_info("x", [2, 3])], [value_info("loss", [], loss_type)], [initializer("W", np.ones((3, 2)))]
+    )
 
 
 def test_to_float16_needs_float32_tensors_to_be_graph_inputs():
@@ -139,7 +126,11 @@ def test_append_loss_scale_needs_a_float32_loss_output():
 
 def test_cast_fp32_only_kernels_needs_an_opset_it_can_raise_to_15():
     node = helper.make_node("SliceGrad", ["g", "shape", "s", "e", "a"], ["dx"], domain="com.microsoft", name="sg")
-    model = _model([node], [_vi(n, [1], INT64) for n in ("shape", "s", "e", "a")] + [_vi("g", [3])], [_vi("dx")])
+    model = onnx_model(
+        [node],
+        [value_info(n, [1], INT64) for n in ("shape", "s", "e", "a")] + [value_info("g", [3])],
+        [value_info("dx")],
+    )
     model.opset_import[0].version = 13
     with pytest.raises(PassPreconditionError, match="'cast_fp32_only_kernels': cannot raise this graph's opset 13"):
         mixed_precision.cast_fp32_only_kernels(model)
@@ -151,7 +142,9 @@ def test_cast_fp32_only_kernels_needs_an_opset_it_can_raise_to_15():
 # ------------------------------------------------------------------------------------------------- scatter_grad.py
 def test_gather_grad_to_scatter_add_needs_three_inputs():
     node = helper.make_node("GatherGrad", ["shape", "idx"], ["dw"], domain="com.microsoft", name="gg")
-    model = _model([node], [_vi("shape", [2], INT64), _vi("idx", [3], INT64)], [_vi("dw")], ms=True)
+    model = onnx_model(
+        [node], [value_info("shape", [2], INT64), value_info("idx", [3], INT64)], [value_info("dw")], ms=True
+    )
     with pytest.raises(PassPreconditionError, match="GatherGrad node 'gg' needs three named inputs"):
         scatter_grad.gather_grad_to_scatter_add(model)
     _rejects(scatter_grad.GATHER_GRAD_TO_SCATTER_ADD, model, "GatherGrad node 'gg'")
@@ -160,7 +153,7 @@ def test_gather_grad_to_scatter_add_needs_three_inputs():
 # -------------------------------------------------------------------------------------------------- postprocess.py
 def test_name_nodes_needs_distinct_node_names():
     nodes = [helper.make_node("Neg", ["x"], ["a"], name="n"), helper.make_node("Neg", ["a"], ["y"], name="n")]
-    model = _model(nodes, [_vi("x", [2])], [_vi("y", [2])])
+    model = onnx_model(nodes, [value_info("x", [2])], [value_info("y", [2])])
     with pytest.raises(PassPreconditionError, match="two nodes are named 'n'"):
         postprocess.run_postprocess(model)
     _rejects(postprocess.NAME_NODES, model, "two nodes are named 'n'")
@@ -168,25 +161,25 @@ def test_name_nodes_needs_distinct_node_names():
 
 def test_fuse_log_softmax_nll_needs_single_assignment():
     nodes = [helper.make_node("Neg", ["x"], ["a"], name="one"), helper.make_node("Relu", ["x"], ["a"], name="two")]
-    model = _model(nodes, [_vi("x", [2])], [_vi("a", [2])])
+    model = onnx_model(nodes, [value_info("x", [2])], [value_info("a", [2])])
     _rejects(postprocess.FUSE_LOG_SOFTMAX_NLL, model, "tensor 'a' is assigned twice")
 
 
 # ---------------------------------------------------------------------------------------------------- recompute.py
 def test_recompute_needs_a_sorted_graph_known_outputs_and_forward_nodes():
     nodes = [helper.make_node("Neg", ["x"], ["a"], name="neg"), helper.make_node("Relu", ["a"], ["loss"], name="r")]
-    model = _model(nodes, [_vi("x", [2])], [_vi("loss", [2])])
+    model = onnx_model(nodes, [value_info("x", [2])], [value_info("loss", [2])])
     plan = recompute.RecomputePlan(gelu=True)
     _rejects(recompute.recompute_pass(["nope"], plan), model, r"forward outputs \['nope'\] are missing")
     with pytest.raises(PassPreconditionError, match="'recompute': nodes \\['r'\\] are not forward nodes"):
         recompute.recompute(model, ["a"], [1])
-    unsorted = _model(nodes[::-1], [_vi("x", [2])], [_vi("loss", [2])])
+    unsorted = onnx_model(nodes[::-1], [value_info("x", [2])], [value_info("loss", [2])])
     _rejects(recompute.recompute_pass(["loss"], plan), unsorted, "needs a topologically sorted graph: node 'r' reads")
 
 
 def test_recompute_pass_warns_the_plan_s_notes():
     nodes = [helper.make_node("Neg", ["x"], ["loss"], name="neg")]
-    model = _model(nodes, [_vi("x", [2])], [_vi("loss", [2])])
+    model = onnx_model(nodes, [value_info("x", [2])], [value_info("loss", [2])])
     with pytest.warns(UserWarning, match="options graph_transformer.gelu_recompute: the graph has no Gelu"):
         result = run_passes(model, [recompute.recompute_pass(["loss"], recompute.RecomputePlan(gelu=True))])
     assert result == model
@@ -195,16 +188,16 @@ def test_recompute_pass_warns_the_plan_s_notes():
 # --------------------------------------------------------------------------------------------------- statistics.py
 def test_statistics_passes_name_themselves_in_their_precondition_errors():
     bad = helper.make_node("ActivationMark", ["x", "x"], ["m"], domain=statistics.MARK_DOMAIN, name="bad")
-    model = _model([bad], [_vi("x", [2])], [_vi("m", [2])])
+    model = onnx_model([bad], [value_info("x", [2])], [value_info("m", [2])])
     model.opset_import.append(helper.make_opsetid(statistics.MARK_DOMAIN, 1))
     _rejects(statistics.MARKS_TO_IDENTITY, model, "activation marker 'bad' must have one input")
-    plain = _model([helper.make_node("Neg", ["x"], ["y"])], [_vi("x", [2])], [_vi("y", [2])])
+    plain = onnx_model([helper.make_node("Neg", ["x"], ["y"])], [value_info("x", [2])], [value_info("y", [2])])
     targets = {"nope": statistics.StatisticsTarget("nope", FLOAT)}
     _rejects(statistics.append_statistics_pass(targets), plain, r"tensors the graph does not have: \['nope'\]")
 
 
 def test_append_statistics_pass_outputs_are_read_back_in_target_order():
-    model = _model([helper.make_node("Neg", ["x"], ["y"])], [_vi("x", [3])], [_vi("y", [3])])
+    model = onnx_model([helper.make_node("Neg", ["x"], ["y"])], [value_info("x", [3])], [value_info("y", [3])])
     targets = {"in": statistics.StatisticsTarget("x", FLOAT), "out": statistics.StatisticsTarget("y", FLOAT)}
     expected_model, expected = statistics.append_statistics(model, targets)
     result = run_passes(model, [statistics.append_statistics_pass(targets)], verify=True)
@@ -216,7 +209,7 @@ def test_append_statistics_pass_outputs_are_read_back_in_target_order():
 # --------------------------------------------------------------------------------------------- update/in_graph.py
 @pytest.mark.parametrize(("append", "name"), [(append_adam, "AdamOptimizer"), (append_lamb, "LambOptimizer")])
 def test_optimizers_need_their_hyper_parameters(append, name):
-    model = _model([], [_vi("w", [2]), _vi("g", [2])], [])
+    model = onnx_model([], [value_info("w", [2]), value_info("g", [2])], [])
     ed = GraphEditor(model.graph, "t")
     hyper = {"alpha": 0.9, "beta": 0.999, "lambda": 0.0, "epsilon": 1e-8}
     with pytest.raises(PassPreconditionError, match=f"'{name}': hyper-parameters \\['do_bias_correction'"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from helpers import needs_training_build
+from helpers import needs_training_build, onnx_model, value_info
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.gradient.ort_builder import build_ort_gradient_graph
@@ -22,16 +22,6 @@ from orttrainer.trainer.graph.recompute import (
 )
 
 FLOAT = TensorProto.FLOAT
-
-
-def _model(nodes, inputs, initializers, outputs=("loss",)):
-    graph = helper.make_graph(
-        nodes, "g", inputs, [helper.make_tensor_value_info(o, FLOAT, None) for o in outputs], initializers
-    )
-    opsets = [helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets)
-    model.ir_version = 8
-    return model
 
 
 def _weights(*shapes):
@@ -57,7 +47,7 @@ def _gelu_mlp():
         helper.make_node("MatMul", ["g", "W2"], ["y"], name="fc2"),
         *_sum_of_squares("y"),
     ]
-    forward = _model(nodes, [helper.make_tensor_value_info("x", FLOAT, [4, 8])], _weights((8, 16), (16, 3)))
+    forward = onnx_model(nodes, [value_info("x", [4, 8])], [value_info("loss")], _weights((8, 16), (16, 3)), ms=True)
     return build_ort_gradient_graph(forward, "loss", ["W1", "W2"], ["W1", "W2"])
 
 
@@ -80,7 +70,7 @@ def _attention(mode_input: str | None):
         helper.make_node("MatMul", ["pd", "W2"], ["y"], name="context"),
         *_sum_of_squares("y"),
     ]
-    forward = _model(nodes, inputs, inits)
+    forward = onnx_model(nodes, inputs, [value_info("loss")], inits, ms=True)
     return build_ort_gradient_graph(forward, "loss", ["W1", "W2"], ["W1", "W2"])
 
 
@@ -188,7 +178,7 @@ def _layered():
         ]
         h = f"{s}out"
     nodes += _sum_of_squares(h)
-    forward = _model(nodes, [helper.make_tensor_value_info("x", FLOAT, [4, 8])], inits)
+    forward = onnx_model(nodes, [value_info("x", [4, 8])], [value_info("loss")], inits, ms=True)
     return build_ort_gradient_graph(forward, "loss", ["W1", "W2", "W3", "W4"], ["W1", "W2", "W3", "W4"])
 
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
-from helpers import needs_training_build
+from helpers import needs_training_build, run_onnx
 from onnx import TensorProto, helper
 
 from orttrainer.trainer.graph.scatter_grad import gather_grad_to_scatter_add
@@ -43,8 +42,7 @@ def _run(model, data_shape=(7, 3, 2)):
         "idx": rng.integers(0, data_shape[0], (4, 5)),
         "dy": rng.standard_normal((4, 5, *data_shape[1:])).astype(np.float32),
     }
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(["dw"], feeds)[0], feeds
+    return run_onnx(model, feeds, ["dw"])[0], feeds
 
 
 @needs_training_build

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
+from helpers import onnx_model, run_onnx, value_info
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.passes import PassPreconditionError, run_passes
@@ -31,36 +31,24 @@ B = np.array([0.25, -1.0], np.float32)
 X = np.array([[1.0, 2.0, 3.0]], np.float32)
 
 
-def _vi(name: str, shape=None, elem_type: int = FLOAT) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, shape)
-
-
 def _linear(w: str = "w", b: str = "b", inputs=None, initializers=None) -> onnx.ModelProto:
     """y = x @ w + b, with w and b initializers unless `initializers` says otherwise."""
     nodes = [helper.make_node("MatMul", ["x", w], ["h"]), helper.make_node("Add", ["h", b], ["y"])]
     inits = initializers if initializers is not None else [numpy_helper.from_array(W, w), numpy_helper.from_array(B, b)]
-    graph = helper.make_graph(nodes, "g", inputs or [_vi("x", [1, 3])], [_vi("y", [1, 2])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
-    model.ir_version = 8
-    return model
-
-
-def _run(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(["y"], feeds)[0]
+    return onnx_model(nodes, inputs or [value_info("x", [1, 3])], [value_info("y", [1, 2])], inits)
 
 
 # ---------------------------------------------------------------------------------------------------- strip_prefix
 def test_strip_prefix_renames_initializers_and_their_uses():
     model = _linear("model.w", "model.b")
-    model.graph.value_info.append(_vi("model.w", [3, 2]))
+    model.graph.value_info.append(value_info("model.w", [3, 2]))
     model.graph.initializer.append(numpy_helper.from_array(np.zeros(1, np.float32), "other.c"))
     result = run_passes(model, [strip_prefix_pass("model.")], verify=True)
     assert [i.name for i in result.graph.initializer] == ["w", "b", "other.c"]
     assert [list(n.input) for n in result.graph.node] == [["x", "w"], ["h", "b"]]
     assert result.graph.value_info[0].name == "w"
     assert model.graph.initializer[0].name == "model.w"  # the argument is untouched
-    np.testing.assert_allclose(_run(result, {"x": X}), X @ W + B, rtol=1e-6)
+    np.testing.assert_allclose(run_onnx(result, {"x": X}, ["y"])[0], X @ W + B, rtol=1e-6)
 
 
 def test_strip_prefix_precondition():
@@ -80,7 +68,7 @@ def test_set_initializers_replaces_values_in_place_from_torch_or_numpy():
     result = set_initializers(model, {"w": new_w, "b": new_b, "not_in_graph": torch.zeros(1)})
     assert result is model  # declared as mutating: the freshly exported model is not copied
     np.testing.assert_array_equal(numpy_helper.to_array(model.graph.initializer[0]), new_w.numpy())
-    np.testing.assert_allclose(_run(model, {"x": X}), X @ new_w.numpy() + new_b, rtol=1e-6)
+    np.testing.assert_allclose(run_onnx(model, {"x": X}, ["y"])[0], X @ new_w.numpy() + new_b, rtol=1e-6)
 
 
 def test_set_initializers_pass_leaves_the_callers_model_alone():
@@ -110,14 +98,14 @@ def test_set_initializers_precondition(value, message):
 # ------------------------------------------------------------------------------------- move_initializers_to_inputs
 def test_move_initializers_to_inputs_appends_state_inputs_in_initializer_order():
     model = _linear()
-    model.graph.input.append(_vi("b", [2]))  # already an input (keep_initializers_as_inputs): listed once
+    model.graph.input.append(value_info("b", [2]))  # already an input (keep_initializers_as_inputs): listed once
     result = run_passes(model, [move_initializers_to_inputs_pass(["b", "w", "absent"])], verify=True)
     assert [i.name for i in result.graph.input] == ["x", "b", "w"]
     assert [i.name for i in result.graph.initializer] == []
     w_input = result.graph.input[2].type.tensor_type
     assert (w_input.elem_type, [d.dim_value for d in w_input.shape.dim]) == (FLOAT, [3, 2])
     new_w = np.ones((3, 2), np.float32)
-    np.testing.assert_allclose(_run(result, {"x": X, "w": new_w, "b": B}), X @ new_w + B, rtol=1e-6)
+    np.testing.assert_allclose(run_onnx(result, {"x": X, "w": new_w, "b": B}, ["y"])[0], X @ new_w + B, rtol=1e-6)
     assert len(model.graph.initializer) == 2  # the argument is untouched
     only_w = move_initializers_to_inputs(_linear(), ["w"])
     assert [i.name for i in only_w.graph.initializer] == ["b"]  # other initializers stay constants
@@ -140,10 +128,16 @@ def test_move_initializers_to_inputs_precondition():
 def _torch_builder_graph() -> onnx.ModelProto:
     """The torch builder's contract: data, then every module tensor as a graph input ('count' is read, 'unused'
     is not)."""
-    inputs = [_vi("x", [1, 3]), _vi("w", [3, 2]), _vi("b", [2]), _vi("count", [], INT64), _vi("unused", [2])]
+    inputs = [
+        value_info("x", [1, 3]),
+        value_info("w", [3, 2]),
+        value_info("b", [2]),
+        value_info("count", [], INT64),
+        value_info("unused", [2]),
+    ]
     model = _linear(inputs=inputs, initializers=[])
     model.graph.node.append(helper.make_node("Identity", ["count"], ["count_out"]))
-    model.graph.output.append(_vi("count_out", [], INT64))
+    model.graph.output.append(value_info("count_out", [], INT64))
     return model
 
 
@@ -156,7 +150,7 @@ def test_bind_foreign_state_makes_read_foreign_inputs_initializers_and_drops_the
         "b": B.tolist(),
         "count": 7,
     }
-    np.testing.assert_allclose(_run(result, {"x": X, "w": W}), X @ W + B, rtol=1e-6)
+    np.testing.assert_allclose(run_onnx(result, {"x": X, "w": W}, ["y"])[0], X @ W + B, rtol=1e-6)
     assert len(model.graph.input) == 5  # the argument is untouched
 
 
@@ -170,14 +164,16 @@ def test_bind_foreign_state_precondition():
 
 # ---------------------------------------------------------------------------------------------------- order_inputs
 def test_order_inputs_puts_data_then_state_and_restores_dropped_state():
-    inputs = [_vi("b", [2]), _vi("w", [3, 2]), _vi("x", [1, 3]), _vi("stale", [4])]
+    inputs = [value_info("b", [2]), value_info("w", [3, 2]), value_info("x", [1, 3]), value_info("stale", [4])]
     model = _linear(inputs=inputs, initializers=[])
     state = {"w": torch.tensor(W), "b": torch.tensor(B), "steps": torch.zeros(5, dtype=torch.int64)}
     result = run_passes(model, [order_inputs_pass(["x"], state)], verify=True)
     assert [i.name for i in result.graph.input] == ["x", "w", "b", "steps"]  # 'stale' (read by no node) is dropped
     steps = result.graph.input[3].type.tensor_type
     assert (steps.elem_type, [d.dim_value for d in steps.shape.dim]) == (INT64, [5])
-    np.testing.assert_allclose(_run(result, {"x": X, "w": W, "b": B, "steps": np.zeros(5, np.int64)}), X @ W + B)
+    np.testing.assert_allclose(
+        run_onnx(result, {"x": X, "w": W, "b": B, "steps": np.zeros(5, np.int64)}, ["y"])[0], X @ W + B
+    )
     assert [i.name for i in model.graph.input] == ["b", "w", "x", "stale"]  # the argument is untouched
 
 
@@ -191,6 +187,6 @@ def test_order_inputs_puts_data_then_state_and_restores_dropped_state():
     ids=["unlisted", "both", "absent_data"],
 )
 def test_order_inputs_precondition(data, state, message):
-    model = _linear(inputs=[_vi("x", [1, 3]), _vi("w", [3, 2]), _vi("b", [2])], initializers=[])
+    model = _linear(inputs=[value_info("x", [1, 3]), value_info("w", [3, 2]), value_info("b", [2])], initializers=[])
     with pytest.raises(PassPreconditionError, match=f"'order_inputs': {message}"):
         order_inputs(model, data, state)

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from helpers import needs_training_build
+from helpers import needs_training_build, onnx_model, run_onnx, value_info
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.passes import PassPreconditionError, run_passes
@@ -23,30 +23,19 @@ from orttrainer.trainer.graph.static_shapes import (
 )
 
 
-def _model(nodes, inputs, outputs, initializers=(), opset=16):
-    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
-    opsets = [helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets)
-    model.ir_version = 8
-    return model
-
-
-def _vi(name, shape, elem=TensorProto.FLOAT):
-    return helper.make_tensor_value_info(name, elem, shape)
-
-
-def _run(model, feeds, outputs=None):
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(outputs, feeds)
-
-
 def _ops(model):
     return [n.op_type for n in model.graph.node]
 
 
 # ----------------------------------------------------------------------------------------------------- static inputs
 def test_static_inputs_declare_the_dims_and_check_them():
-    model = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", ["batch", 4])], [_vi("y", ["batch", 4])])
+    model = onnx_model(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        [value_info("x", ["batch", 4])],
+        [value_info("y", ["batch", 4])],
+        opset=16,
+        ms=True,
+    )
     static = run_passes(model, [static_inputs_pass({"x": (3, 4)})], verify=True)
     assert [d.dim_value for d in static.graph.input[0].type.tensor_type.shape.dim] == [3, 4]
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"  # a copy
@@ -70,19 +59,26 @@ SHAPE_PAIRS = [
 def _bga_model(a, b):
     node = helper.make_node("BroadcastGradientArgs", ["a", "b"], ["ra", "rb"], domain="com.microsoft")
     inits = [numpy_helper.from_array(np.array(a, np.int64), "a"), numpy_helper.from_array(np.array(b, np.int64), "b")]
-    return _model([node], [], [_vi("ra", None, TensorProto.INT64), _vi("rb", None, TensorProto.INT64)], inits)
+    return onnx_model(
+        [node],
+        [],
+        [value_info("ra", None, TensorProto.INT64), value_info("rb", None, TensorProto.INT64)],
+        inits,
+        opset=16,
+        ms=True,
+    )
 
 
 @needs_training_build
 @pytest.mark.parametrize(("a", "b"), SHAPE_PAIRS)
 def test_the_axes_are_onnx_runtime_s(a, b):
     """The rule's axes equal the BroadcastGradientArgs kernel's (as sets: ReduceSum does not care about order)."""
-    kernel = _run(_bga_model(a, b), {})
+    kernel = run_onnx(_bga_model(a, b), {})
     mine = broadcast_gradient_axes(a, b)
     assert [sorted(k.tolist()) for k in kernel] == [sorted(m) for m in mine]
     folded = run_passes(_bga_model(a, b), [FOLD_BROADCAST_GRADIENT_ARGS], verify=True)
     assert _ops(folded) == []
-    assert [sorted(v.tolist()) for v in _run(folded, {})] == [sorted(m) for m in mine]
+    assert [sorted(v.tolist()) for v in run_onnx(folded, {})] == [sorted(m) for m in mine]
 
 
 def test_shapes_that_do_not_broadcast_are_a_precondition_error():
@@ -92,11 +88,13 @@ def test_shapes_that_do_not_broadcast_are_a_precondition_error():
 
 def test_a_runtime_shape_is_not_folded():
     node = helper.make_node("BroadcastGradientArgs", ["a", "b"], ["ra", "rb"], domain="com.microsoft")
-    model = _model(
+    model = onnx_model(
         [node],
-        [_vi("a", [2], TensorProto.INT64)],
-        [_vi("ra", None, TensorProto.INT64), _vi("rb", None, TensorProto.INT64)],
+        [value_info("a", [2], TensorProto.INT64)],
+        [value_info("ra", None, TensorProto.INT64), value_info("rb", None, TensorProto.INT64)],
         [numpy_helper.from_array(np.array([3], np.int64), "b")],
+        opset=16,
+        ms=True,
     )
     assert _ops(run_passes(model, [FOLD_BROADCAST_GRADIENT_ARGS])) == ["BroadcastGradientArgs"]
 
@@ -107,8 +105,13 @@ def _reduce_model(axes, noop):
         helper.make_node("ReduceSum", ["x", "axes"], ["r"], noop_with_empty_axes=noop),
         helper.make_node("Sum", ["r"], ["y"]),
     ]
-    return _model(
-        nodes, [_vi("x", [2, 3])], [_vi("y", None)], [numpy_helper.from_array(np.array(axes, np.int64), "axes")]
+    return onnx_model(
+        nodes,
+        [value_info("x", [2, 3])],
+        [value_info("y", None)],
+        [numpy_helper.from_array(np.array(axes, np.int64), "axes")],
+        opset=16,
+        ms=True,
     )
 
 
@@ -117,7 +120,7 @@ def test_an_empty_reduction_becomes_an_identity():
     dropped = run_passes(model, [DROP_NOOP_REDUCTIONS], verify=True)
     assert _ops(dropped) == ["Identity", "Identity"]
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    np.testing.assert_array_equal(_run(dropped, {"x": x})[0], _run(model, {"x": x})[0])
+    np.testing.assert_array_equal(run_onnx(dropped, {"x": x})[0], run_onnx(model, {"x": x})[0])
 
 
 @pytest.mark.parametrize(("axes", "noop"), [([], 0), ([0], 1)])
@@ -139,7 +142,7 @@ def _scatter_model(rows, first_dim=3, cast=True, fill_initializer=False, elem=Te
         else:
             nodes.append(helper.make_node("ConstantOfShape", ["shape"], [zeros]))
         inits.append(numpy_helper.from_array(np.array([[row]], np.int64), f"index{k}"))
-        inputs.append(_vi(f"u{k}", [1, 4, 5], elem))
+        inputs.append(value_info(f"u{k}", [1, 4, 5], elem))
         nodes.append(helper.make_node("ScatterND", [zeros, f"index{k}", f"u{k}"], [f"s{k}"], reduction="add"))
         part = f"s{k}"
         if cast:
@@ -147,7 +150,7 @@ def _scatter_model(rows, first_dim=3, cast=True, fill_initializer=False, elem=Te
             part = f"c{k}"
         parts.append(part)
     nodes.append(helper.make_node("Sum", parts, ["y"], name="accumulate"))
-    return _model(nodes, inputs, [_vi("y", [first_dim, 4, 5], elem)], inits)
+    return onnx_model(nodes, inputs, [value_info("y", [first_dim, 4, 5], elem)], inits, opset=16, ms=True)
 
 
 def _feeds(n):
@@ -160,7 +163,7 @@ def test_the_scatter_sum_becomes_a_concat(rows, cast, fill_initializer):
     model = _scatter_model(rows, cast=cast, fill_initializer=fill_initializer)
     concat = run_passes(model, [SCATTER_SUM_TO_CONCAT, WITHOUT_DEAD_NODES], verify=True)
     assert _ops(concat) == ["Concat"] and not concat.graph.initializer
-    np.testing.assert_array_equal(_run(concat, _feeds(3))[0], _run(model, _feeds(3))[0])
+    np.testing.assert_array_equal(run_onnx(concat, _feeds(3))[0], run_onnx(model, _feeds(3))[0])
 
 
 @pytest.mark.parametrize(("rows", "first_dim"), [((0, 0, 2), 3), ((0, 1, 2), 4), ((0, 1), 3)])
@@ -181,20 +184,28 @@ def test_dead_nodes_and_initializers_go_live_ones_stay():
         helper.make_node("Add", ["x", "one"], ["y"]),
     ]
     inits = [numpy_helper.from_array(np.ones(2, np.float32), n) for n in ("one", "unused")]
-    model = run_passes(_model(nodes, [_vi("x", [2])], [_vi("y", [2])], inits), [WITHOUT_DEAD_NODES], verify=True)
+    model = run_passes(
+        onnx_model(nodes, [value_info("x", [2])], [value_info("y", [2])], inits, opset=16, ms=True),
+        [WITHOUT_DEAD_NODES],
+        verify=True,
+    )
     assert _ops(model) == ["Add"] and [i.name for i in model.graph.initializer] == ["one"]
 
 
 def test_dead_node_removal_needs_a_sorted_graph():
     nodes = [helper.make_node("Neg", ["h"], ["y"]), helper.make_node("Relu", ["x"], ["h"])]
     with pytest.raises(PassPreconditionError, match="reads 'h' before"):
-        run_passes(_model(nodes, [_vi("x", [2])], [_vi("y", [2])]), [WITHOUT_DEAD_NODES])
+        run_passes(
+            onnx_model(nodes, [value_info("x", [2])], [value_info("y", [2])], opset=16, ms=True), [WITHOUT_DEAD_NODES]
+        )
 
 
 def test_reduction_removal_needs_one_writer_per_name():
     nodes = [helper.make_node("Sum", ["x"], ["y"]), helper.make_node("Relu", ["x"], ["y"])]
     with pytest.raises(PassPreconditionError, match="assigned twice"):
-        run_passes(_model(nodes, [_vi("x", [2])], [_vi("y", [2])]), [DROP_NOOP_REDUCTIONS])
+        run_passes(
+            onnx_model(nodes, [value_info("x", [2])], [value_info("y", [2])], opset=16, ms=True), [DROP_NOOP_REDUCTIONS]
+        )
 
 
 # ------------------------------------------------------------------------------------------- the specialisation
@@ -212,8 +223,14 @@ def _broadcast_gradient_model():
         helper.make_node("ConstantOfShape", ["sx"], ["zeros"]),
         helper.make_node("Add", ["zeros", "dx"], ["dx_plus_zero"]),
     ]
-    inputs = [_vi("x", ["batch", 5]), _vi("b", [5]), _vi("dy", ["batch", 5])]
-    return _model(nodes, inputs, [_vi("y", None), _vi("dx_plus_zero", None), _vi("db", None)])
+    inputs = [value_info("x", ["batch", 5]), value_info("b", [5]), value_info("dy", ["batch", 5])]
+    return onnx_model(
+        nodes,
+        inputs,
+        [value_info("y", None), value_info("dx_plus_zero", None), value_info("db", None)],
+        opset=16,
+        ms=True,
+    )
 
 
 @needs_training_build
@@ -241,7 +258,7 @@ def test_specialisation_folds_the_shape_arithmetic_and_keeps_the_values():
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((3, 5)), "b": rng.standard_normal(5), "dy": rng.standard_normal((3, 5))}
     feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
-    for ours, theirs in itertools.zip_longest(_run(graph.model, feeds), _run(model, feeds)):
+    for ours, theirs in itertools.zip_longest(run_onnx(graph.model, feeds), run_onnx(model, feeds)):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6)
 
 
@@ -261,7 +278,13 @@ def test_a_graph_fused_into_inference_only_ops_is_not_specialised():
 
     def fused(model: onnx.ModelProto) -> onnx.ModelProto:
         node = helper.make_node("SkipLayerNormalization", ["x", "x", "g"], ["y"], domain="com.microsoft")
-        return _model([node], list(model.graph.input), [_vi("y", None)])
+        return onnx_model([node], list(model.graph.input), [value_info("y", None)], opset=16, ms=True)
 
-    model = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", ["batch", 4])], [_vi("y", None)])
+    model = onnx_model(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        [value_info("x", ["batch", 4])],
+        [value_info("y", None)],
+        opset=16,
+        ms=True,
+    )
     assert specialized(Graph(model, ["x"]), {"x": torch.zeros(2, 4)}, fused) is None

@@ -11,7 +11,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import needs_training_build
+from helpers import needs_training_build, onnx_model, value_info
 from onnx import TensorProto, helper
 
 from orttrainer.debug import compute_statistics, format_statistics
@@ -25,17 +25,6 @@ from orttrainer.trainer.graph.statistics import (
     marks_to_identity,
 )
 from orttrainer.trainer.runtime import ort_private
-
-
-def _vi(name: str, shape=None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, shape)
-
-
-def _model(nodes, inputs, outputs, opset: int = 14, extra_opsets=()) -> onnx.ModelProto:
-    graph = helper.make_graph(nodes, "g", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), *extra_opsets])
-    model.ir_version = 8
-    return model
 
 
 def _session(model: onnx.ModelProto, **options) -> ort.InferenceSession:
@@ -57,7 +46,7 @@ def test_marks_become_identities_and_report_their_tensors_in_node_order():
         _mark("m1", "m2", "inspected"),
         helper.make_node("Neg", ["m2"], ["y"]),
     ]
-    model = _model(nodes, [_vi("x", [3])], [_vi("y", [3])], extra_opsets=[helper.make_opsetid(MARK_DOMAIN, 1)])
+    model = onnx_model(nodes, [value_info("x", [3])], [value_info("y", [3])], domains=[(MARK_DOMAIN, 1)])
     plain, marks = marks_to_identity(model)
     assert marks == [("Linear_1_0th_output", "m1"), ("inspected", "m2")]
     assert [(n.op_type, n.domain, n.name) for n in plain.graph.node[1:3]] == [
@@ -74,12 +63,12 @@ def test_marks_become_identities_and_report_their_tensors_in_node_order():
 def test_a_malformed_marker_is_refused():
     bad = helper.make_node("ActivationMark", ["x"], ["y"], domain=MARK_DOMAIN, name="bad")  # no activation name
     with pytest.raises(ValueError, match="'bad' must have one input, one output and a string 'activation'"):
-        marks_to_identity(_model([bad], [_vi("x", [1])], [_vi("y", [1])]))
+        marks_to_identity(onnx_model([bad], [value_info("x", [1])], [value_info("y", [1])]))
 
 
 def test_gradient_tensor_is_the_produced_grad_name():
     nodes = [helper.make_node("Relu", ["x"], ["t"]), helper.make_node("Neg", ["t"], ["t_grad"])]
-    model = _model(nodes, [_vi("x", [1])], [_vi("t_grad", [1])])
+    model = onnx_model(nodes, [value_info("x", [1])], [value_info("t_grad", [1])])
     assert gradient_tensor(model, "t") == "t_grad"
     assert gradient_tensor(model, "x") is None
 
@@ -113,7 +102,9 @@ _TYPES = {
 
 def _summarise(tensor: torch.Tensor):
     elem = _TYPES[tensor.dtype]
-    model = _model([helper.make_node("Identity", ["x"], ["y"])], [_vi("x", None, elem)], [_vi("y", None, elem)])
+    model = onnx_model(
+        [helper.make_node("Identity", ["x"], ["y"])], [value_info("x", None, elem)], [value_info("y", None, elem)]
+    )
     with_stats, outputs = append_statistics(model, {"t": StatisticsTarget("y", elem)})
     assert list(with_stats.graph.output)[:1] == list(model.graph.output)
     # bfloat16 through DLPack (the wrapper speaks each runtime's from_dlpack): numpy has no bfloat16.
@@ -143,10 +134,10 @@ def test_in_graph_statistics_match_the_pytorch_computation(case):
 
 
 def test_a_target_of_unknown_type_gets_an_untyped_samples_output():
-    model = _model(
+    model = onnx_model(
         [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16)],
-        [_vi("x", [3])],
-        [_vi("h", [3], TensorProto.FLOAT16)],
+        [value_info("x", [3])],
+        [value_info("h", [3], TensorProto.FLOAT16)],
     )
     with_stats, outputs = append_statistics(model, {"t": StatisticsTarget("h", None)})
     session = _session(with_stats)
@@ -158,7 +149,7 @@ def test_a_target_of_unknown_type_gets_an_untyped_samples_output():
 
 
 def test_statistics_need_existing_tensors_and_keep_the_graph():
-    model = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", [2])], [_vi("y", [2])])
+    model = onnx_model([helper.make_node("Relu", ["x"], ["y"])], [value_info("x", [2])], [value_info("y", [2])])
     with pytest.raises(ValueError, match=r"tensors the graph does not have: \['nope'\]"):
         append_statistics(model, {"t": StatisticsTarget("nope", TensorProto.FLOAT)})
     both, outputs = append_statistics(
@@ -175,7 +166,7 @@ def test_statistics_need_existing_tensors_and_keep_the_graph():
 
 @needs_training_build
 def test_unfetched_statistics_do_not_run(tmp_path):
-    model = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", [64])], [_vi("y", [64])])
+    model = onnx_model([helper.make_node("Relu", ["x"], ["y"])], [value_info("x", [64])], [value_info("y", [64])])
     with_stats, outputs = append_statistics(model, {"t": StatisticsTarget("y", TensorProto.FLOAT)})
     session = _session(with_stats, enable_profiling=True, profile_file_prefix=str(tmp_path / "p"))
     partial = ort.RunOptions()
@@ -203,7 +194,11 @@ def test_log_softmax_nll_fuses_through_a_marker_chain():
         helper.make_node("Identity", ["m1"], ["m2"], name="orttrainer/activation/b"),
         helper.make_node("NegativeLogLikelihoodLoss", ["m2", "t"], ["loss"], reduction="mean"),
     ]
-    model = _model(nodes, [_vi("x", [4, 3]), _vi("t", [4], TensorProto.INT64)], [_vi("loss", []), _vi("m2", [4, 3])])
+    model = onnx_model(
+        nodes,
+        [value_info("x", [4, 3]), value_info("t", [4], TensorProto.INT64)],
+        [value_info("loss", []), value_info("m2", [4, 3])],
+    )
     fused = fuse_log_softmax_nll(model)
     assert [(n.op_type, list(n.input), list(n.output)) for n in fused.graph.node] == [
         ("SoftmaxCrossEntropyLoss", ["x", "t"], ["loss", "lp"]),
@@ -215,9 +210,9 @@ def test_log_softmax_nll_fuses_through_a_marker_chain():
     feeds = {"x": x, "t": t}
     for got, want in zip(_session(fused).run(None, feeds), _session(model).run(None, feeds), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
-    branched = _model(
+    branched = onnx_model(
         [*nodes, helper.make_node("Neg", ["m1"], ["n"])],
-        [_vi("x", [4, 3]), _vi("t", [4], TensorProto.INT64)],
-        [_vi("loss", []), _vi("n", [4, 3])],
+        [value_info("x", [4, 3]), value_info("t", [4], TensorProto.INT64)],
+        [value_info("loss", []), value_info("n", [4, 3])],
     )
     assert fuse_log_softmax_nll(branched).graph.node[0].op_type == "LogSoftmax"  # m1 has two consumers: no fusion

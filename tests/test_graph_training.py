@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import value_names
 from onnx import TensorProto, helper
 from test_graph_optimizer import (
     OrtRunner,
@@ -30,10 +31,6 @@ from orttrainer.trainer.compile.contract import (
     zero_state,
 )
 from orttrainer.trainer.graph.training import build_training_graph
-
-
-def _names(values) -> list[str]:
-    return [v.name for v in values]
 
 
 def _clip_norm_nodes(graph) -> int:
@@ -70,7 +67,7 @@ def test_graph_contract_without_accumulation():
     }
     assert graph.state_shapes == {"Moment_1_w": (3, 2), "Moment_2_w": (3, 2), "Moment_1_b": (2,), "Moment_2_b": (2,)}
     model = graph.model.graph
-    assert _names(model.input) == [
+    assert value_names(model.input) == [
         "x_w",
         "w",
         "x_b",
@@ -86,7 +83,7 @@ def test_graph_contract_without_accumulation():
     assert inputs["__learning_rate"].elem_type == TensorProto.FLOAT and not inputs["__learning_rate"].shape.dim
     assert inputs["__update_count"].elem_type == TensorProto.INT64 and not inputs["__update_count"].shape.dim
     # the gradients are consumed inside the graph: no `<p>_grad` output is left
-    assert _names(model.output) == ["loss", *graph.weight_updates.values(), *graph.optimizer_state.values()]
+    assert value_names(model.output) == ["loss", *graph.weight_updates.values(), *graph.optimizer_state.values()]
     node_names = [n.name for n in model.node if n.name]
     assert len(node_names) == len(set(node_names))
     assert all(n.name.startswith("orttrainer/train/") for n in model.node[len(source.graph.node) :])
@@ -101,13 +98,17 @@ def test_graph_contract_with_accumulation():
     }
     assert accumulation_buffer_name("w") == "w_grad_accumulation_buffer"
     assert graph.state_shapes == {"w_grad_accumulation_buffer": (3, 2), "s_grad_accumulation_buffer": ()}
-    assert _names(graph.model.graph.input)[4:] == [
+    assert value_names(graph.model.graph.input)[4:] == [
         "w_grad_accumulation_buffer",
         "s_grad_accumulation_buffer",
         "__learning_rate",
         "__update_count",
     ]
-    assert _names(graph.model.graph.output) == ["loss", *graph.accumulation.values(), *graph.weight_updates.values()]
+    assert value_names(graph.model.graph.output) == [
+        "loss",
+        *graph.accumulation.values(),
+        *graph.weight_updates.values(),
+    ]
     zeros = zero_state(graph.state_shapes)
     assert {k: (v.shape, v.dtype, float(np.abs(v).sum())) for k, v in zeros.items()} == {
         "w_grad_accumulation_buffer": ((3, 2), np.float32, 0.0),

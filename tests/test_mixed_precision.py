@@ -15,10 +15,11 @@ from helpers import (
     make_trainer,
     max_difference,
     needs_training_build,
+    state_and_counters,
     torch_weights,
     trainer_weights,
 )
-from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
+from models import MLP, TinyTransformer, mlp_batches, mlp_desc, transformer_desc, transformer_loss
 
 from orttrainer import amp, optim
 
@@ -26,20 +27,8 @@ CE = torch.nn.functional.cross_entropy
 FP16_TOLERANCE = 5e-3  # max abs weight difference to an fp32 reference after 30 Adam steps at lr 1e-3
 
 
-def _batches(n: int, seed: int = 5, scale: float = 1.0):
-    g = torch.Generator().manual_seed(seed)
-    return [(scale * torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(n)]
-
-
 def _amp(scaler=None, **extra) -> dict:
     return {"mixed_precision": {"enabled": True, "loss_scaler": scaler}, **extra}
-
-
-def _everything(trainer) -> dict[str, np.ndarray]:
-    state = trainer._training_session.get_state()
-    info = trainer._train_step_info
-    state["counters"] = np.array([info.step, info.optimization_step, trainer._state.counters.optimizer_updates])
-    return state
 
 
 @needs_training_build
@@ -54,15 +43,15 @@ def test_an_overflowing_step_changes_nothing_halves_the_scale_and_the_next_step_
         CE,
         _amp(scaler, batch={"gradient_accumulation_steps": accumulation}),
     )
-    for x, y in _batches(2 * accumulation):
+    for x, y in mlp_batches(2 * accumulation, seed=5):
         trainer.train_step(x, y)
     assert trainer._train_step_info.optimization_step == 2 and scaler.loss_scale == 1024.0
-    before = _everything(trainer)
-    overflow = _batches(1, scale=1e20)[0]  # gradients beyond the float range: not finite
+    before = state_and_counters(trainer)
+    overflow = mlp_batches(1, scale=1e20, seed=5)[0]  # gradients beyond the float range: not finite
     for _ in range(accumulation - 1):
-        trainer.train_step(*_batches(1, seed=9)[0])
+        trainer.train_step(*mlp_batches(1, seed=9)[0])
     trainer.train_step(*overflow)
-    after = _everything(trainer)
+    after = state_and_counters(trainer)
     assert trainer._train_step_info.all_finite.tolist() == [False]
     assert scaler.loss_scale == 512.0
     assert trainer._train_step_info.optimization_step == 2
@@ -70,9 +59,9 @@ def test_an_overflowing_step_changes_nothing_halves_the_scale_and_the_next_step_
     for name, value in before.items():
         if name != "counters":
             assert np.array_equal(value, after[name]), name  # bit-identical, moments and buffers included
-    trainer.train_step(*_batches(1, seed=11)[0])
+    trainer.train_step(*mlp_batches(1, seed=11)[0])
     if accumulation == 2:
-        trainer.train_step(*_batches(1, seed=12)[0])
+        trainer.train_step(*mlp_batches(1, seed=12)[0])
     assert trainer._train_step_info.all_finite.tolist() == [True]
     assert trainer._train_step_info.optimization_step == 3
     assert max_difference(trainer_weights(trainer), {k: before[k] for k in trainer_weights(trainer)}) > 0
@@ -84,7 +73,7 @@ def test_the_scale_grows_after_each_window_of_finite_steps_up_to_the_cap():
     scaler = amp.DynamicLossScaler(loss_scale=8.0, up_scale_window=3, max_loss_scale=32.0)
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(lr=0.1), CE, _amp(scaler))
     seen = []
-    for i, (x, y) in enumerate(_batches(10)):
+    for i, (x, y) in enumerate(mlp_batches(10, seed=5)):
         if i == 4:  # fetches do not stop the scaler (the original's scaler silently stopped updating with them)
             trainer._train_step_info.fetches = ["logits"]
         trainer.train_step(x, y)
@@ -97,7 +86,7 @@ def test_a_scaler_with_automatic_update_off_keeps_its_scale():
     torch.manual_seed(0)
     scaler = amp.DynamicLossScaler(automatic_update=False, loss_scale=4.0, up_scale_window=1)
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(lr=0.1), CE, _amp(scaler))
-    for x, y in _batches(3):
+    for x, y in mlp_batches(3, seed=5):
         trainer.train_step(x, y)
     assert scaler.loss_scale == 4.0 and trainer._train_step_info.optimization_step == 3
 
@@ -138,7 +127,7 @@ def test_outputs_keep_their_graph_precision_and_model_desc_records_it():
     torch.manual_seed(0)
     trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE, _amp())
     assert isinstance(trainer.options.mixed_precision.loss_scaler, amp.DynamicLossScaler)  # injected, as legacy did
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1, seed=5)[0]
     loss, logits = trainer.train_step(x, y)
     assert (loss.dtype, logits.dtype) == (torch.float32, torch.float16)
     eval_loss, eval_logits = trainer.eval_step(x, y)
@@ -161,14 +150,16 @@ def test_a_loss_scaler_without_mixed_precision_is_the_legacy_error():
         MLP(), mlp_desc(), optim.AdamConfig(), CE, {"mixed_precision": {"loss_scaler": amp.DynamicLossScaler()}}
     )
     with pytest.raises(ValueError, match="^Loss Scaler cannot be specified when Mixed Precision is not enabled$"):
-        trainer.train_step(*_batches(1)[0])
+        trainer.train_step(*mlp_batches(1, seed=5)[0])
 
 
 @needs_training_build
 def test_resume_under_mixed_precision_is_exact(tmp_path):
     torch.manual_seed(0)
-    model, batches = MLP(), _batches(10)
-    batches[3] = _batches(1, scale=1e20)[0]  # one overflow before the checkpoint: the scale must survive the resume
+    model, batches = MLP(), mlp_batches(10, seed=5)
+    batches[3] = mlp_batches(1, scale=1e20, seed=5)[
+        0
+    ]  # one overflow before the checkpoint: the scale must survive the resume
 
     def fresh():
         scaler = amp.DynamicLossScaler(loss_scale=1024.0, up_scale_window=3)
@@ -193,7 +184,7 @@ def test_resume_under_mixed_precision_is_exact(tmp_path):
         resumed.train_step(x, y)
         if i == 0:
             assert resumed.options.mixed_precision.loss_scaler.loss_scale == 512.0
-    assert max_difference(_everything(resumed), _everything(straight)) <= 1e-6
+    assert max_difference(state_and_counters(resumed), state_and_counters(straight)) <= 1e-6
     scalers = [t.options.mixed_precision.loss_scaler for t in (resumed, straight)]
     assert scalers[0].loss_scale == scalers[1].loss_scale
 
@@ -202,12 +193,12 @@ def test_resume_under_mixed_precision_is_exact(tmp_path):
 def test_mixed_precision_checkpoints_load_into_fp32_trainers_and_back(tmp_path):
     torch.manual_seed(0)
     mixed = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(lr=1e-2), CE, _amp())
-    for x, y in _batches(3):
+    for x, y in mlp_batches(3, seed=5):
         mixed.train_step(x, y)
     mixed.save_checkpoint(str(tmp_path / "mixed.ortcp"))
     full = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(lr=1e-2), CE)
     full.load_checkpoint(str(tmp_path / "mixed.ortcp"))
-    x, y = _batches(1, seed=20)[0]
+    x, y = mlp_batches(1, seed=20)[0]
     full.train_step(x, y)
     assert max_difference(trainer_weights(full), trainer_weights(mixed)) > 0  # trained on from the mixed weights
     full.save_checkpoint(str(tmp_path / "full.ortcp"))
@@ -236,7 +227,7 @@ def test_an_onnx_model_trains_in_mixed_precision():
 
     torch.manual_seed(0)
     axes = {"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}}
-    model = export_training_onnx(WithLoss(), _batches(1)[0], ["x", "target"], ["loss", "logits"], axes)
+    model = export_training_onnx(WithLoss(), mlp_batches(1, seed=5)[0], ["x", "target"], ["loss", "logits"], axes)
     trainer = make_trainer(model, mlp_desc(), optim.SGDConfig(lr=0.1), None, _amp())
-    losses = [trainer.train_step(x, y)[0].item() for x, y in _batches(8) * 3]
+    losses = [trainer.train_step(x, y)[0].item() for x, y in mlp_batches(8, seed=5) * 3]
     assert losses[-1] < losses[0]

@@ -21,8 +21,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import cpu_options, make_trainer, max_difference, torch_weights, trainer_weights
-from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
+from helpers import cpu_options, make_trainer, max_difference, state_and_counters, torch_weights, trainer_weights
+from models import MLP, TinyTransformer, mlp_batches, mlp_desc, transformer_desc, transformer_loss
 from test_mixed_precision import FP16_TOLERANCE
 
 from orttrainer import ORTTrainer, amp, optim
@@ -43,13 +43,6 @@ def _amp(scaler=None, builder: str = "torch", **extra) -> dict:
         "_internal_use": {"gradient_builder": builder},
         **extra,
     }
-
-
-def _batches(n: int, seed: int = 5, scale: float = 1.0, batch: int = 8):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (scale * torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)
-    ]
 
 
 @pytest.fixture(params=["torch", "graph"])
@@ -79,7 +72,7 @@ def test_the_mlp_tracks_pytorch_in_float32_and_in_float16(update_path):
     fp32, fp16 = copy.deepcopy(model), copy.deepcopy(model)
     trainer = make_trainer(model, mlp_desc(), optim.AdamConfig(lr=1e-3), CE, _amp(amp.DynamicLossScaler(scale)))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0) for m in (fp32, fp16)]
-    for x, y in _batches(30):
+    for x, y in mlp_batches(30, seed=5):
         loss, logits = trainer.train_step(x, y)
         _reference_step(fp32, opts[0], CE(fp32(x), y))
         _reference_step(fp16, opts[1], _float16_reference(fp16, (x, y)), scale)
@@ -128,7 +121,7 @@ def test_the_torch_builder_agrees_with_the_ort_builder_as_well_as_that_agrees_wi
     1.5e-2 (MLP) and 1.2e-2 (transformer) after 20 Adam steps, with the torch builder 1e-5 and 2e-3 from float32."""
     torch.manual_seed(0)
     if model_kind == "mlp":
-        model, desc, loss_fn, batches = MLP(), mlp_desc(), CE, _batches(20)
+        model, desc, loss_fn, batches = MLP(), mlp_desc(), CE, mlp_batches(20, seed=5)
     else:
         model, desc, loss_fn = TinyTransformer(dropout=0.1).eval(), transformer_desc(), transformer_loss
         g = torch.Generator().manual_seed(0)
@@ -156,33 +149,26 @@ def test_the_torch_builder_agrees_with_the_ort_builder_as_well_as_that_agrees_wi
     assert max_difference(ours, theirs) <= max_difference(theirs, fp32) + FP16_TOLERANCE
 
 
-def _everything(trainer) -> dict[str, np.ndarray]:
-    state = trainer._training_session.get_state()
-    info = trainer._train_step_info
-    state["counters"] = np.array([info.step, info.optimization_step, trainer._state.counters.optimizer_updates])
-    return state
-
-
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_an_overflowing_step_is_skipped_the_scale_backs_off_and_training_goes_on(update_path, accumulation):
     torch.manual_seed(0)
     scaler = amp.DynamicLossScaler(loss_scale=1024.0)
     options = _amp(scaler, batch={"gradient_accumulation_steps": accumulation})
     trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(lr=1e-2), CE, options)
-    for x, y in _batches(2 * accumulation):
+    for x, y in mlp_batches(2 * accumulation, seed=5):
         trainer.train_step(x, y)
     assert trainer._train_step_info.optimization_step == 2 and scaler.loss_scale == 1024.0
-    before = _everything(trainer)
+    before = state_and_counters(trainer)
     for _ in range(accumulation - 1):
-        trainer.train_step(*_batches(1, seed=9)[0])
-    trainer.train_step(*_batches(1, scale=1e20)[0])  # float16 activations overflow: gradients not finite
-    after = _everything(trainer)
+        trainer.train_step(*mlp_batches(1, seed=9)[0])
+    trainer.train_step(*mlp_batches(1, scale=1e20, seed=5)[0])  # float16 activations overflow: gradients not finite
+    after = state_and_counters(trainer)
     assert trainer._train_step_info.all_finite.tolist() == [False]
     assert scaler.loss_scale == 512.0 and trainer._train_step_info.optimization_step == 2
     for name, value in before.items():
         if name != "counters":
             assert np.array_equal(value, after[name]), name  # bit-identical, moments and buffers included
-    for x, y in _batches(accumulation, seed=11):
+    for x, y in mlp_batches(accumulation, seed=11):
         trainer.train_step(x, y)
     assert trainer._train_step_info.all_finite.tolist() == [True]
     assert trainer._train_step_info.optimization_step == 3
@@ -196,7 +182,7 @@ def test_a_loss_scale_beyond_float16_is_skipped_until_it_fits():
     scaler = amp.DynamicLossScaler(loss_scale=float(2**24))
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(lr=0.1), CE, _amp(scaler))
     finite = []
-    for x, y in _batches(12):
+    for x, y in mlp_batches(12, seed=5):
         trainer.train_step(x, y)
         finite.append(bool(trainer._train_step_info.all_finite))
     assert not finite[0] and finite[-1] and scaler.loss_scale < 2**24
@@ -210,7 +196,7 @@ def test_accumulation_and_clipping_match_pytorch(update_path):
     options = _amp(amp.DynamicLossScaler(1024.0), batch={"gradient_accumulation_steps": 2})
     trainer = make_trainer(model, mlp_desc(), optim.AdamConfig(lr=1e-2), CE, options)  # SGD does not clip
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
-    batches, norms = _batches(20, scale=4.0), []
+    batches, norms = mlp_batches(20, scale=4.0, seed=5), []
     for i in range(0, len(batches), 2):
         ref_opt.zero_grad()
         for x, y in batches[i : i + 2]:
@@ -225,8 +211,8 @@ def test_accumulation_and_clipping_match_pytorch(update_path):
 
 def test_state_dict_round_trip_keeps_float32_master_weights_and_the_scaler():
     torch.manual_seed(0)
-    model, batches = MLP(), _batches(8)
-    batches[1] = _batches(1, scale=1e20)[0]  # an overflow: the scale is 512 at the checkpoint
+    model, batches = MLP(), mlp_batches(8, seed=5)
+    batches[1] = mlp_batches(1, scale=1e20, seed=5)[0]  # an overflow: the scale is 512 at the checkpoint
 
     def fresh():
         scaler = amp.DynamicLossScaler(loss_scale=1024.0, up_scale_window=4)
@@ -245,7 +231,7 @@ def test_state_dict_round_trip_keeps_float32_master_weights_and_the_scaler():
     resumed.load_state_dict(state)
     for x, y in batches[4:]:
         resumed.train_step(x, y)
-    assert max_difference(_everything(resumed), _everything(straight)) <= 1e-6
+    assert max_difference(state_and_counters(resumed), state_and_counters(straight)) <= 1e-6
     scales = [t.options.mixed_precision.loss_scaler.loss_scale for t in (resumed, straight)]
     assert scales[0] == scales[1] == 1024.0  # grown back after 4 finite steps in both
 
@@ -254,7 +240,7 @@ def test_outputs_keep_their_precision_in_training_and_evaluation(tmp_path):
     torch.manual_seed(0)
     trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE, _amp())
     assert isinstance(trainer.options.mixed_precision.loss_scaler, amp.DynamicLossScaler)
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1, seed=5)[0]
     trainer.train_step(x, y)
     eval_loss, eval_logits = trainer.eval_step(x, y)
     assert (eval_loss.dtype, eval_logits.dtype) == (torch.float32, torch.float16)
@@ -277,8 +263,8 @@ def test_outputs_keep_their_precision_in_training_and_evaluation(tmp_path):
 def test_a_batch_the_first_graph_rejects_gets_its_own_mixed_precision_graph():
     torch.manual_seed(0)
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(lr=0.1), CE, _amp(amp.DynamicLossScaler(1024.0)))
-    trainer.train_step(*_batches(1)[0])
-    loss, _ = trainer.train_step(*_batches(1, batch=1)[0])  # size 1 is specialised by PyTorch's tracer
+    trainer.train_step(*mlp_batches(1, seed=5)[0])
+    loss, _ = trainer.train_step(*mlp_batches(1, batch=1, seed=5)[0])  # size 1 is specialised by PyTorch's tracer
     assert trainer._training_session.training_graph_count == 2
     assert torch.isfinite(loss) and trainer._train_step_info.optimization_step == 2
 

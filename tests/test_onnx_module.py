@@ -1,4 +1,4 @@
-"""OnnxModule (orttrainer/trainer/gradient/onnx_module.py) op by op: on a one-node graph (`onnx_op_cases.py`) its
+"""OnnxModule (orttrainer/trainer/gradient/onnx_module/) op by op: on a one-node graph (`onnx_op_cases.py`) its
 outputs equal onnxruntime.InferenceSession's, and its PyTorch gradients equal ONNX Runtime's gradient builder's
 (with the training build) and finite differences; plus naming, static shape arithmetic and its errors."""
 
@@ -59,7 +59,12 @@ def run_module(module: OnnxModule, c: Case) -> tuple[torch.Tensor, ...]:
     return module(*(torch.from_numpy(a.copy()) for a in feeds(c).values()))
 
 
-@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def params(cases: list[Case]) -> list:
+    """The cases as pytest parameters; ops of the training build only run with it."""
+    return [pytest.param(c, id=c.id, marks=[needs_training_build] if c.training_build else []) for c in cases]
+
+
+@pytest.mark.parametrize("c", params(CASES))
 def test_forward_matches_onnxruntime(c):
     model = one_node_model(c)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -140,7 +145,7 @@ def test_gradients_match_onnxruntime_gradient_builder(c):
 SMOOTH = [c for c in DIFFERENTIABLE if c.smooth]
 
 
-@pytest.mark.parametrize("c", SMOOTH, ids=[c.id for c in SMOOTH])
+@pytest.mark.parametrize("c", params(SMOOTH))
 def test_gradients_match_finite_differences(c):
     """In float64: torch.autograd.gradcheck of the module's loss as a function of its trained initializers."""
     model = loss_model(c, np.float64)
@@ -159,7 +164,7 @@ def test_gradients_match_finite_differences(c):
     )
 
 
-@pytest.mark.parametrize("c", DIFFERENTIABLE, ids=[c.id for c in DIFFERENTIABLE])
+@pytest.mark.parametrize("c", params(DIFFERENTIABLE))
 def test_the_torch_builder_exports_gradients_that_onnxruntime_runs_like_pytorch(c):
     """The whole route: trace the module, export forward + backward as ONNX, run it with InferenceSession."""
     from orttrainer.trainer.gradient.torch_graphs import TorchSource
@@ -250,13 +255,33 @@ def test_state_tensors_get_module_names_that_map_back_to_the_initializer_names()
     assert module_name("x.y", {"x_y"}, module) == "x_y_1"
 
 
-def test_an_op_outside_the_table_is_named_with_its_nodes_and_what_to_do():
+def test_an_op_outside_the_table_is_named_with_its_node_and_opset_and_what_to_do():
     model = _linear_chain(["W"])
-    model.graph.node.insert(1, helper.make_node("Hardmax", ["h0"], ["hard"], name="the_hardmax"))
-    with pytest.raises(GradientBuildError, match=r"no implementation of Hardmax \(node 'the_hardmax'\)") as err:
+    model.graph.node.insert(1, helper.make_node("TfIdfVectorizer", ["h0"], ["counts"], name="the_tfidf"))
+    with pytest.raises(
+        GradientBuildError,
+        match=r"node 'the_tfidf' \(TfIdfVectorizer, opset 17\): no implementation of TfIdfVectorizer",
+    ) as err:
         OnnxModule(model, ["x"], ["loss"], ["W"])
     assert "pip install 'orttrainer[ort-training]'" in str(err.value) and "PyTorch module" in str(err.value)
-    assert err.value.op_type == "Hardmax"
+    assert err.value.op_type == "TfIdfVectorizer"
+
+
+def test_every_refused_node_is_named_at_construction_with_its_reason():
+    """An attribute value an op does not implement, an opset outside the specs followed, a domain the model does
+    not import: one error at construction, each node with its op, opset and reason."""
+    model = _linear_chain(["W"])
+    model.graph.node.insert(1, helper.make_node("Resize", ["h0", "", "scales"], ["r"], name="bad_mode", mode="area"))
+    model.graph.node.insert(2, helper.make_node("Gelu", ["h0"], ["g"], name="ms_gelu", domain="com.example"))
+    with pytest.raises(GradientBuildError) as err:
+        OnnxModule(model, ["x"], ["loss"], ["W"])
+    message = str(err.value)
+    assert "node 'bad_mode' (Resize, opset 17): mode 'area'" in message
+    assert "node 'ms_gelu' (com.example.Gelu, opset 0): its domain 'com.example' is not imported" in message
+    old = _linear_chain(["W"])
+    old.opset_import[0].version = 6
+    with pytest.raises(GradientBuildError, match=r"\(MatMul, opset 6\): OnnxModule follows the ONNX specs of opsets 7"):
+        OnnxModule(old, ["x"], ["loss"], ["W"])
 
 
 def test_a_graph_input_that_is_neither_data_nor_initializer_is_refused():
@@ -313,7 +338,76 @@ def test_shapes_computed_in_the_graph_are_numbers_when_the_torch_builder_traces(
 
 def test_a_shape_read_from_data_cannot_be_traced_and_the_error_names_the_node():
     model = _reshape_by_computed_shape(shape_from_data=True)
-    with pytest.raises(GradientBuildError, match=r"Reshape node: input shape must be known when the graph is traced"):
+    with pytest.raises(
+        GradientBuildError, match=r"\(Reshape, opset 17\): input shape must be known when the graph is traced"
+    ):
         _trace(model, ["x", "s"], [torch.randn(5, 2, 3), torch.tensor([5, 6])])
     module = OnnxModule(model, ["x", "s"], ["loss"], ["W"])  # run eagerly, the values are there
     assert module(torch.randn(5, 2, 3), torch.tensor([5, 6]))[0].shape == ()
+
+
+def _run_one(c: Case) -> tuple[torch.Tensor, ...]:
+    model = one_node_model(c)
+    return run_module(OnnxModule(model, list(c.data), [o.name for o in model.graph.output], []), c)
+
+
+def test_contrib_ops_without_a_cpu_kernel_compute_their_documented_formula():
+    """BiasAdd, GemmFastGelu and BiasSoftmax (CUDA-only in ONNX Runtime) and SparseSoftmaxCrossEntropy (a training
+    op of older ONNX Runtime builds, unregistered in 1.19): no InferenceSession to compare with, so their
+    formulas."""
+    x, bias, skip, w = (torch.randn(*s, generator=torch.Generator().manual_seed(k)) for k, s in
+                        enumerate([(2, 3, 4), (4,), (2, 3, 4), (4, 5)]))  # fmt: skip
+    ms = {"domain": "com.microsoft", "data": ("x",)}
+    (got,) = _run_one(Case("BiasAdd", [("x", x.numpy()), ("b", bias.numpy()), ("s", skip.numpy())], **ms))
+    torch.testing.assert_close(got, x + bias + skip)
+    (got,) = _run_one(Case("GemmFastGelu", [("x", x.numpy()), ("w", w.numpy()), ("b", bias[:1].numpy())], **ms))
+    torch.testing.assert_close(got, torch.nn.functional.gelu(x @ w + bias[:1], approximate="tanh"))
+    scores, mask = torch.randn(2, 3, 4, 5), torch.randn(2, 4, 5)  # the mask repeats along dimension 1
+    softmax = Case(
+        "BiasSoftmax", [("x", scores.numpy()), ("b", mask.numpy())], {"axis": 2, "is_inner_broadcast": 1}, **ms
+    )
+    torch.testing.assert_close(_run_one(softmax)[0], torch.softmax(scores + mask[:, None], dim=2))
+    labels = np.array([[0, 3, 1], [2, 2, 0]], np.int64)
+    weights = np.array([[1.0, 0.5, 2.0], [0.0, 1.0, 1.5]], np.float32)
+    sce = Case("SparseSoftmaxCrossEntropy", [("x", x.numpy()), ("t", labels), ("w", weights)], outputs=2, **ms)
+    loss, log_prob = _run_one(sce)
+    expected = torch.nn.functional.log_softmax(x, dim=-1)
+    picked = -expected.gather(-1, torch.from_numpy(labels).unsqueeze(-1)).squeeze(-1) * torch.from_numpy(weights)
+    torch.testing.assert_close(log_prob, expected)
+    torch.testing.assert_close(loss, picked.sum() / weights.sum())
+
+
+def test_scan_8_runs_each_batch_entry_for_its_sequence_length_like_onnxruntime():
+    """Scan-8 (opset 8): batch first, sequence_lens per entry, a reversed scan input; the body accumulates a sum
+    and outputs it per step."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s_in", "x_in"], ["s_out"]), helper.make_node("Identity", ["s_out"], ["y_out"])],
+        "body",
+        [helper.make_tensor_value_info("s_in", 1, [2]), helper.make_tensor_value_info("x_in", 1, [2])],
+        [helper.make_tensor_value_info("s_out", 1, [2]), helper.make_tensor_value_info("y_out", 1, [2])],
+    )
+    node = helper.make_node(
+        "Scan", ["lens", "init", "x"], ["final", "ys"], body=body, num_scan_inputs=1, directions=[1]
+    )
+    graph = helper.make_graph(
+        [node],
+        "scan8",
+        [
+            helper.make_tensor_value_info("lens", 7, [2]),
+            helper.make_tensor_value_info("init", 1, [2, 2]),
+            helper.make_tensor_value_info("x", 1, [2, 3, 2]),
+        ],
+        [helper.make_tensor_value_info("final", 1, [2, 2]), helper.make_tensor_value_info("ys", 1, [2, 3, 2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)])
+    model.ir_version = 8
+    feeds = {
+        "lens": np.array([3, 1], np.int64),
+        "init": np.array([[0, 1], [2, 3]], np.float32),
+        "x": np.arange(12, dtype=np.float32).reshape(2, 3, 2),
+    }
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    module = OnnxModule(model, list(feeds), ["final", "ys"], [])
+    got = module(*(torch.from_numpy(v) for v in feeds.values()))
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g.numpy(), e)

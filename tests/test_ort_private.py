@@ -7,25 +7,18 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from helpers import needs_training_build
+from helpers import needs_training_build, onnx_model
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.runtime import ort_private
 from orttrainer.trainer.runtime.session import to_torch_view
 
 
-def _model(nodes, inputs, outputs, initializers=()):
-    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
-
-
 def _add_one():
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])
     one = numpy_helper.from_array(np.ones(3, np.float32), "one")
-    return _model([helper.make_node("Add", ["x", "one"], ["y"])], [x], [y], [one])
+    return onnx_model([helper.make_node("Add", ["x", "one"], ["y"])], [x], [y], [one], opset=17)
 
 
 def test_owned_ortvalue_copies_the_array():
@@ -59,7 +52,7 @@ def _dropout_model():
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1000])
     ratio = numpy_helper.from_array(np.array(0.5, np.float32), "ratio")
     mode = numpy_helper.from_array(np.array(True), "mode")
-    return _model([helper.make_node("Dropout", ["x", "ratio", "mode"], ["y"])], [x], [y], [ratio, mode])
+    return onnx_model([helper.make_node("Dropout", ["x", "ratio", "mode"], ["y"])], [x], [y], [ratio, mode], opset=17)
 
 
 def test_set_seed_makes_dropout_masks_repeat():
@@ -79,7 +72,7 @@ def _weighted_sum():
     loss = helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])
     w = numpy_helper.from_array(np.array([2.0, 3.0], np.float32), "w")
     nodes = [helper.make_node("Mul", ["x", "w"], ["xw"]), helper.make_node("ReduceSum", ["xw"], ["loss"], keepdims=0)]
-    return _model(nodes, [x], [loss], [w])
+    return onnx_model(nodes, [x], [loss], [w], opset=17)
 
 
 def _with_state_inputs(model):

@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import make_trainer, needs_training_build
+from helpers import make_trainer, needs_training_build, onnx_model
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer import optim
@@ -61,9 +61,7 @@ def _dropout_graph(count: int = 1):
     ratio = numpy_helper.from_array(np.array(0.5, np.float32), "ratio")
     mode = numpy_helper.from_array(np.array(True), "mode")
     nodes = [helper.make_node("Dropout", ["x", "ratio", "mode"], [f"y{k}"], name=f"d{k}") for k in range(count)]
-    model = helper.make_model(helper.make_graph(nodes, "g", [x], outputs, [ratio, mode]))
-    model.opset_import[0].version, model.ir_version = 17, 8
-    return model
+    return onnx_model(nodes, [x], outputs, [ratio, mode], opset=17)
 
 
 def _run(model, times: int) -> list[list[np.ndarray]]:

@@ -304,6 +304,95 @@ def test_auto_trains_with_torch_when_the_torchscript_export_fails(caplog):
     assert "building with the torch gradient builder" in caplog.text
 
 
+class TransposedConvolution(nn.Module):
+    """x (batch, 16) as a 4x4 image, up-sampled by a transposed convolution: ONNX Runtime builds its gradient graph
+    but its CPU build has no `ConvTransposeGrad` kernel, so the 'ort' builder's session cannot be opened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(1, 2, 3, stride=2)
+        self.fc = nn.Linear(2 * 9 * 9, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.up(x.view(-1, 1, 4, 4))).flatten(1))
+
+
+@needs_training_build
+def test_auto_trains_with_torch_when_onnx_runtime_cannot_open_the_ort_builder_s_graph(caplog):
+    with pytest.raises(Exception, match="ConvTransposeGrad"):  # the 'ort' builder alone
+        make_trainer(
+            TransposedConvolution(), DESC, optim.SGDConfig(lr=0.1), CE, {"_internal_use": {"gradient_builder": "ort"}}
+        ).train_step(*batches()[0])
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, _ = train_and_compare(TransposedConvolution(), batches())
+    assert trainer.gradient_builder == "torch"
+    assert "auto: the 'ort' builder's graph failed to compile or open" in trainer._built.builder.reason
+    assert "ConvTransposeGrad" in trainer._built.builder.reason
+    assert caplog.text.count("building with the torch gradient builder") == 1  # one INFO line
+
+
+class BagOfWords(nn.Module):
+    """EmbeddingBag (mean): the TorchScript export writes a Loop that ONNX Runtime's gradient builder rejects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag, self.fc = nn.EmbeddingBag(10, 4, mode="mean"), nn.Linear(4, 3)
+
+    def forward(self, tokens, offsets):
+        return self.fc(self.bag(tokens, offsets))
+
+
+@needs_training_build
+def test_auto_trains_with_torch_when_onnx_runtime_s_gradient_build_fails():
+    desc = {"inputs": [("tokens", [8]), ("offsets", [2]), ("y", [2])], "outputs": [("loss", [], True)]}
+    torch.manual_seed(0)
+    model = BagOfWords()
+    reference = clone(model)
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), CE, NO_CLIP)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        tokens, offsets, y = torch.randint(0, 10, (8,), generator=g), torch.tensor([0, 3]), torch.tensor([0, 2])
+        trainer.train_step(tokens, offsets, y)
+        sgd.zero_grad()
+        CE(reference(tokens, offsets), y).backward()
+        sgd.step()
+    assert trainer.gradient_builder == "torch"
+    assert trainer._built.builder.reason.startswith("auto: ")  # the tests' pass checker may see the failure first
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
+
+
+@needs_training_build
+def test_auto_names_both_reasons_when_neither_builder_trains_the_model(monkeypatch):
+    from orttrainer.trainer import model as model_mod
+
+    def torch_route_fails(*args, **kwargs):
+        raise RuntimeError("no ONNX translation for aten::logaddexp")  # as if the torch route failed as well
+
+    monkeypatch.setattr(model_mod, "torch_route_forward", torch_route_fails)
+    trainer = make_trainer(LogAddExp(), DESC, optim.SGDConfig(lr=0.1), CE)
+    message = r"neither gradient builder can train LogAddExp: the 'ort' builder: the TorchScript exporter failed .*"
+    with pytest.raises(RuntimeError, match=message + "the torch builder: RuntimeError: no ONNX translation"):
+        trainer.train_step(*batches()[0])
+
+
+def test_auto_does_not_switch_for_the_user_s_errors_or_a_named_opset():
+    from orttrainer.trainer.build.export import OpsetTooLowError
+    from orttrainer.trainer.build.forward import auto_fallback
+    from orttrainer.trainer.gradient.choice import BuilderChoice
+
+    auto, ort_builder = BuilderChoice("auto", "default"), BuilderChoice("ort", "asked for")
+    assert auto_fallback(auto, ValueError("input 'x' has shape [3]")) is None
+    assert auto_fallback(auto, TypeError("not a tensor")) is None
+    assert auto_fallback(auto, MemoryError()) is None
+    assert auto_fallback(ort_builder, RuntimeError("session")) is None
+    assert auto_fallback(auto, OpsetTooLowError("M", "aten::unflatten", 12, 13, 13)) is None
+    assert auto_fallback(auto, RuntimeError("[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : x\nmore")) == (
+        "auto: the 'ort' builder's graph failed to compile or open (RuntimeError: [ONNXRuntimeError] : 9 : "
+        "NOT_IMPLEMENTED : x)"
+    )
+
+
 # dynamic shapes ----------------------------------------------------------------------------------------------------
 
 

@@ -364,3 +364,37 @@ def test_export_module_to_onnx_keeps_parameters_whatever_their_values():
     used = {name for node in model.graph.node for name in node.input}
     assert {"fc.bias", "norm.weight", "norm.bias"} <= used
     assert not {i.name for i in model.graph.input} - {"x"}
+
+
+def test_causal_mask_detection_off_takes_is_causal_as_given_and_restores():
+    from torch.nn.modules import transformer
+
+    causal = nn.Transformer.generate_square_subsequent_mask(4)
+    assert transformer._detect_is_causal_mask(causal, None, 4)  # PyTorch compares the values
+    with torch_private.causal_mask_detection_off():
+        assert not transformer._detect_is_causal_mask(causal, None, 4)
+        assert transformer._detect_is_causal_mask(causal, True, 4)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+        encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+        x = torch.randn(4, 2, 8)
+        with torch.no_grad():
+            given = encoder(x, causal)
+    with torch.no_grad():
+        torch.testing.assert_close(given, encoder(x, causal))  # the flag is a hint: the same values
+    assert transformer._detect_is_causal_mask(causal, None, 4)
+
+
+def test_unsupported_at_opset_reads_the_torchscript_exporters_refusal():
+    class Unflatten(nn.Module):
+        def forward(self, x):
+            return x.unflatten(0, (2, 3))
+
+    with pytest.raises(Exception) as refused:  # noqa: PT011  (the exporter's own error type is the subject)
+        import io
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(Unflatten(), (torch.randn(6, 4),), io.BytesIO(), opset_version=12, dynamo=False)
+    assert torch_private.unsupported_at_opset(refused.value) == ("aten::unflatten", 12, 13)
+    assert torch_private.unsupported_at_opset(ValueError("something else")) is None

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import clone, make_trainer, max_difference, torch_weights, trainer_weights
-from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
+from models import MLP, TinyTransformer, mlp_batches, mlp_desc, transformer_desc, transformer_loss
 
 from orttrainer import optim
 from orttrainer.checkpoint import storage
@@ -22,11 +22,6 @@ from orttrainer.optim import CosineWarmupLRScheduler
 
 CE = torch.nn.functional.cross_entropy
 HERE = os.path.dirname(__file__)
-
-
-def _batches(n: int, seed: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(n)]
 
 
 def _options(accumulation: int) -> dict:
@@ -52,7 +47,7 @@ def _full_state(trainer) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("optimizer", ["adam", "lamb"])
 def test_resume_is_exact(tmp_path, optimizer, accumulation):
     torch.manual_seed(0)
-    model, batches = MLP(), _batches(10)
+    model, batches = MLP(), mlp_batches(10, seed=3)
     straight = make_trainer(clone(model), mlp_desc(), _config(optimizer), CE, _options(accumulation))
     for x, y in batches:
         straight.train_step(x, y)
@@ -72,7 +67,7 @@ def test_resume_is_exact(tmp_path, optimizer, accumulation):
 
 def test_resume_in_a_fresh_process_is_exact(tmp_path):
     torch.manual_seed(0)
-    model, batches = MLP(), _batches(10)
+    model, batches = MLP(), mlp_batches(10, seed=3)
     torch.save({"model": model.state_dict(), "batches": batches}, tmp_path / "setup.pt")
     straight = make_trainer(clone(model), mlp_desc(), _config("lamb"), CE, _options(3))
     for x, y in batches:
@@ -116,7 +111,7 @@ def test_state_dict_has_the_legacy_layout():
     lamb = make_trainer(MLP(), mlp_desc(), optim.LambConfig(), CE)
     sgd = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE)
     for trainer in (adam, lamb, sgd):
-        trainer.train_step(*_batches(1)[0])
+        trainer.train_step(*mlp_batches(1, seed=3)[0])
     state = adam.state_dict()
     assert set(state) == {"model", "optimizer", "trainer_options", "train_step_info"}
     assert sorted(state["model"]["full_precision"]) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
@@ -155,7 +150,7 @@ def test_a_pytorch_state_dict_loads_into_the_trainer():
     torch.manual_seed(0)
     source = MLP()
     trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE)
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1, seed=3)[0]
     trainer.eval_step(x, y)
     trainer.load_state_dict(source.state_dict())
     torch.testing.assert_close(trainer.eval_step(x, y)[1], source(x), rtol=1e-5, atol=1e-6)
@@ -168,7 +163,7 @@ def test_a_pytorch_state_dict_loads_into_the_trainer():
 def test_load_state_dict_before_the_first_step_is_applied_with_its_checks_and_counters():
     torch.manual_seed(0)
     donor = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE)
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1, seed=3)[0]
     for _ in range(4):
         donor.train_step(x, y)
     state = donor.state_dict()
@@ -190,7 +185,7 @@ def test_load_state_dict_before_the_first_step_is_applied_with_its_checks_and_co
 def _trained(config=None):
     torch.manual_seed(0)
     trainer = make_trainer(MLP(), mlp_desc(), config or optim.AdamConfig(), CE)
-    trainer.train_step(*_batches(1)[0])
+    trainer.train_step(*mlp_batches(1, seed=3)[0])
     return trainer
 
 
@@ -254,7 +249,7 @@ def test_checkpoint_without_optimizer_states_restores_weights_only(tmp_path):
     trainer.save_checkpoint(path, include_optimizer_states=False)
     assert "optimizer" not in storage.load(path)
     fresh = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE)
-    fresh.eval_step(*_batches(1)[0])
+    fresh.eval_step(*mlp_batches(1, seed=3)[0])
     with pytest.warns(UserWarning, match="Missing key: optimizer in state_dict"):
         fresh.load_checkpoint(path)
     assert max_difference(trainer_weights(fresh), trainer_weights(trainer)) == 0.0
@@ -298,7 +293,7 @@ def test_checkpoints_go_through_file_objects():
     trainer.save_checkpoint(buffer, user_dict={"k": [1, 2]})
     buffer.seek(0)
     fresh = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE)
-    fresh.eval_step(*_batches(1)[0])
+    fresh.eval_step(*mlp_batches(1, seed=3)[0])
     assert fresh.load_checkpoint(buffer) == {"k": [1, 2]}
     assert max_difference(trainer_weights(fresh), trainer_weights(trainer)) == 0.0
 
@@ -364,7 +359,7 @@ def test_a_checkpoint_written_in_the_legacy_layout_loads(tmp_path, optimizer, pr
     config = optim.AdamConfig() if optimizer == "AdamOptimizer" else optim.LambConfig()
     trainer = make_trainer(MLP(), mlp_desc(), config, CE)
     assert trainer.load_checkpoint(path) == {"epoch": 2}  # before the first step: applied at session creation
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1, seed=3)[0]
     trainer.eval_step(x, y)
     assert max_difference(trainer_weights(trainer), weights) == 0.0
     assert trainer._training_session.get_state(["Moment_1_fc1.weight"])["Moment_1_fc1.weight"].max() == np.float32(0.01)
@@ -416,6 +411,6 @@ def test_experimental_checkpoint_api_round_trips_through_a_real_trainer(tmp_path
     with pytest.warns(DeprecationWarning):
         extra = checkpoint.experimental_load_checkpoint(fresh, str(tmp_path))
     assert extra == {"epoch": 3}
-    fresh.eval_step(*_batches(1)[0])
+    fresh.eval_step(*mlp_batches(1, seed=3)[0])
     assert max_difference(trainer_weights(fresh), trainer_weights(trainer)) == 0.0
     assert fresh._state.counters.optimizer_updates == 1

@@ -71,7 +71,8 @@ def test_loss_functions_with_optional_extra_parameters_are_accepted():
         ),
         (lambda t: t.train_step(torch.randn(8, 4, 32), Y), ValueError, r"\(rank 2\)"),
         (lambda t: t.train_step(X, Y[:4]), ValueError, "another input bound 'batch' to 8"),
-        (lambda t: t.eval_step(X), ValueError, r"expected 2 inputs"),
+        (lambda t: t.eval_step(), ValueError, r"expected 2 inputs"),  # the data alone is accepted (legacy scripts)
+        (lambda t: t.eval_step(target=Y), ValueError, r"expected 2 inputs"),  # but not a later input alone
     ],
 )
 def test_bad_inputs_are_rejected_before_anything_runs(call, error, message):

@@ -19,7 +19,7 @@ from helpers import (
     torch_weights,
     trainer_weights,
 )
-from models import MLP, mlp_desc
+from models import MLP, mlp_batches, mlp_desc
 
 from orttrainer import optim
 from orttrainer.optim import LinearWarmupLRScheduler
@@ -28,16 +28,11 @@ from orttrainer.trainer.runtime import ort_private
 CE = torch.nn.functional.cross_entropy
 
 
-def _batches(n: int, batch: int = 8, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
-
-
 @pytest.mark.parametrize("config", [optim.SGDConfig(lr=0.1), optim.AdamConfig(lr=1e-2)], ids=["sgd", "adam"])
 def test_accumulation_of_four_equals_one_step_on_the_concatenation(config):
     torch.manual_seed(0)
     model = MLP()
-    micro = _batches(4, batch=4)
+    micro = mlp_batches(4, batch=4)
     accumulating = make_trainer(clone(model), mlp_desc(), config, CE, {"batch": {"gradient_accumulation_steps": 4}})
     single = make_trainer(clone(model), mlp_desc(), config, CE)
     initial = torch_weights(model)
@@ -64,7 +59,7 @@ def test_accumulation_continues_over_several_windows_like_pytorch():
         {"batch": {"gradient_accumulation_steps": 3}, "utils": {"grad_norm_clip": False}},
     )
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
-    for i, (x, y) in enumerate(_batches(9)):
+    for i, (x, y) in enumerate(mlp_batches(9)):
         trainer.train_step(x, y)
         (CE(reference(x), y) / 3).backward()
         if (i + 1) % 3 == 0:
@@ -89,7 +84,7 @@ def test_two_parameter_groups_use_their_own_hyper_parameters():
         ],
         lr=5e-3,
     )
-    for x, y in _batches(10):
+    for x, y in mlp_batches(10):
         trainer.train_step(x, y)
         ref_opt.zero_grad()
         CE(reference(x), y).backward()
@@ -109,7 +104,7 @@ def test_frozen_weights_and_requires_grad_false_parameters_stay_unchanged():
         model, mlp_desc(), optim.SGDConfig(lr=0.1), CE, {"utils": {"frozen_weights": ["fc1.weight"]}}
     )
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
-    for x, y in _batches(5):
+    for x, y in mlp_batches(5):
         trainer.train_step(x, y)
         ref_opt.zero_grad()
         CE(reference(x), y).backward()
@@ -133,7 +128,7 @@ class _ModelWithLoss(torch.nn.Module):
 
 def _export_with_loss(model: torch.nn.Module) -> onnx.ModelProto:
     axes = {"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}}
-    return export_training_onnx(model, tuple(_batches(1)[0]), ["x", "target"], ["loss", "logits"], axes)
+    return export_training_onnx(model, tuple(mlp_batches(1)[0]), ["x", "target"], ["loss", "logits"], axes)
 
 
 def test_an_onnx_model_with_a_loss_output_trains_like_pytorch():
@@ -145,7 +140,7 @@ def test_an_onnx_model_with_a_loss_output_trains_like_pytorch():
     # (without the training build) compiles on the first step
     assert (trainer._training_session is not None) == ort_private.has_training_build()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for x, y in _batches(10):
+    for x, y in mlp_batches(10):
         loss, logits = trainer.train_step(x, y)
         ref_opt.zero_grad()
         ref_loss, _ = reference(x, y)
@@ -158,7 +153,7 @@ def test_an_onnx_model_with_a_loss_output_trains_like_pytorch():
 def test_fetches_select_outputs_in_fetches_order_for_train_and_model_desc_order_for_eval():
     torch.manual_seed(0)
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(lr=0.1), CE)
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1)[0]
     trainer.train_step(x, y)
     trainer._train_step_info.fetches = ["logits"]
     logits = trainer.train_step(x, y)
@@ -179,7 +174,7 @@ def test_fetches_select_outputs_in_fetches_order_for_train_and_model_desc_order_
 def test_save_as_onnx_reloads_into_a_new_trainer_with_identical_eval_outputs(tmp_path):
     torch.manual_seed(0)
     trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(lr=1e-2), CE)
-    batches = _batches(4)
+    batches = mlp_batches(4)
     for x, y in batches[:3]:
         trainer.train_step(x, y)
     path = str(tmp_path / "model.onnx")
@@ -199,7 +194,7 @@ def test_save_as_onnx_before_the_first_step_or_to_a_bad_path_warns_and_writes_no
     with pytest.warns(UserWarning, match="Training session is not initialized yet"):
         trainer.save_as_onnx(str(path))
     assert not path.exists()
-    trainer.train_step(*_batches(1)[0])
+    trainer.train_step(*mlp_batches(1)[0])
     with pytest.warns(UserWarning, match="'path' is not valid or does not exist"):
         trainer.save_as_onnx(str(tmp_path / "missing_dir" / "model.onnx"))
     with pytest.raises(AssertionError, match="'path' must be a valid path string"):
@@ -221,7 +216,7 @@ def test_an_lr_scheduler_drives_the_learning_rate_per_optimization_step():
     )
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     seen = []
-    for i, (x, y) in enumerate(_batches(8)):
+    for i, (x, y) in enumerate(mlp_batches(8)):
         trainer.train_step(x, y)
         seen.append(scheduler.get_last_lr()[0])
         (CE(reference(x), y) / 2).backward()
@@ -247,7 +242,7 @@ def test_eval_step_disables_dropout_and_changes_nothing():
     torch.manual_seed(0)
     model = _DropoutMLP()
     trainer = make_trainer(model, mlp_desc(), optim.SGDConfig(lr=0.1), CE)
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1)[0]
     first = trainer.eval_step(x, y)
     weights = trainer_weights(trainer)
     second = trainer.eval_step(x, y)
@@ -260,7 +255,7 @@ def test_eval_step_disables_dropout_and_changes_nothing():
 
 def test_dropout_is_on_in_training_unless_the_model_was_handed_over_in_eval_mode():
     torch.manual_seed(0)
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1)[0]
     training = make_trainer(_DropoutMLP(), mlp_desc(), optim.SGDConfig(lr=0.0), CE)
     assert not torch.equal(training.train_step(x, y)[1], training.eval_step(x, y)[1])
     evaluating = make_trainer(_DropoutMLP().eval(), mlp_desc(), optim.SGDConfig(lr=0.0), CE)
@@ -270,7 +265,7 @@ def test_dropout_is_on_in_training_unless_the_model_was_handed_over_in_eval_mode
 def test_positional_keyword_and_list_inputs_are_equivalent():
     torch.manual_seed(0)
     trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(lr=0.1), CE)
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1)[0]
     expected = trainer.eval_step(x, y)
     for result in (trainer.eval_step(x, target=y), trainer.eval_step([x, y]), trainer.eval_step(target=y, x=x)):
         assert all(torch.equal(a, b) for a, b in zip(expected, result, strict=True))
@@ -280,7 +275,7 @@ def test_single_output_is_returned_unwrapped_and_counters_follow_the_legacy_rule
     torch.manual_seed(0)
     desc = {"inputs": [("x", ["batch", 32]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
     trainer = make_trainer(MLP(), desc, optim.SGDConfig(lr=0.1), CE, {"batch": {"gradient_accumulation_steps": 3}})
-    results = [trainer.train_step(x, y) for x, y in _batches(7)]
+    results = [trainer.train_step(x, y) for x, y in mlp_batches(7)]
     assert all(isinstance(r, torch.Tensor) and r.shape == () and r.dtype == torch.float32 for r in results)
     assert (trainer._train_step_info.step, trainer._train_step_info.optimization_step) == (7, 2)
 
@@ -288,7 +283,7 @@ def test_single_output_is_returned_unwrapped_and_counters_follow_the_legacy_rule
 def test_returned_tensors_are_not_overwritten_by_later_steps():
     torch.manual_seed(0)
     trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(lr=1e-2), CE)
-    batches = _batches(6)
+    batches = mlp_batches(6)
     loss, logits = trainer.train_step(*batches[0])
     kept = loss.clone(), logits.clone()
     for x, y in batches[1:]:
@@ -310,7 +305,7 @@ def test_debug_graph_save_paths_write_the_four_stages(tmp_path, monkeypatch):
     ]
     paths = {name: str(tmp_path / f"{name}.onnx") for name in names}
     trainer = make_trainer(MLP(), mlp_desc(), optim.AdamConfig(), CE, {"debug": {"graph_save_paths": paths}})
-    trainer.train_step(*_batches(1)[0])
+    trainer.train_step(*mlp_batches(1)[0])
     ops = {name: {n.op_type for n in onnx.load(path).graph.node} for name, path in paths.items()}
     assert "GeluGrad" not in ops["model_after_graph_transforms_path"]
     assert {"Gemm", "SoftmaxCrossEntropyLossGrad"} <= ops["model_with_gradient_graph_path"]
@@ -321,7 +316,7 @@ def test_debug_graph_save_paths_write_the_four_stages(tmp_path, monkeypatch):
 @needs_training_build
 def test_check_model_export_passes_for_a_faithful_export_and_fails_for_a_changed_graph():
     torch.manual_seed(0)
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1)[0]
     make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, {"debug": {"check_model_export": True}}).train_step(x, y)
 
     def perturb(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -344,7 +339,7 @@ def test_check_model_export_passes_for_a_faithful_export_and_fails_for_a_changed
 @needs_training_build
 def test_run_symbolic_shape_infer_annotates_the_graph():
     torch.manual_seed(0)
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1)[0]
     plain = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE)
     inferred = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, {"utils": {"run_symbolic_shape_infer": True}})
     plain.train_step(x, y)
@@ -360,7 +355,7 @@ def test_deterministic_compute_and_user_session_options_reach_onnxruntime():
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        trainer.train_step(*_batches(1)[0])
+        trainer.train_step(*mlp_batches(1)[0])
     assert options.use_deterministic_compute is True
     session_options = trainer._training_session.train_session.get_session_options()
     assert session_options.use_deterministic_compute and session_options.intra_op_num_threads == 1
@@ -409,7 +404,7 @@ def _log_softmax_nll_model() -> onnx.ModelProto:
 
 def test_internal_postprocess_fuses_log_softmax_and_nll_so_the_model_trains():
     desc = {"inputs": [("x", ["batch", 32]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1)[0]
     weight = torch.from_numpy(onnx.numpy_helper.to_array(_log_softmax_nll_model().graph.initializer[0]).copy())
     weight.requires_grad_(True)
     trainer = make_trainer(_log_softmax_nll_model(), desc, optim.SGDConfig(lr=0.5))
@@ -465,7 +460,7 @@ def test_parameters_without_a_path_to_the_loss_are_left_alone_like_pytorch():
     # named at construction by the 'ort' builder, when the first step traces the graph by the torch builder
     with pytest.warns(UserWarning, match=r"parameters \['unused_scale'\] do not influence the loss"):
         trainer = make_trainer(model, desc, optim.AdamConfig(lambda_coef=0.1))
-        trainer.train_step(*_batches(1)[0])
+        trainer.train_step(*mlp_batches(1)[0])
     assert trainer._training_session.get_state(["unused_scale"])["unused_scale"].tolist() == [1.0, 1.0, 1.0]
     assert "unused_scale" in trainer.state_dict()["model"]["full_precision"]
 
@@ -489,7 +484,7 @@ def test_bool_inputs_and_outputs_cross_between_torch_and_onnxruntime():
 
     model = Masked()
     trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn)
-    x, y = _batches(1)[0]
+    x, y = mlp_batches(1)[0]
     mask = torch.arange(8) % 3 != 0
     loss, logits, unmasked = trainer.train_step(x, mask, y)
     assert unmasked.dtype == torch.bool and torch.equal(unmasked, ~mask)
@@ -512,7 +507,7 @@ def test_the_export_leaves_batch_norm_statistics_alone():
     model = Normalised()
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     trainer = make_trainer(model, mlp_desc(), optim.SGDConfig(), CE)
-    trainer.eval_step(*_batches(1)[0])
+    trainer.eval_step(*mlp_batches(1)[0])
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
     state = trainer._training_session.get_state(["bn.running_mean", "bn.running_var"])
     assert all(np.array_equal(v, buffers[n].numpy()) for n, v in state.items())

@@ -7,11 +7,15 @@ Rules:
   `is_loss` flag. `to_model_desc` turns it into the new API's dict, marking output 0 as the loss.
 - `generate_sample(desc, device)`: every `str` dim becomes 1; with `num_classes_` the sample is
   `torch.randint(0, num_classes_)`, otherwise `torch.randn`, in `dtype_`.
+- `bind_real_inputs`: the original bound the tensors it was given, whatever their descriptions said (ONNX Runtime's
+  getting-started sample declares its int64 tokens as float32 and a flat label as [bptt, batch, ntokens]). So does
+  this API, with a warning naming each input whose description disagrees, before the model is built.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -116,3 +120,34 @@ def dtype_torch_to_numpy(torch_dtype: torch.dtype) -> type:
     if torch_dtype not in _TORCH_TO_NUMPY:
         raise Exception(f"Torch type to numpy type mapping unavailable for: {torch_dtype}")  # noqa: TRY002 (legacy)
     return _TORCH_TO_NUMPY[torch_dtype]
+
+
+def bind_real_inputs(
+    descs: Sequence[IODescription], inputs: Sequence[torch.Tensor], declared: list, stacklevel: int = 4
+) -> None:
+    """Before the first step: make the new trainer's model_desc inputs (`declared`, a list of `InputDescription`
+    modified in place) agree with the first batch where an `IODescription` disagrees with its tensor, warning once
+    per such input. Rule: a description of the tensor's rank keeps its `str` (dynamic) dims and takes the tensor's
+    size for each `int` dim that differs; another rank takes the tensor's shape. A declared dtype other than the
+    tensor's is only warned about (the tensor is bound as it is, as the original did)."""
+    for k, (desc, tensor) in enumerate(zip(descs, inputs, strict=False)):
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        actual, shape = list(tensor.shape), list(desc.shape_)
+        if len(shape) == len(actual):
+            bound = [d if isinstance(d, str) else a for d, a in zip(shape, actual, strict=True)]
+        else:
+            bound = list(actual)
+        problems = []
+        if bound != shape:
+            problems.append(f"shape {shape}, but the input has shape {actual}")
+        if desc.dtype_ is not None and desc.dtype_ != tensor.dtype:
+            problems.append(f"dtype {desc.dtype_}, but the input is {tensor.dtype}")
+        if not problems:
+            continue
+        warnings.warn(
+            f"IODescription {desc.name_!r} declares {' and '.join(problems)}: the input is bound as it is (as the "
+            f"original did), with the shape {bound}; correct the description to silence this warning",
+            stacklevel=stacklevel,
+        )
+        declared[k] = declared[k]._replace(shape=bound)

@@ -12,7 +12,8 @@ through it. What stays here are the older API's conventions:
   without a `loss_scaler` (and without fetches) also returns the all-finite flag last. One result is unwrapped.
 - `global_step_` counts applied optimizer updates (skipped overflow steps do not count), starting at `global_step`.
 - `eval_step` takes the model inputs; a trailing learning rate / loss scale is accepted and ignored, so one input
-  list serves `__call__` in both `train()` and `eval()` mode.
+  list serves `__call__` in both `train()` and `eval()` mode. As in the original, the first inputs alone (no label)
+  are accepted too (`orttrainer.ORTTrainer.eval_step`'s rule).
 - `state_dict()` is flat `{name: torch.Tensor}`: weights, frozen tensors and the optimizer's `Moment_1_<w>`,
   `Moment_2_<w>`, `Update_Count_<w>` (Adam) or `Step` (LAMB).
 """
@@ -34,7 +35,7 @@ from ..schema.options import ORTTrainerOptions
 from ..trainer import ORTTrainer as _NewORTTrainer
 from ..trainer.inputs import order_inputs
 from . import argument_mapping as args_mod
-from .descriptions import IODescription, ModelDescription, to_model_desc
+from .descriptions import IODescription, ModelDescription, bind_real_inputs, to_model_desc
 from .input_matching import legacy_input_model
 from .loss_scaler import LossScaler, as_new_loss_scaler
 
@@ -151,6 +152,7 @@ class ORTTrainer:
         """One micro-step: `(*model_inputs[, lr][, loss_scale], fetches=None)`; see the module docstring."""
         fetches = _check_fetches(kwargs.pop("fetches", None))
         inputs, lr, loss_scale = self._split_inputs(args, kwargs, training=True)
+        self._bind_before_building(inputs)
         if self.get_lr_this_step_ is not None:
             lr = self.get_lr_this_step_(self.global_step_)
         assert lr is not None  # _split_inputs requires the learning-rate input when get_lr_this_step is not set
@@ -172,6 +174,7 @@ class ORTTrainer:
         """Forward pass on the model inputs (dropout off); `fetches` selects outputs, returned in fetches order."""
         fetches = _check_fetches(kwargs.pop("fetches", None))
         inputs, _, _ = self._split_inputs(args, kwargs, training=False)
+        self._bind_before_building(inputs)
         with self._fetches(fetches):
             results = _as_list(self._trainer.eval_step(list(inputs)))
         if fetches:  # the new trainer answers in model_desc order; the older API in fetches order
@@ -179,6 +182,12 @@ class ORTTrainer:
             by_name = dict(zip(in_desc_order, results, strict=True))
             results = [by_name[name] for name in fetches]
         return results[0] if len(results) == 1 else results
+
+    def _bind_before_building(self, inputs: list) -> None:
+        """Before the model is built, descriptions that disagree with the tensors give way to them, with a warning
+        (`descriptions.bind_real_inputs`)."""
+        if self._trainer._built is None:
+            bind_real_inputs(self.model_desc_.inputs_, inputs, self._trainer.model_desc.inputs)
 
     def _extra_input_names(self, training: bool) -> list[str]:
         names: list[str] = []
@@ -223,7 +232,7 @@ class ORTTrainer:
             if len(model_names) < len(args) <= len(model_names) + len(extras):
                 args = args[: len(model_names)]
             extras = []
-        values = order_inputs(args, kwargs, [_Named(n) for n in model_names + extras])
+        values = order_inputs(args, kwargs, [_Named(n) for n in model_names + extras], allow_fewer=not training)
         extra = dict(zip(extras, values[len(model_names) :], strict=True))
         lr = extra.get(lr_name)
         loss_scale = extra.get(self.loss_scale_input_name)

@@ -46,10 +46,10 @@ MEANINGS = {
     "graph_transformer.gelu_recompute": "recompute GELU activations in the backward (less memory)",
     "graph_transformer.transformer_layer_recompute": "recompute whole transformer layers in the backward",
     "graph_transformer.number_recompute_layers": "layers to recompute; 0: all but the last",
-    "graph_transformer.propagate_cast_ops_config.strategy": "ONNX Runtime's PropagateCastOps strategy on "
-    "float16/float32 casts (NONE disables it)",
-    "graph_transformer.propagate_cast_ops_config.level": "PropagateCastOps level: which ops count as fp16-safe",
-    "graph_transformer.propagate_cast_ops_config.allow": "extra op types PropagateCastOps may move casts across",
+    "graph_transformer.propagate_cast_ops_config.strategy": "how mixed precision's float16/float32 casts move "
+    "(PropagateCastOps; NONE disables it; both builders, a no-op on float32 models)",
+    "graph_transformer.propagate_cast_ops_config.level": "cast propagation level: which ops count as fp16-safe",
+    "graph_transformer.propagate_cast_ops_config.allow": "extra op types cast propagation may move casts across",
     "utils.frozen_weights": "parameter (or ONNX initializer) names to keep fixed",
     "utils.grad_norm_clip": "clip the global gradient norm to the optimizer's `max_norm_clip` (Adam, LAMB)",
     "utils.memory_efficient_gradient": "ONNX Runtime's memory-efficient gradients (invertible layer-norm grads)",
@@ -58,11 +58,15 @@ MEANINGS = {
     "debug.check_model_export": "on the first step, compare the exported graph's outputs with PyTorch's",
     "debug.graph_save_paths.model_after_graph_transforms_path": "write the forward graph after the fix-ups here",
     "debug.graph_save_paths.model_with_gradient_graph_path": "write the forward + gradient graph here",
-    "debug.graph_save_paths.model_with_training_graph_path": "write the whole training graph here",
+    "debug.graph_save_paths.model_with_training_graph_path": (
+        "write the training graph here (with the default update path it is gradient-only: torch applies the "
+        "update; the state contract is in its metadata)"
+    ),
     "debug.graph_save_paths.model_with_training_graph_after_optimization_path": "write the training graph after "
     "ONNX Runtime's optimizations here",
     "_internal_use.enable_internal_postprocess": "the legacy post-processing passes on the exported model",
-    "_internal_use.extra_postprocess": "your `f(onnx.ModelProto) -> ModelProto`, run after the post-processing",
+    "_internal_use.extra_postprocess": "your `f(onnx.ModelProto) -> ModelProto` on the forward model, run after "
+    "the post-processing; training follows the returned graph (both builders)",
     "_internal_use.onnx_opset_version": "opset of the PyTorch export",
     "_internal_use.enable_onnx_contrib_ops": "register ONNX Runtime's extra export symbolics (GridSample, Inverse...)",
     "_internal_use.gradient_builder": "'ort', 'torch' or 'auto': who builds the backward graph (see Gradient builders)",

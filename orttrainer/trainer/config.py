@@ -25,7 +25,14 @@ from .gradient.choice import OPTION as BUILDER_OPTION
 from .gradient.choice import ort_only_options
 from .graph.recompute import RecomputePlan
 from .runtime.data_parallel import DistributedContext, check_adasum_world_size, resolve_context
-from .runtime.ort import TRAINING_EXTRA_HINT, Device, check_provider_options, check_runtime, has_training_build
+from .runtime.ort import (
+    TRAINING_EXTRA_HINT,
+    Device,
+    check_cpu_arena_cap,
+    check_provider_options,
+    check_runtime,
+    has_training_build,
+)
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,8 @@ def make_config(
     check_provider_options(checked_options)
     check_graph_save_paths(checked_options)
     device = Device.parse(checked_options.device.id)
+    if device.type == "cpu" and checked_options.device.mem_limit > 0:
+        check_cpu_arena_cap(checked_options.device.mem_limit)  # at construction, not at the first session
     distributed = resolve_context(checked_options, device.type)
     if distributed and device.type == "cuda" and checked_options.device.id.strip().lower() == "cuda":
         device = Device("cuda", distributed.local_rank)  # one GPU per local rank

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 import torch
 
 
-def order_inputs(args: tuple, kwargs: dict, descs: Sequence) -> list:
-    """Positional inputs, then keyword inputs in model_desc order; checks names and the count."""
+def order_inputs(args: tuple, kwargs: dict, descs: Sequence, allow_fewer: bool = False) -> list:
+    """Positional inputs, then keyword inputs in model_desc order; checks names and the count. `allow_fewer` (an
+    eval step, as the original paired inputs with descriptions and stopped at the shorter list): the inputs given
+    may be the first k of model_desc (k ≥ 1) instead of all."""
     if len(args) == 1 and isinstance(args[0], list):
         args = tuple(args[0])
     names = [d.name for d in descs]
@@ -26,6 +28,9 @@ def order_inputs(args: tuple, kwargs: dict, descs: Sequence) -> list:
     if doubled:
         raise TypeError(f"input{'s' if len(doubled) > 1 else ''} {doubled} given both positionally and by keyword")
     inputs = list(args) + [kwargs[d.name] for d in descs if d.name in kwargs]
+    given = set(names[: len(args)]) | set(kwargs)
+    if allow_fewer and 0 < len(inputs) < len(descs) and given == set(names[: len(inputs)]):
+        return inputs
     if len(inputs) != len(descs):
         raise ValueError(f"expected {len(descs)} inputs {names}, got {len(inputs)}")
     return inputs

@@ -6,8 +6,9 @@
    stages are graph/pipeline.py's);
 3. runtime/ — the ONNX Runtime session that holds the state and runs the graphs (runtime/session.py; with data
    parallelism runtime/data_parallel.py, whose ranks then start from rank 0's weights).
-'auto' (README § Gradient builders) tries the TorchScript route first and falls back to the torch route when the
-TorchScript exporter fails or ONNX Runtime has no gradient for an op (`build.forward.auto_fallback`).
+'auto' (README § Gradient builders) tries the TorchScript route first and falls back to the torch route when any
+part of it fails: the export, ONNX Runtime's gradient build, the compile or the session (`build.forward.auto_fallback`);
+when the torch route fails too, the error names both reasons.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from ..amp import LossScaler
 from ..schema.model_desc import _ORTTrainerModelDesc
 from .activations import ActivationStatistics
 from .build import cached as build_cache
-from .build.export import TRACING, TorchScriptExportError, state_outside_graph
+from .build.export import TRACING, state_outside_graph
 from .build.forward import (
     Forward,
+    NoBuilderTrainsError,
     TorchExportInfo,
     auto_fallback,
     onnx_forward,
@@ -43,10 +45,15 @@ from .compile.compiler import (
     output_elem_types,
     restore_compiled,
 )
-from .compile.contract import TrainingGraph, accumulation_buffer_name, read_contract, zero_state
+from .compile.contract import (
+    TrainingGraph,
+    accumulation_buffer_name,
+    check_same_state_contract,
+    read_contract,
+    zero_state,
+)
 from .config import TrainerConfig, recompute_plan
 from .gradient.choice import BuilderChoice
-from .gradient.errors import GradientBuildError
 from .gradient.ort_options import GradientOptions
 from .inputs import check_inputs
 from .runtime import ort_private
@@ -138,13 +145,38 @@ def _build_torch(
         try:
             forward = torchscript_forward(config, module, sample_inputs, activations, plan)
             return _compile_and_open(config, state, forward, cached)
-        except (TorchScriptExportError, GradientBuildError) as err:
+        except Exception as err:
             reason = auto_fallback(plan.choice, err)
             if reason is None:
                 raise
             _logger.info("%s; building with the torch gradient builder", reason)
-            plan = plan.falling_back(reason)
+            try:
+                forward = torch_route_forward(config, module, sample_inputs, plan.falling_back(reason))
+                return _compile_and_open(config, state, forward, cached)
+            except Exception as torch_err:
+                raise NoBuilderTrainsError(
+                    f"neither gradient builder can train {type(module).__name__}: the 'ort' builder: "
+                    f"{reason.removeprefix('auto: ')}; the torch builder: {type(torch_err).__name__}: {torch_err}"
+                ) from torch_err
     return _compile_and_open(config, state, torch_route_forward(config, module, sample_inputs, plan), cached)
+
+
+def reexport_for_shapes(
+    config: TrainerConfig, built: Built, module: torch.nn.Module, batch: list, activations: ActivationStatistics
+) -> CompiledModel:
+    """The TorchScript route's model exported again with `batch` and compiled for its shapes (stages 1 and 2), for
+    a batch the first graph fails on: the TorchScript exporter turns a size read into a Python number while it
+    traces (a causal mask made with `torch.ones(n, n)`, a view sized from `x.size(0)`) into a constant, so a graph
+    exported with dynamic axes can still hold the first batch's sizes. RuntimeError when the new graph's state
+    contract differs from the session's (the trainer then raises the original error)."""
+    with TRACING:
+        plan = prepare_torch(config, module, batch, activations)
+        forward = torchscript_forward(config, module, batch, activations, plan)
+        losses = [o.name for o in forward.model_desc.outputs if o.is_loss]
+        dp_plan, _ = _data_parallel_plan(config, forward.forward, forward.trainable)
+        compiled, _ = compile_model(_compile_request(config, forward, losses[0], dp_plan))
+    check_same_state_contract(built.compiled.step_graph, compiled.step_graph)
+    return compiled
 
 
 def _compile_and_open(
@@ -283,6 +315,7 @@ def _compile_request(
         recompute=recompute_plan(opts),
         gradient_options=GradientOptions.from_options(opts),
         statistics=forward.activations,
+        batch_norms=forward.batch_norms,
         graph_cache=cached.graphs() if cached is not None else None,
     )
 

@@ -13,6 +13,7 @@ The trainer's state lives in four typed fields with one owner each (module map: 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 from collections.abc import Callable
@@ -38,9 +39,11 @@ from .build.external_data import prepare_model
 from .config import TrainerConfig, make_config
 from .graph.editor import copy_model
 from .inputs import check_inputs, check_outputs, order_inputs
-from .model import Built, Unbuilt, build_model, build_onnx_model
+from .model import Built, Unbuilt, build_model, build_onnx_model, reexport_for_shapes
 from .runtime.session import SessionBase
 from .state import AccumulationWindow, PendingLoad, StepCounters, TrainerState, uninterrupted
+
+_logger = logging.getLogger(__name__)
 
 Outputs = torch.Tensor | list[torch.Tensor]
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -191,13 +194,18 @@ class ORTTrainer:
         watched = self._activations.model in WATCHED  # no statistics bookkeeping unless a manager watches the model
         statistics = self._activations.begin_step("train") if watched else []
         scale = scaler.loss_scale if scaler else None
-        with uninterrupted():
-            results, finite = built.session.train(
-                data, lr, state.counters.next_update, names + statistics, optimizer_step, scale
-            )
-            info.step = step  # counted only now: a step that raised above changed nothing
-            if optimizer_step:
-                self._after_optimizer_step(finite, scaler)
+        try:
+            with uninterrupted():
+                results, finite = built.session.train(
+                    data, lr, state.counters.next_update, names + statistics, optimizer_step, scale
+                )
+                info.step = step  # counted only now: a step that raised above changed nothing
+                if optimizer_step:
+                    self._after_optimizer_step(finite, scaler)
+        except Exception as err:
+            if not self._graphs_for_shapes(built, inputs, err):
+                raise
+            return self._train(inputs, lr)  # nothing changed: the step runs again, on the graphs for its shapes
         if watched:
             self._activations.end_step(results)
         check_outputs(results, built.model_desc.outputs, sizes)
@@ -216,19 +224,102 @@ class ORTTrainer:
 
     @_locked
     def eval_step(self, *args: Any, **kwargs: Any) -> Outputs:
-        """Forward pass with dropout off; changes no state. Returns outputs in model_desc order."""
-        inputs = order_inputs(args, kwargs, self.model_desc.inputs)
-        built = self._built_for(inputs, check_export=False)
-        sizes = check_inputs(inputs, built.model_desc.inputs)
-        names = self._requested_outputs(self._state.counters.info.fetches)
+        """Forward pass with dropout off; changes no state. Returns outputs in model_desc order (one unwrapped).
+
+        The inputs may stop short of model_desc's, as the original's did (a label the loss needs left out): then
+        the outputs are the fetched ones, each of which must not need a missing input, or without fetches every
+        model_desc output that does not (README § Legacy scripts)."""
+        descs = self.model_desc.inputs
+        inputs = order_inputs(args, kwargs, descs, allow_fewer=True)
+        complete = len(inputs) == len(descs)
+        built = self._built_for(inputs, check_export=False) if complete else self._built_without(inputs)
+        sizes = check_inputs(inputs, built.model_desc.inputs[: len(inputs)])
+        fetches = self._state.counters.info.fetches
+        names = self._requested_outputs(fetches)
+        data = self._data(inputs)
         watched = self._activations.model in WATCHED
+        if not complete:
+            names = self._outputs_without(built, data, names, bool(fetches), watched)
         statistics = self._activations.begin_step("eval") if watched else []
-        results = built.session.evaluate(self._data(inputs), names + statistics)
+        try:
+            results = built.session.evaluate(data, names + statistics)
+        except Exception as err:
+            if not complete or not self._graphs_for_shapes(built, inputs, err):
+                raise
+            results = built.session.evaluate(data, names + statistics)
         if watched:
             self._activations.end_step(results)
         check_outputs(results, built.model_desc.outputs, sizes)
         ordered = [results[n] for n in names]
         return ordered[0] if len(ordered) == 1 else ordered
+
+    def _graphs_for_shapes(self, built: Built, inputs: list, err: Exception) -> bool:
+        """After ONNX Runtime failed (`err`) on a batch whose shapes differ from the first batch's, a model exported
+        with TorchScript (the 'ort' builder) is exported again with this batch, and its graphs serve these shapes
+        from now on (`model.reexport_for_shapes`; the first graph held a size the exporter had fixed). True when
+        that happened, so that the caller runs the step again; False for any other error, or when these shapes
+        have graphs of their own already."""
+        module, info = self._activations.model, built.torch_export
+        data = self._data(inputs)
+        shapes = tuple(tuple(t.shape) for t in inputs)
+        if not (
+            type(err).__module__.startswith("onnxruntime")
+            and built.builder.builder == "ort"
+            and info is not None
+            and isinstance(module, torch.nn.Module)
+            and shapes != info.sample_shapes
+            and not built.session.pinned(data)
+        ):
+            return False
+        axes = _changed_axes(self.model_desc.inputs, info.sample_shapes, shapes)
+        _logger.info(
+            "ONNX Runtime failed on input shapes %s with the graph exported for %s (%s): the TorchScript export "
+            "fixed the size of %s; exporting the model again for these shapes (one graph per such input-shape "
+            "signature)",
+            [list(s) for s in shapes],
+            [list(s) for s in info.sample_shapes],
+            str(err).strip().splitlines()[0][:200],
+            axes or "an axis",
+        )
+        try:
+            compiled = reexport_for_shapes(self._config, built, module, inputs, self._activations)
+        except Exception as again:
+            raise RuntimeError(
+                f"ONNX Runtime failed on the input shapes {[list(s) for s in shapes]} with the graph exported for "
+                f"{[list(s) for s in info.sample_shapes]} (the TorchScript export fixed {axes or 'an axis'}), and "
+                f"exporting the model again for them failed: {again}"
+            ) from err
+        built.session.pin_graphs(data, compiled.step_graph, compiled.eval_model)
+        return True
+
+    def _built_without(self, inputs: list) -> Built:
+        """The built model for an eval step given only the first inputs; ValueError before the first step."""
+        built = self._built
+        names = [d.name for d in self.model_desc.inputs]
+        if built is None:
+            raise ValueError(
+                f"eval_step got the inputs {names[: len(inputs)]} without {names[len(inputs) :]}: the first step "
+                f"builds the model and needs every input {names}; evaluate with the inputs alone after it"
+            )
+        return built
+
+    def _outputs_without(
+        self, built: Built, data: dict[str, torch.Tensor], names: list[str], fetched: bool, watched: bool
+    ) -> list[str]:
+        """The outputs an eval step without some inputs returns (`eval_step`'s rule)."""
+        missing = [d.name for d in self.model_desc.inputs if d.name not in data]
+        if watched:
+            raise ValueError(
+                f"eval_step without {missing} while orttrainer.debug records the model's statistics: pass every input"
+            )
+        computable = built.session.computable(data, names)
+        needing = [name for name in names if name not in computable]
+        if (fetched and needing) or not computable:
+            raise ValueError(
+                f"eval_step without {missing}: the outputs {needing} need them; pass them, or set "
+                f"_train_step_info.fetches to outputs that do not (here: {computable})"
+            )
+        return computable
 
     def _built_for(self, inputs: list, check_export: bool) -> Built:
         """The built model; a PyTorch model (or an ONNX model on the torch builder) is exported, compiled and
@@ -247,7 +338,8 @@ class ORTTrainer:
         return built
 
     def _data(self, inputs: list) -> dict[str, torch.Tensor]:
-        return {d.name: t for d, t in zip(self._config.model_desc.inputs, inputs, strict=True)}
+        """The inputs by name; an eval step may give only the first ones (`eval_step`)."""
+        return {d.name: t for d, t in zip(self._config.model_desc.inputs[: len(inputs)], inputs, strict=True)}
 
     @_locked
     def save_as_onnx(self, path: str) -> None:
@@ -409,6 +501,16 @@ class ORTTrainer:
         if len(selected) != len(fetches):
             raise RuntimeError("The specified fetches list contains invalid output names")
         return selected
+
+
+def _changed_axes(descs: Any, first: tuple, shapes: tuple) -> list[str]:
+    """model_desc's dynamic axes (string dims) whose size differs between the input shapes `first` and `shapes`."""
+    changed = []
+    for desc, old, new in zip(descs, first, shapes, strict=False):
+        for dim, a, b in zip(desc.shape, old, new, strict=False):
+            if isinstance(dim, str) and a != b and dim not in changed:
+                changed.append(dim)
+    return changed
 
 
 def _with_weights(built: Built) -> onnx.ModelProto:

@@ -406,7 +406,8 @@ def _check_keys(current: dict[str, Any], loaded: dict[str, Any], zero_stage: int
         _compare(current[layout.MODEL], loaded[layout.MODEL], "state_dict[model]", allow_unexpected)
         for precision in current[layout.MODEL]:
             where = f"state_dict[model][{precision}]"
-            _compare(current[layout.MODEL][precision], loaded[layout.MODEL][precision], where, allow_unexpected)
+            expected = _without_older_counters(current[layout.MODEL][precision], loaded[layout.MODEL][precision])
+            _compare(expected, loaded[layout.MODEL][precision], where, allow_unexpected)
     if layout.OPTIMIZER not in loaded:
         warnings.warn("Missing key: optimizer in state_dict", stacklevel=2)
         return
@@ -414,6 +415,21 @@ def _check_keys(current: dict[str, Any], loaded: dict[str, Any], zero_stage: int
     for weight in current[layout.OPTIMIZER]:
         where = f"state_dict[optimizer][{weight}]"
         _compare(current[layout.OPTIMIZER][weight], loaded[layout.OPTIMIZER][weight], where, allow_unexpected)
+
+
+_COUNTER_SUFFIX = "num_batches_tracked"
+
+
+def _without_older_counters(current: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+    """`current` without the BatchNorm batch counters `loaded` lacks, with a warning: the original ORTTrainer, and
+    orttrainer before it updated BatchNorm's statistics, saved no `num_batches_tracked`; such a checkpoint loads
+    strictly, and the counters keep their values."""
+    older = sorted(k for k in current if k.endswith(_COUNTER_SUFFIX) and k not in loaded)
+    if older:
+        warnings.warn(
+            f"the state dict has no {older} (saved before they were trained); they keep their values", stacklevel=4
+        )
+    return {k: v for k, v in current.items() if k not in older}
 
 
 def _compare(current: dict[str, Any], loaded: dict[str, Any], where: str, allow_unexpected: bool) -> None:

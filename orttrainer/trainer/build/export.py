@@ -11,6 +11,9 @@ the float32 master state, by these rules (docs/engine.md §15):
 - every float32 parameter and buffer is cast to float16 where the module reads it (`float16_state`, through
   `torch.func.functional_call`): the graph's state inputs stay the float32 master copy, and each parameter's
   gradient comes back through the cast's gradient as float32;
+- but BatchNorm and InstanceNorm layers compute in float32, as AMP keeps them (`float32_norms`): their input is cast
+  to float32 and their output back to float16, and their parameters and running statistics stay the float32 state,
+  so the running statistics they update are the trainer's own;
 - the float32 data inputs the module reads are cast to float16 (`float16_inputs`); a loss function's label is not;
 - float16 module outputs are cast to float32 before the loss function (`float32_values`), so the loss and the
   start of its backward (where the loss scale enters) run in float32, as the 'ort' path keeps its loss subgraph
@@ -30,13 +33,15 @@ concurrently once built.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import io
+import re
 import threading
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -77,7 +82,8 @@ class _ModelWithLoss(torch.nn.Module):
         else:
             args, kwargs = (), self.model_kwargs(inputs)
         if self.float16:
-            preds = torch.func.functional_call(self.model, float16_state(self.model), args, kwargs)
+            with float32_norms(self.model):
+                preds = torch.func.functional_call(self.model, float16_state(self.model), args, kwargs)
         else:
             preds = self.model(*args, **kwargs)
         if self.loss_fn is None:
@@ -117,6 +123,7 @@ class ExportedModel:
     custom_functions: list[str]  # custom torch.autograd.Functions met in the dry run
     aliases: dict[str, str]  # state_dict key -> initializer holding the same (tied) tensor
     unused_state: dict[str, torch.Tensor]  # state_dict entries the graph does not use (copies; they never change)
+    mutated: list[str]  # buffers the forward updates in place: the TorchScript export drops their updates
 
 
 def check_forward_accepts(model: torch.nn.Module, input_names: list[str], has_loss_fn: bool) -> None:
@@ -190,37 +197,121 @@ def export_model(
     wrapper = _ModelWithLoss(model, loss_fn, input_names)
     _register_contrib_ops(enable_contrib_ops)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    buffer = io.BytesIO()
+    names = (input_names, output_names, _dynamic_axes(model_desc))
     try:
-        with warnings.catch_warnings():
-            # torch deprecates the TorchScript exporter and its `training` argument; both are chosen on purpose
-            # (docs/design.md: dynamo=False, TrainingMode.TRAINING), so their notices are not the user's concern.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            torch.onnx.export(
-                wrapper,
-                tuple(sample_inputs),
-                buffer,  # type: ignore[arg-type]  # the TorchScript exporter writes to file objects too
-                input_names=input_names,
-                output_names=output_names,
-                opset_version=opset_version,
-                dynamic_axes=_dynamic_axes(model_desc),
-                do_constant_folding=False,
-                training=torch.onnx.TrainingMode.TRAINING,
-                dynamo=False,
-            )
+        exported, mutated = _torchscript_export(wrapper, sample_inputs, names, opset_version)
     except Exception as err:
+        unsupported = torch_private.unsupported_at_opset(err)
+        if unsupported is not None and unsupported[2] > opset_version:
+            _restore_buffers(model, buffers)
+            works = _first_opset_that_exports(wrapper, sample_inputs, names, unsupported[2])
+            raise OpsetTooLowError(type(model).__name__, *unsupported, works) from err
         raise TorchScriptExportError(f"exporting {type(model).__name__} to ONNX failed: {err}") from err
     finally:
         model.train(dry.was_training)
         _restore_buffers(model, buffers)
-    onnx_model = set_initializers(strip_prefix(onnx.load_from_string(buffer.getvalue()), MODEL_PREFIX), buffers)
+    onnx_model = set_initializers(strip_prefix(onnx.load_from_string(exported), MODEL_PREFIX), buffers)
     if dry.was_training:
         onnx_model = restore_dropout_training_mode(onnx_model)
-    return exported_model(onnx_model, model, dry)
+    return replace(exported_model(onnx_model, model, dry), mutated=mutated)
+
+
+_DROPPED_MUTATION = re.compile(r"Removing mutation from node \S+ on block input: '([^']+)'")
+
+
+def _passed_on(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The buffers whose in-place updates the TorchScript exporter said it dropped (without `model.`); every other
+    warning is shown, but the exporter's deprecation notices: torch deprecates the TorchScript exporter and its
+    `training` argument, both chosen on purpose (docs/design.md: dynamo=False, TrainingMode.TRAINING)."""
+    mutated = []
+    for warning in caught:
+        found = _DROPPED_MUTATION.search(str(warning.message))
+        if found:
+            mutated.append(found.group(1).removeprefix(MODEL_PREFIX))
+        elif not issubclass(warning.category, DeprecationWarning):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return sorted(set(mutated))
+
+
+def _torchscript_export(
+    wrapper: torch.nn.Module, sample_inputs: list[torch.Tensor], names: tuple, opset_version: int
+) -> tuple[bytes, list[str]]:
+    """`torch.onnx.export` as the module docstring says; `names`: (input names, output names, dynamic axes).
+    Returns the model's bytes and the buffers whose in-place updates the exporter dropped (`_passed_on`)."""
+    input_names, output_names, dynamic_axes = names
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.onnx.export(
+            wrapper,
+            tuple(sample_inputs),
+            buffer,  # type: ignore[arg-type]  # the TorchScript exporter writes to file objects too
+            input_names=input_names,
+            output_names=output_names,
+            opset_version=opset_version,
+            dynamic_axes=dynamic_axes,
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+            dynamo=False,
+        )
+    return buffer.getvalue(), _passed_on(caught)
+
+
+def _first_opset_that_exports(
+    wrapper: torch.nn.Module, sample_inputs: list[torch.Tensor], names: tuple, start: int
+) -> int | None:
+    """The lowest opset from `start` within the option's range at which the export succeeds; None if none does
+    (another op needs a later opset, or the export fails otherwise). Each try restores the module's buffers."""
+    model = wrapper.model if isinstance(wrapper, _ModelWithLoss) else wrapper
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    opset: int | None = start
+    while opset is not None and opset_option_allows(opset):
+        try:
+            _torchscript_export(wrapper, sample_inputs, names, opset)
+            return opset
+        except Exception as err:
+            unsupported = torch_private.unsupported_at_opset(err)
+            opset = unsupported[2] if unsupported is not None and unsupported[2] > opset else None
+        finally:
+            _restore_buffers(model, buffers)
+    return None
 
 
 class TorchScriptExportError(RuntimeError):
     """The TorchScript exporter failed on the model ('auto' then trains it with the torch builder)."""
+
+
+class OpsetTooLowError(TorchScriptExportError):
+    """The TorchScript exporter has `op` only from opset `needed` on, and the model was exported at `opset`.
+
+    `works`: the lowest opset the option allows at which the model exports (None: none). 'auto' does not switch
+    builders when there is one: the opset is the user's choice, and the error says which one works."""
+
+    def __init__(self, model: str, op: str, opset: int, needed: int, works: int | None = None) -> None:
+        self.op, self.opset, self.needed, self.works = op, opset, needed, works
+        found = f"; the model exports at opset {works}" if works is not None and works != needed else ""
+        remedy = (
+            f"set options _internal_use.onnx_opset_version={works} (the capi API's _opset_version={works}), or "
+            if works is not None
+            else ""
+        )
+        none_works = (
+            "" if works is not None else " (no opset that options _internal_use.onnx_opset_version allows exports it)"
+        )
+        super().__init__(
+            f"exporting {model} to ONNX opset {opset} failed: the TorchScript exporter has no translation of "
+            f"'{op}' at opset {opset}; it has one from opset {needed}{found}. To train it, {remedy}use the torch "
+            "gradient builder (options _internal_use.gradient_builder='torch'), whose exporter writes opset 18 or "
+            f"later{none_works}."
+        )
+
+
+def opset_option_allows(opset: int) -> bool:
+    """Whether options `_internal_use.onnx_opset_version` accepts `opset` (its schema's range)."""
+    from ...schema.options import _ORTTRAINER_OPTIONS_SCHEMA
+
+    rule = _ORTTRAINER_OPTIONS_SCHEMA["_internal_use"]["schema"]["onnx_opset_version"]
+    return int(rule.get("min", opset)) <= opset <= int(rule.get("max", opset))
 
 
 def exported_model(onnx_model: onnx.ModelProto, model: torch.nn.Module, dry: DryRun) -> ExportedModel:
@@ -242,6 +333,7 @@ def exported_model(onnx_model: onnx.ModelProto, model: torch.nn.Module, dry: Dry
         dry.custom_functions,
         aliases,
         unused,
+        [],
     )
 
 
@@ -376,16 +468,61 @@ def float16_inputs(inputs: Sequence[Any], label: bool) -> list[Any]:
     return cast
 
 
+BATCH_NORMS = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.SyncBatchNorm,
+    torch.nn.LazyBatchNorm1d,
+    torch.nn.LazyBatchNorm2d,
+    torch.nn.LazyBatchNorm3d,
+)
+RUNNING_STATISTICS_NORMS = (
+    *BATCH_NORMS,
+    torch.nn.InstanceNorm1d,
+    torch.nn.InstanceNorm2d,
+    torch.nn.InstanceNorm3d,
+    torch.nn.LazyInstanceNorm1d,
+    torch.nn.LazyInstanceNorm2d,
+    torch.nn.LazyInstanceNorm3d,
+)  # the norm layers with running statistics
+
+
 def float16_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every name of `module`'s parameters and buffers (tied names too, one cast per tensor) -> a float16 cast of
-    each float32 one; for `torch.func.functional_call`."""
+    each float32 one, but those of the norm layers `float32_norms` keeps in float32; for
+    `torch.func.functional_call`."""
+    norms = [m for m in module.modules() if isinstance(m, RUNNING_STATISTICS_NORMS)]
+    kept = {id(t) for m in norms for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
     casts: dict[int, torch.Tensor] = {}
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     state = {}
     for name, tensor in named:
-        if tensor.dtype == torch.float32:
+        if tensor.dtype == torch.float32 and id(tensor) not in kept:
             state[name] = casts.setdefault(id(tensor), tensor.half())
     return state
+
+
+@contextlib.contextmanager
+def float32_norms(module: torch.nn.Module) -> Iterator[None]:
+    """Within the block, the BatchNorm and InstanceNorm layers of `module` compute in float32: a float16 input is cast
+    to float32 and their output back to float16 (their state stays float32: `float16_state`)."""
+
+    def to_float32(norm: torch.nn.Module, args: tuple) -> tuple:
+        return tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.float16 else a for a in args)
+
+    def to_float16(norm: torch.nn.Module, args: tuple, output: Any) -> Any:
+        return output.half() if isinstance(output, torch.Tensor) and output.dtype == torch.float32 else output
+
+    handles = []
+    for norm in module.modules():
+        if isinstance(norm, RUNNING_STATISTICS_NORMS):
+            handles += [norm.register_forward_pre_hook(to_float32), norm.register_forward_hook(to_float16)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def float32_values(value: Any) -> Any:

@@ -17,8 +17,9 @@ carries, a copy of the trainer's (`TrainerConfig.model_desc` stays as the user d
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import onnx
 import torch
@@ -31,15 +32,24 @@ from ..activations import ActivationStatistics
 from ..config import TrainerConfig
 from ..gradient.choice import BuilderChoice, choose_builder, ort_only_options
 from ..gradient.errors import GradientBuildError
-from ..gradient.onnx_module import OnnxModule
+from ..gradient.onnx_module import OnnxModule, running_statistics
 from ..gradient.torch_graphs import TorchSource
+from ..graph.batch_norm_statistics import BatchNormStatistics, onnx_batch_norm_statistics
 from ..graph.postprocess import run_postprocess
 from ..inputs import check_inputs
 from ..runtime.ort import has_training_build
 from ..runtime.session import shape_signature
 from . import export as export_mod
 from .export import record_export_types, record_graph_types
-from .torch_route import ForwardSource, TorchEvalGraphs, module_state, named_dims, same_size_groups, state_model
+from .torch_route import (
+    ForwardSource,
+    TorchEvalGraphs,
+    export_forward,
+    module_state,
+    named_dims,
+    same_size_groups,
+    state_model,
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class TorchExportInfo:
     unused_state: dict[str, torch.Tensor]  # state_dict entries the graph does not use (copies; they never change)
     sample_outputs: list[torch.Tensor]  # PyTorch's outputs for the first batch (debug.check_model_export)
     dropout_off: bool  # the module was in eval mode: it trains without dropout, BatchNorm on running statistics
+    sample_shapes: tuple[tuple[int, ...], ...] = ()  # the first batch's input shapes
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,7 @@ class Forward:
     sample_inputs: Sequence[torch.Tensor] | None = None  # the first batch
     activations: ActivationStatistics | None = None  # orttrainer.debug statistics, when the export marked them
     eval_graphs: TorchEvalGraphs | None = None  # the torch route: its forward model and eval graphs
+    batch_norms: list[BatchNormStatistics] = field(default_factory=list)  # updated by a graph pass ('ort')
 
     @property
     def state_names(self) -> list[str]:
@@ -108,19 +120,39 @@ def prepare_torch(
         custom_functions=dry.custom_functions,
         ort_only=ort_only,
         training_build=has_training_build(),
+        edits_forward=options._internal_use.extra_postprocess is not None,
     )
     record_export_types(desc, dry)
     return TorchPlan(desc, dry, choice)
 
 
 def auto_fallback(choice: BuilderChoice, err: Exception) -> str | None:
-    """Why 'auto' switches to the torch builder after `err` on the TorchScript route, or None (no switch)."""
-    if choice.builder == "auto" and isinstance(err, export_mod.TorchScriptExportError):
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    """Why 'auto' switches to the torch builder after `err` on the TorchScript route, or None (no switch).
+
+    Any failure of the route is a reason — the TorchScript export, ONNX Runtime's gradient build, the compile
+    passes, the training session ONNX Runtime opens (a kernel its CPU build lacks, such as `ConvTransposeGrad`) —
+    but three: an operator the exporter has at an opset the option can name (the error says which opset works,
+    `export.OpsetTooLowError`, and the legacy option asked for that opset); an error in the user's input or options
+    (ValueError, TypeError), which the torch route would meet as well; and running out of memory."""
+    if choice.builder != "auto":
+        return None
+    if isinstance(err, export_mod.OpsetTooLowError) and err.works is not None:
+        return None
+    if isinstance(err, (ValueError, TypeError, MemoryError)):
+        return None
+    text = str(err).strip()
+    first_line = text.splitlines()[0] if text else type(err).__name__
+    if isinstance(err, export_mod.TorchScriptExportError):
         return f"auto: the TorchScript exporter failed ({first_line})"
-    if choice.builder == "auto" and isinstance(err, GradientBuildError) and err.op_type is not None:
+    if isinstance(err, GradientBuildError) and err.op_type is not None:
         return f"auto: ONNX Runtime's gradient builder cannot differentiate op '{err.op_type}'"
-    return None
+    if isinstance(err, GradientBuildError):
+        return f"auto: ONNX Runtime's gradient builder failed ({first_line})"
+    return f"auto: the 'ort' builder's graph failed to compile or open ({type(err).__name__}: {first_line})"
+
+
+class NoBuilderTrainsError(RuntimeError):
+    """'auto' tried both gradient builders and neither built the model: the message names both reasons."""
 
 
 def torchscript_forward(
@@ -132,6 +164,7 @@ def torchscript_forward(
 ) -> Forward:
     """The TorchScript route: export, mark the subscribed activations, post-process, split the parameters."""
     desc, internal = plan.model_desc, config.options._internal_use
+    _refuse_untracked_batch_norms(module)
     with activations.marking():  # counts no debug step; marks subscribed activations
         exported = export_mod.export_model(
             module,
@@ -142,19 +175,92 @@ def torchscript_forward(
             enable_contrib_ops=internal.enable_onnx_contrib_ops,
             dry=plan.dry,
         )
+    batch_norms = _batch_norm_statistics(module) if exported.was_training else []
+    if exported.was_training:  # in eval mode PyTorch updates no buffer either
+        _refuse_dropped_updates(module, exported.mutated, batch_norms)
+    counters = {s.counter: module.get_buffer(s.counter) for s in batch_norms if s.counter}
     forward = activations.prepare(exported.model, config.loss_fn, desc, sample_inputs)
-    forward = postprocess(config, forward)
+    forward = postprocess(config, _with_initializers(forward, counters))
     frozen_weights = list(config.options.utils.frozen_weights)
-    trainable, frozen = split_parameters(forward, frozen_weights, exported.parameters, exported.buffers)
+    buffers = exported.buffers + sorted(counters)
+    trainable, frozen = split_parameters(forward, frozen_weights, exported.parameters, buffers)
+    trainable, frozen, dropped = read_state(forward, trainable, frozen)
+    state = module.state_dict()
     info = TorchExportInfo(
-        list(module.state_dict().keys()),
+        list(state.keys()),
         exported.aliases,
-        exported.unused_state,
+        {**exported.unused_state, **{name: state[name].detach().clone() for name in dropped if name in state}},
         exported.sample_outputs,
         not exported.was_training,
+        tuple(tuple(t.shape) for t in sample_inputs),
     )
     statistics = activations if activations.instrumented else None
-    return Forward(desc, forward, trainable, frozen, plan.choice, info, None, sample_inputs, statistics)
+    return Forward(
+        desc, forward, trainable, frozen, plan.choice, info, None, sample_inputs, statistics, batch_norms=batch_norms
+    )
+
+
+def _batch_norm_statistics(module: torch.nn.Module) -> list[BatchNormStatistics]:
+    """PyTorch's semantics for each BatchNorm of `module` that updates its running statistics in training."""
+    found = []
+    for path, sub in module.named_modules():
+        if (
+            isinstance(sub, export_mod.BATCH_NORMS)
+            and sub.training
+            and sub.track_running_stats
+            and sub.running_mean is not None
+        ):
+            prefix = f"{path}." if path else ""
+            counter = f"{prefix}num_batches_tracked"
+            found.append(
+                BatchNormStatistics(f"{prefix}running_mean", f"{prefix}running_var", counter, sub.momentum, True)
+            )
+    return found
+
+
+def _refuse_untracked_batch_norms(module: torch.nn.Module) -> None:
+    """A BatchNorm without running statistics normalizes by the batch's own: the TorchScript exporter cannot
+    export it (it asks for fixed batch and channel sizes), so it is an error naming the layer ('auto' then trains
+    with the torch builder, which exports it)."""
+    untracked = [
+        path
+        for path, sub in module.named_modules()
+        if isinstance(sub, export_mod.BATCH_NORMS) and sub.running_mean is None
+    ]
+    if untracked:
+        raise export_mod.TorchScriptExportError(
+            f"the BatchNorm layers {untracked} keep no running statistics (track_running_stats=False), which the "
+            "TorchScript export that ONNX Runtime's gradient builder trains from cannot export; train it with "
+            "options _internal_use.gradient_builder='torch' (or 'auto')"
+        )
+
+
+def _refuse_dropped_updates(
+    module: torch.nn.Module, mutated: list[str], batch_norms: list[BatchNormStatistics]
+) -> None:
+    """A buffer the forward updates in place, whose update the TorchScript export dropped and no pass restores, is
+    an error naming it ('auto' then trains with the torch builder, which keeps every such update): never a buffer
+    silently left unchanged."""
+    restored = {n for s in batch_norms for n in (s.mean, s.var, s.counter) if n}
+    dropped = [name for name in mutated if name not in restored]
+    if dropped:
+        raise export_mod.TorchScriptExportError(
+            f"the forward of {type(module).__name__} updates the buffers {dropped} in place, and the TorchScript "
+            "export that ONNX Runtime's gradient builder trains from drops such updates; train it with options "
+            "_internal_use.gradient_builder='torch', which keeps them"
+        )
+
+
+def _with_initializers(model: onnx.ModelProto, values: dict[str, torch.Tensor]) -> onnx.ModelProto:
+    """`model` with `values` added as initializers (the batch counters the running-statistics pass reads)."""
+    if not values:
+        return model
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    result.graph.initializer.extend(
+        onnx.numpy_helper.from_array(value.detach().cpu().numpy(), name) for name, value in values.items()
+    )
+    return result
 
 
 def torch_route_forward(
@@ -165,7 +271,8 @@ def torch_route_forward(
     split: tuple[list[str], list[str]] | None = None,
 ) -> Forward:
     """The torch route (build/torch_route.py): state from the module, the training graph from AOTAutograd with
-    model_desc's string dims dynamic, the forward model from torch.export when first needed. `split`: the
+    model_desc's string dims dynamic, the forward model from torch.export when first needed. With
+    `_internal_use.extra_postprocess`, the edited forward instead (`edited_torch_forward`). `split`: the
     (trainable, frozen) lists an earlier build found (the compile cache), instead of the dry run's reads."""
     desc, options, dry = plan.model_desc, config.options, plan.dry
     if dry.read_state is None and split is None:  # 'auto' came from the TorchScript route: the reads are recorded now
@@ -174,15 +281,47 @@ def torch_route_forward(
     names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
     dims, outputs, amp = named_dims(desc.inputs), [d.name for d in desc.outputs], options.mixed_precision.enabled
     trainable, frozen = split or module_state(module, list(options.utils.frozen_weights), dry)
-    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, same_size_groups(desc.inputs))
     forward = ForwardSource(module, config.loss_fn, names, outputs, dims, opset, bool(amp))  # build/export.py
     evals = TorchEvalGraphs(
         forward, shape_signature(sample_inputs), lambda m: postprocess(config, m), trainable + frozen
     )
+    if options._internal_use.extra_postprocess is not None:
+        return edited_torch_forward(config, module, sample_inputs, replace(plan, dry=dry), evals)
+    source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, same_size_groups(desc.inputs))
     aliases, unused = export_mod.state_outside_graph(module, set(trainable + frozen))
     info = TorchExportInfo(list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training)
     weights = state_model(module, trainable + frozen)
     return Forward(desc, weights, trainable, frozen, plan.choice, info, source, sample_inputs, None, evals)
+
+
+def edited_torch_forward(
+    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, plan: TorchPlan, evals: TorchEvalGraphs
+) -> Forward:
+    """The torch builder with `_internal_use.extra_postprocess` (README § Gradient builders): the function receives
+    the forward ONNX model, as in the legacy API, and the gradient is built from the graph it returns.
+
+    Rules: the module (+ loss) is exported by torch.export in the mode it trains in (dropout as ONNX Dropout in
+    training mode), float32, with model_desc's string dims dynamic where the trace allows it; post-processed
+    (`postprocess`: the internal passes, the user's function, symbolic shape inference); then trained as an ONNX
+    model is on the torch builder: PyTorch's autograd differentiates an `OnnxModule` of the edited graph, so what
+    the edited graph computes is what trains. The state is the module's (`module_state`), holding the edited
+    graph's initializer values; a parameter the edited graph no longer reads is not trained (a warning names it)
+    and stays in `state_dict(pytorch_format=True)` as it was. Eval graphs and `save_as_onnx` use the torch route's
+    eval-mode exports (`evals`), which the function edits too. A custom `torch.autograd.Function` is refused at
+    the builder choice: the exported graph holds its forward only (gradient/choice.py)."""
+    desc, options, dry = plan.model_desc, config.options, plan.dry
+    names, outputs = [d.name for d in desc.inputs], [d.name for d in desc.outputs]
+    opset = options._internal_use.onnx_opset_version
+    source = ForwardSource(module, config.loss_fn, names, outputs, named_dims(desc.inputs), opset)
+    exported, _ = export_forward(source, sample_inputs, own_mode=True)
+    forward = postprocess(config, exported)
+    trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
+    trainable, frozen, _ = read_state(forward, trainable, frozen)
+    onnx_module = OnnxModule(forward, names, outputs, trainable, frozen)
+    traced = TorchSource(onnx_module, None, names, opset, True, state_names=onnx_module.state_names)
+    aliases, unused = export_mod.state_outside_graph(module, set(trainable + frozen))
+    info = TorchExportInfo(list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training)
+    return Forward(desc, forward, trainable, frozen, plan.choice, info, traced, sample_inputs, None, evals)
 
 
 def onnx_forward(config: TrainerConfig, model: onnx.ModelProto) -> Forward:
@@ -199,16 +338,22 @@ def onnx_forward(config: TrainerConfig, model: onnx.ModelProto) -> Forward:
     desc = copy.deepcopy(config.model_desc)
     forward = postprocess(config, model)
     record_graph_types(desc, forward)
-    trainable, frozen = split_parameters(forward, list(options.utils.frozen_weights), None, None)
-    source = _onnx_source(config, forward, trainable, frozen) if choice.builder == "torch" else None
-    return Forward(desc, forward, trainable, frozen, choice, source=source)
+    statistics = running_statistics(forward)  # BatchNormalization's, which its forward updates: frozen state
+    trainable, frozen = split_parameters(forward, [*options.utils.frozen_weights, *statistics], None, None)
+    if choice.builder == "torch":  # OnnxModule updates them as buffers, the trace keeps the updates
+        return Forward(
+            desc, forward, trainable, frozen, choice, source=_onnx_source(config, forward, trainable, frozen)
+        )
+    return Forward(
+        desc, forward, trainable, frozen, choice, batch_norms=onnx_batch_norm_statistics(forward, trainable + frozen)
+    )
 
 
 def _onnx_source(
     config: TrainerConfig, forward: onnx.ModelProto, trainable: list[str], frozen: list[str]
 ) -> TorchSource:
     """The torch builder's source for an ONNX model: an OnnxModule of the post-processed forward model, its state
-    renamed back to initializer names (gradient/onnx_module.py). The torch builder takes output 0 as the loss."""
+    renamed back to initializer names (gradient/onnx_module/). The torch builder takes output 0 as the loss."""
     desc = config.model_desc
     inputs, outputs = [d.name for d in desc.inputs], [d.name for d in desc.outputs]
     if not desc.outputs[0].is_loss:
@@ -216,6 +361,23 @@ def _onnx_source(
     module = OnnxModule(forward, inputs, outputs, trainable, frozen)
     opset = config.options._internal_use.onnx_opset_version
     return TorchSource(module, None, inputs, opset, True, state_names=module.state_names)
+
+
+def read_state(
+    forward: onnx.ModelProto, trainable: list[str], frozen: list[str]
+) -> tuple[list[str], list[str], list[str]]:
+    """(trainable, frozen, dropped): the state tensors the post-processed `forward` holds as initializers, and the
+    others. Rule: a tensor an `extra_postprocess` edit removed from the graph is neither trained nor fed (it keeps
+    its value in `state_dict(pytorch_format=True)`); a warning names the parameters among them."""
+    initializers = {i.name for i in forward.graph.initializer}
+    dropped = [name for name in [*trainable, *frozen] if name not in initializers]
+    lost = [name for name in trainable if name in dropped]
+    if lost:
+        warnings.warn(
+            f"parameters {lost} are not in the graph _internal_use.extra_postprocess returned; they are not trained",
+            stacklevel=5,
+        )
+    return [n for n in trainable if n in initializers], [n for n in frozen if n in initializers], dropped
 
 
 def split_parameters(

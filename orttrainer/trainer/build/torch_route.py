@@ -36,7 +36,7 @@ from ...debug.subscriber import no_increase_global_step
 from ..gradient import torch_private
 from ..gradient.torch_builder import MAX_ORT_OPSET
 from ..gradient.torch_private import DimSpec
-from ..gradient.torch_trace import flatten_tensors
+from ..gradient.torch_trace import attributes_restored, flatten_tensors
 from ..graph.class_labels import guard_pytorch_indices
 from ..graph.pipeline import build_eval_model
 from ..runtime.session import EvalGraph, ShapeKeyedCache, ShapeSignature
@@ -117,21 +117,23 @@ class _EvalForward(_ModelWithLoss):
         self.count = len(source.output_names)
 
     def forward(self, *inputs):
-        loss, *outputs = flatten_tensors(super().forward(*inputs))[: self.count]
+        with attributes_restored(self.model):  # each of the exporter's runs starts from the module as it is
+            loss, *outputs = flatten_tensors(super().forward(*inputs))[: self.count]
         return (loss.float() if self.float16 else loss, *outputs)  # the loss is float32 under mixed precision
 
 
 def export_forward(
-    source: ForwardSource, inputs: Sequence[torch.Tensor], dynamic: bool = True
+    source: ForwardSource, inputs: Sequence[torch.Tensor], dynamic: bool = True, own_mode: bool = False
 ) -> tuple[onnx.ModelProto, list[list[DimSpec]]]:
-    """The eval-mode forward model for `inputs` (their shapes only, unless `dynamic`), with the module's current
-    state values in its initializers, and its data inputs' dims (a size, or a dynamic dim's range). Raises
-    RuntimeError naming the model when torch.export cannot trace it."""
+    """The eval-mode forward model (`own_mode`: in the mode the module is in) for `inputs` (their shapes only,
+    unless `dynamic`), with the module's current state values in its initializers, and its data inputs' dims (a
+    size, or a dynamic dim's range). Raises RuntimeError naming the model when torch.export cannot trace it."""
     module = source.module
     opset = min(max(source.opset_version, torch_private.MIN_DYNAMO_OPSET), MAX_ORT_OPSET)
     dims = source.dynamic_dims if dynamic else [[] for _ in inputs]
+    mode = contextlib.nullcontext() if own_mode else _eval_mode(module)
     try:  # orttrainer.debug hooks pass values through while tracing: no step counted, no file written
-        with _eval_mode(module), no_increase_global_step():
+        with mode, no_increase_global_step(), torch_private.causal_mask_detection_off():
             model, specs = torch_private.export_module_to_onnx(
                 _EvalForward(source),
                 [t.detach() for t in inputs],
@@ -141,9 +143,14 @@ def export_forward(
                 dims,
             )
     except Exception as err:
+        what = (
+            "forward (the graph _internal_use.extra_postprocess edits)"
+            if own_mode
+            else "eval-mode forward (the torch path's eval graph, also used by save_as_onnx and "
+            "debug.check_model_export)"
+        )
         raise RuntimeError(
-            f"torch.export could not trace the eval-mode forward of {type(module).__name__} (the torch path's eval "
-            f"graph, also used by save_as_onnx and debug.check_model_export): {type(err).__name__}: {err}"
+            f"torch.export could not trace the {what} of {type(module).__name__}: {type(err).__name__}: {err}"
         ) from err
     model = first_names(strip_prefix(model, MODEL_PREFIX), module)
     state = {n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()]}
@@ -237,6 +244,25 @@ class TorchEvalGraphs:
         if accepts(dims, self._dtypes, inputs):
             return first
         return self._others.get_or_build(inputs, lambda: self._build(inputs))
+
+    def serving(self, given: dict[str, torch.Tensor]) -> EvalGraph:
+        """The eval graph for data that lacks some inputs (an eval step with the inputs alone): the first one,
+        exported for the first batch's shapes if no eval graph exists yet, when it accepts the given inputs; else
+        ValueError (another graph would be exported with every input)."""
+        if self._first is None:
+            self(self._sample_inputs())
+        assert self._first is not None  # set by the first export
+        first, dims = self._first
+        positions = [k for k, name in enumerate(self.data_inputs) if name in given]
+        tensors = [given[self.data_inputs[k]] for k in positions]
+        if not accepts([dims[k] for k in positions], [self._dtypes[k] for k in positions], tensors):
+            missing = [name for name in self.data_inputs if name not in given]
+            raise ValueError(
+                f"eval_step without {missing}: the eval graph does not serve the shapes "
+                f"{[list(t.shape) for t in tensors]} of the given inputs, and exporting one for them needs every "
+                f"input; pass {missing} too"
+            )
+        return first
 
     def _build(self, inputs: Sequence[torch.Tensor]) -> EvalGraph:
         _logger.info(

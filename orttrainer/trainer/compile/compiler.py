@@ -27,6 +27,7 @@ from ..gradient.differentiate import GradientRequest, differentiate
 from ..gradient.ort_options import GradientOptions
 from ..gradient.torch_graphs import Accepts, TorchSource, torch_gradient_model
 from ..gradient.torch_graphs import loss_scale_names as loss_scale_names_torch
+from ..graph.batch_norm_statistics import BatchNormStatistics
 from ..graph.data_parallel import build_optimizer_graph
 from ..graph.mixed_precision import loss_scale_names
 from ..graph.passes import record_stage, run_passes
@@ -48,6 +49,7 @@ from .contract import (
     StepGraph,
     TrainingGraph,
     accumulation_buffer_name,
+    buffer_update_name,
     check_same_state_contract,
     read_contract,
     zero_state,
@@ -100,9 +102,10 @@ class CompileRequest:
     torch_source: TorchSource | None = None  # what the torch builder traces (None: an ONNX model)
     sample_inputs: Sequence[torch.Tensor] | None = None  # the first batch: the torch builder's first signature
     recompute: RecomputePlan = RecomputePlan()  # the 'ort' builder only (gradient/choice.ort_only_options)
-    gradient_options: GradientOptions | None = None  # cast propagation, memory-efficient gradients ('ort' only)
+    gradient_options: GradientOptions | None = None  # cast propagation (both builders), memory-efficient gradients
     statistics: StatisticsInstrument | None = None  # orttrainer.debug statistics ('ort' builder only)
     lazy_eval: bool = False  # the torch route: `forward` holds only the state, eval graphs come from torch_route
+    batch_norms: Sequence[BatchNormStatistics] = ()  # running statistics the 'ort' builder's graph updates
     update: str = "auto"  # where the optimizer update runs (update/path.py); resolved by compile_model
     graph_cache: GraphCache | None = None  # torch builder: the graphs for other shapes, across processes
 
@@ -148,7 +151,7 @@ def compile_model(request: CompileRequest) -> tuple[CompiledModel, InitialState]
     gradient_model = run_passes(gradient.model, passes, save={passes[-1].name: save.get(_GRADIENT, "")})
     # 4. the training tail (data parallel: the gradient step, and the optimizer graph beside it)
     step_graph = _tail(request, gradient_model, loss_scale, save)
-    weights = initializer_values(request.forward, state)
+    weights = {**initializer_values(request.forward, state), **gradient.added_state}
     shapes = {p: tuple(weights[p].shape) for p in request.trainable}
     training, reduced = step_graph, None
     if request.data_parallel is not None:
@@ -219,7 +222,7 @@ def _forward_and_loss(
     without mixed precision). Mixed precision: the 'ort' builder differentiates the forward converted to float16
     with the scaled loss appended (`mixed_precision_passes`); the torch builder traces the module in float16 with
     the loss scale itself (`TorchSource.mixed_precision`, gradient/torch_graphs.py)."""
-    passes = forward_passes(request.dropout_off)
+    passes = forward_passes(request.dropout_off, list(request.batch_norms))
     torch_traced = request.torch_source is not None and request.torch_source.mixed_precision
     if request.mixed_precision and not torch_traced:
         passes += mixed_precision_passes(state, _keep_float32(request, state), request.loss_name)
@@ -256,7 +259,9 @@ def _debug_paths(graph_save_paths: dict[str, str]) -> dict[str, str]:
 
 
 def _keep_float32(request: CompileRequest, state: list[str]) -> list[str]:
-    return [*request.data_inputs, *state, request.loss_name]
+    """What mixed precision leaves float32: the data, the state, the loss and the state's new values."""
+    updated = [buffer_update_name(n) for s in request.batch_norms for n in (s.mean, s.var)]
+    return [*request.data_inputs, *state, request.loss_name, *updated]
 
 
 def _eval_forward(request: CompileRequest, state: list[str]) -> onnx.ModelProto:
@@ -267,6 +272,10 @@ def _eval_forward(request: CompileRequest, state: list[str]) -> onnx.ModelProto:
 
 
 def _gradient_passes(request: CompileRequest, scaled_loss: str) -> list:
+    """Stage 3's passes; the torch builder's graph gets orttrainer's cast propagation (ONNX Runtime's builder
+    propagates casts itself, gradient/ort_options.py)."""
+    options = request.gradient_options
+    torch_built = request.builder.builder == "torch"
     return gradient_passes(
         mixed_precision=request.mixed_precision,
         cpu=request.cpu,
@@ -274,6 +283,7 @@ def _gradient_passes(request: CompileRequest, scaled_loss: str) -> list:
         outputs=request.outputs,
         recompute=request.recompute,
         statistics=request.statistics,
+        cast_propagation=options.cast_propagation if options is not None and torch_built else None,
     )
 
 
@@ -396,7 +406,7 @@ class TorchShapeGraphs:
             ": with model_desc's string dims dynamic, for the shapes to come" if dynamic else "",
         )
         with TRACING:
-            model, accepts = torch_gradient_model(
+            traced = torch_gradient_model(
                 self._source,
                 inputs,
                 request.outputs,
@@ -404,6 +414,9 @@ class TorchShapeGraphs:
                 request.trainable + request.frozen,
                 dynamic=dynamic,
             )
+        if traced.added_state:  # the first graph made every buffer the forward updates state
+            raise RuntimeError(f"the graph for new input shapes updates buffers {sorted(traced.added_state)} too")
+        model, accepts = traced.model, traced.accepts
         loss, scale = _torch_loss_names(request)
         graph = _tail(request, run_passes(model, _gradient_passes(request, loss)), scale, {})
         check_same_state_contract(self.first, graph)

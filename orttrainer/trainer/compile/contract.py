@@ -6,7 +6,10 @@ Read it the way optax presents a `GradientTransformation`:
   moments and the gradient-accumulation buffers start at zero;
 - *update*: one run of `graph.model` takes the data inputs, every state tensor, the learning rate and the update
   number, and returns the outputs plus the new value of each state tensor (`weight_updates`, `optimizer_state`,
-  `accumulation`: state input -> the output holding its new value). The session swaps them in (runtime/session.py).
+  `accumulation`, `buffer_updates`: state input -> the output holding its new value). The session swaps them in
+  (runtime/session.py): weights and moments after an optimizer step, accumulation buffers after a micro-step, and
+  the buffers the forward updates itself (BatchNorm's running statistics) after every run, as PyTorch's forward
+  does.
 
 A `TrainingGraph` is the whole step in one process; with data parallelism a step is a `GradientStepGraph` (the
 forward and backward pass of one rank) and an optimizer `TrainingGraph`, with the gradients combined across ranks in
@@ -53,6 +56,11 @@ def reduced_gradient_name(weight: str) -> str:
     return f"{weight}_grad__reduced"
 
 
+def buffer_update_name(buffer: str) -> str:
+    """The output holding the new value of a buffer the forward updates (BatchNorm's running statistics)."""
+    return f"{buffer}__updated"
+
+
 def moment_names(weight: str) -> tuple[str, str]:
     """Legacy names of the optimizer moments of `weight` (as ONNX Runtime's TrainingSession named them)."""
     return f"Moment_1_{weight}", f"Moment_2_{weight}"
@@ -97,6 +105,7 @@ class TrainingGraph:
     all_finite_output: str | None = None  # a graph output, except with outside_update (the session computes it)
     gradients: dict[str, str] = field(default_factory=dict)  # update="torch": trainable -> output holding `G`
     outside_update: OutsideUpdate | None = None  # update="torch": what the session applies after the run
+    buffer_updates: dict[str, str] = field(default_factory=dict)  # frozen buffer -> its new value, every run
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,14 @@ class GradientStepGraph:
     accumulation: dict[str, str] = field(default_factory=dict)  # buffer input -> running-sum output
     state_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     loss_scale_input: str | None = None
+    buffer_updates: dict[str, str] = field(default_factory=dict)  # frozen buffer -> its new value, every run
+
+
+def buffer_updates_of(model: onnx.ModelProto) -> dict[str, str]:
+    """The buffer updates a gradient model computes: every graph input `b` with an output `buffer_update_name(b)`
+    (the gradient builders name them so)."""
+    outputs = {o.name for o in model.graph.output}
+    return {i.name: buffer_update_name(i.name) for i in model.graph.input if buffer_update_name(i.name) in outputs}
 
 
 @dataclass(frozen=True)
@@ -151,6 +168,7 @@ _SAME_STATE = (
     "optimizer_state",
     "accumulation",
     "gradients",
+    "buffer_updates",
 )
 
 

@@ -7,7 +7,7 @@
   options it takes (cast propagation, memory-efficient gradients);
 - `torch_builder.py`, `torch_trace.py`, `torch_graphs.py`, `torch_private/`: PyTorch's autograd traced into the
   graph (any ONNX Runtime build), with dynamic dims, and every private torch API it needs;
-- `onnx_module.py`, `onnx_ops_*.py`: an ONNX model as a torch module (one torch function per ONNX op) for the
+- `onnx_module/`: an ONNX model as a torch module (one torch function per ONNX op, one file per op family) for the
   torch builder (`graph/state_names.py` renames its gradient model to the initializer names);
 - `errors.py`: `GradientBuildError`.
 """

@@ -19,7 +19,7 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
 source of ~500 functions on first use) and runs a general optimiser; on the benchmark transformer's joint graph
-that was 5-10 s of the torch builder's first step against about 0.1 s here (docs/engine.md §16). Values are the
+that was 5-10 s of the torch builder's first step against about 0.1 s here (docs/engine.md §18). Values are the
 same: tests/test_aten_onnx.py runs both translations of the same graphs through ONNX Runtime.
 """
 

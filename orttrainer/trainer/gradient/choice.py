@@ -6,7 +6,7 @@ autograd (`torch_builder.py`); 'auto' (the default) takes 'torch' for a model wi
 and otherwise tries 'ort', falling back to 'torch' when the TorchScript export fails or ONNX Runtime has no gradient
 for an op (`build.build_from_torch`). The custom Functions come from a dry run in PyTorch, before any export. An
 ONNX model uses 'ort' where ONNX Runtime's training build is installed and otherwise 'torch', which traces an
-`OnnxModule` (`onnx_module.py`) of it.
+`OnnxModule` (`onnx_module/`) of it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..runtime.ort import TRAINING_EXTRA_HINT
-from .ort_options import GradientOptions
 
 if TYPE_CHECKING:
     from ...schema.options import ORTTrainerOptions
@@ -26,8 +25,8 @@ OPTION = "_internal_use.gradient_builder"
 
 @dataclass(frozen=True)
 class BuilderChoice:
-    """`builder`: 'ort', 'torch', or 'auto' before compiling (try 'ort', fall back to 'torch' when the TorchScript
-    export fails or an op has no ORT gradient); after compiling, the builder that made the graph. `reason`: why,
+    """`builder`: 'ort', 'torch', or 'auto' before compiling (try 'ort', fall back to 'torch' when any part of the
+    'ort' route fails: build.forward.auto_fallback); after compiling, the builder that made the graph. `reason`: why,
     for the log."""
 
     builder: str
@@ -35,22 +34,19 @@ class BuilderChoice:
 
 
 def ort_only_options(options: ORTTrainerOptions, onnx_model: bool = False) -> list[str]:
-    """The options set in `options` (an ORTTrainerOptions) that transform the exported ONNX graph, which only the
-    'ort' builder trains from (for an ONNX model, the torch builder traces the post-processed model, so
-    `extra_postprocess` applies there too); recompute, cast propagation other than ONNX Runtime's default and
-    memory-efficient gradients act on ONNX Runtime's gradient graph; mixed precision counts for an ONNX model only
-    (the torch builder traces a PyTorch model in float16 itself, build/export.py). (The trainer adds
+    """The options set in `options` (an ORTTrainerOptions) that only the 'ort' builder honours: recompute and
+    memory-efficient gradients act on ONNX Runtime's gradient graph (cast propagation works on both builders,
+    graph/cast_propagation.py for the torch builder's graphs; so does `extra_postprocess`, which on the torch
+    builder edits torch.export's forward graph, build/forward.edited_torch_forward); mixed precision counts for an
+    ONNX model only (the torch builder traces a PyTorch model in float16 itself, build/export.py). (The trainer adds
     'orttrainer.debug statistics' when a StatisticsSubscriber's manager is subscribed to the model: the statistics
     are outputs of the exported graph's marked tensors.)"""
     graph = options.graph_transformer
-    cast_propagation = not GradientOptions.from_options(options).builtin_cast_propagation
     checks = (
-        ("_internal_use.extra_postprocess", options._internal_use.extra_postprocess is not None and not onnx_model),
         ("mixed_precision.enabled", bool(options.mixed_precision.enabled) and onnx_model),
         ("graph_transformer.gelu_recompute", graph.gelu_recompute),
         ("graph_transformer.attn_dropout_recompute", graph.attn_dropout_recompute),
         ("graph_transformer.transformer_layer_recompute", graph.transformer_layer_recompute),
-        ("graph_transformer.propagate_cast_ops_config", cast_propagation),
         ("utils.memory_efficient_gradient", options.utils.memory_efficient_gradient),
     )
     return [name for name, is_set in checks if is_set]
@@ -63,12 +59,15 @@ def choose_builder(
     custom_functions: Sequence[str] = (),
     ort_only: Sequence[str] = (),
     training_build: bool = True,
+    edits_forward: bool = False,
 ) -> BuilderChoice:
     """Rules, in order:
     - an ONNX model: 'auto' means 'ort' with ONNX Runtime's training build (`training_build`) and 'torch' (an
       `OnnxModule` traced) without it; 'ort' without the training build is a ValueError; 'torch' (chosen or
-      implied) with `ort_only` features is a NotImplementedError, where `_internal_use.extra_postprocess` does
-      not count (the OnnxModule runs the post-processed graph);
+      implied) with `ort_only` features is a NotImplementedError;
+    - custom Functions with `edits_forward` (`_internal_use.extra_postprocess` on a PyTorch model) are a
+      NotImplementedError: both exporters write a Function's forward only, so the edited graph's gradient would
+      ignore the user's backward;
     - `ort_only` features (see `ort_only_options`) need 'ort': with them 'torch' is a NotImplementedError (so is
       'auto' with custom Functions, or for an ONNX model without the training build), and 'auto' means 'ort';
     - 'ort' with custom Functions is a NotImplementedError naming them (their backward would be ignored);
@@ -76,7 +75,14 @@ def choose_builder(
       (`training_build=False`: the maintained onnxruntime) means 'torch'; 'auto' otherwise stays 'auto'."""
     functions, ort_only = list(custom_functions), list(ort_only)
     if onnx_model:
-        return _choose_for_onnx(option, [o for o in ort_only if o != "_internal_use.extra_postprocess"], training_build)
+        return _choose_for_onnx(option, ort_only, training_build)
+    if functions and edits_forward:
+        raise NotImplementedError(
+            f"options _internal_use.extra_postprocess edits the exported forward graph, but the model uses custom "
+            f"torch.autograd.Function(s) {functions}: the exported graph holds their forward only, so the edited "
+            "graph's gradient would ignore their backward. Turn extra_postprocess off to train them with their "
+            "backward (the torch gradient builder)."
+        )
     _refuse_for_module(option, functions, ort_only, training_build)
     if option == "torch":
         return BuilderChoice("torch", f"options {OPTION}='torch'")

@@ -7,6 +7,8 @@ Rules:
   from the module rather than from the TorchScript export.
 - A parameter without a differentiable path to the loss is frozen, with a warning naming it, and the builder runs
   again without it — PyTorch leaves its `.grad` None and its optimizers skip it.
+- A buffer the forward updates in place becomes frozen state when it was not (the torch builder finds them in its
+  trace: BatchNorm's `num_batches_tracked`); the result carries its value (`added_state`).
 Nothing passed in is modified: the result carries the final trainable and frozen lists.
 """
 
@@ -14,8 +16,9 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 import torch
 
@@ -24,7 +27,7 @@ from .choice import BuilderChoice
 from .errors import GradientBuildError
 from .ort_builder import build_ort_gradient_graph
 from .ort_options import GradientOptions
-from .torch_graphs import Accepts, TorchSource, torch_gradient_model
+from .torch_graphs import Accepts, TorchGradientModel, TorchSource, torch_gradient_model
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Differentiated:
     trainable: list[str]
     frozen: list[str]
     accepts: Accepts | None = None  # torch builder: which inputs the model is valid for (None: any)
+    added_state: dict[str, np.ndarray] = field(default_factory=dict)  # frozen buffers the builder added
 
 
 def differentiate(request: GradientRequest) -> Differentiated:
@@ -83,7 +87,7 @@ def _torch_builder(request: GradientRequest, trainable: list[str], frozen: list[
     )
 
 
-Built = onnx.ModelProto | tuple[onnx.ModelProto, Accepts]
+Built = onnx.ModelProto | TorchGradientModel
 Builder = Callable[[GradientRequest, list[str], list[str]], Built]
 
 
@@ -92,8 +96,10 @@ def _freezing_unreachable(request: GradientRequest, build: Builder, choice: Buil
     while True:
         try:
             built = build(request, trainable, frozen)
-            model, accepts = built if isinstance(built, tuple) else (built, None)
-            return Differentiated(model, choice, trainable, frozen, accepts)
+            if isinstance(built, onnx.ModelProto):
+                return Differentiated(built, choice, trainable, frozen)
+            added = {name: value.numpy() for name, value in built.added_state.items()}
+            return Differentiated(built.model, choice, trainable, frozen + list(added), built.accepts, added)
         except GradientBuildError as err:
             if not err.unreachable or not set(err.unreachable) <= set(trainable):
                 raise

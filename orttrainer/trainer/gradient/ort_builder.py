@@ -14,6 +14,7 @@ import re
 
 import onnx
 
+from ..graph.cast_propagation import has_float16
 from ..graph.state_inputs import move_initializers_to_inputs
 from ..runtime import ort_private
 from .errors import GradientBuildError
@@ -32,11 +33,14 @@ def build_ort_gradient_graph(
     `state` (trainable and frozen tensors) must be initializers of `forward`; they become graph inputs. ORT's
     pre-training transformers (Gelu/LayerNorm fusions, ...) run first, as the legacy TrainingSession did.
     Outputs are ordered: the forward outputs, then the gradients in `trainable` order. `options` other than ORT's
-    defaults (cast propagation, memory-efficient gradients) go through `gradient_options.py`.
+    defaults (cast propagation, memory-efficient gradients) go through `ort_options.py`; on a model without float16
+    tensors cast propagation is a no-op (`GradientOptions.for_float32`).
     """
     from onnxruntime import SessionOptions
 
     model = move_initializers_to_inputs(forward, state)
+    if options is not None and not has_float16(model):
+        options = options.for_float32()
     session_options = SessionOptions()
     session_options.log_severity_level = 3  # the pre-training transformers log every pass at INFO level otherwise
     requires_grad = set(trainable)

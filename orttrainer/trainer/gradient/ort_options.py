@@ -37,14 +37,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..graph.cast_propagation import STRATEGIES, CastPropagation
 from ..graph.editor import copy_model
 from ..runtime import ort_private
 from .errors import GradientBuildError
 
 if TYPE_CHECKING:
     from ...schema.options import ORTTrainerOptions
-
-STRATEGIES = ("NONE", "INSERT_AND_REDUCE", "FLOOD_FILL")
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,17 @@ class GradientOptions:
         cast = options.graph_transformer.propagate_cast_ops_config
         strategy = "NONE" if cast.strategy is None else type(cast.strategy)(cast.strategy).name
         return cls(strategy, cast.level, tuple(cast.allow), options.utils.memory_efficient_gradient)
+
+    @property
+    def cast_propagation(self) -> CastPropagation:
+        """The cast propagation settings, for orttrainer's own pass (the torch builder's graphs)."""
+        return CastPropagation(self.cast_strategy, self.cast_level, self.cast_allow)
+
+    def for_float32(self) -> GradientOptions:
+        """These options on a model without float16 tensors: cast propagation is a no-op there, so ONNX Runtime's
+        default configuration runs (its INSERT_AND_REDUCE would bring float16 into the float32 graph and fail with
+        a type error at the first step; README § Mixed precision)."""
+        return GradientOptions(memory_efficient=self.memory_efficient)
 
     @property
     def builtin_cast_propagation(self) -> bool:

@@ -21,8 +21,9 @@ rejects other shapes instead of computing a wrong result), `TorchGradientGraph.s
 trainer keeps one compiled graph per signature with `ShapeKeyedCache`.
 
 Other rules: the module is traced in its current train/eval mode (dropout in training mode draws one mask, used by
-forward and backward alike). Buffers updated in place by the forward (BatchNorm running statistics) are inputs
-but their updates are not outputs (as with the `ort` builder): they are listed in `mutated_buffers`. State of
+forward and backward alike). Buffers updated in place by the forward (BatchNorm's running statistics and batch
+counter) are inputs, and their new values are outputs after the gradients, named `<buffer>__updated`
+(compile/contract.buffer_update_name) and listed in `mutated_buffers`: exactly PyTorch's update. State of
 `loss_fn` (a loss module's `weight` buffer) and plain tensor attributes are baked into the graph as constants.
 Every trainable parameter must influence the loss. Tied parameters are one input and one summed gradient under
 their first name.
@@ -44,6 +45,7 @@ import onnx
 import torch
 
 from ...dtypes import torch_to_onnx
+from ..compile.contract import buffer_update_name
 from ..graph.passes import rewrite_enabled
 from ..runtime.session import ShapeSignature, shape_signature
 from . import torch_private
@@ -75,7 +77,7 @@ class TorchGradientGraph:
     gradient_names: list[str]  # then `<p>_grad` for each trainable parameter, in `trainable` order
     signature: ShapeSignature  # input shapes and dtypes this graph was traced with
     opset_version: int
-    mutated_buffers: list[str]  # buffers the forward updates in place; this graph does not output the updates
+    mutated_buffers: list[str]  # buffers the forward updates in place: their new values follow the gradients
     guards: torch_private.ShapeGuards | None = None  # a dynamic-shape graph: the shapes it is valid for
     loss_scale_input: str | None = None  # mixed precision: the last graph input (module docstring)
 
@@ -197,9 +199,9 @@ def _traced_and_translated(
     state_inputs, mutated = _rewrite_joint(
         graph, sig, _traced_state(wrapper), canonical, trainable, len(request.output_names), type(module).__name__
     )
-    gradient_names = [f"{p}_grad" for p in trainable]
+    output_names = [*request.output_names, *(f"{p}_grad" for p in trainable), *map(buffer_update_name, mutated)]
     if direct:
-        model = translate(graph, [*state_inputs, *input_names], [*request.output_names, *gradient_names], request.opset)
+        model = translate(graph, [*state_inputs, *input_names], output_names, request.opset)
         del graph  # the traced graph and its fake tensors are not needed any more
         return _gradient_graph(request, model, state, canonical, mutated, None)
     try:
@@ -207,7 +209,7 @@ def _traced_and_translated(
             graph,
             [*(state[n] for n in state_inputs), *inputs],
             [*state_inputs, *input_names],
-            [*request.output_names, *gradient_names],
+            output_names,
             request.opset,
             None if guards is None else [*([] for _ in state_inputs), *guards.dynamic_dims],
         )
@@ -316,7 +318,8 @@ def _rewrite_joint(
 
     Rules: a tied parameter's placeholders merge into the first one; state that is not the module's (the loss
     function's) becomes a constant; outputs become the first `n_outputs` user outputs, then one gradient per
-    trainable parameter (the sum of its tied copies' gradients); in-place buffer updates are dropped."""
+    trainable parameter (the sum of its tied copies' gradients), then the new value of each module buffer the
+    forward updates in place, in name order (other in-place updates, of inputs, are dropped)."""
     fx = graph.graph
     placeholders = [n for n in fx.nodes if n.op == "placeholder"]
     first: dict[str, torch.fx.Node] = {}
@@ -340,16 +343,17 @@ def _rewrite_joint(
             f"returns {len(user)} tensors"
         )
     grads: dict[str, list[torch.fx.Node]] = {}
+    updates: dict[str, torch.fx.Node] = {}  # module buffer -> its value after the forward's in-place update
     for value, (kind, name) in zip(values, sig.outputs, strict=True):
         if kind == "gradient":
             grads.setdefault(canonical[id(tensors[name])], []).append(value)
+        elif kind == "mutation" and name in tensors and id(tensors[name]) in canonical:
+            updates[canonical[id(tensors[name])]] = value
     with fx.inserting_before(out):
         summed = [_sum_nodes(fx, grads[p]) for p in trainable]
-    out.args = (tuple(user[:n_outputs] + summed),)
+    mutated = sorted(updates)
+    out.args = (tuple(user[:n_outputs] + summed + [updates[b] for b in mutated]),)
     graph.recompile()
-    mutated = sorted(
-        {canonical.get(id(tensors[name]), name) for kind, name in sig.outputs if kind == "mutation" and name in tensors}
-    )
     return list(first), mutated
 
 

@@ -58,6 +58,16 @@ class TorchSource:
 Accepts = Callable[[Sequence[torch.Tensor]], bool]
 
 
+@dataclass(frozen=True)
+class TorchGradientModel:
+    """A torch-built gradient model, the rule saying which inputs it is valid for, and the buffers the forward
+    updates that were not yet the trainer's state (with their values): the trainer adds them to its frozen state."""
+
+    model: onnx.ModelProto
+    accepts: Accepts
+    added_state: dict[str, torch.Tensor]
+
+
 def torch_gradient_model(
     source: TorchSource,
     inputs: Sequence[torch.Tensor],
@@ -65,11 +75,13 @@ def torch_gradient_model(
     trainable: list[str],
     state: list[str],
     dynamic: bool = False,
-) -> tuple[onnx.ModelProto, Accepts]:
-    """The gradient model for `inputs` (with `dynamic`: for every shape its trace allows), and the rule saying
-    which inputs it is valid for: the data and the trainer's `state` tensors (trainable and frozen) as graph
-    inputs; `outputs` (loss first), then `<p>_grad` for each of `trainable`, as graph outputs. Under mixed
-    precision, also the loss-scale input (last) and the scaled-loss output (first), named by `loss_scale_names`."""
+) -> TorchGradientModel:
+    """The gradient model for `inputs` (with `dynamic`: for every shape its trace allows): the data and the
+    trainer's `state` tensors (trainable and frozen) as graph inputs; `outputs` (loss first), then `<p>_grad` for
+    each of `trainable`, then `<b>__updated` for each buffer the forward updates in place, as graph outputs. A
+    buffer the forward updates is state even when the trainer did not list it (BatchNorm's `num_batches_tracked`,
+    which no eval-mode forward reads). Under mixed precision, also the loss-scale input (last) and the scaled-loss
+    output (first), named by `loss_scale_names`."""
     names = dict(source.state_names or {})
     scale = loss_scale_names(source.input_names, outputs, state) if source.mixed_precision else None
     to_module = {trainer: module for module, trainer in names.items()}
@@ -95,9 +107,12 @@ def torch_gradient_model(
         kind = f"dynamic dims {graph.dynamic_dims}" if graph.dynamic else "the sample's concrete shapes"
         _logger.info("torch gradient builder: the training graph is traced with %s", kind)
     values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
-    model = bind_foreign_state(graph.model, len(source.input_names), [*state, *scale[1:]] if scale else state, values)
+    added = [b for b in graph.mutated_buffers if b not in state]
+    kept = [*state, *added, *scale[1:]] if scale else [*state, *added]
+    model = bind_foreign_state(graph.model, len(source.input_names), kept, values)
     passes = [GUARD_PYTORCH_INDICES, *([rename_state_pass(names)] if names else [])]  # graph/class_labels.py
-    return run_passes(model, passes), graph.accepts
+    added_state = {names.get(b, b): values[b].clone() for b in added}
+    return TorchGradientModel(run_passes(model, passes), graph.accepts, added_state)
 
 
 def loss_scale_names(data_inputs: Sequence[str], outputs: Sequence[str], state: Sequence[str]) -> tuple[str, str]:

@@ -12,8 +12,18 @@ Rules:
   the graph, as PyTorch's own tracers treat them: their value when the graph is traced is baked in. So are
   tensors read from a global or a closure; only the positional fallback refuses those, with an error asking to
   register them as buffers.
+- A forward that stores a tensor on its module (a causal mask cached in `self.mask` the first time a length is
+  seen, as ONNX Runtime's transformer sample does) leaves the module as it found it after each of the tracer's
+  runs (`attributes_restored`, in `JointWrapper.forward`): every run computes what the forward computes from its
+  inputs (AOTAutograd runs the forward more than once; a tensor kept from an earlier run would be a stray
+  placeholder, "Unexpected fake buffer"), and no placeholder stays on the module afterwards.
 - `torch.utils.checkpoint` traces with either implementation (`torch_private.reentrant_checkpoint_traceable`).
 - Exactly the `trainable` parameters require grad while tracing; the flags are restored afterwards.
+- Tracing leaves the model as it was, also when it fails: attributes, parameters, buffers and submodules a
+  forward rebinds while traced are put back (`torch_private.module_state_kept`).
+- Data-dependent Python (an `if` on a tensor, `.item()` feeding Python) cannot be traced, as with torch.export: the
+  error names the file and line and how to rewrite it. nn.Transformer* masks are taken as causal only by their
+  `is_causal` hint (`torch_private.causal_mask_from_hint`), which computes the same attention.
 """
 
 from __future__ import annotations
@@ -69,7 +79,8 @@ class JointWrapper(torch.nn.Module):
             self.register_buffer(LOSS_SCALE_BUFFER, torch.ones((), dtype=torch.float32))
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        loss, *outputs = flatten_tensors(self.inner(*inputs))
+        with attributes_restored(self.inner):  # each of the tracer's runs starts from the module as it is
+            loss, *outputs = flatten_tensors(self.inner(*inputs))
         detached = tuple(t.detach() for t in outputs)
         if not self.mixed_precision:
             return (loss, *detached)
@@ -107,7 +118,11 @@ def trace_joint(
     then traces with concrete shapes); without, GradientBuildError naming what cannot be traced."""
     dims = [list(d) for d in dynamic_dims] if dynamic_dims is not None else [[] for _ in inputs]
     dynamic = any(dims)
-    with _requires_grad_only(wrapper, wrapper.inner.model, set(trainable)), tensor_attributes_as_buffers(wrapper):
+    with (
+        torch_private.module_state_kept(wrapper),  # a failed (or any) trace leaves no traced tensor in the model
+        _requires_grad_only(wrapper, wrapper.inner.model, set(trainable)),
+        tensor_attributes_as_buffers(wrapper),
+    ):
         try:
             with tracing_context():
                 groups = same_sizes if dynamic else ()
@@ -137,10 +152,37 @@ def tracing_context() -> Iterator[None]:
     traceable form, and the flags torch.export sets (`torch_private`)."""
     with (
         torch_private.math_sdpa(),
+        torch_private.no_mkldnn(),
+        torch_private.causal_mask_from_hint(),  # nn.Transformer* with a mask
+        torch_private.traceable_cumulative_batch_norm(),  # BatchNorm(momentum=None)
+        torch_private.autograd_decompositions(),  # torch_private/decompositions.py, stage "autograd"
         torch_private.reentrant_checkpoint_traceable(),
         torch_private.export_tracing_flags(),  # the model sees what torch.export shows it
+        torch_private.causal_mask_detection_off(),
     ):
         yield
+
+
+@contextlib.contextmanager
+def attributes_restored(root: torch.nn.Module) -> Iterator[None]:
+    """Within the block the forward may set plain attributes of `root`'s submodules; on exit every submodule's
+    plain attributes are what they were (added ones removed, changed ones set back). Parameters, buffers and
+    submodules are not plain attributes and are left alone."""
+    registries = ("_parameters", "_buffers", "_modules")
+    saved = [(module, dict(vars(module))) for module in root.modules()]
+    try:
+        yield
+    finally:
+        for module, before in saved:
+            now = vars(module)
+            for name in [n for n in now if n not in before and n not in registries]:
+                del now[name]
+            for name, value in before.items():
+                if name not in registries and now.get(name, _ABSENT) is not value:
+                    now[name] = value
+
+
+_ABSENT = object()
 
 
 @contextlib.contextmanager
@@ -214,6 +256,16 @@ def _specific_error(
             f"{model_name}: these parameters do not influence the loss. Freeze them with "
             "options utils.frozen_weights.",
             unreachable=unused,
+        )
+    if torch_private.is_data_dependent_error(err):
+        where = torch_private.user_frame(err)
+        place = f" at {where[0]}:{where[1]} (`{where[2]}`)" if where else ""
+        return GradientBuildError(
+            f"the forward of {model_name} (or its loss_fn) reads the value of a tensor in Python{place}: an if/while "
+            "on a tensor, bool(), float(), .item() or .tolist(). The torch gradient builder traces the model once "
+            "with placeholder tensors that have no values, as torch.export does, so such a branch cannot be "
+            "recorded. Compute it with tensor operations instead (torch.where, masks, clamp), or move the check "
+            "out of forward (validate the data before train_step)."
         )
     if torch_private.is_real_tensor_in_trace_error(err):
         return GradientBuildError(

@@ -24,6 +24,7 @@ from ..compile.contract import (
     ParamGroup,
     TrainingGraph,
     accumulation_buffer_name,
+    buffer_updates_of,
     gradient_name,
     reduced_gradient_name,
     write_contract,
@@ -71,7 +72,14 @@ def build_gradient_step_graph(
             accumulation[buffer] = gradients[p]
             state_shapes[buffer] = shapes[p]
     return GradientStepGraph(
-        model, list(data_inputs), list(outputs), gradients, accumulation, state_shapes, loss_scale_input
+        model,
+        list(data_inputs),
+        list(outputs),
+        gradients,
+        accumulation,
+        state_shapes,
+        loss_scale_input,
+        buffer_updates_of(gradient_model),
     )
 
 

@@ -302,11 +302,12 @@ def verify_model(model: onnx.ModelProto, pass_name: str) -> None:
 
 def _declarations_completed(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model`, or a copy the checker can judge: graph inputs and outputs declared without element type or shape get
-    placeholder ones (the checker requires both, ONNX Runtime neither), and default-domain nodes of an op that ONNX
-    defines only from a later opset (ONNX Runtime registers `LayerNormalization` in the ONNX domain from opset 1,
-    ONNX from 17; its fusions write it so) are checked as the custom-domain nodes they are to ONNX Runtime."""
+    placeholder ones (the checker requires both, ONNX Runtime neither), and default-domain nodes of an op ONNX does
+    not define at the model's opset (ONNX Runtime registers `LayerNormalization` in the ONNX domain from opset 1,
+    ONNX from 17, and some of its own ops there too: `_runtime_ops`) are checked as the custom-domain nodes they
+    are to ONNX Runtime."""
     values = [*model.graph.input, *model.graph.output]
-    early = _early_ops(model)
+    early = _runtime_ops(model)
     if not early and all(v.type.tensor_type.elem_type and v.type.tensor_type.HasField("shape") for v in values):
         return model
     completed = onnx.ModelProto()
@@ -330,8 +331,19 @@ def _declarations_completed(model: onnx.ModelProto) -> onnx.ModelProto:
 _RUNTIME_DOMAIN = "com.microsoft"
 
 
-def _early_ops(model: onnx.ModelProto) -> set[str]:
-    """Default-domain op types of `model` that ONNX defines, but only from a later opset than the model's."""
+_RUNTIME_ONNX_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization", "SparseSoftmaxCrossEntropy"})
+
+
+def _runtime_ops(model: onnx.ModelProto) -> set[str]:
+    """Default-domain op types of `model` that ONNX does not define at the model's opset but ONNX Runtime runs: ops
+    ONNX defines only from a later opset, and ONNX Runtime's own ops registered in the ONNX domain — its gradient
+    ops (`MaxPoolGrad`, every name ending in `Grad`) and fusions (`_RUNTIME_ONNX_DOMAIN_OPS`, docs/engine.md
+    §11.1). Any other unknown op stays an error of the checker."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     types = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}
-    return {t for t in types if onnx.defs.has(t) and not onnx.defs.has(t, max_inclusive_version=opset)}
+    return {
+        t
+        for t in types
+        if not onnx.defs.has(t, max_inclusive_version=opset)
+        and (onnx.defs.has(t) or t.endswith("Grad") or t in _RUNTIME_ONNX_DOMAIN_OPS)
+    }

@@ -1,7 +1,8 @@
 """The compile pipeline, declared once: every list of graph passes, in the order `compile/compiler.compile_model`
 runs them (its stages carry the same numbers).
 
-1. `forward_passes`: the fix-ups the gradient builder needs (optional outputs named; an eval-mode module trains
+1. `forward_passes`: the fix-ups the gradient builder needs (optional outputs named; BatchNorm's running statistics
+   updated by the graph, for the 'ort' builder, whose own update writes into the state; an eval-mode module trains
    without dropout and with BatchNorm on its running statistics; a Dropout without training mode is the identity it
    computes; inference-mode BatchNorm becomes its affine map), then under mixed precision for the 'ort' builder
    `mixed_precision_passes` (state as graph inputs, float16, the scaled loss appended). The torch builder traces
@@ -28,6 +29,8 @@ from typing import Any, Protocol
 
 import onnx
 
+from .batch_norm_statistics import BatchNormStatistics, batch_norm_statistics_pass
+from .cast_propagation import CastPropagation, cast_propagation_pass
 from .class_labels import GUARD_CLASS_LABELS
 from .cross_entropy import CROSS_ENTROPY_AS_PLAIN_OPS
 from .data_parallel import gradient_step_pass
@@ -65,12 +68,14 @@ class StatisticsInstrument(Protocol):
     def instrument(self, model: onnx.ModelProto, kind: str) -> onnx.ModelProto: ...
 
 
-def forward_passes(dropout_off: bool) -> list[GraphPass]:
-    """Before the gradient graph: optional outputs named; an eval-mode module (`dropout_off`) trains without dropout
+def forward_passes(dropout_off: bool, batch_norms: list[BatchNormStatistics] | None = None) -> list[GraphPass]:
+    """Before the gradient graph: optional outputs named; the running statistics of `batch_norms` updated by the
+    graph itself (graph/batch_norm_statistics.py); an eval-mode module (`dropout_off`) trains without dropout
     and with BatchNorm on its running statistics, otherwise a Dropout without training mode is the identity it
     computes; inference-mode BatchNorm becomes its affine map (ONNX Runtime's gradient of it is wrong)."""
     dropout = [DROPOUT_TO_IDENTITY, BATCHNORM_TO_INFERENCE] if dropout_off else [INFERENCE_DROPOUT_TO_IDENTITY]
-    return [NAME_OPTIONAL_OUTPUTS, *dropout, INFERENCE_BATCHNORM_TO_AFFINE]
+    statistics = [batch_norm_statistics_pass(batch_norms)] if batch_norms and not dropout_off else []
+    return [NAME_OPTIONAL_OUTPUTS, *statistics, *dropout, INFERENCE_BATCHNORM_TO_AFFINE]
 
 
 def mixed_precision_passes(state: list[str], keep_float32: list[str], loss: str) -> list[GraphPass]:
@@ -79,15 +84,21 @@ def mixed_precision_passes(state: list[str], keep_float32: list[str], loss: str)
     return [move_initializers_to_inputs_pass(state), to_float16_pass(keep_float32), append_loss_scale_pass(loss)]
 
 
-def gradient_model_passes(*, mixed_precision: bool, cpu: bool, scaled_loss: str) -> list[GraphPass]:
+def gradient_model_passes(
+    *, mixed_precision: bool, cpu: bool, scaled_loss: str, cast_propagation: CastPropagation | None = None
+) -> list[GraphPass]:
     """On the gradient model (forward outputs + `<p>_grad`), the same for both builders and every input-shape
-    signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels get
-    casts; embedding gradients become scatter-adds; on the CPU in float32, softmax cross-entropy becomes plain ops
-    (graph/cross_entropy.py, switchable: graph/passes.rewrite_enabled); class labels are range-checked
-    (graph/class_labels.py)."""
+    signature: under mixed precision the scaled loss stops being an output; with `cast_propagation` (the torch
+    builder: ONNX Runtime's builder propagates casts itself) the casts move by its rules (graph/cast_propagation.py;
+    a float32 graph is unchanged); under mixed precision (CPU) float32-only kernels get casts; embedding gradients
+    become scatter-adds; on the CPU in float32, softmax cross-entropy becomes plain ops (graph/cross_entropy.py,
+    switchable: graph/passes.rewrite_enabled); class labels are range-checked (graph/class_labels.py)."""
     passes: list[GraphPass] = []
     if mixed_precision:
         passes.append(without_outputs_pass([scaled_loss]))
+    if cast_propagation is not None and not cast_propagation.off:
+        passes.append(cast_propagation_pass(cast_propagation))
+    if mixed_precision:
         if cpu:
             passes.append(CAST_FP32_ONLY_KERNELS)
     passes.append(GATHER_GRAD_TO_SCATTER_ADD)
@@ -105,10 +116,13 @@ def gradient_passes(
     outputs: list[str],
     recompute: RecomputePlan,
     statistics: StatisticsInstrument | None,
+    cast_propagation: CastPropagation | None = None,
 ) -> list[GraphPass]:
     """`gradient_model_passes`, then recompute and statistics (the 'ort' builder only: the choice of builder
     refuses them for the torch builder, gradient/choice.py)."""
-    passes = gradient_model_passes(mixed_precision=mixed_precision, cpu=cpu, scaled_loss=scaled_loss)
+    passes = gradient_model_passes(
+        mixed_precision=mixed_precision, cpu=cpu, scaled_loss=scaled_loss, cast_propagation=cast_propagation
+    )
     if recompute:
         passes.append(recompute_pass(outputs, recompute))
     if statistics is not None:

@@ -14,15 +14,17 @@ from functools import partial
 
 import onnx
 
+from ..compile.contract import buffer_update_name, gradient_name
 from .editor import copy_model, fresh_name
 from .passes import FunctionPass, Problem, first_problem
 
 
 def rename_state(model: onnx.ModelProto, names: Mapping[str, str]) -> onnx.ModelProto:
-    """Rule: for each `old -> new` in `names`, the graph input `old` becomes `new` and the graph output
-    `old_grad` (when there is one) becomes `new_grad`; every node input and output, value_info and initializer
-    naming them follows, in subgraphs too. A tensor that already bears one of the new names without being renamed
-    itself (an intermediate value of the traced graph) first gets a fresh name. Returns a new model.
+    """Rule: for each `old -> new` in `names`, the graph input `old` becomes `new` and the graph outputs `old_grad`
+    and `old__updated` (when there are such) become `new_grad` and `new__updated`; every node input and output,
+    value_info and initializer naming them follows, in subgraphs too. A tensor that already bears one of the new
+    names without being renamed itself (an intermediate value of the traced graph) first gets a fresh name. Returns a
+    new model.
 
     Precondition (`rename_state_problem`): every `old` is a graph input; the new names are distinct; no new name
     is a graph input or output that is not renamed itself."""
@@ -60,10 +62,14 @@ def rename_state_pass(names: Mapping[str, str]) -> FunctionPass:
 
 
 def _full_mapping(graph: onnx.GraphProto, names: Mapping[str, str]) -> dict[str, str]:
-    """`names` plus `old_grad -> new_grad` for each gradient output."""
+    """`names` plus `old_grad -> new_grad` for each gradient output and the same for each buffer-update output
+    (compile/contract.buffer_update_name)."""
     outputs = {o.name for o in graph.output}
     mapping = {old: new for old, new in names.items() if old != new}
-    mapping.update({f"{old}_grad": f"{new}_grad" for old, new in mapping.copy().items() if f"{old}_grad" in outputs})
+    for old, new in mapping.copy().items():
+        for derived in (gradient_name, buffer_update_name):
+            if derived(old) in outputs:
+                mapping[derived(old)] = derived(new)
     return mapping
 
 

@@ -1,10 +1,12 @@
 """Assemble the training graph: gradient model + accumulation + clipping + optimizer update, in one ONNX model.
 
-Input: the gradient model (forward outputs + `<p>_grad` for each trainable parameter, all state as graph inputs).
+Input: the gradient model (forward outputs + `<p>_grad` for each trainable parameter, all state as graph inputs; and
+`<b>__updated` for each buffer `b` the forward updates, compile/contract.buffer_update_name).
 Output: a `TrainingGraph` whose model has, as graph inputs, the data, every state tensor, the learning rate and the
-update number; and as graph outputs, the forward outputs, the accumulated gradients (micro-steps), and the updated
-weights and optimizer moments (optimizer steps). The session fetches one set or the other per step and runs with
-`only_execute_path_to_fetches`, so an accumulation step never executes optimizer nodes.
+update number; and as graph outputs, the forward outputs, the accumulated gradients (micro-steps), the updated
+weights and optimizer moments (optimizer steps), and the updated buffers (every step: `buffer_updates`). The session
+fetches what the step needs and runs with `only_execute_path_to_fetches`, so an accumulation step never executes
+optimizer nodes.
 
 docs/design.md § Gradient semantics: with k accumulation steps the update uses the mean of the k micro-batch gradients.
 The mean, the loss-scale unscaling and the clipping coefficient are one scalar `coef` per parameter group, folded
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -44,6 +47,7 @@ from ..compile.contract import (
     ParamGroup,
     TrainingGraph,
     accumulation_buffer_name,
+    buffer_updates_of,
     gradient_name,
     moment_names,
     write_contract,
@@ -112,7 +116,8 @@ def build_training_graph(
         optimizer_name, groups, gradient_divisor or accumulation_steps, clip, bool(loss_scale_input), updated
     )
     tail = _gradient_only_result if update == "torch" else partial(_graph_update_result, fused=update == "fused")
-    return tail(ed, model, (data_inputs, outputs), grads, accumulation, shapes, plan, loss_scale_input)
+    graph = tail(ed, model, (data_inputs, outputs), grads, accumulation, shapes, plan, loss_scale_input)
+    return replace(graph, buffer_updates=buffer_updates_of(gradient_model))
 
 
 def training_tail_pass(**arguments: Any) -> FunctionPass:

@@ -14,6 +14,10 @@ signature (`GraphRunners`); the optimizer graph does not.
 With `update="torch"` (update/path.py) there is no optimizer graph: `TorchOptimizer` updates the state in place
 from the combined gradients (update/torch_fused.py), with the same semantics.
 
+Buffers the forward updates (BatchNorm's running statistics) follow each rank's own batches, as PyTorch's
+DistributedDataParallel does with `broadcast_buffers=False`: every rank starts from rank 0's values, and a checkpoint
+holds the values of the rank that saved it.
+
 Ranks (`resolve_context`): rank and world size come from `distributed.world_rank/world_size/local_rank` or, when
 those are left at their defaults, from the `torchrun` environment (RANK, WORLD_SIZE, LOCAL_RANK). The trainer
 initialises the default process group (Gloo on CPU, NCCL on CUDA) when the user has not; an existing group must
@@ -58,7 +62,7 @@ class DataParallelSession(SessionBase):
         streams: DropoutStreams,
         eval_for: EvalGraphs | None = None,
     ) -> None:
-        super().__init__(compiled.eval_model, state, config, streams, eval_for)
+        super().__init__(compiled.eval_model, state, config, streams, eval_for, compiled.step_graph.data_inputs)
         assert compiled.step is not None and compiled.reduced_inputs is not None  # compiled for data parallelism
         graphs = DataParallelGraphs(compiled.step, compiled.training, compiled.reduced_inputs)
         self.graphs, self.graph = graphs, graphs.optimizer
@@ -89,13 +93,15 @@ class DataParallelSession(SessionBase):
         if step.loss_scale_input:
             feeds[step.loss_scale_input] = self._host_scalar(np.float32(loss_scale))
         in_graph = bool(step.accumulation)
+        buffers = list(step.buffer_updates.values())  # each rank's own BatchNorm statistics (module docstring)
         if in_graph and not optimizer_step:  # accumulate locally; nothing to communicate yet
-            fetched = self._run_training(runner, feeds, outputs + list(step.accumulation.values()))
-            self._state.update(zip(step.accumulation, fetched[len(outputs) :], strict=True))
+            fetched = self._run_training(runner, feeds, outputs + list(step.accumulation.values()) + buffers)
+            self._state.update(zip([*step.accumulation, *step.buffer_updates], fetched[len(outputs) :], strict=True))
             return self._results(outputs, fetched), True
         names = list(step.gradients)
-        fetched = self._run_training(runner, feeds, outputs + [step.gradients[p] for p in names])
-        combined = self._combine([to_torch_view(v) for v in fetched[len(outputs) :]])
+        fetched = self._run_training(runner, feeds, outputs + [step.gradients[p] for p in names] + buffers)
+        self._state.update(zip(step.buffer_updates, fetched[len(outputs) + len(names) :], strict=True))
+        combined = self._combine([to_torch_view(v) for v in fetched[len(outputs) : len(outputs) + len(names)]])
         if self._accumulating and not in_graph:
             buffers = [to_torch_view(self._state[self._buffers[p]]) for p in names]
             for buffer, grad in zip(buffers, combined, strict=True):

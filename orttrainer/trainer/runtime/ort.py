@@ -288,13 +288,18 @@ def cap_cpu_arena(session_options, limit: int) -> None:
     global _registered_limit
     import onnxruntime as ort
 
+    check_cpu_arena_cap(limit)
     if _registered_limit is None:
         info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
         ort.create_and_register_allocator(info, ort.OrtArenaCfg(limit, -1, -1, -1))
         _registered_limit = limit
-    elif _registered_limit != limit:
+    session_options.add_session_config_entry("session.use_env_allocators", "1")
+
+
+def check_cpu_arena_cap(limit: int) -> None:
+    """ValueError when this process's CPU arena is already capped at another size (one cap per process)."""
+    if _registered_limit is not None and _registered_limit != limit:
         raise ValueError(
             f"options device.mem_limit={limit}: this process already caps ONNX Runtime's shared CPU arena "
             f"at {_registered_limit} bytes, and the cap cannot change (one per process)"
         )
-    session_options.add_session_config_entry("session.use_env_allocators", "1")

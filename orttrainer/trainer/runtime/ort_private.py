@@ -36,7 +36,7 @@ def owned_ortvalue(array: np.ndarray, device_type: str, device_index: int) -> An
     (docs/engine.md §2.3), so the value is allocated by ONNX Runtime and the data copied in."""
     import onnxruntime as ort
 
-    array = np.ascontiguousarray(array)
+    array = np.ascontiguousarray(array).reshape(np.shape(array))  # ascontiguousarray makes a 0-d array 1-d
     value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype, device_type, device_index)
     value.update_inplace(array)
     return value._get_c_value()

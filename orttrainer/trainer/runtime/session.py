@@ -43,6 +43,7 @@ import torch
 from ...dtypes import ort_to_numpy
 from ..compile.contract import RunnableGraph, TrainingGraph
 from ..graph.dropout_seeds import STREAM_STRIDE, dropout_nodes, seed_dropouts_pass
+from ..graph.outputs import outputs_reading, prune_to_outputs
 from ..graph.passes import run_passes, verification_enabled
 from ..state import DropoutStreams
 from ..update.torch_fused import TorchOptimizer
@@ -140,6 +141,7 @@ class ShapeKeyedCache(Generic[T]):
 
 
 MAX_TRAINING_GRAPHS = 16  # torch builder: input-shape signatures kept compiled at once
+MAX_PRUNED_EVAL_GRAPHS = 16  # eval graphs pruned for eval steps without some inputs, kept at once
 
 
 G = TypeVar("G", bound=RunnableGraph)
@@ -166,11 +168,13 @@ class EvalGraph:
 
 class EvalGraphs(Protocol):
     """The torch route's eval graphs: `self(inputs)` for the data (in `data_inputs` order); the same graph for
-    inputs it also serves."""
+    inputs it also serves. `serving(given)`: the graph for data that lacks some inputs (`SessionBase.evaluate`)."""
 
     data_inputs: list[str]
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph: ...
+
+    def serving(self, given: dict[str, torch.Tensor]) -> EvalGraph: ...
 
 
 class GraphRunners(Generic[G]):
@@ -196,12 +200,18 @@ class GraphRunners(Generic[G]):
         self._cache: ShapeKeyedCache[GraphRunner[G]] = ShapeKeyedCache(MAX_TRAINING_GRAPHS)
         self._specialize = specialize if graph_for is None else None
         self._static: dict[ShapeSignature, GraphRunner[G]] = {}
+        self._pinned: dict[ShapeSignature, GraphRunner[G]] = {}  # graphs made for one signature (`pin`)
         self._dynamic: GraphRunner[G] | None = None
         self.latest: GraphRunner[G] | None = None
         if graph_for is None:
             self.for_data({})  # the (dynamic) graph: create its session now, so a broken graph fails here
 
     def for_data(self, data: dict[str, torch.Tensor]) -> GraphRunner[G]:
+        if self._pinned and data:
+            pinned = self._pinned.get(shape_signature([data[n] for n in self.graph.data_inputs]))
+            if pinned is not None:
+                self.latest = pinned
+                return pinned
         if self._graph_for is not None:
             inputs = [data[n] for n in self.graph.data_inputs]
             self.latest = self._cache.get_or_build(inputs, lambda: self._new(inputs))
@@ -255,6 +265,15 @@ class GraphRunners(Generic[G]):
         session = self._create(seeded(self.streams, graph.model, key), path)
         return GraphRunner(graph, session, frozenset(i.name for i in session.get_inputs()), key)
 
+    def pin(self, inputs: Sequence[torch.Tensor], graph: G) -> None:
+        """Run `graph` for the input-shape signature of `inputs` (the data, in `graph.data_inputs` order) from now
+        on: a graph made for those shapes alone (the TorchScript route's model exported again for them)."""
+        signature = shape_signature(inputs)
+        self._pinned[signature] = self._open(graph, stream_key(graph.model, signature))
+
+    def pinned(self, inputs: Sequence[torch.Tensor]) -> bool:
+        return shape_signature(inputs) in self._pinned
+
     def reopen(self) -> None:
         """Create every kept graph's session again, seeded at the streams' current positions (after a load, or a
         failed run whose draws the positions did not count)."""
@@ -267,18 +286,19 @@ class GraphRunners(Generic[G]):
 
         self._cache.replace_all(again)
         self._static = {signature: self._open(r.graph, r.key) for signature, r in self._static.items()}
+        self._pinned = {signature: self._open(r.graph, r.key) for signature, r in self._pinned.items()}
         if self._dynamic is not None:
             self._dynamic = self._open(self._dynamic.graph, self._dynamic.key)
         self.latest = None
 
     def __len__(self) -> int:
-        return len(self._cache) + len(self._static) + (self._dynamic is not None)
+        return len(self._cache) + len(self._static) + len(self._pinned) + (self._dynamic is not None)
 
     @property
     def graph_count(self) -> int:
         """How many distinct graphs (and sessions) are kept."""
         shared = len({id(r.graph) for r in self._cache.values()})
-        return shared + len(self._static) + (self._dynamic is not None)
+        return shared + len(self._static) + len(self._pinned) + (self._dynamic is not None)
 
 
 @dataclass(frozen=True)
@@ -306,6 +326,7 @@ class SessionBase(ABC):
         config: SessionConfig,
         streams: DropoutStreams,
         eval_for: EvalGraphs | None = None,
+        data_inputs: Sequence[str] = (),
     ) -> None:
         import onnxruntime as ort
 
@@ -315,8 +336,11 @@ class SessionBase(ABC):
         self._options = session_options(config.session_options, config.deterministic, config.device, config.mem_limit)
         self._providers = providers_for(config.device, config.mem_limit, config.provider_options or {})
         # with eval_for, `first` only names the data inputs: the graphs are created when first needed
-        first = EvalGraph(eval_model, eval_for.data_inputs if eval_for is not None else [])
+        first = EvalGraph(eval_model, list(eval_for.data_inputs if eval_for is not None else data_inputs))
         self._evals = GraphRunners(self._eval_session, first, eval_for, "", streams)
+        self._eval_for = eval_for
+        # eval_step without some inputs: (graph, given inputs, outputs) -> the pruned graph's runners
+        self._pruned: OrderedDict[tuple, GraphRunners[EvalGraph]] = OrderedDict()
         self._state: dict[str, Any] = {name: self._to_device(value) for name, value in state.items()}
         self._views: dict[str, tuple[Any, torch.Tensor]] = {}
         self._partial_run = ort.RunOptions()
@@ -383,11 +407,61 @@ class SessionBase(ABC):
         return self._runners.graph_count
 
     def evaluate(self, data: dict[str, torch.Tensor], outputs: list[str]) -> dict[str, torch.Tensor]:
-        """Run the eval graph (for `data`'s shapes) on `data`; returns the requested outputs."""
-        runner = self._evals.for_data(data)
+        """Run the eval graph (for `data`'s shapes) on `data`; returns the requested outputs. Where `data` lacks
+        some data inputs, the eval graph pruned to `outputs` runs (`graph/outputs.prune_to_outputs`); they must be
+        among `computable(data, outputs)`."""
+        if self._missing(data):
+            runner = self._pruned_runner(data, outputs)
+        else:
+            runner = self._evals.for_data(data)
         feeds = self._feeds(data, runner.inputs)
         fetched = self._run(runner.session, feeds, outputs)
         return {name: self._to_torch(value) for name, value in zip(outputs, fetched, strict=True)}
+
+    def pin_graphs(self, data: dict[str, torch.Tensor], step_graph: Any, eval_model: onnx.ModelProto) -> None:
+        """Run `step_graph` (the training graph, or with data parallelism the gradient-step graph) and the eval
+        graph `eval_model` for `data`'s input-shape signature from now on (`GraphRunners.pin`). The caller checked
+        that `step_graph` has the state contract of the session's graphs."""
+        self._runners.pin([data[n] for n in self._runners.graph.data_inputs], step_graph)
+        if eval_model.graph.node:
+            names = self._evals.graph.data_inputs
+            self._evals.pin([data[n] for n in names], EvalGraph(eval_model, names))
+
+    def pinned(self, data: dict[str, torch.Tensor]) -> bool:
+        """Whether `data`'s input-shape signature has graphs of its own (`pin_graphs`)."""
+        return self._runners.pinned([data[n] for n in self._runners.graph.data_inputs])
+
+    def computable(self, data: dict[str, torch.Tensor], outputs: list[str]) -> list[str]:
+        """Those of `outputs` the eval graph computes without the data inputs `data` lacks."""
+        missing = self._missing(data)
+        if not missing:
+            return list(outputs)
+        needing = outputs_reading(self._eval_graph_without(data).model, missing)
+        return [name for name in outputs if name not in needing]
+
+    def _missing(self, data: dict[str, torch.Tensor]) -> list[str]:
+        return [name for name in self._evals.graph.data_inputs if name not in data]
+
+    def _eval_graph_without(self, data: dict[str, torch.Tensor]) -> EvalGraph:
+        """The eval graph that serves `data`, which lacks some data inputs: the one eval graph, or the torch
+        route's (`EvalGraphs.serving`)."""
+        return self._evals.graph if self._eval_for is None else self._eval_for.serving(data)
+
+    def _pruned_runner(self, data: dict[str, torch.Tensor], outputs: list[str]) -> GraphRunner[EvalGraph]:
+        """The eval graph pruned to `outputs` with `data`'s inputs, and its session: kept per graph, given inputs
+        and outputs (the last MAX_PRUNED_EVAL_GRAPHS)."""
+        graph = self._eval_graph_without(data)
+        given = [name for name in graph.data_inputs if name in data]
+        key = (id(graph), tuple(given), tuple(outputs))
+        runners = self._pruned.get(key)
+        if runners is None:
+            pruned = EvalGraph(prune_to_outputs(graph.model, outputs), given)
+            runners = GraphRunners(self._eval_session, pruned, None, "", self.streams)
+            self._pruned[key] = runners
+            if len(self._pruned) > MAX_PRUNED_EVAL_GRAPHS:
+                self._pruned.popitem(last=False)
+        self._pruned.move_to_end(key)
+        return runners.for_data({})
 
     def state_names(self) -> list[str]:
         return list(self._state)
@@ -477,7 +551,7 @@ class TrainingSession(SessionBase):
         eval_for: EvalGraphs | None = None,
         cache_specialised: Callable[[Specialize], Specialize] | None = None,
     ) -> None:
-        super().__init__(compiled.eval_model, state, config, streams, eval_for)
+        super().__init__(compiled.eval_model, state, config, streams, eval_for, compiled.step_graph.data_inputs)
         self._cache_specialised = cache_specialised
         self.graph = graph = compiled.training
         graph_for = cast(Callable[[Sequence[torch.Tensor]], TrainingGraph] | None, compiled.graph_for)  # one process
@@ -506,7 +580,8 @@ class TrainingSession(SessionBase):
 
         Returns the requested forward outputs as torch tensors on the trainer's device, and whether the step's
         gradients were all finite (mixed precision; always True otherwise). A non-finite optimizer step keeps the
-        previous weights and moments: the updated values are simply not adopted.
+        previous weights and moments: the updated values are simply not adopted. The buffers the forward updates
+        (`buffer_updates`) take their new values after every run, finite or not, as PyTorch's forward updates them.
         """
         runner = self._runners.for_data(data)
         g = runner.graph
@@ -518,12 +593,14 @@ class TrainingSession(SessionBase):
             return self._train_outside(runner, feeds, outputs, (lr, update_count, loss_scale))
         state_outputs = {**g.weight_updates, **g.optimizer_state} if optimizer_step else g.accumulation
         checks = [g.all_finite_output] if optimizer_step and g.all_finite_output else []
-        fetched = self._run_training(runner, feeds, outputs + list(state_outputs.values()) + checks)
+        updated = list(state_outputs.values()) + list(g.buffer_updates.values())
+        fetched = self._run_training(runner, feeds, outputs + updated + checks)
         results = dict(zip(outputs, fetched[: len(outputs)], strict=True))
         finite = bool(fetched[-1].numpy().all()) if checks else True
-        if finite:
-            new_state = fetched[len(outputs) : len(outputs) + len(state_outputs)]
-            self._state.update(zip(state_outputs, new_state, strict=True))
+        new_state = dict(zip([*state_outputs, *g.buffer_updates], fetched[len(outputs) :], strict=False))
+        if not finite:
+            new_state = {name: new_state[name] for name in g.buffer_updates}
+        self._state.update(new_state)
         if optimizer_step:
             self._state.update(self._zeros)  # accumulation restarts from zero after every update (or skipped one)
         return {name: self._to_torch(value) for name, value in results.items()}, finite
@@ -534,10 +611,13 @@ class TrainingSession(SessionBase):
         """An optimizer step of a gradient-only graph: run it for the outputs and the gradient sums, then update the
         state in place (`TorchOptimizer`)."""
         assert self._optimizer is not None
-        names = list(runner.graph.gradients)
-        fetched = self._run_training(runner, feeds, outputs + [runner.graph.gradients[p] for p in names])
-        grads = {p: to_torch_view(v) for p, v in zip(names, fetched[len(outputs) :], strict=True)}
+        graph = runner.graph
+        names = list(graph.gradients)
+        fetch = outputs + [graph.gradients[p] for p in names] + list(graph.buffer_updates.values())
+        fetched = self._run_training(runner, feeds, fetch)
+        grads = {p: to_torch_view(v) for p, v in zip(names, fetched[len(outputs) :], strict=False)}
         finite = self._optimizer.step(grads, *step)
+        self._state.update(zip(graph.buffer_updates, fetched[len(outputs) + len(names) :], strict=True))
         self._state.update(self._zeros)  # accumulation restarts from zero after every update (or skipped one)
         return {name: self._to_torch(value) for name, value in zip(outputs, fetched, strict=False)}, finite
 

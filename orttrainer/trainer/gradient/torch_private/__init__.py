@@ -1,6 +1,6 @@
 """Every private or version-sensitive PyTorch API the `torch` gradient builder uses, behind small functions:
-`tracing.py` (AOTAutograd, decompositions, checkpoints, error texts) and `exporting.py` (torch.onnx's dynamo
-exporter).
+`tracing.py` (AOTAutograd, checkpoints, error texts), `decompositions.py` (the one table of decompositions the
+builder traces with, and why) and `exporting.py` (torch.onnx's dynamo exporter).
 
 Rule: nothing else in orttrainer imports from `torch._*`, reads private attributes of torch objects, or matches
 torch's error texts; it calls these wrappers. A torch upgrade that moves or changes one of them then breaks this
@@ -11,6 +11,14 @@ Verified on torch 2.13.0 (CPU) with onnxscript 0.7.2 and onnx 1.17.0.
 
 from __future__ import annotations
 
+from .decompositions import (
+    TABLE,
+    Entry,
+    autograd_decompositions,
+    core_aten_decompositions,
+    trace_decompositions,
+    training_decompositions,
+)
 from .exporting import (
     MIN_DYNAMO_OPSET,
     DimSpec,
@@ -18,6 +26,7 @@ from .exporting import (
     export_graph_to_onnx,
     export_module_to_onnx,
     onnx_decompositions,
+    unsupported_at_opset,
 )
 from .tracing import (
     JointSignature,
@@ -26,20 +35,28 @@ from .tracing import (
     aot_export_joint,
     aot_export_joint_dynamic,
     autograd_function_of_frame,
-    core_aten_decompositions,
+    causal_mask_detection_off,
+    causal_mask_from_hint,
     dataflow_digest,
     export_tracing_flags,
+    is_data_dependent_error,
     is_missing_gradient_error,
     is_real_tensor_in_trace_error,
     math_sdpa,
+    module_state_kept,
+    no_mkldnn,
     output_values,
     reentrant_checkpoint_traceable,
     storage_reads,
-    training_decompositions,
+    traceable_cumulative_batch_norm,
+    user_frame,
 )
 
 __all__ = [
     "MIN_DYNAMO_OPSET",
+    "TABLE",
+    "Entry",
+    "autograd_decompositions",
     "DimSpec",
     "JointSignature",
     "MissingGradientError",
@@ -48,17 +65,26 @@ __all__ = [
     "aot_export_joint",
     "aot_export_joint_dynamic",
     "autograd_function_of_frame",
+    "causal_mask_detection_off",
+    "causal_mask_from_hint",
     "core_aten_decompositions",
     "dataflow_digest",
     "export_tracing_flags",
     "export_graph_to_onnx",
     "export_module_to_onnx",
+    "is_data_dependent_error",
     "is_missing_gradient_error",
     "is_real_tensor_in_trace_error",
     "math_sdpa",
+    "module_state_kept",
+    "no_mkldnn",
     "onnx_decompositions",
     "output_values",
     "reentrant_checkpoint_traceable",
     "storage_reads",
+    "traceable_cumulative_batch_norm",
+    "trace_decompositions",
+    "unsupported_at_opset",
     "training_decompositions",
+    "user_frame",
 ]

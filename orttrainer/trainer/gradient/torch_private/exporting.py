@@ -10,6 +10,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,6 +24,24 @@ MIN_DYNAMO_OPSET = 18
 
 
 _logger = logging.getLogger(__name__)
+_UNSUPPORTED_AT_OPSET = re.compile(
+    r"operator '(?P<op>[^']+)' to ONNX opset version (?P<opset>\d+) is not supported\. "
+    r"Support for this operator was added in version (?P<needed>\d+)"
+)
+
+
+def unsupported_at_opset(err: BaseException) -> tuple[str, int, int] | None:
+    """(op, requested opset, first opset that has it) when the TorchScript exporter refused an operator at the
+    requested opset but supports it at a later one (`torch.onnx.errors.UnsupportedOperatorError`, anywhere in
+    `err`'s cause chain); None otherwise."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, torch.onnx.errors.UnsupportedOperatorError):
+            match = _UNSUPPORTED_AT_OPSET.search(str(seen))
+            if match:
+                return match["op"], int(match["opset"]), int(match["needed"])
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 @functools.lru_cache(maxsize=4)
@@ -86,6 +105,28 @@ def export_graph_to_onnx(
     return model
 
 
+def views_as_reshapes(graph: torch.fx.GraphModule) -> None:
+    """Rule: every `aten.view` of the graph becomes `aten.reshape`, every `aten.contiguous` an explicit
+    `aten.clone(memory_format=torch.contiguous_format)` (in place).
+
+    Why: a view traced on a tensor that the eager kernel left contiguous (`x.transpose(1, 2).contiguous()` then a
+    view, where `.contiguous()` did nothing) fails when torch.onnx re-traces the graph with its decompositions'
+    strides ("Cannot view a tensor with shape ... and strides ...": transformers' T5 after SDPA,
+    nn.TransformerDecoderLayer; torch 2.13). ONNX tensors have no strides: a Reshape and an Identity either way."""
+    aten = torch.ops.aten
+    changed = False
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.view.default and 0 not in node.args[1]:  # a 0 is "keep this dim" for Reshape
+            node.target, changed = aten.reshape.default, True
+        elif node.target is aten.contiguous.default:
+            node.target, node.args = aten.clone.default, node.args[:1]
+            node.kwargs, changed = {"memory_format": torch.contiguous_format}, True
+    if changed:
+        graph.recompile()
+
+
 def _no_onnx_function(err: BaseException) -> bool:
     """True for the exporter's "No ONNX function found for <op>" (in the error or its cause)."""
     while err is not None:
@@ -113,6 +154,7 @@ def _export_decomposed(
     shapes = None
     if dynamic_dims is not None and any(dynamic_dims):
         shapes = tuple({d: torch.export.Dim.DYNAMIC for d in dims} or None for dims in dynamic_dims)
+    views_as_reshapes(graph)
     with _quiet_exporter():
         exported = torch.export.export(graph, tuple(args), dynamic_shapes=shapes, strict=False)
         module = exported.graph_module
@@ -135,7 +177,7 @@ def _translate_static(
     Why: torch.export re-traces the whole graph with fake tensors only to hand the translator the graph it was
     given, whose nodes already carry their shapes and dtypes (`meta["val"]`), and onnxscript's default rewrite
     rules try every rule on every node (105,650 match attempts on the benchmark transformer); together 8.2 of the
-    10 s its static export took (docs/engine.md §16). ONNX Runtime's own optimiser removes the no-op nodes those
+    10 s its static export took (docs/engine.md §18). ONNX Runtime's own optimiser removes the no-op nodes those
     rules would have removed when it creates the session."""
     import onnx_ir.passes.common as common_passes
     from onnxscript.optimizer import _constant_folding
@@ -212,9 +254,12 @@ def export_module_to_onnx(
     them: the size of a static (or specialised) dim, the range of a dynamic one. The ONNX inputs get those
     static sizes too. Why: torch.onnx leaves a dim declared dynamic symbolic in the ONNX inputs even when
     torch.export specialised it (verified on 2.13), and drops the runtime assertions of its ranges."""
-    program = _export(
-        module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True, keep_state=True
-    )
+    from .tracing import causal_mask_from_hint, module_state_kept
+
+    with causal_mask_from_hint(), module_state_kept(module):  # see there
+        program = _export(
+            module, args, input_names, output_names, opset_version, dynamic_dims, allow_static=True, keep_state=True
+        )
     exported = program.exported_program
     if exported is None:
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no exported program")
@@ -270,18 +315,24 @@ def _export(
         shapes = tuple({d: kind for d in dims} or None for dims in dynamic_dims)
         if _takes_varargs(graph):  # torch.export matches dynamic_shapes to forward's parameters: *inputs is one
             shapes = (shapes,)
+    options: dict[str, Any] = {
+        "opset_version": opset_version,
+        "dynamo": True,
+        "optimize": not keep_state,
+        "verify": False,
+        "report": False,
+        "verbose": False,
+    }
     with _quiet_exporter():
-        program = torch.onnx.export(
-            graph,
-            tuple(args),
-            opset_version=opset_version,
-            dynamic_shapes=shapes,
-            dynamo=True,
-            optimize=not keep_state,
-            verify=False,
-            report=False,
-            verbose=False,
-        )
+        try:
+            program = torch.onnx.export(graph, tuple(args), dynamic_shapes=shapes, **options)
+        except Exception as err:
+            if "Cannot view a tensor" not in str(err):
+                raise
+            # torch.export first, with views written as reshapes (`views_as_reshapes`), then torch.onnx
+            exported = torch.export.export(graph, tuple(args), dynamic_shapes=shapes, strict=False)
+            views_as_reshapes(exported.graph_module)
+            program = torch.onnx.export(exported, tuple(args), **options)
     if program is None:  # dynamo=True always returns a program
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNX program")
     if keep_state:

@@ -6,6 +6,7 @@ Part of `torch_private` (see its docstring for the rule); verified on torch 2.13
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -13,65 +14,146 @@ from typing import Any
 
 import torch
 
-from .exporting import onnx_decompositions
+from .decompositions import trace_decompositions
 
 
-def core_aten_decompositions() -> dict:
-    """The decomposition table that lowers composite aten ops (and their backward ops) to the core aten set,
-    which the ONNX translation table covers."""
-    from torch._decomp import core_aten_decompositions as table
+@contextlib.contextmanager
+def no_mkldnn() -> Iterator[None]:
+    """oneDNN (mkldnn) off while tracing.
 
-    return table()
+    Why: PyTorch's decomposition of `aten.lstm` picks `mkldnn_rnn_layer`, which has no ONNX translation, when
+    oneDNN is on and the LSTM's input does not require grad (an LSTM reading the data directly); with it off the
+    LSTM is traced as its cell arithmetic, as it is when the input requires grad."""
+    enabled = torch._C._get_mkldnn_enabled()  # not mkldnn.flags(): it also sets TF32 and warns about it
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
-def training_decompositions() -> dict:
-    """`core_aten_decompositions()` plus the batch-norm ops, lowered to mean/var arithmetic.
+@contextlib.contextmanager
+def causal_mask_from_hint() -> Iterator[None]:
+    """Within the block, nn.TransformerEncoder/Decoder (and nn.Transformer) take an attention mask as causal only
+    when the caller says so (`is_causal=True`), never by comparing its values with a causal mask.
 
-    Why: onnxscript's translation of `_native_batch_norm_legit_functional` forces `training = False` (its
-    "temporary fix" for old ONNX Runtime), so a training-mode BatchNorm would be exported with running statistics
-    instead of batch statistics: a silently wrong loss and gradient (verified with onnxscript 0.7.2)."""
-    from torch._decomp import get_decompositions
+    Why: PyTorch's `_detect_is_causal_mask` reads the mask's values (`bool((mask == causal).all())`), which a
+    traced tensor does not have (DataDependentOutputException: aten._local_scalar_dense). Either answer computes
+    the same attention: with is_causal False the layers apply the mask itself, which is exactly what a causal mask
+    does; only a fused kernel's speed-up depends on the hint, and the traced graph has none."""
+    from torch.nn.modules import transformer
 
-    aten = torch.ops.aten
-    table = core_aten_decompositions()
-    table.update(
-        get_decompositions(
-            [
-                aten._native_batch_norm_legit_functional,
-                aten._native_batch_norm_legit,
-                aten._native_batch_norm_legit_no_training,
-                aten.native_batch_norm,
-            ]
-        )
+    detect = transformer._detect_is_causal_mask
+
+    def from_hint(mask: Any, is_causal: bool | None = None, size: int | None = None) -> bool:
+        return is_causal is True
+
+    transformer._detect_is_causal_mask = from_hint
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
+
+
+@contextlib.contextmanager
+def traceable_cumulative_batch_norm() -> Iterator[None]:
+    """Within the block, a BatchNorm with `momentum=None` (the cumulative average) in training mode updates its
+    running statistics with tensor operations: the same values, traceable.
+
+    Why: PyTorch's `_BatchNorm.forward` computes that average's factor in Python, `1.0 /
+    float(self.num_batches_tracked)`, a value a traced tensor does not have (DataDependentOutputException). Rule,
+    as PyTorch's: `num_batches_tracked += 1`, `f = 1 / num_batches_tracked`, `running_mean = (1 - f) ·
+    running_mean + f · mean`, `running_var = (1 - f) · running_var + f · unbiased var`, both over the batch and
+    every spatial position of a channel; the output normalises with the batch statistics. Other BatchNorms run
+    PyTorch's own forward."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    forward = _BatchNorm.forward
+
+    def cumulative(self: Any, input: torch.Tensor) -> torch.Tensor:
+        if self.momentum is not None or not self.training or not self.track_running_stats:
+            return forward(self, input)
+        self._check_input_dim(input)
+        self.num_batches_tracked.add_(1)
+        output = torch.nn.functional.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        dims = [0, *range(2, input.dim())]
+        with torch.no_grad():
+            factor = 1.0 / self.num_batches_tracked.to(self.running_mean.dtype)
+            mean = input.mean(dims).to(self.running_mean.dtype)
+            var = input.var(dims, unbiased=True).to(self.running_var.dtype)
+            self.running_mean.mul_(1.0 - factor).add_(factor * mean)
+            self.running_var.mul_(1.0 - factor).add_(factor * var)
+        return output
+
+    _BatchNorm.forward = cumulative  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _BatchNorm.forward = forward  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def module_state_kept(root: torch.nn.Module) -> Iterator[None]:
+    """Every submodule of `root` has exactly its attributes, parameters, buffers and children of before the block
+    when the block ends, whether it succeeded or raised.
+
+    Why: a forward that stores a tensor on the module (`self.cache = h`, a buffer rebound with `self.pe = ...`)
+    stores a traced (functional or fake) tensor while PyTorch traces it; left there, the module's next eager use
+    or trace fails on it (a FunctionalTensor where a tensor was expected). Tracing must not change the model."""
+    saved = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in root.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes, parameters, buffers, children in saved:
+            module.__dict__.clear()
+            module.__dict__.update(attributes)
+            pairs: tuple[tuple[dict, dict], ...] = (
+                (module._parameters, parameters),
+                (module._buffers, buffers),
+                (module._modules, children),
+            )
+            for now, before in pairs:
+                now.clear()
+                now.update(before)
+
+
+def is_data_dependent_error(err: BaseException) -> bool:
+    """True for the tracers' refusal to read a traced tensor's value (Python control flow on a tensor,
+    `.item()`, `.tolist()`): it has none while tracing."""
+    names = {type(e).__name__ for e in _chain(err)}
+    return bool(names & {"DataDependentOutputException", "GuardOnDataDependentSymNode", "UserError"}) and any(
+        "data-dependent" in str(e).lower() or "_local_scalar_dense" in str(e) or "aten.equal" in str(e)
+        for e in _chain(err)
     )
-    return table
 
 
-def trace_decompositions(float16: bool = False, for_torch_onnx: bool = True) -> dict:
-    """What the torch builder traces with: `training_decompositions()`, and (`for_torch_onnx`) `onnx_decompositions()`
-    for the ops left that torch.onnx has no ONNX translation for (so its graphs export without a decomposition
-    pass; building that table needs torch.onnx's translation table, ~2.5 s; the direct translation,
-    gradient/aten_onnx.py, does without it) — except
-    `lift`/`lift_fresh`: the tracer itself turns a tensor created during the trace (`torch.from_numpy` in an
-    OnnxModule, a constant) into a graph constant through them; decomposed, they alias the real tensor, which the
-    fake-tensor mode refuses ("Please convert all Tensors to FakeTensors first").
+def user_frame(err: BaseException) -> tuple[str, int, str] | None:
+    """(file, line, source) of the innermost frame of the failing stack that is not PyTorch's tracing machinery
+    (torch/_*, torch/fx, torch/utils, torch/overrides.py): the model code (or the torch.nn function) whose
+    Python reads a tensor's value."""
+    import linecache
+    import traceback
 
-    With `float16` (mixed precision), `native_layer_norm` is lowered too (to arithmetic computing in float32, as
-    its kernel does): written as ONNX LayerNormalization on float16 input, its backward mixed the float32
-    statistics with float16 constants, which ONNX Runtime rejects ("Type parameter (T) of Optype (Div) bound to
-    different types", verified with torch 2.13 and onnxscript 0.7.2); lowered, every dtype is explicit."""
-    from torch._decomp import get_decompositions
+    ours = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    found = None
+    for e in _chain(err):
+        for frame, line in traceback.walk_tb(e.__traceback__):
+            path = frame.f_code.co_filename
+            posix = path.replace(os.sep, "/")
+            internal = any(part in posix for part in ("/torch/_", "/torch/fx/", "/torch/utils/", "/torch/overrides.py"))
+            if not internal and not os.path.abspath(path).startswith(ours + os.sep):
+                found = (path, line, linecache.getline(path, line).strip())
+    return found
 
-    table = training_decompositions()
-    if float16:
-        table.update(get_decompositions([torch.ops.aten.native_layer_norm.default]))
-    if not for_torch_onnx:
-        return table
-    tracer_ops = {torch.ops.aten.lift.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.out}
-    for op, decomposition in onnx_decompositions().items():
-        if op not in table and op not in tracer_ops:  # not setdefault: CustomDecompTable ignores it (torch 2.13)
-            table[op] = decomposition
-    return table
+
+def _chain(err: BaseException) -> list[BaseException]:
+    seen, out = set(), []
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        out.append(current)
+        current = current.__cause__ or current.__context__
+    return out
 
 
 @contextlib.contextmanager
@@ -98,6 +180,29 @@ def export_tracing_flags() -> Iterator[None]:
 
     with _compiling_state_context():
         yield
+
+
+@contextlib.contextmanager
+def causal_mask_detection_off() -> Iterator[None]:
+    """Within the block, `torch.nn.TransformerEncoder` (and the decoder) take `is_causal` as given — None and
+    False mean "not known to be causal" — instead of comparing the attention mask with a causal one.
+
+    Why: with `is_causal=None` they test `bool((mask == causal).all())`, a value no fake-tensor trace has
+    (DataDependentOutputException; PyTorch's transformer tutorial and ONNX Runtime's transformer sample pass their
+    mask so). The flag is only a hint for a fused kernel: the mask itself is applied either way, so the traced
+    graph computes the same values (the trace runs attention on the math backend, `math_sdpa`)."""
+    from torch.nn.modules import transformer
+
+    detect = transformer._detect_is_causal_mask
+
+    def as_given(mask: Any, is_causal: bool | None = None, size: int | None = None) -> bool:
+        return bool(is_causal)
+
+    transformer._detect_is_causal_mask = as_given
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
 
 
 @dataclass(frozen=True)

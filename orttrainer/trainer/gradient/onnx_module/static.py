@@ -1,9 +1,9 @@
 """Numpy versions of the arithmetic ops that shape computations use (the shape ops' own numpy versions are in
-`onnx_ops_shape.py`): OnnxModule runs them when every input is static, so that a shape computed in the graph
+`shape.py`, `indexing.py`): OnnxModule runs them when every input is static, so that a shape computed in the graph
 (`Shape -> Gather -> Mul -> Concat -> Reshape`) is still a number when Reshape reads it.
 
-Rules: the same values as the torch versions in `onnx_ops_math.py` — the element type of the inputs is kept
-(numpy's promotion of equal types), integer Div truncates toward zero, Mod follows `fmod`.
+Rules: the same values as the torch versions in `elementwise.py` and `reduce.py` — the element type of the inputs is
+kept (numpy's promotion of equal types), integer Div truncates toward zero, Mod follows `fmod`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .onnx_ops_base import Call, static_op
-from .onnx_ops_math import reduction_axes
+from .base import Call, static_op
+from .reduce import reduction_axes
 
 
 def _keep(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:

@@ -1,11 +1,13 @@
-"""OnnxModule's shape, indexing and constant ops, in torch and — for the ones shape arithmetic uses — numpy, written
-from the ONNX operator specification.
+"""OnnxModule's shape and constant ops, in torch and — for the ones shape arithmetic uses — numpy, written from the
+ONNX operator specification: Shape, Size, Constant, ConstantOfShape, Reshape, Transpose, Flatten, Squeeze,
+Unsqueeze, Concat, Split, Slice, Expand, Tile, Range, Pad, DepthToSpace, SpaceToDepth, CenterCropPad, Trilu,
+EyeLike, Identity.
 
 Rules: numbers that decide a shape (Reshape's shape, Slice's starts/ends/axes/steps, Squeeze/Unsqueeze axes,
-Split sizes, Expand/Tile/ConstantOfShape shapes) must be static (`onnx_ops_base`). `Shape` and `Size` are always
-static: shapes are concrete while tracing. The numpy and torch versions of an op compute the same values; an op
-whose result is large is computed in torch even from static inputs, so that it is not baked into the graph as a
-constant (`onnx_module.STATIC_LIMIT`).
+Split sizes, Expand/Tile/ConstantOfShape shapes, Pad's pads) must be static (`base`). `Shape` and `Size` are
+always static: shapes are concrete while tracing. The numpy and torch versions of an op compute the same values;
+an op whose result is large is computed in torch even from static inputs, so that it is not baked into the graph
+as a constant (`module.STATIC_LIMIT`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,23 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import onnx
 import torch
+from torch.nn import functional as F
 
-from .onnx_ops_base import Call, Value, axes_of, axis_of, numpy_dtype, static_op, torch_dtype, torch_op
+from .base import (
+    CHECKS,
+    Call,
+    NodeSpec,
+    Value,
+    as_tensor,
+    axes_of,
+    axis_of,
+    static_op,
+    tensor_value,
+    torch_dtype,
+    torch_op,
+)
 
 Shape = tuple[int, ...]
 
@@ -25,10 +41,17 @@ def _shape(value: Value) -> Shape:
     return tuple(int(d) for d in value.shape)
 
 
-@torch_op("Identity")
-@static_op("Identity")
+@torch_op("Identity", "OptionalGetElement")
+@static_op("Identity", "OptionalGetElement")
 def identity(call: Call, x: Value) -> Value:
+    """Identity; also OptionalGetElement of a tensor (OnnxModule holds no optional or sequence values)."""
     return x
+
+
+@torch_op("OptionalHasElement")
+def optional_has_element(call: Call, x: Value | None = None) -> np.ndarray:
+    """Whether the (tensor) input is given."""
+    return np.array(x is not None)
 
 
 @torch_op("Shape")
@@ -47,36 +70,65 @@ def size(call: Call, x: Value) -> np.ndarray:
     return np.array(math.prod(_shape(x)), dtype=np.int64)
 
 
+def _constant_check(node: NodeSpec) -> str | None:
+    for key in ("value_string", "value_strings"):
+        if key in node.attrs:
+            return f"string constants ({key}) have no torch type"
+    value = node.attr("value")
+    return value if isinstance(value, str) else None  # an unreadable tensor: the reason
+
+
 @static_op("Constant")
-def constant(call: Call) -> np.ndarray:
-    """One of the attributes value (a tensor), value_float(s), value_int(s)."""
+def constant(call: Call) -> Value:
+    """One of the attributes value (a tensor), sparse_value, value_float(s), value_int(s)."""
     for key, dtype in (("value_float", np.float32), ("value_floats", np.float32)):
         if key in call.node.attrs:
             return np.array(call.attr(key), dtype=dtype)
     for key in ("value_int", "value_ints"):
         if key in call.node.attrs:
             return np.array(call.attr(key), dtype=np.int64)
-    value = call.attr("value")
-    if not isinstance(value, np.ndarray):
-        raise call.fail(f"only tensor and number constants are supported, got attributes {sorted(call.node.attrs)}")
-    return value
+    sparse = call.attr("sparse_value")
+    if isinstance(sparse, onnx.SparseTensorProto):
+        return _dense(sparse)
+    return call.attr("value")
 
 
-def _fill_value(call: Call) -> np.ndarray:
+CHECKS[("", "Constant")] = _constant_check
+
+
+def _dense(sparse: onnx.SparseTensorProto) -> Value:
+    """A SparseTensorProto as a dense value: `indices` are [NNZ] linear or [NNZ, rank] coordinates."""
+    values = tensor_value(sparse.values)
+    indices = np.asarray(tensor_value(sparse.indices), dtype=np.int64)
+    dims = tuple(int(d) for d in sparse.dims)
+    flat = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)
+    if isinstance(values, torch.Tensor):
+        dense = torch.zeros(math.prod(dims), dtype=values.dtype)
+        dense[torch.from_numpy(flat)] = values.reshape(-1)
+        return dense.reshape(dims)
+    result = np.zeros(math.prod(dims), dtype=values.dtype)
+    result[flat] = values.reshape(-1)
+    return result.reshape(dims)
+
+
+def _fill_value(call: Call) -> Value:
     value = call.attr("value")
-    return np.zeros(1, np.float32) if value is None else np.asarray(value).reshape(-1)[:1]
+    if value is None:
+        return np.zeros(1, np.float32)
+    return value.reshape(-1)[:1]
 
 
 @torch_op("ConstantOfShape")
 def constant_of_shape(call: Call, dims: Value) -> torch.Tensor:
-    fill = _fill_value(call)
-    dtype = torch.from_numpy(fill.copy()).dtype
-    return torch.full(tuple(call.ints(dims, "shape")), fill.item(), dtype=dtype, device=call.device)
+    fill, target = call.tensor(_fill_value(call)), tuple(call.ints(dims, "shape"))
+    return fill.expand(target).clone() if target else fill[0].clone()
 
 
 @static_op("ConstantOfShape")
-def constant_of_shape_static(call: Call, dims: np.ndarray) -> np.ndarray:
+def constant_of_shape_static(call: Call, dims: np.ndarray) -> Value:
     fill = _fill_value(call)
+    if isinstance(fill, torch.Tensor):
+        return constant_of_shape(call, dims)
     return np.full(tuple(int(d) for d in dims.reshape(-1)), fill[0], dtype=fill.dtype)
 
 
@@ -100,7 +152,7 @@ def reshape(call: Call, x: Value, shape: Value) -> Value:
 def transpose(call: Call, x: Value) -> Value:
     """`perm` defaults to reversing the dimensions."""
     rank = len(x.shape)
-    perm = tuple(call.attr("perm", list(range(rank))[::-1]))
+    perm = tuple(axes_of(call.attr("perm", list(range(rank))[::-1]), rank))
     return x.permute(perm) if isinstance(x, torch.Tensor) else np.transpose(x, perm)
 
 
@@ -230,53 +282,6 @@ def slice_static(call: Call, x: np.ndarray, *inputs: np.ndarray | None) -> np.nd
     return x
 
 
-@torch_op("Gather")
-def gather(call: Call, data: Value, indices: Value) -> torch.Tensor:
-    """Along `axis` (default 0); negative indices count from the end. Output shape: data.shape[:axis] +
-    indices.shape + data.shape[axis+1:]."""
-    t = call.tensor(data)
-    axis = axis_of(int(call.attr("axis", 0)), t.dim())
-    dim = t.shape[axis]
-    if isinstance(indices, np.ndarray):
-        index = call.tensor(np.where(indices < 0, indices + dim, indices).astype(np.int64))
-    else:
-        index = torch.where(indices < 0, indices + dim, indices).to(torch.int64)
-    picked = torch.index_select(t, axis, index.reshape(-1))
-    return picked.reshape(tuple(t.shape[:axis]) + tuple(index.shape) + tuple(t.shape[axis + 1 :]))
-
-
-@static_op("Gather")
-def gather_static(call: Call, data: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    return np.take(data, indices.astype(np.int64), axis=int(call.attr("axis", 0)))
-
-
-@torch_op("GatherElements")
-def gather_elements(call: Call, data: Value, indices: Value) -> torch.Tensor:
-    t, index = call.tensors(data, indices)
-    axis = axis_of(int(call.attr("axis", 0)), t.dim())
-    return torch.gather(t, axis, torch.where(index < 0, index + t.shape[axis], index).to(torch.int64))
-
-
-@torch_op("Cast")
-def cast(call: Call, x: Value) -> torch.Tensor:
-    """To the element type `to`; to bool means 'not zero'; floats to integers truncate toward zero."""
-    dtype = torch_dtype(int(call.attr("to")))
-    t = call.tensor(x)
-    return t != 0 if dtype == torch.bool else t.to(dtype)
-
-
-@static_op("Cast")
-def cast_static(call: Call, x: np.ndarray) -> np.ndarray:
-    return x.astype(numpy_dtype(int(call.attr("to"))))
-
-
-@torch_op("CastLike")
-def cast_like(call: Call, x: Value, like: Value) -> torch.Tensor:
-    dtype = call.tensor(like).dtype
-    t = call.tensor(x)
-    return t != 0 if dtype == torch.bool else t.to(dtype)
-
-
 def expanded_shape(call: Call, dims: Shape, shape: Value) -> Shape:
     """Expand's output: the numpy broadcast of the input's shape and `shape`."""
     return tuple(int(d) for d in np.broadcast_shapes(dims, tuple(call.ints(shape, "shape"))))
@@ -291,12 +296,6 @@ def expand(call: Call, x: Value, shape: Value) -> torch.Tensor:
 @static_op("Expand")
 def expand_static(call: Call, x: np.ndarray, shape: np.ndarray) -> np.ndarray:
     return np.broadcast_to(x, expanded_shape(call, _shape(x), shape)).copy()
-
-
-@torch_op("Where")
-def where(call: Call, condition: Value, x: Value, y: Value) -> torch.Tensor:
-    c, a, b = call.tensors(condition, x, y)
-    return torch.where(c, a, b)
 
 
 @torch_op("Tile")
@@ -320,28 +319,121 @@ def range_static(call: Call, start: np.ndarray, limit: np.ndarray, delta: np.nda
 def range_(call: Call, start: Value, limit: Value, delta: Value) -> torch.Tensor:
     first, last, step = (call.numbers(v, n)[0] for v, n in ((start, "start"), (limit, "limit"), (delta, "delta")))
     count = max(math.ceil((last - first) / step), 0)
-    dtype = call.tensor(start).dtype if isinstance(start, torch.Tensor) else torch.from_numpy(start.copy()).dtype
-    return (first + torch.arange(count, device=call.device) * step).to(dtype)
+    dtype = call.tensor(start).dtype
+    steps = torch.arange(count, device=call.device, dtype=torch.float64 if dtype.is_floating_point else torch.int64)
+    return (first + steps * step).to(dtype) if dtype.is_floating_point else (int(first) + steps * int(step)).to(dtype)
 
 
-@torch_op("Pad")
+_PAD_MODES = ("constant", "reflect", "edge", "wrap")
+
+
+@torch_op("Pad", check=lambda n: None if n.attr("mode", "constant") in _PAD_MODES else f"mode {n.attr('mode')!r}")
 def pad(call: Call, x: Value, *inputs: Value | None) -> torch.Tensor:
     """Opset >= 11: inputs pads ([begin..., end...]), constant_value, axes (opset 18); before: attributes pads,
-    value. Modes constant (default), reflect, edge."""
+    value. Modes constant (default), reflect (mirror without the edge), edge, wrap (opset 19). Negative pads
+    remove elements."""
     t = call.tensor(x)
     if call.opset >= 11:
         pads = call.ints(inputs[0], "pads")
-        value = call.scalar(inputs[1] if len(inputs) > 1 else None, "constant_value", 0.0)
+        constant_input = inputs[1] if len(inputs) > 1 else None
+        value = call.numbers(constant_input, "constant_value")[0] if constant_input is not None else 0
         axes = call.ints(inputs[2], "axes") if len(inputs) > 2 and inputs[2] is not None else None
     else:
         pads, value, axes = list(call.attr("pads")), float(call.attr("value", 0.0)), None
     axes = axes_of(axes, t.dim()) if axes is not None else list(range(t.dim()))
     half = len(axes)
-    flat: list[int] = []
-    for i in reversed(range(t.dim())):  # torch lists (begin, end) from the last dimension backwards
-        k = axes.index(i) if i in axes else None
-        flat += [0, 0] if k is None else [pads[k], pads[k + half]]
-    mode = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}.get(str(call.attr("mode", "constant")))
-    if mode is None:
-        raise call.fail(f"mode {call.attr('mode')!r} is not supported")
-    return torch.nn.functional.pad(t, flat, mode=mode, value=value if mode == "constant" else None)
+    widths = {axis: (pads[k], pads[k + half]) for k, axis in enumerate(axes)}
+    mode = str(call.attr("mode", "constant"))
+    if mode == "constant":
+        flat: list[int] = []
+        for i in reversed(range(t.dim())):  # torch lists (begin, end) from the last dimension backwards
+            flat += list(widths.get(i, (0, 0)))
+        return F.pad(t, flat, value=value) if any(flat) else t
+    for axis, (begin, end) in widths.items():
+        t = _pad_by_index(t, axis, begin, end, mode)
+    return t
+
+
+def _pad_by_index(t: torch.Tensor, axis: int, begin: int, end: int, mode: str) -> torch.Tensor:
+    """Pad one axis in mode reflect, edge or wrap by picking source positions (negative widths crop first)."""
+    size = t.shape[axis]
+    low, high = max(-begin, 0), size - max(-end, 0)
+    t, size = t.narrow(axis, low, high - low), high - low
+    begin, end = max(begin, 0), max(end, 0)
+    if not begin and not end:
+        return t
+    positions = np.arange(-begin, size + end)
+    if mode == "edge":
+        index = np.clip(positions, 0, size - 1)
+    elif mode == "wrap":
+        index = np.mod(positions, size)
+    else:  # reflect: period 2 * (size - 1), mirrored about the edges
+        period = max(2 * (size - 1), 1)
+        folded = np.mod(positions, period)
+        index = np.where(folded >= size, period - folded, folded)
+    return torch.index_select(t, axis, as_tensor(index.astype(np.int64)).to(t.device))
+
+
+def _blocks(call: Call) -> int:
+    return int(call.attr("blocksize"))
+
+
+@torch_op("DepthToSpace")
+def depth_to_space(call: Call, x: Value) -> torch.Tensor:
+    """(N, C, H, W) -> (N, C / b², H·b, W·b); mode DCR (default: depth, column, row) or CRD."""
+    t = call.tensor(x)
+    b = _blocks(call)
+    n, c, h, w = t.shape
+    if str(call.attr("mode", "DCR")) == "CRD":
+        blocks = t.reshape(n, c // (b * b), b, b, h, w).permute(0, 1, 4, 2, 5, 3)
+    else:
+        blocks = t.reshape(n, b, b, c // (b * b), h, w).permute(0, 3, 4, 1, 5, 2)
+    return blocks.reshape(n, c // (b * b), h * b, w * b)
+
+
+@torch_op("SpaceToDepth")
+def space_to_depth(call: Call, x: Value) -> torch.Tensor:
+    """(N, C, H, W) -> (N, C·b², H / b, W / b), the inverse of DepthToSpace in DCR mode."""
+    t = call.tensor(x)
+    b = _blocks(call)
+    n, c, h, w = t.shape
+    blocks = t.reshape(n, c, h // b, b, w // b, b).permute(0, 3, 5, 1, 2, 4)
+    return blocks.reshape(n, c * b * b, h // b, w // b)
+
+
+@torch_op("CenterCropPad")
+def center_crop_pad(call: Call, x: Value, shape: Value) -> torch.Tensor:
+    """Each listed axis (`axes`, default all) cropped or zero-padded to its target size about the centre; an odd
+    difference puts the extra element at the end."""
+    t = call.tensor(x)
+    targets = call.ints(shape, "shape")
+    axes = axes_of(call.attr("axes", list(range(t.dim()))), t.dim())
+    for axis, target in zip(axes, targets, strict=True):
+        size = t.shape[axis]
+        if target < size:
+            t = t.narrow(axis, (size - target) // 2, target)
+        elif target > size:
+            before = (target - size) // 2
+            widths = [0, 0] * (t.dim() - 1 - axis) + [before, target - size - before]
+            t = F.pad(t, widths)
+    return t
+
+
+@torch_op("Trilu")
+def trilu(call: Call, x: Value, k: Value | None = None) -> torch.Tensor:
+    """The upper (upper=1, default) or lower triangle of the last two dimensions, from diagonal k (default 0)."""
+    t = call.tensor(x)
+    diagonal = 0 if k is None else call.ints(k, "k")[0]
+    return torch.triu(t, diagonal) if call.attr("upper", 1) else torch.tril(t, diagonal)
+
+
+@torch_op("EyeLike")
+def eye_like(call: Call, x: Value) -> torch.Tensor:
+    """A 2-D tensor of the input's shape with ones on diagonal k (default 0), of type `dtype` (default the
+    input's)."""
+    t = call.tensor(x)
+    dtype = torch_dtype(int(call.attr("dtype"))) if call.attr("dtype") is not None else t.dtype
+    rows, cols = t.shape
+    k = int(call.attr("k", 0))
+    grid = torch.arange(cols, device=t.device)[None, :] - torch.arange(rows, device=t.device)[:, None]
+    return (grid == k).to(dtype)

@@ -1,0 +1,819 @@
+"""The torch builder's own decompositions: aten ops that neither PyTorch's decomposition tables nor torch.onnx's
+ONNX translations (onnxscript torchlib) cover, written as aten ops that torch.onnx translates.
+
+Each function has the op's aten signature and computes exactly what the op computes (the tests run each one eagerly
+against the op itself and against `torch.autograd`); `torch_private/decompositions.py` lists where each is used and
+why. Two kinds:
+
+- backward ops (`convolution_backward`, `avg_pool{2,3}d_backward`, max-pool backward ops), replaced in the
+  traced joint graph like PyTorch's post-autograd decompositions;
+- forward ops whose derivative PyTorch writes as an untranslatable backward op (`_embedding_bag`, `_trilinear`,
+  `_adaptive_avg_pool3d`, ...): autograd differentiates the decomposition instead (`stage="autograd"` in the
+  table), so the backward is made of the decomposition's own derivatives.
+
+Shapes are the trace's: a size that is a Python int is used as one (kernel sizes, spatial sizes); batch and channel
+sizes may be symbolic and are only passed through.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+aten = torch.ops.aten
+
+
+# --------------------------------------------------------------------------------------------------- convolution
+def convolution_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Sequence[int] | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`aten.convolution_backward` as convolutions (ONNX Conv and ConvTranspose).
+
+    Rules, for a convolution with stride s, padding p, dilation d and kernel size k along each spatial dim:
+    - the input's gradient is the transposed convolution of the output's gradient with the same weight (for a
+      transposed convolution: the plain convolution), with the output padding that gives the input's size back;
+    - the weight's gradient is a convolution of the input with the output's gradient as its kernel, stride d,
+      dilation s and padding p, cut to k; the batch becomes the channels and the groups stay groups (one node for
+      any `groups`, depthwise included); for a transposed convolution the two roles swap;
+    - the bias's gradient is the output's gradient summed over every dim but the channels."""
+    n = len(stride)
+    stride, padding, dilation = list(stride), list(padding), list(dilation)
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        if transposed:
+            grad_input = aten.convolution(grad_output, weight, None, stride, padding, dilation, False, [0] * n, groups)
+            grad_input = _fit_spatial(grad_input, input.shape[2:])
+        else:
+            kernel = weight.shape[2:]
+            reached = [  # the input size the transposed convolution gives without output padding
+                (grad_output.shape[2 + i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + 1
+                for i in range(n)
+            ]
+            extra = [input.shape[2 + i] - reached[i] for i in range(n)]
+            grad_input = aten.convolution(grad_output, weight, None, stride, padding, dilation, True, extra, groups)
+    if output_mask[1]:
+        if transposed:  # weight [C_in, C_out/g, k]: "input" role = the output's gradient
+            grad_weight = _weight_gradient(grad_output, input, stride, padding, dilation, groups)
+        else:  # weight [C_out, C_in/g, k]
+            grad_weight = _weight_gradient(input, grad_output, stride, padding, dilation, groups)
+        grad_weight = _fit_spatial(grad_weight, weight.shape[2:])
+    if output_mask[2]:
+        grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
+    return grad_input, grad_weight, grad_bias
+
+
+def _weight_gradient(
+    x: torch.Tensor, g: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int], groups: int
+) -> torch.Tensor:
+    """`sum_n sum_y g[n, o, y] * x[n, c, y*s + j*d - p]` as a tensor [g's channels, x's channels / groups, j...]:
+    one grouped convolution whose batch is x's channels within a group and whose channels are (group, batch)."""
+    batch, spatial = x.shape[0], x.shape[2:]
+    x_per_group, g_per_group = x.shape[1] // groups, g.shape[1] // groups
+    n = len(spatial)
+    # x: [N, G*cx, X...] -> [cx, G*N, X...]; g: [N, G*cg, Y...] -> [G*cg, N, Y...]
+    xs = x.reshape(batch, groups, x_per_group, *spatial).permute(2, 1, 0, *range(3, 3 + n))
+    xs = xs.reshape(x_per_group, groups * batch, *spatial)
+    gs = g.reshape(batch, groups, g_per_group, *g.shape[2:]).permute(1, 2, 0, *range(3, 3 + n))
+    gs = gs.reshape(groups * g_per_group, batch, *g.shape[2:])
+    out = aten.convolution(xs, gs, None, dilation, padding, stride, False, [0] * n, groups)  # [cx, G*cg, j...]
+    return out.transpose(0, 1)
+
+
+def _fit_spatial(t: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """`t` cut (or padded with zeros at the end) to `sizes` along its trailing spatial dims."""
+    n = len(sizes)
+    for i, size in enumerate(sizes):
+        dim = t.dim() - n + i
+        have = t.shape[dim]
+        if have > size:
+            t = t.narrow(dim, 0, size)
+        elif have < size:
+            pad = [0, 0] * (t.dim() - 1 - dim) + [0, size - have]
+            t = aten.constant_pad_nd(t, pad, 0.0)
+    return t
+
+
+# ------------------------------------------------------------------------------------------------------- pooling
+def avg_pool2d_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """`aten.avg_pool2d_backward`; see `_avg_pool_backward`."""
+    return _avg_pool_backward(grad_output, input, 2, kernel_size, stride, padding, count_include_pad, divisor_override)
+
+
+def avg_pool3d_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """`aten.avg_pool3d_backward`; see `_avg_pool_backward`."""
+    return _avg_pool_backward(grad_output, input, 3, kernel_size, stride, padding, count_include_pad, divisor_override)
+
+
+def _avg_pool_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    n: int,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """Rule: each output's gradient, divided by its window's divisor, is added to every input of its window.
+
+    The divisor is PyTorch's (ATen's AvgPool kernels): `divisor_override`, else the window's size clipped to the
+    padded input (`count_include_pad`) or to the input itself; it is a product over the spatial dims, so it is
+    computed per dim from the (static) sizes. The spreading is a single-channel transposed convolution with a
+    kernel of ones and stride s over the padded input's coordinates, then cut to the input (ceil_mode windows
+    that run past the padding add nothing)."""
+    kernel = _expand(kernel_size, n)
+    strides = _expand(stride, n) if len(stride) else kernel
+    pads = _expand(padding, n)
+    sizes = [int(s) for s in input.shape[-n:]]
+    outs = [int(s) for s in grad_output.shape[-n:]]
+    if divisor_override:
+        scaled = grad_output / divisor_override
+    else:
+        scaled = grad_output / _divisors(grad_output, kernel, strides, pads, sizes, outs, count_include_pad)
+    lead = grad_output.shape[:-n]
+    flat = scaled.reshape(-1, 1, *outs)
+    ones = torch.ones((1, 1, *kernel), dtype=grad_output.dtype, device=grad_output.device)
+    spread = aten.convolution(flat, ones, None, strides, [0] * n, [1] * n, True, [0] * n, 1)
+    for i in range(n):  # padded coordinates -> the input's: drop the left padding, fit to the input's size
+        dim = 2 + i
+        spread = spread.narrow(dim, pads[i], spread.shape[dim] - pads[i]) if pads[i] else spread
+    spread = _fit_spatial(spread, sizes)
+    return spread.reshape(*lead, *sizes)
+
+
+def _divisors(
+    like: torch.Tensor,
+    kernel: list[int],
+    strides: list[int],
+    pads: list[int],
+    sizes: list[int],
+    outs: list[int],
+    count_include_pad: bool,
+) -> torch.Tensor:
+    """Each output position's divisor (ATen's AvgPool rule): the window clipped to the padded input, or with
+    `count_include_pad=False` to the input; a product over the spatial dims, made of arange arithmetic (a tensor
+    built from a Python list would be an in-place copy in the traced graph)."""
+    n, total = len(kernel), None
+    for i in range(n):
+        start = torch.arange(outs[i], device=like.device) * strides[i] - pads[i]
+        end = torch.clamp(start + kernel[i], max=sizes[i] + pads[i])
+        if not count_include_pad:
+            start, end = torch.clamp(start, min=0), torch.clamp(end, max=sizes[i])
+        size = torch.clamp(end - start, min=1).to(like.dtype).reshape([outs[i] if j == i else 1 for j in range(n)])
+        total = size if total is None else total * size
+    assert total is not None
+    return total
+
+
+def avg_pool2d(
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,),
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> torch.Tensor:
+    """`aten.avg_pool2d` with a `divisor_override`, which torchlib's translation ignores (a silently wrong
+    result, verified with onnxscript 0.7.2): the window sums (the padded average times its divisor) divided by
+    the override. Without one: NotImplemented, i.e. torchlib's translation."""
+    return _avg_pool_override(input, 2, kernel_size, stride, padding, ceil_mode, divisor_override)
+
+
+def avg_pool3d(
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,),
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> torch.Tensor:
+    """`aten.avg_pool3d`: as `avg_pool2d`."""
+    return _avg_pool_override(input, 3, kernel_size, stride, padding, ceil_mode, divisor_override)
+
+
+def _avg_pool_override(
+    input: torch.Tensor,
+    n: int,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    if not divisor_override:
+        return NotImplemented
+    kernel = _expand(kernel_size, n)
+    strides = _expand(stride, n) if len(stride) else kernel
+    pads = _expand(padding, n)
+    pool = aten.avg_pool2d if n == 2 else aten.avg_pool3d
+    mean = pool(input, kernel, strides, pads, ceil_mode, True, None)
+    sizes, outs = [int(s) for s in input.shape[-n:]], [int(s) for s in mean.shape[-n:]]
+    return mean * _divisors(mean, kernel, strides, pads, sizes, outs, True) / divisor_override
+
+
+def max_pool3d_with_indices_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+    indices: torch.Tensor,
+) -> torch.Tensor:
+    """`aten.max_pool3d_with_indices_backward`: `_plane_scatter` (the pooling's parameters are in the indices)."""
+    return _plane_scatter(grad_output, input, indices, 3)
+
+
+def adaptive_max_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """`aten.adaptive_max_pool2d_backward`: each output's gradient goes to the input element its index names."""
+    return _plane_scatter(grad_output, input, indices, 2)
+
+
+def adaptive_max_pool3d_backward(grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """`aten.adaptive_max_pool3d_backward`: as `adaptive_max_pool2d_backward`, in 3 dims."""
+    return _plane_scatter(grad_output, input, indices, 3)
+
+
+def _plane_scatter(grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor, n: int) -> torch.Tensor:
+    """Rule: `indices` index each (batch, channel) plane of the input flattened over its `n` spatial dims; each
+    output's gradient is added at its index (ScatterElements with reduction add)."""
+    plane = math.prod(int(s) for s in input.shape[-n:])
+    grad = grad_output.reshape(-1, math.prod(int(s) for s in grad_output.shape[-n:]))
+    index = indices.reshape(grad.shape)
+    zeros = torch.zeros((grad.shape[0], plane), dtype=grad_output.dtype, device=grad_output.device)
+    return zeros.scatter_add(1, index, grad).reshape(input.shape)
+
+
+def adaptive_avg_pool3d(input: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    """`aten._adaptive_avg_pool3d` as three matrix products: adaptive average pooling is separable, output o of a
+    dim of size I averages the inputs [floor(o*I/O), ceil((o+1)*I/O)). Differentiable (its backward is matmuls)."""
+    out = input
+    for i, size in enumerate(output_size):
+        dim = input.dim() - 3 + i
+        matrix = _adaptive_matrix(int(input.shape[dim]), int(size), input.dtype, input.device)
+        out = torch.matmul(out.movedim(dim, -1), matrix).movedim(-1, dim)
+    return out
+
+
+def _adaptive_matrix(size: int, out: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[size, out]: column o averages the inputs [floor(o*size/out), ceil((o+1)*size/out))."""
+    o = torch.arange(out, device=device)
+    start, end = (o * size) // out, ((o + 1) * size + out - 1) // out
+    i = torch.arange(size, device=device).unsqueeze(1)
+    inside = (i >= start.unsqueeze(0)) & (i < end.unsqueeze(0))
+    return inside.to(dtype) / (end - start).to(dtype).unsqueeze(0)
+
+
+def adaptive_max_pool2d(input: torch.Tensor, output_size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.adaptive_max_pool2d`; see `_adaptive_max_pool`."""
+    return _adaptive_max_pool(input, [int(s) for s in output_size])
+
+
+def adaptive_max_pool3d(input: torch.Tensor, output_size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.adaptive_max_pool3d`; see `_adaptive_max_pool`."""
+    return _adaptive_max_pool(input, [int(s) for s in output_size])
+
+
+def _adaptive_max_pool(input: torch.Tensor, output_size: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adaptive max pooling as gathers and one max: output o of a dim of size I takes the maximum over the
+    inputs [floor(o*I/O), ceil((o+1)*I/O)); windows are padded to the longest by repeating their last input. The
+    indices are flat positions in each (batch, channel) plane, the first maximum in scanning order (PyTorch's)."""
+    n, lead = len(output_size), input.dim() - len(output_size)
+    sizes = [int(s) for s in input.shape[lead:]]
+    x, flat = input, torch.zeros((), dtype=torch.int64, device=input.device)
+    lengths = []
+    for d, (size, out) in enumerate(zip(sizes, output_size, strict=True)):
+        length = max(-(-((o + 1) * size) // out) - (o * size) // out for o in range(out))
+        o = torch.arange(out, device=input.device)
+        start, end = (o * size) // out, ((o + 1) * size + out - 1) // out
+        index = torch.minimum(start.unsqueeze(1) + torch.arange(length, device=input.device), end.unsqueeze(1) - 1)
+        dim = lead + 2 * d
+        x = x.index_select(dim, index.reshape(-1))
+        x = x.reshape(*x.shape[:dim], out, length, *x.shape[dim + 1 :])
+        flat = flat.reshape(*flat.shape, 1, 1) * size + index.reshape(*[1] * flat.dim(), out, length)
+        lengths.append(length)
+    order = [2 * d for d in range(n)] + [2 * d + 1 for d in range(n)]
+    x = x.permute(*range(lead), *[lead + k for k in order]).reshape(*x.shape[:lead], *output_size, -1)
+    flat = flat.permute(*order).reshape(*output_size, -1).expand(x.shape)
+    values, position = x.max(-1)
+    return values, torch.gather(flat, -1, position.unsqueeze(-1)).squeeze(-1)
+
+
+def _expand(values: Sequence[int], n: int) -> list[int]:
+    values = [int(v) for v in values]
+    return values * n if len(values) == 1 else values
+
+
+# ----------------------------------------------------------------------------------------------- other forwards
+def trilinear(
+    i1: torch.Tensor,
+    i2: torch.Tensor,
+    i3: torch.Tensor,
+    expand1: Sequence[int],
+    expand2: Sequence[int],
+    expand3: Sequence[int],
+    sumdim: Sequence[int],
+    unroll_dim: int = 1,
+) -> torch.Tensor:
+    """`aten._trilinear` (nn.Bilinear) as one einsum: the three inputs, each unsqueezed at its `expand` dims, are
+    multiplied and summed over `sumdim`."""
+    rank = i1.dim() + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:rank]
+    subscripts = ["".join(c for d, c in enumerate(letters) if d not in set(e)) for e in (expand1, expand2, expand3)]
+    output = "".join(c for d, c in enumerate(letters) if d not in set(sumdim))
+    return torch.einsum(f"{subscripts[0]},{subscripts[1]},{subscripts[2]}->{output}", i1, i2, i3)
+
+
+def embedding_bag(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    scale_grad_by_freq: bool = False,
+    mode: int = 0,
+    sparse: bool = False,
+    per_sample_weights: torch.Tensor | None = None,
+    include_last_offset: bool = False,
+    padding_idx: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`aten._embedding_bag` (nn.EmbeddingBag, F.embedding_bag) as a gather and scatter reductions.
+
+    Rules (PyTorch's EmbeddingBag): bag b holds the indices from offsets[b] to the next offset (the last bag to the
+    end, or to the last offset with `include_last_offset`); entries equal to `padding_idx` (>= 0) take no part;
+    mode 0 sums (each row times its `per_sample_weights`), 1 averages over the bag's entries, 2 takes the
+    elementwise maximum; an empty bag gives zeros. Returns (output, bag of each index, entries per bag, zeros in
+    the place of the max indices): only the output is part of F.embedding_bag's result. `scale_grad_by_freq` is
+    refused: its gradient depends on index counts the decomposition does not model."""
+    if scale_grad_by_freq:
+        raise NotImplementedError("the torch gradient builder does not support embedding_bag(scale_grad_by_freq=True)")
+    flat = indices.reshape(-1)
+    count = flat.shape[0]
+    bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    position = torch.arange(count, device=flat.device)
+    bag = (position.unsqueeze(1) >= offsets[1:bags].unsqueeze(0)).sum(1)  # [count]
+    if include_last_offset:  # entries at or past the last offset belong to no bag
+        inside = position < offsets[bags]
+        bag = torch.where(inside, bag, torch.zeros_like(bag))
+    else:
+        inside = torch.ones_like(position, dtype=torch.bool)
+    keep = inside if padding_idx < 0 else inside & (flat != padding_idx)
+    rows = weight[flat]  # [count, dim]
+    dim = weight.shape[1]
+    index = bag.unsqueeze(1).expand(count, dim)
+    sizes = torch.zeros(bags, dtype=torch.int64, device=flat.device).scatter_add(0, bag, keep.to(torch.int64))
+    if mode == 2:
+        lowest = torch.finfo(weight.dtype).min
+        values = torch.where(keep.unsqueeze(1), rows, torch.full_like(rows, lowest))
+        start = torch.full((bags, dim), lowest, dtype=weight.dtype, device=weight.device)
+        out = start.scatter_reduce(0, index, values, "amax", include_self=True)
+        out = torch.where((sizes > 0).unsqueeze(1), out, torch.zeros_like(out))
+    else:
+        scale = keep.to(weight.dtype)
+        if per_sample_weights is not None:
+            scale = scale * per_sample_weights.reshape(-1)
+        zeros = torch.zeros((bags, dim), dtype=weight.dtype, device=weight.device)
+        out = zeros.scatter_add(0, index, rows * scale.unsqueeze(1))
+        if mode == 1:
+            out = out / sizes.clamp(min=1).to(weight.dtype).unsqueeze(1)
+    max_indices = torch.zeros((bags, dim) if mode == 2 else (bags,), dtype=torch.int64, device=flat.device)
+    return out, bag, sizes, max_indices
+
+
+def copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """`aten.copy` (the functional form of `t.copy_(src)` and of `t[...] = value`): `src` in `self`'s dtype,
+    broadcast to `self`'s shape. Why: torchlib's translation returns `src` unbroadcast, so `x[..., 0] = 0`
+    (transformers' T5 shifts its labels so) left a 0-d value where a row was expected and ONNX Runtime refused
+    the graph ("Unsqueeze ... Unexpected axis value")."""
+    return src.to(dtype=self.dtype, device=self.device).expand(self.shape).clone()
+
+
+def empty_permuted(
+    size: Sequence[int],
+    physical_layout: Sequence[int],
+    *,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout | None = None,
+    device: torch.device | None = None,
+    pin_memory: bool | None = None,
+) -> torch.Tensor:
+    """`aten.empty_permuted` as `aten.empty`: an ONNX tensor has no memory layout, and the values are unset."""
+    return torch.empty(list(size), dtype=dtype, device=device)
+
+
+def as_strided_scatter(
+    input: torch.Tensor,
+    src: torch.Tensor,
+    size: Sequence[int],
+    stride: Sequence[int],
+    storage_offset: int | None = None,
+) -> torch.Tensor:
+    """`aten.as_strided_scatter` (the functional form of writing into an `as_strided` view, which in-place model
+    code leaves behind) on a contiguous input: `src` is written at the flat positions `offset + sum_d i_d*stride_d`
+    of a copy of `input` (ONNX ScatterElements)."""
+    offset = int(storage_offset or 0)
+    flat_index = torch.full([int(s) for s in size], offset, dtype=torch.int64, device=input.device)
+    for d, (n, s) in enumerate(zip(size, stride, strict=True)):
+        shape = [int(n) if j == d else 1 for j in range(len(size))]
+        flat_index = flat_index + (torch.arange(int(n), device=input.device) * int(s)).reshape(shape)
+    flat = input.contiguous().reshape(-1)
+    out = flat.scatter(0, flat_index.reshape(-1), src.reshape(-1).to(input.dtype))
+    return out.reshape(input.shape)
+
+
+def diagonal_scatter(
+    input: torch.Tensor, src: torch.Tensor, offset: int = 0, dim1: int = 0, dim2: int = 1
+) -> torch.Tensor:
+    """`aten.diagonal_scatter` through `as_strided_scatter`: the diagonal of a contiguous tensor is a strided view.
+    Why not PyTorch's reference: it writes with `copy_`, which AOTAutograd refuses in a functional graph."""
+    x = input.contiguous()
+    dim1, dim2 = dim1 % x.dim(), dim2 % x.dim()
+    strides = _contiguous_strides([int(s) for s in x.shape])
+    start = max(-offset, 0) * strides[dim1] + max(offset, 0) * strides[dim2]
+    length = max(min(int(x.shape[dim1]) - max(-offset, 0), int(x.shape[dim2]) - max(offset, 0)), 0)
+    kept = [d for d in range(x.dim()) if d not in (dim1, dim2)]
+    size = [int(x.shape[d]) for d in kept] + [length]
+    stride = [strides[d] for d in kept] + [strides[dim1] + strides[dim2]]
+    return as_strided_scatter(x, src, size, stride, start)
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+# ------------------------------------------------------------------------------------- reductions and selections
+def amax(input: torch.Tensor, dim: Sequence[int] = (), keepdim: bool = False) -> torch.Tensor:
+    """`aten.amax` over every dim (`dim=[]`) or of a 0-d tensor, which torchlib's translation does not take;
+    other calls: NotImplemented (torchlib's ReduceMax)."""
+    return _all_dims(aten.amax.default, input, dim, keepdim)
+
+
+def amin(input: torch.Tensor, dim: Sequence[int] = (), keepdim: bool = False) -> torch.Tensor:
+    """`aten.amin`: as `amax`."""
+    return _all_dims(aten.amin.default, input, dim, keepdim)
+
+
+def _all_dims(op, input: torch.Tensor, dim: Sequence[int], keepdim: bool) -> torch.Tensor:
+    if input.dim() == 0:
+        return input.clone()
+    if len(dim) == 0:
+        return op(input, list(range(input.dim())), keepdim)
+    return NotImplemented
+
+
+def logsumexp(input: torch.Tensor, dim: Sequence[int], keepdim: bool = False) -> torch.Tensor:
+    """`aten.logsumexp` of a 0-d tensor is the tensor (torchlib's ReduceMax refuses rank 0); other calls:
+    NotImplemented."""
+    return input.clone() if input.dim() == 0 else NotImplemented
+
+
+def prims_prod(input: torch.Tensor, dims: Sequence[int], *, output_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`prims.prod` (what PyTorch's references of prod and cumprod lower to) as one `aten.prod.dim_int` per dim."""
+    out = input if output_dtype is None else input.to(output_dtype)
+    for d in sorted((d % max(input.dim(), 1) for d in dims), reverse=True):
+        out = aten.prod.dim_int(out, d)
+    return out
+
+
+def prod(input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """`aten.prod` (and `.dim_int`) of a 0-d tensor: the tensor (torchlib's ReduceProd refuses rank 0)."""
+    if input.dim() != 0:
+        return NotImplemented
+    dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
+    return input.clone() if dtype is None else input.to(dtype)
+
+
+def selection_backward(
+    grad: torch.Tensor, dim: int, indices: torch.Tensor, sizes: Sequence[int], keepdim: bool
+) -> torch.Tensor:
+    """`aten.value_selecting_reduction_backward` (the backward of kthvalue, median, cummax-style selections) of a
+    0-d input: the gradient itself (the scatter it becomes otherwise has no axis on rank 0)."""
+    return grad.clone() if len(sizes) == 0 else NotImplemented
+
+
+def scatter_add(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`aten.scatter_add` on a 0-d tensor: the sum (ONNX ScatterElements has no axis on rank 0); declines
+    otherwise."""
+    return input + src.reshape(()) if input.dim() == 0 else NotImplemented
+
+
+def scatter_src(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`aten.scatter.src` on a 0-d tensor: `src`; declines otherwise."""
+    return src.reshape(()).to(input.dtype).clone() if input.dim() == 0 else NotImplemented
+
+
+def scatter_value(input: torch.Tensor, dim: int, index: torch.Tensor, value) -> torch.Tensor:
+    """`aten.scatter.value` on a 0-d tensor: the value; declines otherwise."""
+    return torch.full_like(input, value) if input.dim() == 0 else NotImplemented
+
+
+def boolean_max(input: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.max.dim` of a bool tensor, computed on integers (ONNX ArgMax takes no bool); others: NotImplemented."""
+    if input.dtype != torch.bool:
+        return NotImplemented
+    values, indices = aten.max.dim(input.to(torch.int32), dim, keepdim)
+    return values.to(torch.bool), indices
+
+
+def boolean_argmax(input: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """`aten.argmax` of a bool tensor, on integers (ONNX ArgMax takes no bool); others: NotImplemented."""
+    return aten.argmax.default(input.to(torch.int32), dim, keepdim) if input.dtype == torch.bool else NotImplemented
+
+
+def view_of(input: torch.Tensor) -> torch.Tensor:
+    """`prims.view_of` and `aten.alias`: a view of the whole tensor (ONNX: an Identity-like Reshape)."""
+    return aten.view.default(input, list(input.shape))
+
+
+def kthvalue(input: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.kthvalue` as a sort (ONNX TopK) and a select: the k-th smallest along `dim` and its index."""
+    values, indices = torch.sort(input, dim=dim)
+    return _pick(values, indices, dim, k - 1, keepdim)
+
+
+def median(input: torch.Tensor) -> torch.Tensor:
+    """`aten.median` of the whole tensor: the lower median, (n-1)//2 in sorted order."""
+    flat = input.reshape(-1)
+    return torch.sort(flat)[0][(flat.shape[0] - 1) // 2]
+
+
+def median_dim(input: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.median.dim`: the lower median along `dim` and its index."""
+    values, indices = torch.sort(input, dim=dim)
+    return _pick(values, indices, dim, (input.shape[dim] - 1) // 2 if input.dim() else 0, keepdim)
+
+
+def nanmedian(input: torch.Tensor) -> torch.Tensor:
+    """`aten.nanmedian` of the whole tensor: the lower median of the values that are not NaN (NaN if all are)."""
+    return nanmedian_dim(input.reshape(-1), 0)[0]
+
+
+def nanmedian_dim(input: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.nanmedian.dim`: sorting puts NaN last, so the lower median of the k values that are not NaN sits at
+    (k-1)//2 (0 when all are NaN: a NaN)."""
+    if input.dim() == 0:
+        return input.clone(), torch.zeros((), dtype=torch.int64, device=input.device)
+    values, indices = torch.sort(input, dim=dim)
+    count = (~torch.isnan(input)).sum(dim, keepdim=True)
+    position = torch.clamp((count - 1) // 2, min=0)
+    picked = torch.gather(values, dim, position), torch.gather(indices, dim, position)
+    return picked if keepdim else (picked[0].squeeze(dim), picked[1].squeeze(dim))
+
+
+def _pick(
+    values: torch.Tensor, indices: torch.Tensor, dim: int, position: int, keepdim: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if values.dim() == 0:
+        return values.clone(), torch.zeros((), dtype=torch.int64, device=values.device)
+    value, index = values.narrow(dim, position, 1), indices.narrow(dim, position, 1)
+    return (value, index) if keepdim else (value.squeeze(dim), index.squeeze(dim))
+
+
+def cummax(input: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.cummax`; see `_cumulative`."""
+    return _cumulative(input, dim, largest=True)
+
+
+def cummin(input: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.cummin`; see `_cumulative`."""
+    return _cumulative(input, dim, largest=False)
+
+
+def _cumulative(input: torch.Tensor, dim: int, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running maximum (minimum) along `dim` and the index of its latest occurrence (PyTorch's tie rule), over an
+    n x n triangle: quadratic in the dim's size, which is fine for the sequence lengths models use it on."""
+    if input.dim() == 0:
+        return input.clone(), torch.zeros((), dtype=torch.int64, device=input.device)
+    x = input.movedim(dim, -1)
+    n = x.shape[-1]
+    position = torch.arange(n, device=input.device)
+    earlier = position.unsqueeze(1) >= position.unsqueeze(0)  # [i, j]: j <= i
+    fill = float("-inf") if largest else float("inf")
+    window = torch.where(earlier, x.unsqueeze(-2), torch.full_like(x.unsqueeze(-2), fill))
+    values = window.amax(-1) if largest else window.amin(-1)
+    nan = torch.isnan(window).any(-1)  # a NaN propagates, and its index is the NaN's (the first one kept)
+    values = torch.where(nan, torch.full_like(values, float("nan")), values)
+    hit = earlier & ((window == values.unsqueeze(-1)) | (torch.isnan(window) & nan.unsqueeze(-1)))
+    latest = torch.where(hit, position, torch.full_like(position, -1)).amax(-1)
+    return values.movedim(-1, dim), latest.movedim(-1, dim)
+
+
+# ------------------------------------------------------------------------------------------- elementwise and indexing
+def copysign(input: torch.Tensor, other) -> torch.Tensor:
+    """`aten.copysign`: |input| with the sign of `other` (negative zero counts as negative, through signbit);
+    PyTorch's reference lowers to prims.signbit, which torchlib does not translate."""
+    magnitude = torch.abs(input)
+    if not isinstance(other, torch.Tensor):
+        return -magnitude if math.copysign(1.0, other) < 0 else magnitude
+    negative = (other < 0) | ((other == 0) & (torch.reciprocal(other) < 0))  # signbit; torchlib's is 1-d for 0-d
+    return torch.where(negative, -magnitude, magnitude)
+
+
+def fmax(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """`aten.fmax`: the maximum, ignoring a NaN on either side."""
+    return torch.where(torch.isnan(input), other, torch.where(torch.isnan(other), input, torch.maximum(input, other)))
+
+
+def fmin(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """`aten.fmin`: the minimum, ignoring a NaN on either side."""
+    return torch.where(torch.isnan(input), other, torch.where(torch.isnan(other), input, torch.minimum(input, other)))
+
+
+def hypot(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """`aten.hypot`: sqrt(a^2 + b^2)."""
+    return torch.sqrt(input * input + other * other)
+
+
+def index_reduce(
+    input: torch.Tensor,
+    dim: int,
+    index: torch.Tensor,
+    source: torch.Tensor,
+    reduce: str,
+    *,
+    include_self: bool = True,
+) -> torch.Tensor:
+    """`aten.index_reduce` as `scatter_reduce` with the index spread along `dim` over `source`'s shape."""
+    dim = dim % max(input.dim(), 1)
+    shape = [1] * source.dim()
+    if source.dim():
+        shape[dim] = -1
+    spread = index.reshape(shape).expand(source.shape) if source.dim() else index.reshape(())
+    if reduce != "mean":
+        return input.scatter_reduce(dim, spread, source, reduce, include_self=include_self)
+    # mean: ONNX's ScatterElements has no mean; positions no index names keep their value
+    total = (input if include_self else torch.zeros_like(input)).scatter_add(dim, spread, source)
+    count = (torch.ones_like(input) if include_self else torch.zeros_like(input)).scatter_add(
+        dim, spread, torch.ones_like(source)
+    )
+    return torch.where(count > 0, total / torch.clamp(count, min=1), input)
+
+
+def put(input: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """`aten.put`: `source` written (or added) at flat positions of `input`, negative ones counted from the end."""
+    flat, positions = input.reshape(-1), index.reshape(-1)
+    positions = torch.where(positions < 0, positions + flat.shape[0], positions)
+    return flat.index_put((positions,), source.reshape(-1), accumulate).reshape(input.shape)
+
+
+def zeros_like_size(
+    size: Sequence[int],
+    *,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout | None = None,
+    device: torch.device | None = None,
+    pin_memory: bool | None = None,
+) -> torch.Tensor:
+    """`aten._efficientzerotensor` (autograd's zero gradient of sgn and friends): plain zeros."""
+    return torch.zeros(list(size), dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------------------------------------ special functions
+# ONNX has none of these. Each is shifted up by recurrence (x -> x + SHIFT) to where its asymptotic series is exact
+# to float32, and reflected for x < 0.5 where a reflection formula exists (lgamma, digamma).
+SHIFT = 8
+_BERNOULLI = (1.0 / 6, -1.0 / 30, 1.0 / 42, -1.0 / 30, 5.0 / 66, -691.0 / 2730)  # B_2, B_4, ..., B_12
+
+
+def lgamma(input: torch.Tensor) -> torch.Tensor:
+    """`aten.lgamma` (log |Gamma(x)|): Stirling's series at x + 8, the recurrence back down, and the reflection
+    formula log(pi / |sin(pi x)|) - lgamma(1 - x) below 0.5 (infinite at the poles 0, -1, ...)."""
+    x = input
+    reflect = x < 0.5
+    z = torch.where(reflect, 1.0 - x, x)
+    series = _lgamma_shifted(z)
+    reflected = math.log(math.pi) - torch.log(torch.abs(torch.sin(math.pi * x))) - series
+    return torch.where(reflect, reflected, series)
+
+
+def _lgamma_shifted(z: torch.Tensor) -> torch.Tensor:
+    w = z + SHIFT
+    inverse = 1.0 / w
+    square = inverse * inverse
+    tail = inverse * (1.0 / 12 - square * (1.0 / 360 - square * (1.0 / 1260 - square / 1680)))
+    stirling = (w - 0.5) * torch.log(w) - w + 0.5 * math.log(2 * math.pi) + tail
+    for k in range(SHIFT):
+        stirling = stirling - torch.log(z + k)
+    return stirling
+
+
+def digamma(input: torch.Tensor) -> torch.Tensor:
+    """`aten.digamma`: the asymptotic series at x + 8, the recurrence psi(x) = psi(x + 1) - 1/x back down, and
+    psi(1 - x) - pi / tan(pi x) below 0.5; -inf at 0 and NaN at the negative integers, as PyTorch."""
+    x = input
+    reflect = x < 0.5
+    z = torch.where(reflect, 1.0 - x, x)
+    w = z + SHIFT
+    inverse = 1.0 / w
+    square = inverse * inverse
+    value = (
+        torch.log(w) - 0.5 * inverse - square * (1.0 / 12 - square * (1.0 / 120 - square * (1.0 / 252 - square / 240)))
+    )
+    for k in range(SHIFT):
+        value = value - 1.0 / (z + k)
+    reflected = value - math.pi / torch.tan(math.pi * x)
+    out = torch.where(reflect, reflected, value)
+    negative_integer = (x <= 0) & (x == torch.floor(x))
+    out = torch.where(negative_integer, torch.full_like(out, float("nan")), out)
+    return torch.where(x == 0, torch.full_like(out, float("-inf")), out)
+
+
+def polygamma(n: int, input: torch.Tensor) -> torch.Tensor:
+    """`aten.polygamma` (the n-th derivative of digamma): n = 0 is `digamma`; for n >= 1 the asymptotic series
+    (-1)^(n+1) [(n-1)!/w^n + n!/(2 w^(n+1)) + sum_k B_2k (2k+n-1)!/((2k)! w^(2k+n))] at w = x + 8 and the
+    recurrence psi_n(x) = psi_n(x + 1) + (-1)^(n+1) n! / x^(n+1) back down, which holds for negative x too
+    (exact to float32 for x >= -8; infinite at the poles)."""
+    if n == 0:
+        return digamma(input)
+    x, shift = input, 2 * SHIFT
+    w = x + shift
+    sign = 1.0 if n % 2 == 1 else -1.0
+    value = math.factorial(n - 1) / w**n + math.factorial(n) / (2 * w ** (n + 1))
+    for k, bernoulli in enumerate(_BERNOULLI, start=1):
+        value = value + bernoulli * math.factorial(2 * k + n - 1) / math.factorial(2 * k) / w ** (2 * k + n)
+    for k in range(shift):
+        value = value + math.factorial(n) / (x + k) ** (n + 1)
+    return sign * value
+
+
+def special_polygamma(n: int, input: torch.Tensor) -> torch.Tensor:
+    """`aten.special_polygamma`: `polygamma`."""
+    return polygamma(n, input)
+
+
+def erfinv(input: torch.Tensor) -> torch.Tensor:
+    """`aten.erfinv`: Giles' single-precision approximation (two polynomials in w = -log(1 - x^2)), refined by two
+    Newton steps on erf (ONNX Erf); +-inf at +-1, NaN outside [-1, 1]."""
+    x = input
+    w = -torch.log((1.0 - x) * (1.0 + x))
+    small = w - 2.5
+    p_small = torch.full_like(small, 2.81022636e-08)
+    for c in (
+        3.43273939e-07,
+        -3.5233877e-06,
+        -4.39150654e-06,
+        0.00021858087,
+        -0.00125372503,
+        -0.00417768164,
+        0.246640727,
+        1.50140941,
+    ):
+        p_small = p_small * small + c
+    large = torch.sqrt(torch.clamp(w, min=5.0)) - 3.0
+    p_large = torch.full_like(large, -0.000200214257)
+    for c in (
+        0.000100950558,
+        0.00134934322,
+        -0.00367342844,
+        0.00573950773,
+        -0.0076224613,
+        0.00943887047,
+        1.00167406,
+        2.83297682,
+    ):
+        p_large = p_large * large + c
+    y = torch.where(w < 5.0, p_small, p_large) * x
+    for _ in range(2):  # Newton on erf(y) = x: y -= (erf(y) - x) / (2/sqrt(pi) exp(-y^2))
+        y = y - (torch.erf(y) - x) / (2.0 / math.sqrt(math.pi) * torch.exp(-y * y))
+    y = torch.where(torch.abs(x) == 1.0, x * float("inf"), y)
+    return torch.where(torch.abs(x) > 1.0, torch.full_like(y, float("nan")), y)
+
+
+def ndtri(input: torch.Tensor) -> torch.Tensor:
+    """`aten.special_ndtri` (the standard normal quantile): sqrt(2) erfinv(2p - 1)."""
+    return math.sqrt(2.0) * erfinv(2.0 * input - 1.0)
