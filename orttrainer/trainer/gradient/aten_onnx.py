@@ -165,7 +165,7 @@ class _Graph:
         left, right = self._probe(a), self._probe(b)
         if not isinstance(left, torch.Tensor) and not isinstance(right, torch.Tensor):
             return torch.result_type(torch.tensor(left), right)
-        return torch.result_type(left, right)  # type: ignore[arg-type]
+        return torch.result_type(left, right)
 
     def _probe(self, arg: Any) -> Any:
         if isinstance(arg, torch.fx.Node):  # a meta tensor of the same shape: 0-dim tensors promote like scalars
@@ -194,7 +194,7 @@ class _Graph:
             return
         if self._fold(node):
             return
-        translation = _TRANSLATIONS.get(node.target)  # type: ignore[arg-type]
+        translation = _TRANSLATIONS.get(node.target)
         if translation is None:
             raise UntranslatableGraph(f"no direct ONNX translation for {node.target} (node {node.name})")
         result = translation(self, node)
@@ -266,13 +266,13 @@ def _same(g: _Graph, node: torch.fx.Node) -> Value:
 
 def _to_copy(g: _Graph, node: torch.fx.Node) -> Value:
     source = node.args[0]
-    return g.cast(g.tensor(source), g.meta(source).dtype, _meta(node).dtype)
+    return g.cast(g.tensor(source), g.meta(source).dtype, _meta(node).dtype)  # type: ignore[arg-type]
 
 
 def _permute(g: _Graph, node: torch.fx.Node) -> Value:
     x, dims = node.args[0], node.args[1]
-    rank = _rank(g, x)
-    perm = [_axis(d, rank) for d in dims]  # type: ignore[union-attr]
+    rank = _rank(g, x)  # type: ignore[arg-type]
+    perm = [_axis(d, rank) for d in dims]  # type: ignore[union-attr, arg-type]
     if perm == list(range(rank)):
         return g.tensor(x)
     return g.one("Transpose", [g.tensor(x)], perm=perm)
@@ -280,7 +280,7 @@ def _permute(g: _Graph, node: torch.fx.Node) -> Value:
 
 def _transpose(g: _Graph, node: torch.fx.Node) -> Value:
     x = node.args[0]
-    rank = _rank(g, x)
+    rank = _rank(g, x)  # type: ignore[arg-type]
     if node.target == aten.t.default:
         a, b = (0, 1) if rank == 2 else (0, 0)
     else:
@@ -293,7 +293,7 @@ def _transpose(g: _Graph, node: torch.fx.Node) -> Value:
 def _expand(g: _Graph, node: torch.fx.Node) -> Value:
     x = node.args[0]
     shape = list(_meta(node).shape)
-    if list(g.meta(x).shape) == shape:
+    if list(g.meta(x).shape) == shape:  # type: ignore[arg-type]
         return g.tensor(x)
     return g.one("Expand", [g.tensor(x), g.ints(shape)])
 
@@ -507,14 +507,15 @@ def _reduce(op: str) -> Translation:
         x = node.args[0]
         out = _meta(node)
         if node.target in (aten.sum.default, aten.any.default):
-            dims, keepdim = [], False
+            dims: Any = []
+            keepdim = False
         else:
             dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
             keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
         if isinstance(dims, int):
             dims = [dims]
         rank = _rank(g, x)  # type: ignore[arg-type]
-        axes = [_axis(d, rank) for d in (dims or [])]  # type: ignore[union-attr]
+        axes = [_axis(d, rank) for d in (dims or [])]
         if op == "any":
             flag = g.cast(g.tensor(x), g.meta(x).dtype, torch.bool)  # type: ignore[arg-type]
             source = g.one("Cast", [flag], to=TensorProto.INT32)
@@ -543,7 +544,7 @@ def _addmm(g: _Graph, node: torch.fx.Node) -> Value:
     alpha = node.kwargs.get("alpha", 1)
     if not _meta(node).dtype.is_floating_point:
         return None  # type: ignore[return-value]
-    return g.one("Gemm", [g.tensor(a), g.tensor(b), g.tensor(bias)], alpha=float(alpha), beta=float(beta))
+    return g.one("Gemm", [g.tensor(a), g.tensor(b), g.tensor(bias)], alpha=float(alpha), beta=float(beta))  # type: ignore[arg-type]
 
 
 def _layer_norm(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
@@ -602,10 +603,10 @@ def _index_put(g: _Graph, node: torch.fx.Node) -> Value:
     x, indices, values = node.args[:3]
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
     indices = list(indices)  # type: ignore[arg-type]
-    if len(indices) != 1 or indices[0] is None or g.meta(indices[0]).dtype != torch.int64:
+    if len(indices) != 1 or indices[0] is None or g.meta(indices[0]).dtype != torch.int64:  # type: ignore[arg-type]
         return None  # type: ignore[return-value]
     out, index = _meta(node), indices[0]
-    target = list(g.meta(index).shape) + list(out.shape[1:])
+    target = list(g.meta(index).shape) + list(out.shape[1:])  # type: ignore[arg-type]
     updates = g.one("Expand", [g.typed(values, out.dtype), g.ints(target)])
     size = g.const(np.asarray(out.shape[0], dtype=np.int64))
     wrapped = g.one("Mod", [g.one("Add", [g.tensor(index), size]), size])  # negative indices count from the end

@@ -462,7 +462,11 @@ def dataflow_digest(
 
     def remember(tensor: torch.Tensor, name: str) -> None:
         key = id(tensor)
-        names[key] = (weakref.ref(tensor, lambda _, key=key: names.pop(key, None)), name)
+
+        def forget(_: Any) -> None:
+            names.pop(key, None)
+
+        names[key] = (weakref.ref(tensor, forget), name)
 
     def describe(value: Any) -> str:
         if isinstance(value, torch.Tensor):
