@@ -12,7 +12,9 @@ Each runner has its own process; the processes step in turn (benchmarks/lockstep
 falls on all runners alike. Reported per runner: the median step time and the range of the per-round medians; the
 ratio to eager PyTorch (as users run it, and with fused Adam) as the median of the per-round ratios with its
 interquartile range; the time to the first step (export, compile, artifact generation and session creation
-included; each process starts alone); the process's peak resident memory (`ru_maxrss`) and its growth over the
+included; each process starts alone, with an empty compile cache of its own: orttrainer/trainer/compile/cache.py);
+for orttrainer's runners the first step of a second process on the cache the first one filled (unless
+`--no-cache-run`); the process's peak resident memory (`ru_maxrss`) and its growth over the
 same process after importing torch and onnxruntime and making the batches; the loss after the last step (the
 same for runners computing the same thing). `--profile` adds ONNX Runtime's kernel time per op type (and torch's
 self time per op for eager PyTorch); the profilers slow the steps they record. Prints a markdown table and writes
@@ -31,6 +33,7 @@ import platform
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -90,16 +93,19 @@ def _torch_profile(step, steps: int = 3) -> dict[str, float]:
     return dict(sorted(((k, v) for k, v in totals.items() if v > 0), key=lambda kv: -kv[1]))
 
 
-def measure(name: str, runners: list[str], args: argparse.Namespace) -> list[dict]:
-    """Start each runner's process (one at a time), interleave their steps, collect the results."""
+def measure(name: str, runners: list[str], args: argparse.Namespace, cache_root: str) -> list[dict]:
+    """Start each runner's process (one at a time, each on an empty compile cache of its own), interleave their
+    steps, collect the results; then a second process of each orttrainer runner on the cache the first filled."""
     flags = ["--threads", str(args.threads)] + (["--profile"] if args.profile else [])
-    workers, results = {}, []
+    workers, results, environments = {}, [], {}
     for runner in runners:
         print(f"{name}: starting {runner} ...", file=sys.stderr, flush=True)
         base, _, other = runner.partition("@")
         python = args.other_python if other else sys.executable
+        cache = os.path.join(cache_root, name, runner.replace("[", "-").replace("]", "").replace("@", "-"))
+        environments[runner] = env = {**runner_env(base), "ORTTRAINER_COMPILE_CACHE": cache}
         try:
-            workers[runner] = Worker(__file__, [base, name, *flags], env=runner_env(base), python=python)
+            workers[runner] = Worker(__file__, [base, name, *flags], env=env, python=python)
         except RuntimeError as err:  # report the others; the failure is in the table and the exit status
             results.append({"runner": runner, "workload": name, "failed": str(err).strip().splitlines()[-1]})
     print(f"{name}: {args.rounds} interleaved rounds ...", file=sys.stderr, flush=True)
@@ -111,6 +117,15 @@ def measure(name: str, runners: list[str], args: argparse.Namespace) -> list[dic
             if base in per_round:
                 result[f"vs_{base}"] = ratio_statistics(per_round[runner], per_round[base])
         results.append(result)
+    for result in results:
+        runner = result["runner"]
+        if args.cache_run and runner.startswith("orttrainer[") and "failed" not in result:
+            print(f"{name}: {runner} again, on the compile cache ...", file=sys.stderr, flush=True)
+            base, _, other = runner.partition("@")
+            python = args.other_python if other else sys.executable
+            again = Worker(__file__, [base, name, *flags], env=environments[runner], python=python)
+            result["cached_first_step_s"] = again.ready["first_step_s"]
+            result["cached_peak_rss_growth_mb"] = again.finish()["peak_rss_mb"] - again.ready["baseline_rss_mb"]
     return results
 
 
@@ -134,6 +149,12 @@ def main() -> int:
         help="a second interpreter (a venv with the maintained onnxruntime): its orttrainer runners, as '@other'",
     )
     parser.add_argument("--profile", action="store_true", help="kernel time per op type (slows the steps)")
+    parser.add_argument(
+        "--no-cache-run",
+        dest="cache_run",
+        action="store_false",
+        help="leave out the second process of each orttrainer runner on the compile cache",
+    )
     parser.add_argument("--worker", nargs=2, metavar=("RUNNER", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -143,7 +164,8 @@ def main() -> int:
     if args.other_python:  # the orttrainer runners again, on the other interpreter's onnxruntime
         runners += [f"{r}@other" for r in other_runners(runners, args.other_python)]
     started = time.perf_counter()
-    results = [r for name in args.workloads for r in measure(name, runners, args)]
+    with tempfile.TemporaryDirectory(prefix="orttrainer-bench-cache-") as cache_root:
+        results = [r for name in args.workloads for r in measure(name, runners, args, cache_root)]
     text = report(results, args)
     print(text)
     payload = {"arguments": vars(args), "environment": environment(), "results": results}
@@ -190,7 +212,7 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
     for r in results:
         name = WORKLOADS[r["workload"]].name
         if "failed" in r:
-            rows.append([name, r["runner"], *["–"] * 7, f"failed: {r['failed']}"])
+            rows.append([name, r["runner"], *["–"] * 8, f"failed: {r['failed']}"])
             continue
         t = r["time_ms"]
         rows.append(
@@ -201,6 +223,7 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
                 _ratio(r, "pytorch"),
                 _ratio(r, "pytorch-fused"),
                 f"{r['first_step_s']:.2f}",
+                f"{r['cached_first_step_s']:.2f}" if "cached_first_step_s" in r else "–",
                 f"{r['peak_rss_mb']:.0f}",
                 f"{r['peak_rss_mb'] - r['baseline_rss_mb']:.0f}",
                 f"{r['last_loss']:.5g}",
@@ -214,6 +237,7 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
         "vs eager (IQR)",
         "vs eager fused Adam (IQR)",
         "first step (s)",
+        "first step, 2nd process, cache (s)",
         "peak RSS (MB)",
         "RSS growth (MB)",
         "last loss",

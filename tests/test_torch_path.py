@@ -409,14 +409,27 @@ class GroupMean(nn.Module):
 
 
 def test_new_batch_sizes_reuse_the_dynamic_graph(caplog):
+    """The first graph has the first batch's shapes; the second batch size traces the dynamic-dims graph, which
+    serves every later size."""
     data = batches(sizes=(8, 5, 3, 8, 6))
     with caplog.at_level(logging.INFO, logger="orttrainer"):
         trainer, _ = train_and_compare(GroupMean(), data, TORCH)
-    assert trainer._training_session.training_graph_count == 1
-    assert "the first training graph is traced with dynamic dims [[0], [0]]" in caplog.text
-    assert "input shapes [[5, 16], [5]]: the first training graph serves them" in caplog.text
-    inputs = [i for i in trainer._built.compiled.training.model.graph.input if i.name == "x"]
+    assert trainer._training_session.training_graph_count == 2
+    assert "the training graph is traced with dynamic dims [[0], [0]]" in caplog.text
+    assert "input shapes [[3, 16], [3]]: an earlier training graph serves them" in caplog.text
+    first = [i for i in trainer._built.compiled.training.model.graph.input if i.name == "x"]
+    assert first[0].type.tensor_type.shape.dim[0].dim_value == 8  # the first batch's shapes
+    dynamic = trainer._built.compiled.graph_for([x for x in batches(sizes=(6,))[0]]).model
+    inputs = [i for i in dynamic.graph.input if i.name == "x"]
     assert inputs[0].type.tensor_type.shape.dim[0].dim_param  # a symbolic batch dim in the ONNX graph
+
+
+def test_the_first_graph_is_dynamic_without_the_static_shapes_rewrite(caplog, monkeypatch):
+    monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "static_shapes")
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, _ = train_and_compare(GroupMean(), batches(sizes=(8, 5, 3)), TORCH)
+    assert trainer._training_session.training_graph_count == 1
+    assert "input shapes [[5, 16], [5]]: an earlier training graph serves them" in caplog.text
 
 
 def test_shapes_outside_the_dynamic_graphs_guards_get_their_own_graph_on_the_same_state(caplog):
@@ -424,7 +437,7 @@ def test_shapes_outside_the_dynamic_graphs_guards_get_their_own_graph_on_the_sam
     sharing the weights with the first one."""
     with caplog.at_level(logging.INFO, logger="orttrainer"):
         trainer, _ = train_and_compare(GroupMean(), batches(sizes=(8, 1, 8, 1, 5)), TORCH)
-    assert trainer._training_session.training_graph_count == 2
+    assert trainer._training_session.training_graph_count == 3  # 8, 1 (its own), 5 (dynamic)
     assert "tracing and compiling a training graph for the new input shapes [[1, 16], [1]]" in caplog.text
 
 
@@ -440,7 +453,8 @@ def test_a_model_whose_trace_specialises_the_batch_gets_one_graph_per_batch_size
         trainer, ref = train_and_compare(Specialising(), batches(sizes=(8, 5, 8, 5, 3)), TORCH)
         x, y = batches(sizes=(5,))[0]  # the eval graph is static in the batch too: another one is exported
         _, logits = trainer.eval_step(x, y)
-    assert trainer._training_session.training_graph_count == 3
+    # 8: the first graph; 5: the dynamic trace, whose guard (size != 8) also admits 3
+    assert trainer._training_session.training_graph_count == 2
     with torch.no_grad():
         np.testing.assert_allclose(logits.numpy(), ref(x).numpy(), atol=1e-5)
     assert "exporting an eval graph for the input shapes [[5, 16], [5]]" in caplog.text

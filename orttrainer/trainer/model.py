@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import onnx
 import torch
@@ -24,7 +24,8 @@ from .._require import require
 from ..amp import LossScaler
 from ..schema.model_desc import _ORTTrainerModelDesc
 from .activations import ActivationStatistics
-from .build.export import TRACING
+from .build import cached as build_cache
+from .build.export import TRACING, state_outside_graph
 from .build.forward import (
     Forward,
     NoBuilderTrainsError,
@@ -35,8 +36,22 @@ from .build.forward import (
     torch_route_forward,
     torchscript_forward,
 )
-from .compile.compiler import CompiledModel, CompileRequest, DataParallelPlan, compile_model, output_elem_types
-from .compile.contract import check_same_state_contract
+from .build.torch_route import module_values
+from .compile.compiler import (
+    CompiledModel,
+    CompileRequest,
+    DataParallelPlan,
+    compile_model,
+    output_elem_types,
+    restore_compiled,
+)
+from .compile.contract import (
+    TrainingGraph,
+    accumulation_buffer_name,
+    check_same_state_contract,
+    read_contract,
+    zero_state,
+)
 from .config import TrainerConfig, recompute_plan
 from .gradient.choice import BuilderChoice
 from .gradient.ort_options import GradientOptions
@@ -120,28 +135,31 @@ def _build_torch(
     sample_inputs: list,
     activations: ActivationStatistics,
 ) -> Built:
+    cached = build_cache.lookup(config, module, sample_inputs, activations)  # None: the cache is not used
+    if cached is not None:
+        built = _build_from_cache(config, state, module, sample_inputs, activations, cached)
+        if built is not None:
+            return built
     plan = prepare_torch(config, module, sample_inputs)
     if plan.choice.builder != "torch":
         try:
             forward = torchscript_forward(config, module, sample_inputs, activations, plan)
-            return _compile_and_open(config, state, forward)
+            return _compile_and_open(config, state, forward, cached)
         except Exception as err:
             reason = auto_fallback(plan.choice, err)
             if reason is None:
                 raise
             _logger.info("%s; building with the torch gradient builder", reason)
             try:
-                return _compile_and_open(
-                    config,
-                    state,
-                    torch_route_forward(config, module, sample_inputs, plan.falling_back(reason), activations),
-                )
+                forward = torch_route_forward(config, module, sample_inputs, plan.falling_back(reason), activations)
+                return _compile_and_open(config, state, forward, cached)
             except Exception as torch_err:
                 raise NoBuilderTrainsError(
                     f"neither gradient builder can train {type(module).__name__}: the 'ort' builder: "
                     f"{reason.removeprefix('auto: ')}; the torch builder: {type(torch_err).__name__}: {torch_err}"
                 ) from torch_err
-    return _compile_and_open(config, state, torch_route_forward(config, module, sample_inputs, plan, activations))
+    forward = torch_route_forward(config, module, sample_inputs, plan, activations)
+    return _compile_and_open(config, state, forward, cached)
 
 
 def reexport_for_shapes(
@@ -162,18 +180,106 @@ def reexport_for_shapes(
     return compiled
 
 
-def _compile_and_open(config: TrainerConfig, state: TrainerState, forward: Forward) -> Built:
-    """Stages 2 and 3: compile `forward`, then open the session on the initial state."""
+def _compile_and_open(
+    config: TrainerConfig, state: TrainerState, forward: Forward, cached: build_cache.CachedBuild | None = None
+) -> Built:
+    """Stages 2 and 3: compile `forward`, then open the session on the initial state; with `cached`, the compiled
+    graphs are stored for the next process (build/cached.py)."""
     losses = [o.name for o in forward.model_desc.outputs if o.is_loss]
     require(len(losses) == 1, f"Only one loss output is supported ({len(losses)} were specified)")
     plan, owners = _data_parallel_plan(config, forward.forward, forward.trainable)
-    compiled, initial = compile_model(_compile_request(config, forward, losses[0], plan))
+    compiled, initial = compile_model(_compile_request(config, forward, losses[0], plan, cached))
+    built = _open(config, state, forward, compiled, initial, owners, cached)
+    if cached is not None:
+        meta = {
+            "route": "torch" if forward.source is not None else "torchscript",
+            "builder": [compiled.builder.builder, compiled.builder.reason],
+            "trainable": compiled.trainable,
+            "frozen": compiled.frozen,
+            "shapes": {name: list(shape) for name, shape in compiled.shapes.items()},
+        }
+        eval_model = compiled.eval_model if forward.eval_graphs is None else None
+        cached.store_first(meta, compiled.training.model, eval_model)
+    return built
+
+
+def _build_from_cache(
+    config: TrainerConfig,
+    state: TrainerState,
+    module: torch.nn.Module,
+    sample_inputs: list,
+    activations: ActivationStatistics,
+    cached: build_cache.CachedBuild,
+) -> Built | None:
+    """Stages 1 and 2 from the compile cache (None on a miss): the dry run (for the typed model_desc and PyTorch's
+    first outputs) and the stored graphs; the initial state is the module's, as compilation would take it."""
+    stored = cached.load_first()
+    if stored is None:
+        return None
+    meta, training_model, eval_model = stored
+    _logger.info("the compiled graphs come from the compile cache (%s)", cached.cache.path(cached.first_key))
+    choice = BuilderChoice(*meta["builder"])
+    plan = replace(prepare_torch(config, module, sample_inputs, record_reads=False), choice=choice)
+    split = (list(meta["trainable"]), list(meta["frozen"]))
+    source: onnx.ModelProto | Callable[[], onnx.ModelProto]
+    if meta["route"] == "torch":
+        forward = torch_route_forward(config, module, sample_inputs, plan, activations, split)
+        assert forward.eval_graphs is not None  # the torch route exports its forward model when first asked
+        source = forward.eval_graphs.forward_model
+    else:
+        aliases, unused = state_outside_graph(module, set(split[0] + split[1]))
+        info = TorchExportInfo(list(module.state_dict()), aliases, unused, plan.dry.sample_outputs, not module.training)
+        forward = Forward(plan.model_desc, onnx.ModelProto(), *split, choice, info, None, sample_inputs)
+        source = _LazyExport(config, module, sample_inputs, activations, plan)
+    losses = [o.name for o in forward.model_desc.outputs if o.is_loss]
+    request = _compile_request(config, forward, losses[0], None, cached)
+    shapes = {name: tuple(shape) for name, shape in meta["shapes"].items()}
+    training = read_contract(training_model)
+    assert isinstance(training, TrainingGraph)  # data parallelism is not cached
+    compiled = restore_compiled(request, training, eval_model or onnx.ModelProto(), choice, shapes)
+    weights = module_values(module, split[0] + split[1])
+    initial = {**weights, **zero_state(training.state_shapes), **zero_state(_buffer_shapes(compiled))}
+    return _open(config, state, forward, compiled, initial, None, cached, source)
+
+
+class _LazyExport:
+    """The TorchScript route's post-processed forward model, exported when first asked (a cached build did not
+    export it; `save_as_onnx` fills in the session's weights by name)."""
+
+    def __init__(self, config: TrainerConfig, module: torch.nn.Module, inputs: list, activations, plan) -> None:
+        self._arguments = (config, module, inputs, activations, plan)
+        self._model: onnx.ModelProto | None = None
+
+    def __call__(self) -> onnx.ModelProto:
+        if self._model is None:
+            with TRACING:
+                self._model = torchscript_forward(*self._arguments).forward
+        return self._model
+
+
+def _buffer_shapes(compiled: CompiledModel) -> dict[str, tuple[int, ...]]:
+    suffix = len(accumulation_buffer_name(""))
+    return {name: compiled.shapes[name[:-suffix]] for name in compiled.accumulation_buffers}
+
+
+def _open(
+    config: TrainerConfig,
+    state: TrainerState,
+    forward: Forward,
+    compiled: CompiledModel,
+    initial: dict,
+    owners: dict[str, int] | None,
+    cached: build_cache.CachedBuild | None = None,
+    source: onnx.ModelProto | Callable[[], onnx.ModelProto] | None = None,
+) -> Built:
+    """Stage 3: the session on the initial state, and the built model."""
     _logger.info("gradient builder '%s' (%s)", compiled.builder.builder, compiled.builder.reason)
     _describe_mixed_precision(config, forward.model_desc, compiled, state.loss_scaler)
     ort_private.set_seed(state.streams.base)  # random ops other than Dropout draw from ONNX Runtime's global generator
-    session = _open_session(config, state, compiled, initial, owners, forward)
+    session = _open_session(config, state, compiled, initial, owners, forward, cached)
     del initial  # the session holds the state now: one copy (README § Benchmarks, memory)
-    source = forward.eval_graphs.forward_model if forward.eval_graphs is not None else forward.forward
+    if source is None:
+        source = forward.eval_graphs.forward_model if forward.eval_graphs is not None else forward.forward
     built = Built(source, compiled, session, owners, forward.torch_export, forward.model_desc)
     if config.distributed is not None:
         start_from_rank0(session, built.state_names, config.rank, config.world_size)
@@ -181,7 +287,11 @@ def _compile_and_open(config: TrainerConfig, state: TrainerState, forward: Forwa
 
 
 def _compile_request(
-    config: TrainerConfig, forward: Forward, loss: str, plan: DataParallelPlan | None
+    config: TrainerConfig,
+    forward: Forward,
+    loss: str,
+    plan: DataParallelPlan | None,
+    cached: build_cache.CachedBuild | None = None,
 ) -> CompileRequest:
     opts, desc = config.options, forward.model_desc
     return CompileRequest(
@@ -207,6 +317,7 @@ def _compile_request(
         gradient_options=GradientOptions.from_options(opts),
         statistics=forward.activations,
         batch_norms=forward.batch_norms,
+        graph_cache=cached.graphs() if cached is not None else None,
     )
 
 
@@ -231,6 +342,7 @@ def _open_session(
     initial: dict,
     owners: dict[str, int] | None,
     forward: Forward,
+    cached: build_cache.CachedBuild | None = None,
 ) -> SessionBase:
     opts = config.options
     session_config = SessionConfig(
@@ -248,7 +360,8 @@ def _open_session(
     )
     eval_for = forward.eval_graphs
     if compiled.step is None:
-        return TrainingSession(compiled, initial, session_config, state.streams, eval_for)
+        cache = cached.specialisations() if cached is not None else None
+        return TrainingSession(compiled, initial, session_config, state.streams, eval_for, cache)
     return DataParallelSession(
         compiled,
         initial,

@@ -102,12 +102,15 @@ class TorchPlan:
         return replace(self, choice=BuilderChoice("torch", reason))
 
 
-def prepare_torch(config: TrainerConfig, module: torch.nn.Module, sample_inputs: list) -> TorchPlan:
-    """The dry run (no debug step counted, no file written) and the builder `choose_builder` picks for it."""
+def prepare_torch(
+    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, record_reads: bool = True
+) -> TorchPlan:
+    """The dry run (no debug step counted, no file written) and the builder `choose_builder` picks for it.
+    `record_reads=False`: the torch route's state reads are not needed (they come from the compile cache)."""
     desc, options = copy.deepcopy(config.model_desc), config.options
     check_inputs(sample_inputs, desc.inputs)
     with no_increase_global_step():
-        reads = options._internal_use.gradient_builder == "torch" or not has_training_build()  # the torch route's
+        reads = record_reads and (options._internal_use.gradient_builder == "torch" or not has_training_build())
         dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs, record_reads=reads)
     choice = choose_builder(
         options._internal_use.gradient_builder,
@@ -262,18 +265,20 @@ def torch_route_forward(
     sample_inputs: list,
     plan: TorchPlan,
     activations: ActivationStatistics | None = None,
+    split: tuple[list[str], list[str]] | None = None,
 ) -> Forward:
     """The torch route (build/torch_route.py): state from the module, the training graph from AOTAutograd with
     model_desc's string dims dynamic, the forward model from torch.export when first needed. With a subscribed
     model (`activations`), the trace marks its activations (trainer/activations.py). With
-    `_internal_use.extra_postprocess`, the edited forward instead (`edited_torch_forward`)."""
+    `_internal_use.extra_postprocess`, the edited forward instead (`edited_torch_forward`). `split`: the
+    (trainable, frozen) lists an earlier build found (the compile cache), instead of the dry run's reads."""
     desc, options, dry = plan.model_desc, config.options, plan.dry
-    if dry.read_state is None:  # 'auto' came from the TorchScript route: the reads are recorded now
+    if dry.read_state is None and split is None:  # 'auto' came from the TorchScript route: the reads are recorded now
         with no_increase_global_step():
             dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs)
     names, opset = [d.name for d in desc.inputs], options._internal_use.onnx_opset_version
     dims, outputs, amp = named_dims(desc.inputs), [d.name for d in desc.outputs], options.mixed_precision.enabled
-    trainable, frozen = module_state(module, list(options.utils.frozen_weights), dry)
+    trainable, frozen = split or module_state(module, list(options.utils.frozen_weights), dry)
     marking = activations.prepare_traced(config.loss_fn, desc, sample_inputs) if activations is not None else None
     features = trace_features(config, marking)
     groups = same_size_groups(desc.inputs)

@@ -30,6 +30,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import torch
 from onnx import numpy_helper
@@ -91,6 +92,12 @@ def state_model(module: torch.nn.Module, names: list[str]) -> onnx.ModelProto:
         [], "state", [], [], [numpy_helper.from_array(state[n].cpu().numpy(), n) for n in names]
     )
     return onnx.helper.make_model(graph)
+
+
+def module_values(module: torch.nn.Module, names: list[str]) -> dict[str, np.ndarray]:
+    """The named state tensors of `module` as arrays sharing its memory (the session copies what it holds)."""
+    state = {n: t for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    return {n: state[n].detach().cpu().numpy() for n in names}
 
 
 @dataclass(frozen=True)

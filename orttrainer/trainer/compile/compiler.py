@@ -9,9 +9,11 @@ signature's).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -69,6 +71,15 @@ class DataParallelPlan:
     owned: list[str] | None  # None: every rank updates every tensor
 
 
+class GraphCache(Protocol):
+    """Where compiled training graphs for a batch's shapes are kept across processes (compile/cache.py): `load`
+    gives the graph stored for `inputs` (the data, model_desc order) or None; `store` keeps one."""
+
+    def load(self, inputs: Sequence[torch.Tensor]) -> onnx.ModelProto | None: ...
+
+    def store(self, inputs: Sequence[torch.Tensor], model: onnx.ModelProto) -> None: ...
+
+
 @dataclass(frozen=True)
 class CompileRequest:
     """What the trainer knows when it compiles: names from model_desc, the parameter split and the options."""
@@ -96,6 +107,7 @@ class CompileRequest:
     lazy_eval: bool = False  # the torch route: `forward` holds only the state, eval graphs come from torch_route
     batch_norms: Sequence[BatchNormStatistics] = ()  # running statistics the 'ort' builder's graph updates
     update: str = "auto"  # where the optimizer update runs (update/path.py); resolved by compile_model
+    graph_cache: GraphCache | None = None  # torch builder: the graphs for other shapes, across processes
 
 
 @dataclass(frozen=True)
@@ -167,6 +179,30 @@ def compile_model(request: CompileRequest) -> tuple[CompiledModel, InitialState]
         graph_for=graph_for,
     )
     return compiled, initial
+
+
+def restore_compiled(
+    request: CompileRequest,
+    training: TrainingGraph,
+    eval_model: onnx.ModelProto,
+    builder: BuilderChoice,
+    shapes: dict[str, tuple[int, ...]],
+) -> CompiledModel:
+    """The `CompiledModel` `compile_model(request)` made before, from its stored graphs (compile/cache.py):
+    `request` has the trainable and frozen lists that compilation ended with; stages 1-5 do not run again."""
+    request = replace(_resolved(request), builder=builder)
+    buffers = _accumulation_buffers(request, shapes, training)
+    graph_for = TorchShapeGraphs(request, training, None) if builder.builder == "torch" else None
+    return CompiledModel(
+        training,
+        eval_model,
+        request.trainable,
+        request.frozen,
+        accumulation_buffers=list(buffers),
+        shapes=shapes,
+        builder=builder,
+        graph_for=graph_for,
+    )
 
 
 def _resolved(request: CompileRequest) -> CompileRequest:
@@ -325,9 +361,13 @@ class TorchShapeGraphs:
 
     Why: a traced graph is valid only for the inputs it accepts (gradient/torch_builder.py): with model_desc's
     string dims traced dynamic, every size the trace's guards allow; else its own shapes. `first` was compiled
-    for the first batch and is returned for every input `accepts` takes (logged once per signature); other
-    inputs get a graph traced for their shapes and run through stages 2-4 (graph/pipeline.py), which must have
-    `first`'s state contract (checked). The session caches the results per signature."""
+    for the first batch and is returned for every input `accepts` takes (logged once per signature). Other
+    inputs: the first time a batch of another signature arrives (and its dynamic dims are all >= 2, the sizes
+    PyTorch's tracer does not specialise), the graph is traced with model_desc's string dims dynamic and then
+    serves every later batch its guards accept (the first graph is traced for the first batch's shapes:
+    `graph/passes.rewrite_enabled("static_shapes")`, gradient/differentiate.py); any other batch gets a graph
+    traced for its shapes. Each runs through stages 2-4 (graph/pipeline.py) and must have `first`'s state
+    contract (checked). The session caches the results per signature."""
 
     def __init__(self, request: CompileRequest, first: StepGraph, accepts: Accepts | None) -> None:
         if request.torch_source is None or request.sample_inputs is None:
@@ -336,6 +376,10 @@ class TorchShapeGraphs:
         self._signature = shape_signature(request.sample_inputs)
         self._accepts = accepts
         self._source = request.torch_source
+        self._dynamic: tuple[StepGraph, Accepts] | None = None  # the dynamic-dims graph, once traced
+        self._dynamic_tried = not any(self._source.dynamic_dims)  # nothing to trace dynamic
+        self._cache = request.graph_cache
+        self._loaded: dict[str, StepGraph] = {}  # graphs loaded from the cache, by content: one session each
         # keeps no batch and no forward model alive
         self._request = replace(request, forward=onnx.ModelProto(), sample_inputs=None)
 
@@ -343,26 +387,58 @@ class TorchShapeGraphs:
         shapes = [list(t.shape) for t in inputs]
         if shape_signature(inputs) == self._signature:
             return self.first
-        if self._accepts is not None and self._accepts(inputs):
-            _logger.info("input shapes %s: the first training graph serves them (dynamic dims)", shapes)
-            return self.first
+        for graph, accepts in [(self.first, self._accepts), *([self._dynamic] if self._dynamic else [])]:
+            if accepts is not None and accepts(inputs):
+                _logger.info("input shapes %s: an earlier training graph serves them (dynamic dims)", shapes)
+                if self._cache is not None:
+                    self._cache.store(inputs, graph.model)
+                return graph
+        stored = self._cache.load(inputs) if self._cache is not None else None
+        if stored is not None:
+            _logger.info("input shapes %s: the training graph comes from the compile cache", shapes)
+            return self._from_cache(stored)
+        dynamic = not self._dynamic_tried and all(
+            t.shape[d] >= 2 for t, dims in zip(inputs, self._source.dynamic_dims, strict=False) for d in dims
+        )
         request = self._request
         _logger.info(
-            "tracing and compiling a training graph for the new input shapes %s (torch gradient builder: the "
-            "first graph is not valid for them; one graph per such input-shape signature)",
+            "tracing and compiling a training graph for the new input shapes %s (torch gradient builder%s)",
             shapes,
+            ": with model_desc's string dims dynamic, for the shapes to come" if dynamic else "",
         )
         with TRACING:
             traced = torch_gradient_model(
-                self._source, inputs, request.outputs, request.trainable, request.trainable + request.frozen
+                self._source,
+                inputs,
+                request.outputs,
+                request.trainable,
+                request.trainable + request.frozen,
+                dynamic=dynamic,
             )
         if traced.added_state:  # the first graph made every buffer the forward updates state
             raise RuntimeError(f"the graph for new input shapes updates buffers {sorted(traced.added_state)} too")
-        model = traced.model
+        model, accepts = traced.model, traced.accepts
         loss, scale = _torch_loss_names(request)
         graph = _tail(request, run_passes(model, _gradient_passes(request, loss)), scale, {})
         check_same_state_contract(self.first, graph)
+        if dynamic:
+            self._dynamic_tried = True
+            self._dynamic = (graph, accepts)
+        if self._cache is not None:
+            self._cache.store(inputs, graph.model)
         return graph
+
+    def _from_cache(self, model: onnx.ModelProto) -> StepGraph:
+        """A cached graph, the same object for the same content (several signatures served by one dynamic-dims
+        graph share its session); it must have `first`'s state contract (checked)."""
+        content = hashlib.sha256(model.SerializeToString()).hexdigest()
+        if not self._loaded:
+            self._loaded[hashlib.sha256(self.first.model.SerializeToString()).hexdigest()] = self.first
+        if content not in self._loaded:
+            graph = read_contract(model)
+            check_same_state_contract(self.first, graph)
+            self._loaded[content] = graph
+        return self._loaded[content]
 
 
 def initializer_values(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 import torch
 
+from ..graph.passes import rewrite_enabled
 from .choice import BuilderChoice
 from .errors import GradientBuildError
 from .ort_builder import build_ort_gradient_graph
@@ -78,8 +79,11 @@ def _ort_builder(request: GradientRequest, trainable: list[str], frozen: list[st
 def _torch_builder(request: GradientRequest, trainable: list[str], frozen: list[str]) -> Built:
     if request.torch_source is None or request.sample_inputs is None:
         raise ValueError("the torch gradient builder needs the PyTorch module and a first batch")
+    # the first graph is traced for the first batch's shapes (faster to trace and to run); the compiler traces
+    # the dynamic-dims graph when a batch of another shape arrives (compile/compiler.TorchShapeGraphs)
+    dynamic = not rewrite_enabled("static_shapes")
     return torch_gradient_model(
-        request.torch_source, request.sample_inputs, request.outputs, trainable, trainable + frozen, dynamic=True
+        request.torch_source, request.sample_inputs, request.outputs, trainable, trainable + frozen, dynamic=dynamic
     )
 
 

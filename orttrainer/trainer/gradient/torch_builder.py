@@ -48,9 +48,11 @@ import torch
 
 from ...dtypes import torch_to_onnx
 from ..compile.contract import buffer_update_name
+from ..graph.passes import rewrite_enabled
 from ..graph.recompute import RecomputePlan
 from ..runtime.session import ShapeSignature, shape_signature
 from . import torch_private
+from .aten_onnx import UntranslatableGraph, translate
 from .eager_fallback import export_with_eager_fallback
 from .errors import GradientBuildError
 from .torch_memory import invertible_layer_norm, pin_outputs
@@ -209,22 +211,42 @@ class _Trace:
 
 
 def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> TorchGradientGraph:
+    """The graph traced with `dynamic_dims` (None: the sample's shapes). A graph with static shapes is translated
+    to ONNX directly (gradient/aten_onnx.py) when it can be (switch: `graph/passes.rewrite_enabled(
+    "aten_translation")`), else by torch.onnx, for which it is traced again with torch.onnx's decompositions."""
+    if dynamic_dims is None and rewrite_enabled("aten_translation"):
+        try:
+            return _traced_and_translated(request, None, direct=True)
+        except UntranslatableGraph as err:
+            _logger.info("the direct ONNX translation does not cover this graph (%s); using torch.onnx", err)
+    return _traced_and_translated(request, dynamic_dims, direct=False)
+
+
+def _traced_and_translated(
+    request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None, direct: bool
+) -> TorchGradientGraph:
     module, input_names, inputs, trainable = request.module, request.input_names, request.inputs, request.trainable
     wrapper, canonical, state = _wrap(request)
-    graph, sig, guards = trace_joint(wrapper, inputs, trainable, dynamic_dims, request.same_sizes)
+    graph, sig, guards = trace_joint(
+        wrapper, inputs, trainable, dynamic_dims, request.same_sizes, for_torch_onnx=not direct
+    )
     if guards is not None and not any(guards.dynamic_dims):
         guards = None  # the trace specialised every dynamic dim: valid for the sample's shapes only
     state_inputs, mutated = _rewrite_joint(
         graph, sig, _traced_state(wrapper), canonical, trainable, len(request.output_names), type(module).__name__
     )
     graph, recomputed = _apply_features(graph, request)
-    gradient_names = [f"{p}_grad" for p in trainable]
+    output_names = [*request.output_names, *(f"{p}_grad" for p in trainable), *map(buffer_update_name, mutated)]
+    if direct:
+        model = translate(graph, [*state_inputs, *input_names], output_names, request.opset)
+        del graph  # the traced graph and its fake tensors are not needed any more
+        return _gradient_graph(request, model, state, canonical, mutated, None, recomputed)
     try:
         model = export_with_eager_fallback(  # ops without an ONNX translation run in PyTorch (see there)
             graph,
             [*(state[n] for n in state_inputs), *inputs],
             [*state_inputs, *input_names],
-            [*request.output_names, *gradient_names, *(buffer_update_name(b) for b in mutated)],
+            output_names,
             request.opset,
             None if guards is None else [*([] for _ in state_inputs), *guards.dynamic_dims],
         )
@@ -233,19 +255,32 @@ def _build(request: _Trace, dynamic_dims: Sequence[Sequence[int]] | None) -> Tor
             f"torch.onnx could not export the traced forward+backward graph of "
             f"{type(module).__name__} to ONNX opset {request.opset}: {err}"
         ) from err
+    return _gradient_graph(request, model, state, canonical, mutated, guards, recomputed)
+
+
+def _gradient_graph(
+    request: _Trace,
+    model: onnx.ModelProto,
+    state: dict[str, torch.Tensor],
+    canonical: dict[int, str],
+    mutated: list[str],
+    guards: torch_private.ShapeGuards | None,
+    recomputed: int,
+) -> TorchGradientGraph:
+    """The translated `model` as the builder's result; `recomputed`: the nodes recompute copied (metadata)."""
+    input_names = request.input_names
     model = _order_inputs(model, list(input_names), {n: state[n] for n in canonical.values()})  # the scale last
     if request.features.recompute:
         model.metadata_props.add(key=RECOMPUTED_KEY, value=str(recomputed))
     scale_input = request.loss_scale[1] if request.loss_scale else None
     state_names = [n for n in canonical.values() if n != scale_input]
-    signature = shape_signature(inputs)
     return TorchGradientGraph(
         model,
         input_names,
         state_names,
         request.output_names,
-        gradient_names,
-        signature,
+        [f"{p}_grad" for p in request.trainable],
+        shape_signature(request.inputs),
         request.opset,
         mutated,
         guards,
@@ -421,7 +456,10 @@ def _bake_constant(graph: torch.fx.GraphModule, node: torch.fx.Node, tensor: tor
 def _sum_nodes(fx: torch.fx.Graph, nodes: list[torch.fx.Node]) -> torch.fx.Node:
     total = nodes[0]
     for node in nodes[1:]:
+        value = total.meta.get("val")
         total = fx.call_function(torch.ops.aten.add.Tensor, (total, node))
+        if value is not None:
+            total.meta["val"] = value  # the sum of gradients of one tensor: its shape and dtype
     return total
 
 

@@ -111,7 +111,7 @@ def torch_gradient_model(
         )
     if dynamic:
         kind = f"dynamic dims {graph.dynamic_dims}" if graph.dynamic else "the sample's concrete shapes"
-        _logger.info("torch gradient builder: the first training graph is traced with %s", kind)
+        _logger.info("torch gradient builder: the training graph is traced with %s", kind)
     values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
     added = [b for b in graph.mutated_buffers if b not in state]
     kept = [*state, *added, *scale[1:]] if scale else [*state, *added]

@@ -120,11 +120,13 @@ def trace_joint(
     trainable: Sequence[str],
     dynamic_dims: Sequence[Sequence[int]] | None = None,
     same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
+    for_torch_onnx: bool = True,
 ) -> TraceResult:
     """The joint graph of `wrapper` on `inputs` (module docstring): (graph, signature, guards); guards are None
-    for a graph valid for the inputs' own shapes only (no dynamic dims). Raises GradientBuildError naming the
-    parameters without gradient; with dynamic dims, PyTorch's error for any other failure (the builder then
-    traces with concrete shapes); without, GradientBuildError naming what cannot be traced."""
+    for a graph valid for the inputs' own shapes only (no dynamic dims). `for_torch_onnx`: also decomposed for
+    torch.onnx (`torch_private.trace_decompositions`); else for the direct translation. Raises GradientBuildError
+    naming the parameters without gradient; with dynamic dims, PyTorch's error for any other failure (the builder
+    then traces with concrete shapes); without, GradientBuildError naming what cannot be traced."""
     dims = [list(d) for d in dynamic_dims] if dynamic_dims is not None else [[] for _ in inputs]
     dynamic = any(dims)
     with (
@@ -133,10 +135,10 @@ def trace_joint(
         tensor_attributes_as_buffers(wrapper),
     ):
         try:
-            with _tracing():
+            with tracing_context():
                 groups = same_sizes if dynamic else ()
                 graph, sig, guards = torch_private.aot_export_joint_dynamic(
-                    wrapper, inputs, dims, groups, float16=wrapper.mixed_precision
+                    wrapper, inputs, dims, groups, float16=wrapper.mixed_precision, for_torch_onnx=for_torch_onnx
                 )
             return graph, sig, guards if dynamic else None
         except Exception as err:
@@ -146,15 +148,19 @@ def trace_joint(
             if dynamic:
                 raise
         try:  # what the descriptor-based trace does not map: AOTAutograd's positional joint export
-            with _tracing():
-                graph, sig = torch_private.aot_export_joint(wrapper, inputs, 0, float16=wrapper.mixed_precision)
+            with tracing_context():
+                graph, sig = torch_private.aot_export_joint(
+                    wrapper, inputs, 0, float16=wrapper.mixed_precision, for_torch_onnx=for_torch_onnx
+                )
             return graph, sig, None
         except Exception as err:
             raise _explain_trace_error(err, wrapper, inputs, trainable) from err
 
 
 @contextlib.contextmanager
-def _tracing() -> Iterator[None]:
+def tracing_context() -> Iterator[None]:
+    """What the traces run under: scaled-dot-product attention on its math backend, checkpoints in their
+    traceable form, and the flags torch.export sets (`torch_private`)."""
     with (
         torch_private.math_sdpa(),
         torch_private.no_mkldnn(),

@@ -25,9 +25,11 @@ ones several passes share are here (`not_among`, `dynamic_shape`, `repeated_outp
 
 Switches for the speed-only rewrites (`rewrite_enabled`): each can be turned off, so that its effect can be
 measured and a suspected difference ruled out. `ORTTRAINER_DISABLE_REWRITES` is a comma-separated list of rewrite
-names (`all` turns every one off): `cross_entropy_as_plain_ops` (graph/cross_entropy.py) and `static_shapes`
-(graph/static_shapes.py: the 'ort' builder's graph specialised per input-shape signature). None of them changes what
-is computed beyond float32 rounding; each is tested both ways.
+names (`all` turns every one off): `cross_entropy_as_plain_ops` (graph/cross_entropy.py), `static_shapes`
+(graph/static_shapes.py: the 'ort' builder's graph specialised per input-shape signature; the torch builder's first
+graph traced for the first batch's shapes, gradient/differentiate.py) and `aten_translation` (the torch builder's
+static graphs translated to ONNX directly, gradient/aten_onnx.py, instead of by torch.onnx). None of them changes
+what is computed beyond float32 rounding; each is tested both ways.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def repeated_initializer(graph: onnx.GraphProto) -> Problem:
 
 
 REWRITES_ENVIRONMENT_VARIABLE = "ORTTRAINER_DISABLE_REWRITES"
-REWRITES = ("cross_entropy_as_plain_ops", "static_shapes")
+REWRITES = ("cross_entropy_as_plain_ops", "static_shapes", "aten_translation")
 
 
 def rewrite_enabled(name: str) -> bool:

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 ShapeSignature = tuple[tuple[tuple[int, ...], str], ...]
 T = TypeVar("T")
+Specialize = Callable[[Any, dict[str, torch.Tensor]], Any]  # a graph and a batch -> the graph for its shapes
 
 
 def shape_signature(inputs: Sequence[torch.Tensor]) -> ShapeSignature:
@@ -360,7 +361,11 @@ class SessionBase(ABC):
         """How `GraphRunners` specialises `graph` to input shapes, when it should (static_graphs.py)."""
         if not specializable(graph, self.config.device.type):
             return None
-        return partial(specialized, optimize=partial(optimized_model, options=self._options, providers=self._providers))
+        specialize = partial(
+            specialized, optimize=partial(optimized_model, options=self._options, providers=self._providers)
+        )
+        cache = getattr(self, "_cache_specialised", None)  # the compile cache (build/cached.py), when used
+        return cache(specialize) if cache is not None else specialize
 
     def prepare(self, data: dict[str, torch.Tensor]) -> None:
         """Build (if needed) the training graph and session for this batch's shapes, without running anything."""
@@ -552,8 +557,10 @@ class TrainingSession(SessionBase):
         config: SessionConfig,
         streams: DropoutStreams,
         eval_for: EvalGraphs | None = None,
+        cache_specialised: Callable[[Specialize], Specialize] | None = None,
     ) -> None:
         super().__init__(compiled.eval_model, state, config, streams, eval_for, compiled.step_graph.data_inputs)
+        self._cache_specialised = cache_specialised
         self.graph = graph = compiled.training
         graph_for = cast(Callable[[Sequence[torch.Tensor]], TrainingGraph] | None, compiled.graph_for)  # one process
         self._runners = GraphRunners(

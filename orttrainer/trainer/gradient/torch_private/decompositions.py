@@ -412,8 +412,10 @@ def training_decompositions() -> dict:
     return table
 
 
-def trace_decompositions(float16: bool = False) -> dict:
-    """The "trace" stage of `TABLE`: what AOTAutograd traces with (`float16`: the module computes in float16)."""
+def trace_decompositions(float16: bool = False, for_torch_onnx: bool = True) -> dict:
+    """The "trace" stage of `TABLE`: what AOTAutograd traces with (`float16`: the module computes in float16).
+    Without `for_torch_onnx`, the entry for torch.onnx's missing translations is left out: building it needs
+    torch.onnx's translation table (~2.5 s), which the direct translation (gradient/aten_onnx.py) does without."""
     from torch._decomp import get_decompositions
 
     table = training_decompositions()
@@ -422,6 +424,8 @@ def trace_decompositions(float16: bool = False) -> dict:
         if entry.stage != "trace" or (entry.float16 and not float16) or entry.ops in ((CORE_ATEN,), TABLE[1].ops):
             continue
         if entry.ops == (ONNX_TABLE,):
+            if not for_torch_onnx:
+                continue
             for op, decomposition in onnx_decompositions().items():
                 if op in table or op in tracer_ops:
                     continue

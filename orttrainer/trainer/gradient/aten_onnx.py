@@ -1,0 +1,765 @@
+"""A traced aten graph with static shapes, translated to ONNX directly: the torch builder's fast translation.
+
+Rule: `translate(graph, input_names, output_names, opset)` returns an ONNX model computing what `graph` (a
+functional aten graph from AOTAutograd, every value's shape and dtype static in `node.meta["val"]`) computes: graph
+input i is placeholder i named `input_names[i]`, graph output i is output value i named `output_names[i]`. It
+raises `UntranslatableGraph` naming the first node it has no translation for (another op, a symbolic shape, an
+unsupported argument); the caller then goes through torch.onnx (gradient/torch_private/exporting.py).
+
+How: one ONNX node (or a few) per aten node, by the aten op's documented semantics:
+- elementwise ops compute in the dtype PyTorch's type promotion gives (`torch.result_type` of the arguments), each
+  tensor argument cast to it and each Python scalar written as a constant of it; the result is the node's dtype;
+- view-like ops (view, reshape, squeeze, unsqueeze, flatten) are a Reshape to the node's static shape, `expand` an
+  Expand to it, copies (clone, alias, contiguous) no node at all;
+- a node whose tensor arguments are all constants (the graph's `get_attr` tensors, `full`, `arange`, or results of
+  such nodes) and whose result has at most `FOLD_LIMIT` elements is computed once by PyTorch and becomes an
+  initializer (random ops excepted); larger fills are `ConstantOfShape`;
+- `native_dropout` is ONNX Dropout in training mode (outputs: the result and the mask), as torch.onnx writes it, so
+  the trainer seeds it like any Dropout (graph/dropout_seeds.py).
+
+Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
+source of ~500 functions on first use) and runs a general optimiser; on the benchmark transformer's joint graph
+that was 5-10 s of the torch builder's first step against about 0.1 s here (docs/engine.md §19). Values are the
+same: tests/test_aten_onnx.py runs both translations of the same graphs through ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from ...dtypes import torch_to_onnx
+
+FOLD_LIMIT = 1 << 16  # elements of a constant result computed at translation time
+
+aten = torch.ops.aten
+
+
+class UntranslatableGraph(NotImplementedError):
+    """The graph has a node `translate` has no translation for (the message names it)."""
+
+
+Value = str  # an ONNX value name
+Translation = Callable[["_Graph", torch.fx.Node], "Value | tuple[Value, ...] | None"]
+
+
+def translate(
+    graph: torch.fx.GraphModule, input_names: Sequence[str], output_names: Sequence[str], opset: int
+) -> onnx.ModelProto:
+    """The ONNX model of `graph` (module docstring)."""
+    g = _Graph(graph, opset)
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(input_names):
+        raise ValueError(f"{len(placeholders)} graph inputs, {len(input_names)} names")
+    for node, name in zip(placeholders, input_names, strict=True):
+        g.inputs.append(_value_info(name, _meta(node)))
+        g.values[node] = name
+    for node in graph.graph.nodes:
+        if node.op in ("call_function", "get_attr"):
+            g.visit(node)
+    results = list(graph.graph.output_node().args[0])  # type: ignore[arg-type]
+    if len(results) != len(output_names):
+        raise ValueError(f"{len(results)} graph outputs, {len(output_names)} names")
+    for value, name in zip(results, output_names, strict=True):
+        g.output(value, name)
+    return g.model()
+
+
+def _meta(node: Any) -> torch.Tensor:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+    if not isinstance(value, torch.Tensor):
+        raise UntranslatableGraph(f"node {node} has no tensor value to read its shape and dtype from")
+    if any(not isinstance(d, int) for d in value.shape):
+        raise UntranslatableGraph(f"node {node} has a symbolic shape {tuple(value.shape)}")
+    return value
+
+
+def _value_info(name: str, value: torch.Tensor) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, torch_to_onnx(value.dtype), list(value.shape))
+
+
+def _np(dtype: torch.dtype) -> Any:
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+class _Graph:
+    """The ONNX graph under construction and the value of every translated fx node."""
+
+    def __init__(self, module: torch.fx.GraphModule, opset: int) -> None:
+        self.module, self.opset = module, opset
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.values: dict[torch.fx.Node, Value | tuple[Value, ...]] = {}
+        self.constants: dict[torch.fx.Node, torch.Tensor] = {}  # nodes whose value is known now
+        self._emitted: dict[tuple, Value] = {}  # constant tensors already written, by content
+        self._count = 0
+
+    # -- building blocks --------------------------------------------------------------------------------------
+    def fresh(self, base: str) -> Value:
+        self._count += 1
+        return f"aten/{base}/{self._count}"
+
+    def emit(self, op: str, inputs: Sequence[Value], outputs: int = 1, name: str = "", **attrs: Any) -> list[Value]:
+        outs = [self.fresh(name or op) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op, list(inputs), outs, name=outs[0], **attrs))
+        return outs
+
+    def one(self, op: str, inputs: Sequence[Value], **attrs: Any) -> Value:
+        return self.emit(op, inputs, **attrs)[0]
+
+    def const(self, value: torch.Tensor | np.ndarray) -> Value:
+        array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key not in self._emitted:
+            name = self.fresh("const")
+            self.initializers.append(numpy_helper.from_array(np.array(array, order="C"), name))  # keeps 0-d arrays 0-d
+            self._emitted[key] = name
+        return self._emitted[key]
+
+    def ints(self, values: Sequence[int]) -> Value:
+        return self.const(np.asarray(list(values), dtype=np.int64))
+
+    def scalar(self, value: Any, dtype: torch.dtype) -> Value:
+        return self.const(np.asarray(value, dtype=_np(dtype)))
+
+    def cast(self, name: Value, source: torch.dtype, target: torch.dtype) -> Value:
+        return name if source == target else self.one("Cast", [name], to=torch_to_onnx(target))
+
+    # -- arguments --------------------------------------------------------------------------------------------
+    def tensor(self, arg: Any) -> Value:
+        """The ONNX value of a tensor argument (a constant is written as an initializer on first use)."""
+        if isinstance(arg, torch.fx.Node):
+            if arg in self.values:
+                value = self.values[arg]
+                if isinstance(value, tuple):
+                    raise UntranslatableGraph(f"node {arg} has several outputs and is used as one tensor")
+                return value
+            if arg in self.constants:
+                name = self.const(self.constants[arg])
+                self.values[arg] = name
+                return name
+        raise UntranslatableGraph(f"argument {arg!r} is not a translated tensor")
+
+    def typed(self, arg: Any, dtype: torch.dtype) -> Value:
+        """A tensor argument cast to `dtype`, or a Python scalar as a constant of `dtype`."""
+        if isinstance(arg, torch.fx.Node):
+            return self.cast(self.tensor(arg), self.meta(arg).dtype, dtype)
+        if isinstance(arg, (bool, int, float)):
+            return self.scalar(arg, dtype)
+        raise UntranslatableGraph(f"argument {arg!r} is neither a tensor nor a number")
+
+    def meta(self, arg: torch.fx.Node) -> torch.Tensor:
+        return self.constants[arg] if arg in self.constants else _meta(arg)
+
+    def promoted(self, a: Any, b: Any) -> torch.dtype:
+        """PyTorch's result dtype of an elementwise op on `a` and `b` (tensors or Python numbers)."""
+        left, right = self._probe(a), self._probe(b)
+        if not isinstance(left, torch.Tensor) and not isinstance(right, torch.Tensor):
+            return torch.result_type(torch.tensor(left), right)
+        return torch.result_type(left, right)
+
+    def _probe(self, arg: Any) -> Any:
+        if isinstance(arg, torch.fx.Node):  # a meta tensor of the same shape: 0-dim tensors promote like scalars
+            value = self.meta(arg)
+            return torch.empty(tuple(value.shape), dtype=value.dtype, device="meta")
+        if isinstance(arg, (bool, int, float)):
+            return arg
+        raise UntranslatableGraph(f"argument {arg!r} is neither a tensor nor a number")
+
+    # -- nodes ------------------------------------------------------------------------------------------------
+    def visit(self, node: torch.fx.Node) -> None:
+        if node.op == "get_attr":
+            value = getattr(self.module, str(node.target), None)
+            if not isinstance(value, torch.Tensor):
+                raise UntranslatableGraph(f"get_attr node {node.name} is not a tensor")
+            self.constants[node] = value.detach()
+            return
+        if node.target is operator.getitem:
+            source, index = node.args
+            if source in self.constants or source not in self.values:
+                raise UntranslatableGraph(f"getitem of {source}")
+            values = self.values[source]  # type: ignore[index]
+            if not isinstance(values, tuple):
+                raise UntranslatableGraph(f"getitem of the single-output node {source}")
+            self.values[node] = values[index]  # type: ignore[index]
+            return
+        if self._fold(node):
+            return
+        translation = _TRANSLATIONS.get(node.target)
+        if translation is None:
+            raise UntranslatableGraph(f"no direct ONNX translation for {node.target} (node {node.name})")
+        result = translation(self, node)
+        if result is None:
+            raise UntranslatableGraph(f"{node.target} (node {node.name}) with arguments {node.args} {node.kwargs}")
+        self.values[node] = result
+
+    def _fold(self, node: torch.fx.Node) -> bool:
+        """Compute a node whose tensor arguments are all known constants (module docstring)."""
+        if node.target not in _TRANSLATIONS or node.target in _RANDOM:
+            return False
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.numel() > FOLD_LIMIT:
+            return False
+        inputs = [a for a in node.all_input_nodes]
+        if not all(a in self.constants for a in inputs):
+            return False
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self.constants[a])
+        result = node.target(*args, **kwargs)  # type: ignore[operator]
+        if not isinstance(result, torch.Tensor):
+            return False
+        self.constants[node] = result.detach()
+        return True
+
+    def output(self, arg: Any, name: str) -> None:
+        value = self.tensor(arg)
+        produced = {o for n in self.nodes for o in n.output}
+        taken = {o.name for o in self.outputs}
+        if value in produced and value not in taken and value.startswith("aten/"):
+            for n in self.nodes:
+                for i, o in enumerate(n.output):
+                    if o == value:
+                        n.output[i] = name
+                for i, o in enumerate(n.input):
+                    if o == value:
+                        n.input[i] = name
+            for other in self.outputs:  # an earlier output that read it has its name already
+                if other.name == value:
+                    other.name = name
+            self.values = {k: (name if v == value else v) for k, v in self.values.items()}
+        else:
+            self.nodes.append(helper.make_node("Identity", [value], [name], name=f"aten/output/{name}"))
+        self.outputs.append(_value_info(name, self.meta(arg)))
+
+    def model(self) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, "main_graph", self.inputs, self.outputs, self.initializers)
+        opset = helper.make_opsetid("", self.opset)
+        return helper.make_model(graph, opset_imports=[opset], ir_version=helper.find_min_ir_version_for([opset]))
+
+
+# -- translations -------------------------------------------------------------------------------------------------
+def _rank(g: _Graph, arg: torch.fx.Node) -> int:
+    return g.meta(arg).dim()
+
+
+def _axis(dim: int, rank: int) -> int:
+    return dim % max(rank, 1) if dim < 0 else dim
+
+
+def _reshape(g: _Graph, node: torch.fx.Node) -> Value:
+    shape = list(_meta(node).shape)
+    attrs = {"allowzero": 1} if 0 in shape else {}
+    return g.one("Reshape", [g.tensor(node.args[0]), g.ints(shape)], **attrs)
+
+
+def _same(g: _Graph, node: torch.fx.Node) -> Value:
+    return g.tensor(node.args[0])
+
+
+def _to_copy(g: _Graph, node: torch.fx.Node) -> Value:
+    source = node.args[0]
+    return g.cast(g.tensor(source), g.meta(source).dtype, _meta(node).dtype)  # type: ignore[arg-type]
+
+
+def _permute(g: _Graph, node: torch.fx.Node) -> Value:
+    x, dims = node.args[0], node.args[1]
+    rank = _rank(g, x)  # type: ignore[arg-type]
+    perm = [_axis(d, rank) for d in dims]  # type: ignore[union-attr, arg-type]
+    if perm == list(range(rank)):
+        return g.tensor(x)
+    return g.one("Transpose", [g.tensor(x)], perm=perm)
+
+
+def _transpose(g: _Graph, node: torch.fx.Node) -> Value:
+    x = node.args[0]
+    rank = _rank(g, x)  # type: ignore[arg-type]
+    if node.target == aten.t.default:
+        a, b = (0, 1) if rank == 2 else (0, 0)
+    else:
+        a, b = _axis(node.args[1], rank), _axis(node.args[2], rank)  # type: ignore[arg-type]
+    perm = list(range(rank))
+    perm[a], perm[b] = perm[b], perm[a]
+    return g.tensor(x) if a == b else g.one("Transpose", [g.tensor(x)], perm=perm)
+
+
+def _expand(g: _Graph, node: torch.fx.Node) -> Value:
+    x = node.args[0]
+    shape = list(_meta(node).shape)
+    if list(g.meta(x).shape) == shape:  # type: ignore[arg-type]
+        return g.tensor(x)
+    return g.one("Expand", [g.tensor(x), g.ints(shape)])
+
+
+def _select(g: _Graph, node: torch.fx.Node) -> Value:
+    x, dim, index = node.args
+    rank = _rank(g, x)  # type: ignore[arg-type]
+    axis = _axis(dim, rank)  # type: ignore[arg-type]
+    size = g.meta(x).shape[axis]  # type: ignore[arg-type]
+    return g.one("Gather", [g.tensor(x), g.const(np.asarray(index % size, dtype=np.int64))], axis=axis)  # type: ignore[operator]
+
+
+def _slice(g: _Graph, node: torch.fx.Node) -> Value:
+    x = node.args[0]
+    if node.kwargs:
+        return None  # type: ignore[return-value]
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1 :])[:4]
+    rank = _rank(g, x)  # type: ignore[arg-type]
+    axis = _axis(dim, rank)  # type: ignore[arg-type]
+    size = g.meta(x).shape[axis]  # type: ignore[arg-type]
+    s, e, st = slice(start, end, step).indices(size)
+    if (s, e, st) == (0, size, 1):
+        return g.tensor(x)
+    e = max(e, s)  # an empty slice
+    return g.one("Slice", [g.tensor(x), g.ints([s]), g.ints([e]), g.ints([axis]), g.ints([st])])
+
+
+def _slice_scatter(g: _Graph, node: torch.fx.Node) -> Value:
+    """`base` with `src` written into `base[start:end:step]` along `dim` (step 1 only): base's parts before and
+    after the slice, concatenated around `src`."""
+    base, src = node.args[:2]
+    dim, start, end, step = (list(node.args[2:]) + [0, None, None, 1][len(node.args) - 2 :])[:4]
+    if node.kwargs:
+        return None  # type: ignore[return-value]
+    out = _meta(node)
+    axis = _axis(dim, out.dim())  # type: ignore[arg-type]
+    size = out.shape[axis]
+    s, e, st = slice(start, end, step).indices(size)
+    if st != 1:
+        return None  # type: ignore[return-value]
+    parts = []
+    if s > 0:
+        parts.append(g.one("Slice", [g.typed(base, out.dtype), g.ints([0]), g.ints([s]), g.ints([axis])]))
+    parts.append(g.typed(src, out.dtype))
+    if e < size:
+        parts.append(g.one("Slice", [g.typed(base, out.dtype), g.ints([e]), g.ints([size]), g.ints([axis])]))
+    return parts[0] if len(parts) == 1 else g.one("Concat", parts, axis=axis)
+
+
+def _cat(g: _Graph, node: torch.fx.Node) -> Value:
+    tensors = list(node.args[0])  # type: ignore[arg-type]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    out = _meta(node)
+    kept = [t for t in tensors if not (g.meta(t).dim() == 1 and g.meta(t).shape[0] == 0 and out.dim() != 1)]
+    names = [g.typed(t, out.dtype) for t in kept]
+    if len(names) == 1:
+        return names[0]
+    return g.one("Concat", names, axis=_axis(dim, out.dim()))  # type: ignore[arg-type]
+
+
+def _split(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    x = node.args[0]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    rank = _rank(g, x)  # type: ignore[arg-type]
+    axis = _axis(dim, rank)  # type: ignore[arg-type]
+    parts = node.meta["val"]
+    sizes = [int(p.shape[axis]) for p in parts]
+    if len(sizes) == 1:
+        return (g.tensor(x),)
+    return tuple(g.emit("Split", [g.tensor(x), g.ints(sizes)], outputs=len(sizes), axis=axis))
+
+
+def _elementwise(op: str, compute: str = "promoted") -> Translation:
+    """`op` on the promoted dtype of the arguments ("promoted"), or on floats ("float": int inputs become the result's
+    float dtype, as `div` and the float functions do), with the result cast to the node's dtype."""
+
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
+        args = [a for a in node.args if isinstance(a, (torch.fx.Node, bool, int, float))]
+        if len(args) != len(node.args) or node.kwargs:
+            return None  # type: ignore[return-value]
+        out = _meta(node).dtype
+        dtype = out if compute == "float" else g.promoted(*args)
+        if compute == "float" and not dtype.is_floating_point:
+            return None  # type: ignore[return-value]
+        result = g.one(op, [g.typed(a, dtype) for a in args])
+        return g.cast(result, dtype if op not in _BOOL_RESULT else torch.bool, out)
+
+    return translate_node
+
+
+_BOOL_RESULT = {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor"}
+
+
+def _with_alpha(op: str) -> Translation:
+    """add/sub: `a op alpha * b`."""
+
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
+        a, b = node.args[:2]
+        alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
+        out = _meta(node).dtype
+        dtype = g.promoted(a, b)
+        right = g.typed(b, dtype)
+        if alpha != 1:
+            right = g.one("Mul", [right, g.scalar(alpha, dtype)])
+        return g.cast(g.one(op, [g.typed(a, dtype), right]), dtype, out)
+
+    return translate_node
+
+
+def _rsub(g: _Graph, node: torch.fx.Node) -> Value:
+    a, b = node.args[:2]
+    alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
+    dtype = g.promoted(a, b)
+    left = g.typed(a, dtype)
+    if alpha != 1:
+        left = g.one("Mul", [left, g.scalar(alpha, dtype)])
+    return g.cast(g.one("Sub", [g.typed(b, dtype), left]), dtype, _meta(node).dtype)
+
+
+def _not_equal(g: _Graph, node: torch.fx.Node) -> Value:
+    a, b = node.args
+    dtype = g.promoted(a, b)
+    return g.one("Not", [g.one("Equal", [g.typed(a, dtype), g.typed(b, dtype)])])
+
+
+def _unary(op: str, floating: bool = True) -> Translation:
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
+        if len(node.args) != 1 or node.kwargs:
+            return None  # type: ignore[return-value]
+        x, out = node.args[0], _meta(node).dtype
+        if floating and not out.is_floating_point:
+            return None  # type: ignore[return-value]
+        return g.one(op, [g.typed(x, out)])
+
+    return translate_node
+
+
+def _rsqrt(g: _Graph, node: torch.fx.Node) -> Value:
+    out = _meta(node).dtype
+    if not out.is_floating_point:
+        return None  # type: ignore[return-value]
+    return g.one("Reciprocal", [g.one("Sqrt", [g.typed(node.args[0], out)])])
+
+
+def _logical(op: str) -> Translation:
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
+        if any(not isinstance(a, torch.fx.Node) or g.meta(a).dtype != torch.bool for a in node.args):
+            return None  # type: ignore[return-value]
+        return g.one(op, [g.tensor(a) for a in node.args])
+
+    return translate_node
+
+
+def _where(g: _Graph, node: torch.fx.Node) -> Value:
+    cond, a, b = node.args
+    if not isinstance(cond, torch.fx.Node) or g.meta(cond).dtype != torch.bool:
+        return None  # type: ignore[return-value]
+    out = _meta(node).dtype
+    return g.one("Where", [g.tensor(cond), g.typed(a, out), g.typed(b, out)])
+
+
+def _masked_fill(g: _Graph, node: torch.fx.Node) -> Value:
+    x, mask, value = node.args
+    out = _meta(node).dtype
+    return g.one("Where", [g.tensor(mask), g.typed(value, out), g.typed(x, out)])
+
+
+def _clamp(g: _Graph, node: torch.fx.Node) -> Value:
+    x = node.args[0]
+    if node.target == aten.clamp_min.default:
+        low, high = node.args[1], None
+    elif node.target == aten.clamp_max.default:
+        low, high = None, node.args[1]
+    else:
+        low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+        high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+    out = _meta(node).dtype
+    result = g.typed(x, out)
+    if low is not None:
+        result = g.one("Max", [result, g.typed(low, out)])
+    if high is not None:
+        result = g.one("Min", [result, g.typed(high, out)])
+    return result
+
+
+def _pow(g: _Graph, node: torch.fx.Node) -> Value:
+    x, exponent = node.args
+    out = _meta(node).dtype
+    if not out.is_floating_point:
+        return None  # type: ignore[return-value]
+    if exponent == 2:
+        base = g.typed(x, out)
+        return g.one("Mul", [base, base])
+    return g.one("Pow", [g.typed(x, out), g.typed(exponent, out)])
+
+
+def _gelu(g: _Graph, node: torch.fx.Node) -> Value:
+    x = node.args[0]
+    approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+    out = _meta(node).dtype
+    if approximate != "none" or not out.is_floating_point:
+        return None  # type: ignore[return-value]
+    value = g.tensor(x)
+    # x * 0.5 * (1 + erf(x / sqrt(2))): the form ONNX Runtime's GeluFusion recognises
+    erf = g.one("Erf", [g.one("Div", [value, g.scalar(math.sqrt(2.0), out)])])
+    return g.one("Mul", [g.one("Mul", [value, g.one("Add", [erf, g.scalar(1.0, out)])]), g.scalar(0.5, out)])
+
+
+def _reduce(op: str) -> Translation:
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
+        x = node.args[0]
+        out = _meta(node)
+        if node.target in (aten.sum.default, aten.any.default):
+            dims: Any = []
+            keepdim = False
+        else:
+            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+        if isinstance(dims, int):
+            dims = [dims]
+        rank = _rank(g, x)  # type: ignore[arg-type]
+        axes = [_axis(d, rank) for d in (dims or [])]
+        if op == "any":
+            flag = g.cast(g.tensor(x), g.meta(x).dtype, torch.bool)  # type: ignore[arg-type]
+            source = g.one("Cast", [flag], to=TensorProto.INT32)
+            reduced = _reduce_node(g, "ReduceMax", source, axes, keepdim)
+            return g.one("Cast", [reduced], to=TensorProto.BOOL)
+        source = g.typed(x, out.dtype)
+        return _reduce_node(g, op, source, axes, keepdim)
+
+    return translate_node
+
+
+def _reduce_node(g: _Graph, op: str, source: Value, axes: list[int], keepdim: bool) -> Value:
+    inputs = [source, g.ints(axes)] if axes else [source]
+    return g.one(op, inputs, keepdims=int(keepdim))
+
+
+def _mm(g: _Graph, node: torch.fx.Node) -> Value:
+    if any(not g.meta(a).dtype.is_floating_point for a in node.args):  # type: ignore[arg-type]
+        return None  # type: ignore[return-value]
+    return g.one("MatMul", [g.tensor(a) for a in node.args])
+
+
+def _addmm(g: _Graph, node: torch.fx.Node) -> Value:
+    bias, a, b = node.args[:3]
+    beta = node.kwargs.get("beta", 1)
+    alpha = node.kwargs.get("alpha", 1)
+    if not _meta(node).dtype.is_floating_point:
+        return None  # type: ignore[return-value]
+    return g.one("Gemm", [g.tensor(a), g.tensor(b), g.tensor(bias)], alpha=float(alpha), beta=float(beta))  # type: ignore[arg-type]
+
+
+def _layer_norm(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    x, shape, weight, bias, eps = node.args
+    values = node.meta["val"]
+    dtype = g.meta(x).dtype  # type: ignore[arg-type]
+    if dtype != torch.float32 or any(v.dtype != dtype for v in values):
+        return None  # type: ignore[return-value]
+    rank = _rank(g, x)  # type: ignore[arg-type]
+    normalized = list(shape)  # type: ignore[arg-type]
+    scale = g.tensor(weight) if weight is not None else g.const(torch.ones(normalized, dtype=dtype))
+    inputs = [g.tensor(x), scale] + ([g.tensor(bias)] if bias is not None else [])
+    outs = g.emit("LayerNormalization", inputs, outputs=3, axis=rank - len(normalized), epsilon=float(eps))  # type: ignore[arg-type]
+    return tuple(outs)
+
+
+def _softmax(op: str) -> Translation:
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
+        x, dim, half_to_float = node.args
+        if half_to_float or _meta(node).dtype != g.meta(x).dtype:  # type: ignore[arg-type]
+            return None  # type: ignore[return-value]
+        return g.one(op, [g.tensor(x)], axis=_axis(dim, _rank(g, x)))  # type: ignore[arg-type]
+
+    return translate_node
+
+
+def _embedding(g: _Graph, node: torch.fx.Node) -> Value:
+    weight, indices = node.args[:2]
+    return g.one("Gather", [g.tensor(weight), g.tensor(indices)], axis=0)
+
+
+def _gather(g: _Graph, node: torch.fx.Node) -> Value:
+    x, dim, index = node.args[:3]
+    if node.kwargs.get("sparse_grad") or (len(node.args) > 3 and node.args[3]):
+        return None  # type: ignore[return-value]
+    return g.one("GatherElements", [g.tensor(x), g.tensor(index)], axis=_axis(dim, _rank(g, x)))  # type: ignore[arg-type]
+
+
+def _scatter(g: _Graph, node: torch.fx.Node) -> Value:
+    x, dim, index, source = node.args[:4]
+    if node.kwargs.get("reduce") or len(node.args) > 4:
+        return None  # type: ignore[return-value]
+    out, shape = _meta(node), list(g.meta(index).shape)  # type: ignore[arg-type]
+    axis = _axis(dim, out.dim())  # type: ignore[arg-type]
+    if isinstance(source, torch.fx.Node):
+        updates = g.typed(source, out.dtype)
+        if list(g.meta(source).shape) != shape:  # aten reads the source at the index's positions only
+            updates = g.one("Slice", [updates, g.ints([0] * len(shape)), g.ints(shape), g.ints(range(len(shape)))])
+    else:
+        updates = g.one("Expand", [g.scalar(source, out.dtype), g.ints(shape)])
+    reduction = "add" if node.target == aten.scatter_add.default else "none"
+    return g.one("ScatterElements", [g.tensor(x), g.tensor(index), updates], axis=axis, reduction=reduction)
+
+
+def _index_put(g: _Graph, node: torch.fx.Node) -> Value:
+    x, indices, values = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    indices = list(indices)  # type: ignore[arg-type]
+    if len(indices) != 1 or indices[0] is None or g.meta(indices[0]).dtype != torch.int64:  # type: ignore[arg-type]
+        return None  # type: ignore[return-value]
+    out, index = _meta(node), indices[0]
+    target = list(g.meta(index).shape) + list(out.shape[1:])  # type: ignore[arg-type]
+    updates = g.one("Expand", [g.typed(values, out.dtype), g.ints(target)])
+    size = g.const(np.asarray(out.shape[0], dtype=np.int64))
+    wrapped = g.one("Mod", [g.one("Add", [g.tensor(index), size]), size])  # negative indices count from the end
+    position = g.one("Unsqueeze", [wrapped, g.ints([-1])])
+    reduction = "add" if accumulate else "none"
+    return g.one("ScatterND", [g.tensor(x), position, updates], reduction=reduction)
+
+
+def _fill(g: _Graph, node: torch.fx.Node) -> Value:
+    """full/zeros/ones/scalar_tensor/*_like with a static shape (small ones are folded before)."""
+    out = _meta(node)
+    target = node.target
+    if target in (aten.full.default, aten.full_like.default):
+        value = node.args[1]
+    elif target in (aten.zeros.default, aten.zeros_like.default):
+        value = 0
+    elif target in (aten.ones.default, aten.ones_like.default):
+        value = 1
+    elif target == aten.scalar_tensor.default:
+        value = node.args[0]
+    else:
+        return None  # type: ignore[return-value]
+    if not isinstance(value, (bool, int, float)):
+        return None  # type: ignore[return-value]
+    fill = numpy_helper.from_array(np.asarray([value], dtype=_np(out.dtype)))
+    return g.one("ConstantOfShape", [g.ints(list(out.shape))], value=fill)
+
+
+def _dropout(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    x, p, train = node.args
+    out = g.meta(x)  # type: ignore[arg-type]
+    if train is False or not out.dtype.is_floating_point:
+        return None  # type: ignore[return-value]
+    ratio = g.scalar(float(p), out.dtype)  # type: ignore[arg-type]
+    training = g.const(np.asarray(True))
+    return tuple(g.emit("Dropout", [g.tensor(x), ratio, training], outputs=2))
+
+
+_RANDOM = {aten.native_dropout.default}
+
+_TRANSLATIONS: dict[Any, Translation] = {
+    **{
+        op: _reshape
+        for op in (
+            aten.view.default,
+            aten._unsafe_view.default,
+            aten.reshape.default,
+            aten.squeeze.default,
+            aten.squeeze.dim,
+            aten.squeeze.dims,
+            aten.unsqueeze.default,
+            aten.flatten.using_ints,
+            torch.ops.prims.squeeze.default,
+        )
+    },
+    **{op: _same for op in (aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default)},
+    aten._to_copy.default: _to_copy,
+    aten.permute.default: _permute,
+    aten.t.default: _transpose,
+    aten.transpose.int: _transpose,
+    aten.expand.default: _expand,
+    aten.select.int: _select,
+    aten.slice.Tensor: _slice,
+    aten.cat.default: _cat,
+    aten.slice_scatter.default: _slice_scatter,
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
+    aten.add.Tensor: _with_alpha("Add"),
+    aten.add.Scalar: _with_alpha("Add"),
+    aten.sub.Tensor: _with_alpha("Sub"),
+    aten.sub.Scalar: _with_alpha("Sub"),
+    aten.rsub.Scalar: _rsub,
+    aten.rsub.Tensor: _rsub,
+    aten.mul.Tensor: _elementwise("Mul"),
+    aten.mul.Scalar: _elementwise("Mul"),
+    aten.div.Tensor: _elementwise("Div", "float"),
+    aten.div.Scalar: _elementwise("Div", "float"),
+    aten.maximum.default: _elementwise("Max"),
+    aten.minimum.default: _elementwise("Min"),
+    aten.eq.Tensor: _elementwise("Equal"),
+    aten.eq.Scalar: _elementwise("Equal"),
+    aten.ne.Tensor: _not_equal,
+    aten.ne.Scalar: _not_equal,
+    aten.lt.Tensor: _elementwise("Less"),
+    aten.lt.Scalar: _elementwise("Less"),
+    aten.le.Tensor: _elementwise("LessOrEqual"),
+    aten.le.Scalar: _elementwise("LessOrEqual"),
+    aten.gt.Tensor: _elementwise("Greater"),
+    aten.gt.Scalar: _elementwise("Greater"),
+    aten.ge.Tensor: _elementwise("GreaterOrEqual"),
+    aten.ge.Scalar: _elementwise("GreaterOrEqual"),
+    aten.neg.default: _unary("Neg", floating=False),
+    aten.abs.default: _unary("Abs", floating=False),
+    aten.exp.default: _unary("Exp"),
+    aten.log.default: _unary("Log"),
+    aten.sqrt.default: _unary("Sqrt"),
+    aten.reciprocal.default: _unary("Reciprocal"),
+    aten.erf.default: _unary("Erf"),
+    aten.tanh.default: _unary("Tanh"),
+    aten.sigmoid.default: _unary("Sigmoid"),
+    aten.sin.default: _unary("Sin"),
+    aten.cos.default: _unary("Cos"),
+    aten.relu.default: _unary("Relu", floating=False),
+    aten.sign.default: _unary("Sign", floating=False),
+    aten.rsqrt.default: _rsqrt,
+    aten.logical_not.default: _logical("Not"),
+    aten.bitwise_not.default: _logical("Not"),
+    aten.logical_and.default: _logical("And"),
+    aten.bitwise_and.Tensor: _logical("And"),
+    aten.logical_or.default: _logical("Or"),
+    aten.bitwise_or.Tensor: _logical("Or"),
+    aten.logical_xor.default: _logical("Xor"),
+    aten.bitwise_xor.Tensor: _logical("Xor"),
+    aten.where.self: _where,
+    aten.masked_fill.Scalar: _masked_fill,
+    aten.clamp.default: _clamp,
+    aten.clamp_min.default: _clamp,
+    aten.clamp_max.default: _clamp,
+    aten.pow.Tensor_Scalar: _pow,
+    aten.gelu.default: _gelu,
+    aten.sum.dim_IntList: _reduce("ReduceSum"),
+    aten.sum.default: _reduce("ReduceSum"),
+    aten.mean.dim: _reduce("ReduceMean"),
+    aten.amax.default: _reduce("ReduceMax"),
+    aten.amin.default: _reduce("ReduceMin"),
+    aten.any.dim: _reduce("any"),
+    aten.any.dims: _reduce("any"),
+    aten.any.default: _reduce("any"),
+    aten.mm.default: _mm,
+    aten.bmm.default: _mm,
+    aten.addmm.default: _addmm,
+    aten.native_layer_norm.default: _layer_norm,
+    aten._softmax.default: _softmax("Softmax"),
+    aten._log_softmax.default: _softmax("LogSoftmax"),
+    aten.embedding.default: _embedding,
+    aten.gather.default: _gather,
+    aten.scatter.value: _scatter,
+    aten.scatter.src: _scatter,
+    aten.scatter_add.default: _scatter,
+    aten.index_put.default: _index_put,
+    aten.native_dropout.default: _dropout,
+    **{
+        op: _fill
+        for op in (
+            aten.full.default,
+            aten.full_like.default,
+            aten.zeros.default,
+            aten.zeros_like.default,
+            aten.ones.default,
+            aten.ones_like.default,
+            aten.scalar_tensor.default,
+        )
+    },
+    # creation ops with static arguments: always folded (`_fold`); untranslatable otherwise
+    **{op: (lambda g, node: None) for op in (aten.arange.default, aten.arange.start, aten.arange.start_step)},
+}

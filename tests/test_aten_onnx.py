@@ -1,0 +1,201 @@
+"""The direct translation of traced aten graphs to ONNX (orttrainer/trainer/gradient/aten_onnx.py): each graph runs
+in ONNX Runtime and in PyTorch (the fx graph itself) on the same inputs, and the results must agree."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from models import MLP, TinyTransformer, transformer_loss
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from orttrainer.trainer.gradient import torch_private
+from orttrainer.trainer.gradient.aten_onnx import FOLD_LIMIT, UntranslatableGraph, translate
+from orttrainer.trainer.gradient.torch_trace import JointWrapper
+
+
+def _run(model: onnx.ModelProto, inputs: list[torch.Tensor]) -> list[np.ndarray]:
+    onnx.checker.check_model(model, full_check=True)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs, strict=True)}
+    return session.run(None, feeds)
+
+
+def _check(graph: torch.fx.GraphModule, inputs: list[torch.Tensor], atol: float = 1e-6) -> onnx.ModelProto:
+    """Translate `graph`, run it in ONNX Runtime and compare with the graph run by PyTorch."""
+    names = [f"in{i}" for i in range(len(inputs))]
+    expected = graph(*inputs)
+    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
+    model = translate(graph, names, [f"out{i}" for i in range(len(expected))], 18)
+    for got, want in zip(_run(model, inputs), expected, strict=True):
+        assert got.dtype == want.numpy().dtype and got.shape == tuple(want.shape)
+        np.testing.assert_allclose(got, want.numpy(), atol=atol, rtol=1e-5)
+    return model
+
+
+def _ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+# joint graphs of models, as the torch builder traces them ---------------------------------------------------------
+
+
+def _joint(
+    module: nn.Module, loss_fn, inputs: list[torch.Tensor], first: str = "x"
+) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    wrapper = JointWrapper(module, loss_fn, [first, "target"])  # forward's argument, then the label
+    with torch_private.math_sdpa():
+        graph, sig, _ = torch_private.aot_export_joint_dynamic(
+            wrapper, inputs, [[] for _ in inputs], for_torch_onnx=False
+        )
+    state = {**dict(wrapper.named_parameters()), **dict(wrapper.named_buffers())}
+    user = iter(inputs)
+    args = [state[name].detach() if kind != "user" else next(user) for kind, name in sig.inputs]
+    return graph, args
+
+
+class GeluNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(12, 16), nn.LayerNorm(16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.norm(self.fc1(x)))
+        return self.fc2(torch.cat([h[:, :8], h[:, 8:].clamp(-1.0, 1.0)], dim=1))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["mlp", "gelu_layernorm_cat_clamp", "transformer_embedding_attention_ignore_index"],
+)
+def test_joint_graphs_of_models_match_pytorch(case):
+    torch.manual_seed(0)
+    if case == "mlp":
+        graph, args = _joint(MLP(), nn.functional.cross_entropy, [torch.randn(8, 32), torch.randint(0, 10, (8,))])
+    elif case == "gelu_layernorm_cat_clamp":
+        graph, args = _joint(GeluNet(), nn.functional.cross_entropy, [torch.randn(6, 12), torch.randint(0, 5, (6,))])
+    else:
+        tokens, target = torch.randint(0, 50, (4, 8)), torch.randint(0, 50, (4, 8))
+        target[0, :3] = -100  # ignored by the loss
+        model = TinyTransformer(dropout=0.0)  # ONNX Runtime's masks are not PyTorch's
+        graph, args = _joint(model, transformer_loss, [tokens, target], "tokens")
+    model = _check(graph, args, atol=1e-5)
+    assert "Dropout" not in _ops(model)  # dropout with p = 0 is not traced
+
+
+def test_dropout_is_onnx_dropout_in_training_mode():
+    """Dropout's mask is random: the graph must contain ONNX Dropout (the trainer seeds it), with p as its ratio."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.25), nn.Linear(4, 2))
+    graph, _ = _joint(net, nn.functional.cross_entropy, [torch.randn(3, 4), torch.randint(0, 2, (3,))], "input")
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    outputs = len(graph.graph.output_node().args[0])
+    model = translate(graph, [f"in{i}" for i in range(len(placeholders))], [f"o{i}" for i in range(outputs)], 18)
+    dropout = [n for n in model.graph.node if n.op_type == "Dropout"]
+    assert len(dropout) == 1 and len(dropout[0].output) == 2
+    ratio = next(i for i in model.graph.initializer if i.name == dropout[0].input[1])
+    assert onnx.numpy_helper.to_array(ratio) == np.float32(0.25)
+
+
+# single rules, on hand-made graphs --------------------------------------------------------------------------------
+
+
+def test_type_promotion_follows_pytorch():
+    def f(i, x, h):
+        return i + 1.5, i * 2, x / i, (i > 2.5) & (x < 0), h * x, x + h, i / 2
+
+    i = torch.arange(6).reshape(2, 3)
+    graph = make_fx(f)(i, torch.randn(2, 3), torch.randn(2, 3).half())
+    _check(graph, [i, torch.randn(2, 3), torch.randn(2, 3).half()], atol=1e-3)
+
+
+def test_slices_selects_and_scatters():
+    def f(x, index):
+        a = x[:, -3:-1]
+        b = x[1:, ::2]
+        c = torch.ops.aten.slice_scatter(torch.zeros(4, 6), x[:, 1:3], 1, 1, 3)
+        d = torch.ops.aten.slice_scatter(torch.zeros(4, 6), x, 0)
+        e = torch.zeros(5, 6).index_put([index], x, accumulate=True)  # repeated and negative indices
+        s = torch.zeros(4, 6).scatter(1, index.abs().view(4, 1).expand(4, 2), x)  # the source is larger
+        return a, b, c, d, e, s, x.select(0, -1), x.any(dim=1), torch.split(x, [2, 4], dim=1)[1]
+
+    index = torch.tensor([1, -1, 1, 3])
+    x = torch.randn(4, 6)
+    graph = make_fx(f)(x, index)
+    _check(graph, [x, index])
+
+
+def test_constants_are_folded_and_large_fills_are_constant_of_shape():
+    def f(x):
+        masks = torch.arange(3).view(3, 1) == torch.tensor([0, 1, 2])  # constant: folded into one initializer
+        big = torch.full((FOLD_LIMIT + 1,), 2.0)
+        return x * masks.float().sum(), big.sum() + x
+
+    x = torch.randn(3, 3)
+    model = _check(make_fx(f)(x), [x])
+    assert "Equal" not in _ops(model) and "ConstantOfShape" in _ops(model)
+    assert all(onnx.numpy_helper.to_array(i).size <= FOLD_LIMIT for i in model.graph.initializer)
+
+
+def test_outputs_that_are_inputs_or_repeated_get_their_own_names():
+    def f(x):
+        y = x * 2
+        return y, x, y
+
+    x = torch.randn(2)
+    model = _check(make_fx(f)(x), [x])
+    assert [o.name for o in model.graph.output] == ["out0", "out1", "out2"]
+
+
+def test_an_op_without_translation_is_named():
+    def f(x):
+        return torch.cumsum(x, 0)
+
+    with pytest.raises(UntranslatableGraph, match="cumsum"):
+        translate(make_fx(f)(torch.randn(3)), ["x"], ["y"], 18)
+
+
+def test_symbolic_shapes_are_refused():
+    def f(x):
+        return x.sum(0)
+
+    graph = make_fx(f, tracing_mode="symbolic")(torch.randn(3, 2))
+    with pytest.raises(UntranslatableGraph, match="symbolic"):
+        translate(graph, ["x"], ["y"], 18)
+
+
+# in the trainer: the switch ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_the_trainer_trains_the_same_with_either_translation(switch, monkeypatch, caplog):
+    """`ORTTRAINER_DISABLE_REWRITES=aten_translation` translates with torch.onnx instead; both train like PyTorch."""
+    import logging
+
+    from helpers import clone, make_trainer, max_difference, torch_weights, trainer_weights
+    from models import transformer_desc
+
+    from orttrainer import optim
+
+    if switch == "off":
+        monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "aten_translation")
+    torch.manual_seed(0)
+    model = TinyTransformer(dropout=0.0)
+    reference = clone(model)
+    extra = {"_internal_use": {"gradient_builder": "torch"}, "utils": {"grad_norm_clip": False}}
+    trainer = make_trainer(model, transformer_desc(), optim.SGDConfig(lr=0.1), transformer_loss, extra)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    tokens = torch.randint(0, 50, (4, 16))
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        for _ in range(3):
+            trainer.train_step(tokens, tokens)
+            sgd.zero_grad()
+            transformer_loss(reference(tokens), tokens).backward()
+            sgd.step()
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
+    ops = {n.op_type for n in trainer._built.compiled.training.model.graph.node}
+    assert ("Squeeze" in ops) == (switch == "off")  # torch.onnx writes squeezes; the direct translation reshapes

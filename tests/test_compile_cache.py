@@ -1,0 +1,299 @@
+"""The persistent compile cache (orttrainer/trainer/compile/cache.py, build/cached.py): a second trainer of the same
+model (as a second process would) gets its graphs from the cache and trains exactly as a fresh build does; any
+change of what the key covers is a miss; a corrupt entry is rebuilt; writes are atomic; the cache can be off."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import make_trainer, max_difference, needs_training_build, trainer_weights
+from models import MLP, mlp_desc
+from torch import nn
+
+from orttrainer import optim
+from orttrainer.trainer.compile import cache as cache_module
+
+HIT = "the compiled graphs come from the compile cache"
+CE = nn.functional.cross_entropy
+BUILDERS = [pytest.param("ort", marks=needs_training_build), "torch"]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    directory = tmp_path / "cache"
+    monkeypatch.setenv("ORTTRAINER_COMPILE_CACHE", str(directory))
+    return directory
+
+
+def _entries(directory) -> list[str]:
+    return sorted(str(p) for p in directory.rglob("*.entry")) if directory.exists() else []
+
+
+def _batches(n: int = 3, size: int = 8, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 32, generator=g), torch.randint(0, 10, (size,), generator=g)) for _ in range(n)]
+
+
+MISS = "compile cache miss"
+
+
+def _train(model_factory, builder: str, caplog, data=None, extra=None, config=None, loss_fn=CE):
+    """A trainer of a fresh model (seed 0) trained on `data`; returns (trainer, losses, hit)."""
+    torch.manual_seed(0)
+    model = model_factory()
+    extra = extra or {}
+    options = {
+        **extra,
+        "_internal_use": {"gradient_builder": builder, **extra.get("_internal_use", {})},
+        "utils": {"grad_norm_clip": False, **extra.get("utils", {})},
+    }
+    trainer = make_trainer(model, mlp_desc(), config or optim.AdamConfig(lr=1e-2), loss_fn, options)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        losses = [float(trainer.train_step(x, y)[0]) for x, y in data or _batches()]
+    return trainer, losses, HIT in caplog.text
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_a_second_trainer_gets_the_graphs_from_the_cache_and_trains_the_same(builder, cache_dir, caplog):
+    first, losses, hit = _train(MLP, builder, caplog)
+    assert not hit and len(_entries(cache_dir)) >= 1
+    second, cached_losses, hit = _train(MLP, builder, caplog)
+    assert hit and cached_losses == losses
+    assert max_difference(trainer_weights(first), trainer_weights(second)) == 0.0
+    assert second._built.builder == first._built.builder
+    x, y = _batches(1)[0]  # the eval graph and state_dict work on the cached build
+    np.testing.assert_allclose(first.eval_step(x, y)[1].numpy(), second.eval_step(x, y)[1].numpy())
+    assert second.state_dict()["model"]["full_precision"].keys() == first.state_dict()["model"]["full_precision"].keys()
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_batch_norm_statistics_move_the_same_on_a_cached_build(builder, cache_dir, caplog):
+    first, losses, _ = _train(Normalised, builder, caplog)
+    second, cached_losses, hit = _train(Normalised, builder, caplog)
+    assert hit and cached_losses == losses
+    before, after = (t.state_dict()["model"]["full_precision"] for t in (first, second))
+    assert {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"} <= after.keys()
+    assert max_difference(before, after) == 0.0 and int(after["bn.num_batches_tracked"]) == 3
+    assert float(np.abs(np.asarray(after["bn.running_mean"])).max()) > 0  # they moved (tests/test_batch_norm.py
+    # checks how against PyTorch)
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_save_as_onnx_after_a_cached_build(builder, cache_dir, caplog, tmp_path):
+    _train(MLP, builder, caplog)
+    trainer, _, hit = _train(MLP, builder, caplog)
+    assert hit
+    trainer.save_as_onnx(str(tmp_path / "model.onnx"))  # the forward model is exported when first asked
+    import onnx
+
+    saved = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(tmp_path / "model.onnx")).graph.initializer}
+    weights = trainer_weights(trainer)
+    assert max_difference({k: saved[k] for k in weights}, weights) == 0.0
+
+
+def test_the_torch_builders_graphs_for_other_shapes_are_cached_too(cache_dir, caplog):
+    data = [*_batches(1, size=8), *_batches(1, size=5), *_batches(1, size=3, seed=2)]
+    _, losses, _ = _train(MLP, "torch", caplog, data)
+    trainer, cached_losses, hit = _train(MLP, "torch", caplog, data)
+    assert hit and cached_losses == losses
+    assert "tracing and compiling" not in caplog.text
+    assert caplog.text.count("the training graph comes from the compile cache") == 2
+    assert trainer._training_session.training_graph_count == 2  # 5 and 3: one dynamic-dims graph, one session
+
+
+@needs_training_build
+def test_the_ort_builders_specialised_graph_is_cached(cache_dir, caplog):
+    _train(MLP, "ort", caplog)
+    assert "specialising the training graph" in caplog.text
+    _, _, hit = _train(MLP, "ort", caplog)
+    assert hit and "specialising the training graph" not in caplog.text
+
+
+# every part of the key -------------------------------------------------------------------------------------------
+
+
+class Wider(MLP):
+    def __init__(self) -> None:
+        super().__init__(hidden=48)
+
+
+class OtherActivation(MLP):
+    """Same parameters and shapes as MLP; the forward differs."""
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Renamed(nn.Module):
+    """MLP's computation with other parameter names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = MLP()
+        self.first, self.second = base.fc1, base.fc2
+
+    def forward(self, x):
+        return self.second(nn.functional.gelu(self.first(x)))
+
+
+class Normalised(MLP):
+    """BatchNorm between the layers: its running statistics are `<buffer>__updated` outputs of the graph."""
+
+    def __init__(self, momentum: float | None = 0.1) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(64, momentum=momentum)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.gelu(self.bn(self.fc1(x))))
+
+
+class CumulativeNormalised(Normalised):
+    def __init__(self) -> None:
+        super().__init__(momentum=None)
+
+
+def _weighted(weights: list[float]):
+    table = torch.tensor(weights)
+
+    def loss(logits, target):
+        return nn.functional.cross_entropy(logits, target, weight=table)
+
+    return loss
+
+
+CHANGES = {
+    "model structure (width)": {"model": Wider},
+    "model structure (same parameters, another forward)": {"model": OtherActivation},
+    "parameter names": {"model": Renamed},
+    "parameter dtypes": {"model": lambda: MLP().double(), "data": [(x.double(), y) for x, y in _batches()]},
+    "a frozen parameter": {"extra": {"utils": {"frozen_weights": ["fc1.bias"]}}},
+    "an option (accumulation)": {"extra": {"batch": {"gradient_accumulation_steps": 2}}},
+    "an option (clipping)": {"extra": {"utils": {"grad_norm_clip": True}}},
+    "the optimizer": {"config": optim.AdamConfig(lr=1e-2, alpha=0.8)},
+    "the input shapes": {"data": _batches(size=6)},
+    "a constant of the loss": {"loss_fn": _weighted([2.0] + [1.0] * 9)},
+    "BatchNorm's momentum": {"model": CumulativeNormalised},
+}
+BASES = {"a constant of the loss": {"loss_fn": _weighted([1.0] * 10)}, "BatchNorm's momentum": {"model": Normalised}}
+
+
+# float64 needs the torch builder: ONNX Runtime's SoftmaxCrossEntropyLossGrad mixes float32 and float64
+@pytest.mark.parametrize(
+    "change, builder",
+    [
+        *(pytest.param(c, "ort", marks=needs_training_build) for c in CHANGES if c != "parameter dtypes"),
+        *((c, "torch") for c in CHANGES),
+    ],
+)
+def test_a_change_of_what_the_key_covers_is_a_miss(change, builder, cache_dir, caplog):
+    base = {"model": MLP, **BASES.get(change, {})}
+    _train(base["model"], builder, caplog, loss_fn=base.get("loss_fn", CE))
+    changed = {**base, **CHANGES[change]}
+    before = _entries(cache_dir)
+
+    def train():
+        return _train(
+            changed["model"],
+            builder,
+            caplog,
+            data=changed.get("data"),
+            extra=changed.get("extra"),
+            config=changed.get("config"),
+            loss_fn=changed.get("loss_fn", CE),
+        )
+
+    if change == "parameter dtypes":
+        # the key is what is tested: the maintained runtime's session may refuse the float64 graph afterwards
+        # (a float32 gradient output type), which is no part of the cache
+        with caplog.at_level(logging.INFO, logger="orttrainer"):
+            try:
+                _, _, hit = train()
+            except Exception:
+                hit = HIT in caplog.text
+        assert not hit and MISS in caplog.text
+        return
+    _, losses, hit = train()
+    assert not hit and MISS in caplog.text and len(_entries(cache_dir)) > len(before)
+    assert all(np.isfinite(losses))
+
+
+def test_another_version_is_a_miss(cache_dir, caplog, monkeypatch):
+    _train(MLP, "torch", caplog)
+    versions = {**cache_module.environment(), "torch": "0.0.0"}
+    monkeypatch.setattr(cache_module, "environment", lambda: versions)
+    _, _, hit = _train(MLP, "torch", caplog)
+    assert not hit
+
+
+def test_another_switch_is_a_miss(cache_dir, caplog, monkeypatch):
+    _train(MLP, "torch", caplog)
+    monkeypatch.setenv("ORTTRAINER_OPTIMIZER_UPDATE", "graph")
+    _, _, hit = _train(MLP, "torch", caplog)
+    assert not hit
+
+
+# robustness --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "empty", "another key's entry"])
+def test_a_corrupt_entry_is_detected_rebuilt_and_rewritten(damage, cache_dir, caplog):
+    _, losses, _ = _train(MLP, "torch", caplog)
+    (path,) = _entries(cache_dir)
+    data = bytearray(open(path, "rb").read())
+    if damage == "flipped byte":
+        data[-100] ^= 0xFF  # inside the training graph
+    elif damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "empty":
+        data = bytearray()
+    else:  # a valid entry under the wrong name
+        _train(Wider, "torch", caplog)
+        other = next(p for p in _entries(cache_dir) if p != path)
+        data = bytearray(open(other, "rb").read())
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    _, rebuilt, hit = _train(MLP, "torch", caplog)
+    assert not hit and rebuilt == losses
+    assert "is corrupt" in caplog.text
+    _, again, hit = _train(MLP, "torch", caplog)  # rewritten: a hit again
+    assert hit and again == losses
+
+
+def test_writes_are_atomic(cache_dir, caplog, monkeypatch):
+    """A write that fails before its rename leaves no entry and no temporary file; training goes on."""
+
+    def failing_replace(source, target):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.warns(RuntimeWarning, match="cannot write the compile cache entry"):
+        _, losses, _ = _train(MLP, "torch", caplog)
+    assert all(np.isfinite(losses))
+    assert not [p for p in cache_dir.rglob("*") if p.is_file()]
+
+
+def test_the_cache_can_be_turned_off(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("ORTTRAINER_COMPILE_CACHE", "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _train(MLP, "torch", caplog)
+    _, _, hit = _train(MLP, "torch", caplog)
+    assert not hit and not list(tmp_path.rglob("*.entry"))
+
+
+def test_the_default_directory_is_under_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("ORTTRAINER_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_module.cache_directory() == os.path.join(str(tmp_path), "orttrainer", "compile")
+
+
+@needs_training_build  # extra_postprocess transforms ONNX Runtime's gradient graph
+def test_a_user_function_option_is_not_cached(cache_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        _, _, hit = _train(MLP, "ort", caplog, extra={"_internal_use": {"extra_postprocess": lambda m: m}})
+    assert not hit and "compile cache not used: _internal_use.extra_postprocess" in caplog.text
+    assert not _entries(cache_dir)
