@@ -42,6 +42,55 @@ class BenchTransformer(nn.Module):
         return self.head(self.encoder(self.embed(tokens) + self.pos[: tokens.shape[1]]))
 
 
+class BenchResNet(nn.Module):
+    """A ResNet-style CNN for 32x32 RGB images (CIFAR size): a 3x3 stem, three stages of two basic blocks (3x3
+    convolutions, BatchNorm, ReLU, identity or strided 1x1 shortcuts) at 32/64/128 channels, global average pooling,
+    a linear head over 10 classes."""
+
+    class Block(nn.Module):
+        def __init__(self, inputs: int, outputs: int, stride: int) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(inputs, outputs, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(outputs)
+            self.conv2 = nn.Conv2d(outputs, outputs, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(outputs)
+            self.shortcut = (
+                nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
+                if stride != 1 or inputs != outputs
+                else nn.Identity()
+            )
+
+        def forward(self, x):
+            y = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        blocks, channels = [], 32
+        for width, stride in ((32, 1), (64, 2), (128, 2)):
+            blocks += [self.Block(channels, width, stride), self.Block(width, width, 1)]
+            channels = width
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, images):
+        return self.head(self.blocks(self.stem(images)).mean(dim=(2, 3)))
+
+
+class BenchLSTM(nn.Module):
+    """An LSTM language model: Embedding(1000, 256), a 2-layer LSTM (hidden 256, batch first), a linear head."""
+
+    def __init__(self, vocab: int = 1000, hidden: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.lstm(self.embed(tokens))[0])
+
+
 def token_loss(logits, target):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
@@ -69,6 +118,20 @@ WORKLOADS = {
         token_loss,
         {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])], "outputs": [("loss", [], True)]},
         lambda: (torch.randint(0, 1000, (16, 128)), torch.randint(0, 1000, (16, 128))),
+    ),
+    "cnn": Workload(
+        "ResNet-style CNN (6 blocks, 32-128 channels, BatchNorm), 32x32x3, batch 32",
+        BenchResNet,
+        nn.functional.cross_entropy,
+        {"inputs": [("images", ["batch", 3, 32, 32]), ("target", ["batch"])], "outputs": [("loss", [], True)]},
+        lambda: (torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))),
+    ),
+    "lstm": Workload(
+        "LSTM language model 2x256, seq 64, batch 16",
+        BenchLSTM,
+        token_loss,
+        {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])], "outputs": [("loss", [], True)]},
+        lambda: (torch.randint(0, 1000, (16, 64)), torch.randint(0, 1000, (16, 64))),
     ),
 }
 
