@@ -259,7 +259,8 @@ def test_dropout_is_on_in_training_unless_the_model_was_handed_over_in_eval_mode
     training = make_trainer(_DropoutMLP(), mlp_desc(), optim.SGDConfig(lr=0.0), CE)
     assert not torch.equal(training.train_step(x, y)[1], training.eval_step(x, y)[1])
     evaluating = make_trainer(_DropoutMLP().eval(), mlp_desc(), optim.SGDConfig(lr=0.0), CE)
-    assert torch.equal(evaluating.train_step(x, y)[1], evaluating.eval_step(x, y)[1])
+    # the torch builder's training graph (direct translation) and eval graph (torch.onnx) may round differently
+    torch.testing.assert_close(evaluating.train_step(x, y)[1], evaluating.eval_step(x, y)[1], rtol=1e-6, atol=1e-6)
 
 
 def test_positional_keyword_and_list_inputs_are_equivalent():
