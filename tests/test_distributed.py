@@ -61,8 +61,9 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, optimiz
 
 def test_two_ranks_with_the_torch_gradient_builder_equal_one_process(tmp_path):
     """The torch builder's gradient-step graph (accumulating in the graph) under data parallelism, with two batch
-    sizes: the first batch's static graph, then the dynamic graph for the other size; the single-process reference uses the default builder
-    ('ort' with onnxruntime-training, so the two builders are compared; 'torch' without it)."""
+    sizes: the first batch's static graph, then the dynamic graph for the other size; the single-process reference
+    uses the default builder ('ort' with onnxruntime-training, so the two builders are compared; 'torch' without
+    it)."""
     cfg = {"accumulation": 2, "halve_odd_steps": True}
     single = run_ranks(tmp_path, 1, builder="auto", **cfg)[0]
     ranks = run_ranks(tmp_path, 2, builder="torch", post=True, **cfg)
