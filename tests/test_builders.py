@@ -22,17 +22,11 @@ def test_builder_choice_rules():
     assert choose_builder("auto", custom_functions=["F"]).builder == "torch"
     assert choose_builder("torch").builder == "torch" and choose_builder("ort").builder == "ort"
     assert choose_builder("auto", onnx_model=True).builder == "ort"
-    amp = ["mixed_precision.enabled"]
-    assert choose_builder("auto", ort_only=amp).builder == "ort"  # no fallback: the torch graph would skip it
+    assert choose_builder("auto", training_build=False).builder == "torch"
     with pytest.raises(NotImplementedError, match=r"Function\(s\) \['F'\]"):
         choose_builder("ort", custom_functions=["F"])
-    for option, functions in (("torch", []), ("auto", ["F"])):
-        with pytest.raises(
-            NotImplementedError,
-            match=r"\['mixed_precision.enabled'\] transform the "
-            "exported ONNX graph, which only the 'ort' gradient builder",
-        ):
-            choose_builder(option, custom_functions=functions, ort_only=amp)
+    with pytest.raises(NotImplementedError, match="extra_postprocess edits the exported forward graph"):
+        choose_builder("auto", custom_functions=["F"], edits_forward=True)
 
 
 def test_every_signature_must_keep_the_state_contract():

@@ -291,12 +291,6 @@ def test_the_builder_choice_for_an_onnx_model():
     assert choose_builder("torch", onnx_model=True, training_build=True).builder == "torch"
     with pytest.raises(ValueError, match="'ort' needs ONNX Runtime's gradient builder"):
         choose_builder("ort", onnx_model=True, training_build=False)
-    # a caller-named feature only the 'ort' builder has (none of the trainer's options today)
-    with pytest.raises(NotImplementedError, match=r"\['a feature'\] need ONNX Runtime's gradient"):
-        choose_builder("torch", onnx_model=True, ort_only=["a feature"])
-    with pytest.raises(NotImplementedError, match="onnxruntime-training is not installed"):
-        choose_builder("auto", onnx_model=True, ort_only=["a feature"], training_build=False)
-    assert choose_builder("auto", onnx_model=True, ort_only=["a feature"]).builder == "ort"
 
 
 def test_an_initializer_that_does_not_reach_the_loss_is_frozen_under_its_own_name():

@@ -192,7 +192,7 @@ def _exported_or_frozen(source, batch, trainable, state) -> onnx.ModelProto:
 
     while True:
         try:
-            return torch_gradient_model(source, batch, ["loss"], trainable, state)[0]
+            return torch_gradient_model(source, batch, ["loss"], trainable, state).model
         except GradientBuildError as err:
             if not err.unreachable:
                 raise
@@ -319,7 +319,7 @@ def _trace(model: onnx.ModelProto, inputs: list[str], batch: list[torch.Tensor])
 
     module = OnnxModule(model, inputs, ["loss"], ["W"])
     source = TorchSource(module, None, inputs, 17, True, state_names=module.state_names)
-    return torch_gradient_model(source, batch, ["loss"], ["W"], ["W"])[0]
+    return torch_gradient_model(source, batch, ["loss"], ["W"], ["W"]).model
 
 
 def test_shapes_computed_in_the_graph_are_numbers_when_the_torch_builder_traces():

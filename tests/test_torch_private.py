@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from models import StraightThrough
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from orttrainer.trainer.gradient import torch_private
 
@@ -378,13 +379,13 @@ def test_failed_node_reads_the_exporter_s_error():
     module = torch.fx.GraphModule({}, torch.fx.Graph())
     fx = module.graph
     a = fx.placeholder("a")
-    a.meta["val"] = torch.eye(3)
+    a.meta["val"] = FakeTensorMode().from_tensor(torch.eye(3))  # as a traced graph's (torch.onnx detects the mode)
     node = fx.call_function(aten.cholesky.default, (a,))
     fx.output((node,))
     module.recompile()
     with pytest.raises(Exception) as caught:
         torch_private.export_graph_to_onnx(module, [torch.eye(3)], ["a"], ["l"], 18)
-    assert torch_private.failed_node(caught.value) == ("cholesky", "aten.cholesky.default")
+    assert torch_private.failed_node(caught.value) == (node.name, "aten.cholesky.default")
     assert torch_private.failed_node(ValueError("something else")) is None
 
 

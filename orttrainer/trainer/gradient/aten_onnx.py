@@ -38,6 +38,8 @@ from onnx import TensorProto, helper, numpy_helper
 from ...dtypes import torch_to_onnx
 
 FOLD_LIMIT = 1 << 16  # elements of a constant result computed at translation time
+# torch dtypes without a numpy dtype: a constant of one leaves the graph to torch.onnx, which writes it itself
+_NO_NUMPY_FORM = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 
 aten = torch.ops.aten
 
@@ -117,6 +119,8 @@ class _Graph:
         return self.emit(op, inputs, **attrs)[0]
 
     def const(self, value: torch.Tensor | np.ndarray) -> Value:
+        if isinstance(value, torch.Tensor) and value.dtype in _NO_NUMPY_FORM:
+            raise UntranslatableGraph(f"a constant of dtype {value.dtype}, which numpy cannot hold")
         array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
         key = (array.dtype.str, array.shape, array.tobytes())
         if key not in self._emitted:

@@ -256,6 +256,8 @@ def _explain_trace_error(
 def _specific_error(
     err: Exception, wrapper: JointWrapper, inputs: Sequence[torch.Tensor], trainable: Sequence[str]
 ) -> GradientBuildError | None:
+    if isinstance(err, GradientBuildError):  # raised by the model itself (OnnxModule names its node): kept
+        return err
     found = _failing_function(err)
     if found is not None:
         cls, phase, location = found

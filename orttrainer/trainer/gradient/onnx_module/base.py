@@ -147,15 +147,21 @@ class Call:
             raise self.fail(f"input {what} is missing")
         if isinstance(value, np.ndarray):
             return value.reshape(-1).tolist()
+        values: list | None = None
+        error: Exception | None = None
         try:
-            return value.detach().reshape(-1).cpu().to(_readable(value.dtype)).tolist()
+            values = value.detach().reshape(-1).cpu().to(_readable(value.dtype)).tolist()
         except Exception as err:  # a traced placeholder has no values
-            if id(value) in self.given:
-                return self.given[id(value)].reshape(-1).tolist()
-            raise self.fail(
-                f"input {what} must be known when the graph is traced (a constant, an initializer that is not "
-                "trained, or computed from shapes), but it is computed from data or weights"
-            ) from err
+            error = err
+        # a traced placeholder's tolist() raises, or (newer torch) gives symbols (SymInt) that stand for no number
+        if values is not None and all(isinstance(v, int | float) for v in values):
+            return values
+        if id(value) in self.given:
+            return self.given[id(value)].reshape(-1).tolist()
+        raise self.fail(
+            f"input {what} must be known when the graph is traced (a constant, an initializer that is not "
+            "trained, or computed from shapes), but it is computed from data or weights"
+        ) from error
 
     def scalar(self, value: Value | None, what: str, default: float) -> float:
         """The single number in `value`, or `default` when the optional input is missing."""
