@@ -154,6 +154,8 @@ def _build_torch(
                 forward = torch_route_forward(config, module, sample_inputs, plan.falling_back(reason), activations)
                 return _compile_and_open(config, state, forward, cached)
             except Exception as torch_err:
+                if type(torch_err) is type(err) and str(torch_err) == str(err):
+                    raise err from None  # not the builder's failure: the user's input or options, as either says
                 raise NoBuilderTrainsError(
                     f"neither gradient builder can train {type(module).__name__}: the 'ort' builder: "
                     f"{reason.removeprefix('auto: ')}; the torch builder: {type(torch_err).__name__}: {torch_err}"
