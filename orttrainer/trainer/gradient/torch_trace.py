@@ -141,6 +141,8 @@ def trace_joint(
                     wrapper, inputs, dims, groups, float16=wrapper.mixed_precision, for_torch_onnx=for_torch_onnx
                 )
             return graph, sig, guards if dynamic else None
+        except GradientBuildError:
+            raise  # the model's own (OnnxModule names its node); with dynamic dims the builder then tries concrete ones
         except Exception as err:
             explained = _specific_error(err, wrapper, inputs, trainable)
             if explained is not None and (explained.unreachable or not dynamic):
@@ -153,6 +155,8 @@ def trace_joint(
                     wrapper, inputs, 0, float16=wrapper.mixed_precision, for_torch_onnx=for_torch_onnx
                 )
             return graph, sig, None
+        except GradientBuildError:
+            raise
         except Exception as err:
             raise _explain_trace_error(err, wrapper, inputs, trainable) from err
 
@@ -256,8 +260,6 @@ def _explain_trace_error(
 def _specific_error(
     err: Exception, wrapper: JointWrapper, inputs: Sequence[torch.Tensor], trainable: Sequence[str]
 ) -> GradientBuildError | None:
-    if isinstance(err, GradientBuildError):  # raised by the model itself (OnnxModule names its node): kept
-        return err
     found = _failing_function(err)
     if found is not None:
         cls, phase, location = found
