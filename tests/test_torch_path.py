@@ -376,6 +376,27 @@ def test_auto_names_both_reasons_when_neither_builder_trains_the_model(monkeypat
         trainer.train_step(*batches()[0])
 
 
+@needs_training_build
+def test_auto_raises_the_user_s_error_as_it_is_when_both_routes_meet_it():
+    """An error both routes raise alike (a legacy option check) is the user's, not a builder's: no NoBuilderTrainsError
+    around it, the legacy type and message kept."""
+    from orttrainer.trainer.build.forward import NoBuilderTrainsError
+
+    class Linear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    options = {"utils": {"frozen_weights": ["no_such.weight"]}}
+    trainer = make_trainer(Linear(), DESC, optim.SGDConfig(lr=0.1), CE, options)
+    with pytest.raises(RuntimeError, match=r"^\['no_such.weight'\] params from 'frozen_weights' not found") as caught:
+        trainer.train_step(*batches()[0])
+    assert not isinstance(caught.value, NoBuilderTrainsError)
+
+
 def test_auto_does_not_switch_for_the_user_s_errors_or_a_named_opset():
     from orttrainer.trainer.build.export import OpsetTooLowError
     from orttrainer.trainer.build.forward import auto_fallback
