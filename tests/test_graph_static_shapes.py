@@ -17,6 +17,7 @@ from orttrainer.trainer.graph.static_shapes import (
     DROP_NOOP_REDUCTIONS,
     FOLD_BROADCAST_GRADIENT_ARGS,
     SCATTER_SUM_TO_CONCAT,
+    WHERE_SUM_TO_CONCAT,
     WITHOUT_DEAD_NODES,
     broadcast_gradient_axes,
     static_inputs_pass,
@@ -175,6 +176,97 @@ def test_rows_that_do_not_cover_the_tensor_stay_scattered(rows, first_dim):
 def test_float16_graphs_are_refused():
     with pytest.raises(PassPreconditionError, match="float16"):
         run_passes(_scatter_model((0, 1, 2), cast=False, elem=TensorProto.FLOAT16), [SCATTER_SUM_TO_CONCAT])
+
+
+# --------------------------------------------------------------------------------------------- where-sum -> concat
+def _where_model(rows, n=3, axis=0, x_shape=None, zeros="constant_of_shape", reshape=True, extra_reader=False):
+    """Add-tree over k of Where(onehot(rows[k]) along `axis`, Expand(X_k, S), zeros), S = [n, 4, 5] with n moved to
+    `axis`; X_k is a graph input `x{k}` reshaped to (or, `reshape` False, declared as) `x_shape`, by default S with
+    1 at `axis`. `extra_reader`: the first inner Add is also a graph output."""
+    full = [4, 5]
+    full.insert(axis, n)
+    part = list(x_shape) if x_shape is not None else [1 if i == axis else d for i, d in enumerate(full)]
+    nodes, inputs = [], []
+    inits = [numpy_helper.from_array(np.array(full, np.int64), "S")]
+    if zeros == "initializer":
+        inits.append(numpy_helper.from_array(np.zeros(full, np.float32), "Z"))
+    else:
+        nodes.append(helper.make_node("ConstantOfShape", ["S"], ["Z"]))
+    leaves = []
+    for k, row in enumerate(rows):
+        condition = np.zeros([n if i == axis else 1 for i in range(3)], np.bool_)
+        condition.reshape(-1)[row] = True
+        inits.append(numpy_helper.from_array(condition, f"C{k}"))
+        if reshape:
+            inputs.append(value_info(f"x{k}", [int(np.prod(part))]))
+            inits.append(numpy_helper.from_array(np.array(part, np.int64), f"shape{k}"))
+            nodes.append(helper.make_node("Reshape", [f"x{k}", f"shape{k}"], [f"r{k}"]))
+            source = f"r{k}"
+        else:
+            inputs.append(value_info(f"x{k}", part))
+            source = f"x{k}"
+        nodes.append(helper.make_node("Expand", [source, "S"], [f"e{k}"]))
+        nodes.append(helper.make_node("Where", [f"C{k}", f"e{k}", "Z"], [f"w{k}"]))
+        leaves.append(f"w{k}")
+    total = leaves[0]
+    for k, leaf in enumerate(leaves[1:], 1):
+        nodes.append(helper.make_node("Add", [total, leaf], [f"a{k}"], name=f"add{k}"))
+        total = f"a{k}"
+    outputs = [value_info(total, full)] + ([value_info("a1", full)] if extra_reader and len(leaves) > 2 else [])
+    return onnx_model(nodes, inputs, outputs, inits, opset=16, ms=True)
+
+
+def _where_feeds(model):
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for value in model.graph.input:
+        shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
+        feeds[value.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize(
+    ("rows", "axis", "zeros", "reshape"),
+    [((2, 0, 1), 0, "constant_of_shape", True), ((0, 1, 2), 1, "initializer", False), ((1, 0), 2, "initializer", True)],
+)
+def test_the_where_sum_becomes_a_concat(rows, axis, zeros, reshape):
+    model = _where_model(rows, n=len(rows), axis=axis, zeros=zeros, reshape=reshape)
+    concat = run_passes(model, [WHERE_SUM_TO_CONCAT], verify=True)
+    ops = _ops(concat)
+    assert ops.count("Concat") == 1 and not {"Where", "Expand", "Add", "ConstantOfShape"} & set(ops)
+    assert helper.get_attribute_value(concat.graph.node[-1].attribute[0]) == axis
+    assert {i.name for i in concat.graph.initializer} <= {f"shape{k}" for k in range(len(rows))}
+    feeds = _where_feeds(model)
+    np.testing.assert_array_equal(run_onnx(concat, feeds)[0], run_onnx(model, feeds)[0])
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "x_shape"),
+    [
+        ((0, 0, 2), 3, None),  # an index twice: rows 1 is zero, not a slice
+        ((0, 1), 3, None),  # a row no leaf writes
+        ((0, 1, 2), 3, [3, 4, 5]),  # X already has the axis: Where selects its slice, not X itself
+        ((0, 1, 2), 3, [1, 1, 5]),  # X broadcasts on another axis too
+    ],
+)
+def test_where_sums_that_are_not_a_concat_stay(rows, n, x_shape):
+    model = _where_model(rows, n=n, x_shape=x_shape)
+    assert "Concat" not in _ops(run_passes(model, [WHERE_SUM_TO_CONCAT], verify=True))
+
+
+def test_an_inner_sum_read_elsewhere_keeps_the_tree():
+    """An inner Add that is also read elsewhere is not the tree's alone: nothing is rewritten."""
+    model = _where_model((0, 1, 2), extra_reader=True)
+    assert "Concat" not in _ops(run_passes(model, [WHERE_SUM_TO_CONCAT], verify=True))
+
+
+def test_the_where_sum_rule_needs_a_sorted_graph():
+    model = _where_model((0, 1, 2))
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    with pytest.raises(PassPreconditionError, match="before"):
+        run_passes(model, [WHERE_SUM_TO_CONCAT])
 
 
 def test_dead_nodes_and_initializers_go_live_ones_stay():

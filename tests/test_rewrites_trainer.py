@@ -113,6 +113,20 @@ def test_mixed_precision_graphs_are_not_specialised():
     assert "SoftmaxCrossEntropyLoss" in _ops(trainer)  # float16 graphs keep the fused kernel
 
 
+def test_the_torch_builder_s_qkv_gradient_is_a_concat_and_trains_the_same_without(monkeypatch):
+    """The torch builder's traced q/k/v gradient (one-hot `Where`s over zeros, added) becomes a `Concat`
+    (graph/static_shapes.where_sum_to_concat); `where_sum_to_concat` off keeps the `Where`s and trains the same."""
+    batches = _batches([4, 4, 4])
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, "")
+    with_rewrite = _train(batches, extra={"_internal_use": {"gradient_builder": "torch"}})
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, "where_sum_to_concat")
+    without = _train(batches, extra={"_internal_use": {"gradient_builder": "torch"}})
+    assert _difference(with_rewrite, without) < 1e-6
+    ours, theirs = _ops(with_rewrite), _ops(without)
+    assert ours["Concat"] >= theirs["Concat"] + 2  # one per layer
+    assert ours["Where"] + 6 <= theirs["Where"]  # three one-hot placements per layer
+
+
 def test_unknown_rewrite_names_are_an_error(monkeypatch):
     monkeypatch.setenv(ENVIRONMENT_VARIABLE, "static_shapes,speed")
     with pytest.raises(ValueError, match="unknown rewrites"):

@@ -27,9 +27,10 @@ Switches for the speed-only rewrites (`rewrite_enabled`): each can be turned off
 measured and a suspected difference ruled out. `ORTTRAINER_DISABLE_REWRITES` is a comma-separated list of rewrite
 names (`all` turns every one off): `cross_entropy_as_plain_ops` (graph/cross_entropy.py), `static_shapes`
 (graph/static_shapes.py: the 'ort' builder's graph specialised per input-shape signature; the torch builder's first
-graph traced for the first batch's shapes, gradient/differentiate.py) and `aten_translation` (the torch builder's
-static graphs translated to ONNX directly, gradient/aten_onnx.py, instead of by torch.onnx). None of them changes
-what is computed beyond float32 rounding; each is tested both ways.
+graph traced for the first batch's shapes, gradient/differentiate.py), `aten_translation` (the torch builder's
+static graphs translated to ONNX directly, gradient/aten_onnx.py, instead of by torch.onnx) and `where_sum_to_concat`
+(graph/static_shapes.py: slice gradients placed by one-hot `Where`s and added become one `Concat`). None of them
+changes what is computed beyond float32 rounding; each is tested both ways.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def repeated_initializer(graph: onnx.GraphProto) -> Problem:
 
 
 REWRITES_ENVIRONMENT_VARIABLE = "ORTTRAINER_DISABLE_REWRITES"
-REWRITES = ("cross_entropy_as_plain_ops", "static_shapes", "aten_translation")
+REWRITES = ("cross_entropy_as_plain_ops", "static_shapes", "aten_translation", "where_sum_to_concat")
 
 
 def rewrite_enabled(name: str) -> bool:

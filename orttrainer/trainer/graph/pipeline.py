@@ -11,9 +11,9 @@ runs them (its stages carry the same numbers).
    traces the PyTorch module (or an OnnxModule of the forward model) itself.
 3. `gradient_passes`: on the gradient model (forward outputs + `<p>_grad`), the same for both builders and every
    input-shape signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels
-   get casts; embedding gradients become scatter-adds; on the CPU in float32, softmax cross-entropy becomes plain
-   ops; then recompute (the 'ort' builder's; the torch builder recomputes in its trace, gradient/torch_recompute.py)
-   and the activation statistics.
+   get casts; embedding gradients become scatter-adds; slice gradients placed by one-hot `Where`s become a `Concat`;
+   on the CPU in float32, softmax cross-entropy becomes plain ops; then recompute (the 'ort' builder's; the torch
+   builder recomputes in its trace, gradient/torch_recompute.py) and the activation statistics.
 4. `training_tail`: accumulation, clipping and the optimizer update as one pass whose result carries its state
    contract (graph/training.py, compile/contract.py); with data parallelism, the gradient-step pass (the optimizer
    graph is a model of its own, graph/data_parallel.build_optimizer_graph).
@@ -48,6 +48,7 @@ from .passes import FunctionPass, GraphPass, rewrite_enabled, run_passes
 from .recompute import RecomputePlan, recompute_pass
 from .scatter_grad import GATHER_GRAD_TO_SCATTER_ADD
 from .state_inputs import move_initializers_to_inputs_pass
+from .static_shapes import WHERE_SUM_TO_CONCAT
 from .training import training_tail_pass
 
 __all__ = [
@@ -92,8 +93,10 @@ def gradient_model_passes(
     signature: under mixed precision the scaled loss stops being an output; with `cast_propagation` (the torch
     builder: ONNX Runtime's builder propagates casts itself) the casts move by its rules (graph/cast_propagation.py;
     a float32 graph is unchanged); under mixed precision (CPU) float32-only kernels get casts; embedding gradients
-    become scatter-adds; on the CPU in float32, softmax cross-entropy becomes plain ops (graph/cross_entropy.py,
-    switchable: graph/passes.rewrite_enabled); class labels are range-checked (graph/class_labels.py)."""
+    become scatter-adds; the gradient of slices x[0], ..., x[n-1] placed by one-hot `Where`s and added (the torch
+    builder's q/k/v projection) becomes a `Concat` (graph/static_shapes.py); on the CPU in float32, softmax
+    cross-entropy becomes plain ops (graph/cross_entropy.py; both switchable: graph/passes.rewrite_enabled); class
+    labels are range-checked (graph/class_labels.py)."""
     passes: list[GraphPass] = []
     if mixed_precision:
         passes.append(without_outputs_pass([scaled_loss]))
@@ -103,6 +106,8 @@ def gradient_model_passes(
         if cpu:
             passes.append(CAST_FP32_ONLY_KERNELS)
     passes.append(GATHER_GRAD_TO_SCATTER_ADD)
+    if rewrite_enabled("where_sum_to_concat"):
+        passes.append(WHERE_SUM_TO_CONCAT)
     if cpu and not mixed_precision and rewrite_enabled("cross_entropy_as_plain_ops"):
         passes.append(CROSS_ENTROPY_AS_PLAIN_OPS)
     passes.append(GUARD_CLASS_LABELS)  # labels range-checked as PyTorch does (graph/class_labels.py)

@@ -1,4 +1,5 @@
-"""Passes for a training graph specialised to one input-shape signature (runtime/static_graphs.py).
+"""Passes for a training graph with static shapes: the 'ort' builder's graph specialised to one input-shape signature
+(runtime/static_graphs.py), and the torch builder's graphs, traced for one signature.
 
 ONNX Runtime's gradient builder writes gradients for any input shape: each broadcasting op's gradient asks
 `BroadcastGradientArgs(Shape(a), Shape(b))` at run time which axes to sum, and sums them with
@@ -14,6 +15,9 @@ rest on its result:
   of one input, become `Identity` (which ONNX Runtime then removes);
 - `SCATTER_SUM_TO_CONCAT`: the gradient of `x[0], x[1], ..., x[n-1]` (PyTorch's fused q/k/v projection: n Gather
   gradients, scattered into zeros and summed) becomes one `Concat` of the n slices' gradients;
+- `WHERE_SUM_TO_CONCAT`: the same gradient as the torch builder's traced graph writes it (each slice's gradient
+  broadcast, placed by a one-hot `Where` over zeros, and the n placements added) becomes one `Concat`. The torch
+  builder's graphs have static shapes from the start, so it runs on its every graph (graph/pipeline.py);
 - `WITHOUT_DEAD_NODES`: nodes whose outputs nothing reads, and unread initializers, are removed.
 
 Each returns a new model and leaves its argument unchanged.
@@ -228,6 +232,153 @@ def _zeros_shape(
     return tuple(int(d) for d in constants[node.input[0]].reshape(-1))
 
 
+def where_sum_to_concat(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Rule: a tree of `Add` nodes (each inner `Add` read by the tree only, not a graph output) whose n >= 2 leaves are
+    `Where(C_k, Expand(X_k, S), Z)` — `S` a constant shape, `C_k` a bool constant whose shape, right-aligned to
+    `S`, is 1 on every axis but one axis `a` where it is n = S[a], true at exactly one index i_k; `Z` a zero
+    constant, or `ConstantOfShape(S, 0)`; `X_k` of a known shape (a graph input or output, a declared value, or a
+    `Reshape` to a constant shape without -1 or 0) equal to `S` but 1 at axis `a` — with {i_k} = {0, ..., n-1},
+    becomes `Concat(X for i = 0..n-1, axis=a)`: at index i of axis `a` exactly one leaf is `X_k`, broadcast, and
+    the others are zero, so the sum is `X_k` (a zero's sign aside). Then the nodes this leaves unread, and the
+    initializers only they read, are removed.
+
+    Precondition: the nodes are in topological order (the removal walks back from the outputs)."""
+    require("where_sum_to_concat", _unsorted_problem(model))
+    result = copy_model(model)
+    graph = result.graph
+    constants = _constants(result)
+    producers = {out: node for node in graph.node for out in node.output}
+    readers: dict[str, int] = {}
+    for name in [n for node in graph.node for n in node.input] + [o.name for o in graph.output]:
+        readers[name] = readers.get(name, 0) + 1
+    shapes = _declared_shapes(graph, producers, constants)
+    orphaned: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type != "Add":
+            continue
+        found = _where_tree(node, producers, readers, constants, shapes)
+        if found is not None:
+            parts, axis, replaced = found
+            orphaned.extend(replaced)
+            node.CopyFrom(helper.make_node("Concat", parts, [node.output[0]], name=node.name, axis=axis))
+    if orphaned:
+        _remove_unread(result, orphaned)
+    return result
+
+
+def _where_tree(
+    root: onnx.NodeProto,
+    producers: dict[str, onnx.NodeProto],
+    readers: dict[str, int],
+    constants: dict[str, np.ndarray],
+    shapes: dict[str, tuple[int, ...]],
+) -> tuple[list[str], int, list[onnx.NodeProto]] | None:
+    """(the `X` in index order, the axis, the nodes the Concat replaces) when `root` matches the rule."""
+    leaves: list[onnx.NodeProto] = []
+    inner: list[onnx.NodeProto] = []
+    pending = list(root.input)
+    while pending:
+        node = producers.get(pending.pop())
+        if node is None:
+            return None
+        if node.op_type == "Add" and readers.get(node.output[0], 0) == 1:
+            inner.append(node)
+            pending.extend(node.input)
+        elif node.op_type == "Where":
+            leaves.append(node)
+        else:
+            return None
+    if len(leaves) < 2:
+        return None
+    rows: dict[int, str] = {}
+    axes, replaced = set(), [*inner]
+    for where in leaves:
+        leaf = _where_leaf(where, producers, constants, shapes)
+        if leaf is None or leaf[1] in rows:
+            return None
+        x, index, axis, size = leaf
+        if size != len(leaves):
+            return None
+        rows[index] = x
+        axes.add(axis)
+        replaced.extend(n for n in (where, producers[where.input[1]], producers.get(where.input[2])) if n is not None)
+    if len(axes) != 1 or sorted(rows) != list(range(len(leaves))):
+        return None
+    return [rows[i] for i in range(len(leaves))], axes.pop(), replaced
+
+
+def _where_leaf(
+    where: onnx.NodeProto,
+    producers: dict[str, onnx.NodeProto],
+    constants: dict[str, np.ndarray],
+    shapes: dict[str, tuple[int, ...]],
+) -> tuple[str, int, int, int] | None:
+    """(X, its index i, the axis a, n) of one `Where(C, Expand(X, S), Z)` leaf of the rule, else None."""
+    condition, expand = constants.get(where.input[0]), producers.get(where.input[1])
+    if condition is None or condition.dtype != np.bool_ or expand is None or expand.op_type != "Expand":
+        return None
+    target = constants.get(expand.input[1])
+    if target is None or target.dtype != np.int64 or target.ndim != 1:
+        return None
+    full = tuple(int(d) for d in target)
+    if condition.ndim > len(full) or _zeros_shape(where.input[2], producers, constants) not in (full, ()):
+        return None
+    spread = [i for i, d in enumerate(condition.shape) if d != 1]
+    if len(spread) != 1 or int(np.count_nonzero(condition)) != 1:
+        return None
+    axis = len(full) - condition.ndim + spread[0]
+    size = condition.shape[spread[0]]
+    x = expand.input[0]
+    if size != full[axis] or shapes.get(x) != full[:axis] + (1,) + full[axis + 1 :]:
+        return None
+    return x, int(np.flatnonzero(condition.reshape(-1))[0]), axis, size
+
+
+def _declared_shapes(
+    graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto], constants: dict[str, np.ndarray]
+) -> dict[str, tuple[int, ...]]:
+    """Static shapes known without inference: declared values, and `Reshape`s to a constant shape."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        dims = value.type.tensor_type.shape.dim if value.type.tensor_type.HasField("shape") else None
+        if dims is not None and all(d.HasField("dim_value") for d in dims):
+            shapes[value.name] = tuple(int(d.dim_value) for d in dims)
+    for name, node in producers.items():
+        target = constants.get(node.input[1]) if node.op_type == "Reshape" and len(node.input) > 1 else None
+        if target is not None and target.dtype == np.int64 and target.ndim == 1 and (target > 0).all():
+            shapes.setdefault(name, tuple(int(d) for d in target))
+    return shapes
+
+
+def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """`_initializers`, and the bool initializers (one-hot conditions)."""
+    return _initializers(model) | {
+        i.name: numpy_helper.to_array(i) for i in model.graph.initializer if i.data_type == TensorProto.BOOL
+    }
+
+
+def _remove_unread(model: onnx.ModelProto, candidates: list[onnx.NodeProto]) -> None:
+    """Remove the `candidates` (known by their outputs) whose outputs nothing reads, repeatedly, then the
+    initializers that only removed nodes read and that are not graph inputs."""
+    graph = model.graph
+    removable = {out for node in candidates for out in node.output}
+    needed = {o.name for o in graph.output}
+    kept: list[onnx.NodeProto] = []
+    removed_inputs: set[str] = set()
+    for node in reversed(graph.node):  # readers come after the nodes they read
+        if any(o in removable for o in node.output) and not any(o in needed for o in node.output):
+            removed_inputs.update(node.input)
+            continue
+        kept.append(node)
+        needed.update(node.input)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    needed.update(i.name for i in graph.input)
+    initializers = [i for i in graph.initializer if i.name not in removed_inputs or i.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+
+
 def _float16_problem(model: onnx.ModelProto) -> Problem:
     declared = [*model.graph.input, *model.graph.output, *model.graph.value_info]
     if any(v.type.tensor_type.elem_type == TensorProto.FLOAT16 for v in declared) or any(
@@ -292,6 +443,7 @@ FOLD_BROADCAST_GRADIENT_ARGS = FunctionPass(
 )
 DROP_NOOP_REDUCTIONS = FunctionPass("drop_noop_reductions", drop_noop_reductions, _single_assignment_problem)
 SCATTER_SUM_TO_CONCAT = FunctionPass("scatter_sum_to_concat", scatter_sum_to_concat, _float16_problem)
+WHERE_SUM_TO_CONCAT = FunctionPass("where_sum_to_concat", where_sum_to_concat, _unsorted_problem)
 WITHOUT_DEAD_NODES = FunctionPass("without_dead_nodes", without_dead_nodes, _unsorted_problem)
 STATIC_SHAPE_PASSES = [FOLD_BROADCAST_GRADIENT_ARGS, DROP_NOOP_REDUCTIONS, SCATTER_SUM_TO_CONCAT, WITHOUT_DEAD_NODES]
 
