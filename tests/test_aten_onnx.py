@@ -69,9 +69,29 @@ class GeluNet(nn.Module):
         return self.fc2(torch.cat([h[:, :8], h[:, 8:].clamp(-1.0, 1.0)], dim=1))
 
 
+class ConvNet(nn.Module):
+    """Convolutions (strided, padded, grouped, 1x1, transposed) with training-mode BatchNorm: the joint graph has
+    convolutions for the forward and the input gradients, and per-kernel-position products, pads and slices for
+    the weight gradients (gradient/torch_decompositions.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2)
+        self.conv3 = nn.Conv2d(8, 6, 1)
+        self.up = nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv1(x)))
+        h = self.up(self.conv3(torch.relu(self.conv2(h))))
+        return self.head(h.mean(dim=(2, 3)))
+
+
 @pytest.mark.parametrize(
     "case",
-    ["mlp", "gelu_layernorm_cat_clamp", "transformer_embedding_attention_ignore_index"],
+    ["mlp", "gelu_layernorm_cat_clamp", "transformer_embedding_attention_ignore_index", "conv_batchnorm"],
 )
 def test_joint_graphs_of_models_match_pytorch(case):
     torch.manual_seed(0)
@@ -79,6 +99,11 @@ def test_joint_graphs_of_models_match_pytorch(case):
         graph, args = _joint(MLP(), nn.functional.cross_entropy, [torch.randn(8, 32), torch.randint(0, 10, (8,))])
     elif case == "gelu_layernorm_cat_clamp":
         graph, args = _joint(GeluNet(), nn.functional.cross_entropy, [torch.randn(6, 12), torch.randint(0, 5, (6,))])
+    elif case == "conv_batchnorm":
+        inputs = [torch.randn(4, 3, 9, 9), torch.randint(0, 3, (4,))]
+        graph, args = _joint(ConvNet(), nn.functional.cross_entropy, inputs)
+        assert {"Conv", "ConvTranspose", "Pad"} <= set(_ops(_check(graph, args, atol=1e-5)))
+        return
     else:
         tokens, target = torch.randint(0, 50, (4, 8)), torch.randint(0, 50, (4, 8))
         target[0, :3] = -100  # ignored by the loss
@@ -139,6 +164,52 @@ def test_constants_are_folded_and_large_fills_are_constant_of_shape():
     model = _check(make_fx(f)(x), [x])
     assert "Equal" not in _ops(model) and "ConstantOfShape" in _ops(model)
     assert all(onnx.numpy_helper.to_array(i).size <= FOLD_LIMIT for i in model.graph.initializer)
+
+
+@pytest.mark.parametrize(
+    ("dims", "transposed", "groups", "stride", "padding", "dilation", "bias"),
+    [
+        (1, False, 1, 2, 1, 1, True),
+        (2, False, 2, 1, 2, 2, False),
+        (2, True, 1, 2, 1, 1, True),
+        (3, False, 1, 1, 0, 1, True),
+        (3, True, 2, 2, 1, 1, False),
+    ],
+)
+def test_convolutions_are_conv_and_conv_transpose(dims, transposed, groups, stride, padding, dilation, bias):
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, *[7 - dims + i for i in range(dims)])
+    shape = [4, 6 // groups] if transposed else [6, 4 // groups]
+    w, b = torch.randn(*shape, *[3] * dims), torch.randn(6)
+    output_padding = [1 if transposed and stride > 1 else 0] * dims
+
+    def f(x, w, b):  # a tuple: the translated graph's outputs are a tuple
+        arguments = ([stride] * dims, [padding] * dims, [dilation] * dims, transposed, output_padding, groups)
+        return (torch.ops.aten.convolution(x, w, b if bias else None, *arguments),)
+
+    model = _check(make_fx(f)(x, w, b), [x, w, b], atol=1e-4)
+    assert _ops(model) == ["ConvTranspose" if transposed else "Conv"]
+
+
+def test_var_mean_and_constant_pads():
+    def f(x):
+        var, mean = torch.ops.aten.var_mean.correction(x, [0, 2], correction=1, keepdim=True)
+        var0, mean0 = torch.ops.aten.var_mean.correction(x, [1], correction=0)
+        padded = torch.ops.aten.constant_pad_nd(x, [1, 2, 0, 1], 0.5)
+        return var, mean, var0, mean0, padded
+
+    x = torch.randn(3, 4, 5)
+    model = _check(make_fx(f)(x), [x], atol=1e-5)
+    assert "Pad" in _ops(model)
+
+
+def test_cropping_pads_and_a_correction_of_every_element_are_left_to_torch_onnx():
+    x = torch.randn(3, 4)
+    with pytest.raises(UntranslatableGraph, match="constant_pad_nd"):
+        translate(make_fx(lambda x: torch.ops.aten.constant_pad_nd(x, [-1, 1]))(x), ["x"], ["y"], 18)
+    graph = make_fx(lambda x: torch.ops.aten.var_mean.correction(x, [1], correction=4))(x)
+    with pytest.raises(UntranslatableGraph, match="var_mean"):
+        translate(graph, ["x"], ["v", "m"], 18)
 
 
 def test_outputs_that_are_inputs_or_repeated_get_their_own_names():

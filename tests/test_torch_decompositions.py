@@ -42,11 +42,23 @@ CONVS = [
     (2, 4, 6, 3, 2, 1, 1, 1, True, 1, 5),
     (2, 6, 4, (3, 2), (2, 3), (1, 0), (2, 1), 2, True, (1, 2), 4),
     (3, 2, 4, 3, 2, 1, 1, 2, True, 1, 3),
+    # without groups: the weight gradient as one product per kernel position (up to PER_OFFSET_MAX of them)
+    (2, 4, 6, 1, 1, 0, 1, 1, False, 0, 6),  # 1x1
+    (2, 4, 6, 1, 2, 0, 1, 1, False, 0, 7),  # 1x1, stride 2
+    (2, 3, 5, (3, 5), (2, 1), (1, 2), (2, 1), 1, False, 0, 11),
+    (3, 2, 3, 3, (1, 2, 1), 1, 1, 1, False, 0, 6),  # 27 positions
+    (2, 3, 4, 7, 2, 3, 1, 1, False, 0, 15),  # 49 positions: the grouped-convolution form
+    (2, 4, 3, 3, 1, 1, 2, 1, True, 0, 6),  # transposed, dilated
 ]
 
 
+@pytest.mark.parametrize("per_offset", [True, False], ids=["per-offset", "convolution"])
 @pytest.mark.parametrize("case", CONVS, ids=[f"conv{i}" for i in range(len(CONVS))])
-def test_convolution_backward_is_the_ops(case):
+def test_convolution_backward_is_the_ops(case, per_offset, monkeypatch):
+    """Both forms of the weight gradient (`ORTTRAINER_DISABLE_REWRITES=conv_weight_gradient_per_offset` keeps
+    the one convolution) compute the op's gradients."""
+    if not per_offset:
+        monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "conv_weight_gradient_per_offset")
     dims, cin, cout, kernel, stride, padding, dilation, groups, transposed, output_padding, size = case
     n = lambda v: [v] * dims if isinstance(v, int) else list(v)  # noqa: E731
     torch.manual_seed(0)

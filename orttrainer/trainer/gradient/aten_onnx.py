@@ -15,7 +15,9 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   such nodes) and whose result has at most `FOLD_LIMIT` elements is computed once by PyTorch and becomes an
   initializer (random ops excepted); larger fills are `ConstantOfShape`;
 - `native_dropout` is ONNX Dropout in training mode (outputs: the result and the mask), as torch.onnx writes it, so
-  the trainer seeds it like any Dropout (graph/dropout_seeds.py).
+  the trainer seeds it like any Dropout (graph/dropout_seeds.py);
+- `convolution` is Conv or ConvTranspose with its attributes (the weight gradients of gradient/torch_decompositions.py
+  are products, pads and slices), so a CNN's graph needs no second trace for torch.onnx (docs/engine.md §20).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
 source of ~500 functions on first use) and runs a general optimiser; on the benchmark transformer's joint graph
@@ -536,6 +538,48 @@ def _reduce_node(g: _Graph, op: str, source: Value, axes: list[int], keepdim: bo
     return g.one(op, inputs, keepdims=int(keepdim))
 
 
+def _var_mean(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    """`aten.var_mean.correction`: the mean, and the mean of the squared deviations from it scaled by
+    n / (n - correction) (n: the elements reduced), as (var, mean)."""
+    x = node.args[0]
+    dims: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    correction = node.kwargs.get("correction", 1)
+    keepdim = bool(node.kwargs.get("keepdim", False))
+    source = g.meta(x)  # type: ignore[arg-type]
+    if not source.dtype.is_floating_point or not isinstance(correction, (int, float)):
+        return None  # type: ignore[return-value]
+    rank = source.dim()
+    axes = [_axis(d, rank) for d in ([dims] if isinstance(dims, int) else (dims or range(rank)))]
+    count = math.prod(source.shape[a] for a in axes)
+    x_value = g.tensor(x)
+    kept = _reduce_node(g, "ReduceMean", x_value, axes, True)
+    deviation = g.one("Sub", [x_value, kept])
+    var = _reduce_node(g, "ReduceMean", g.one("Mul", [deviation, deviation]), axes, keepdim)
+    if correction and count <= correction:
+        return None  # type: ignore[return-value]  # PyTorch's inf or nan: torch.onnx writes it
+    if correction:
+        var = g.one("Mul", [var, g.scalar(count / (count - correction), source.dtype)])
+    mean = kept if keepdim else g.one("Squeeze", [kept, g.ints(axes)])
+    return var, mean
+
+
+def _constant_pad(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.constant_pad_nd` with pads >= 0: ONNX Pad (aten lists (begin, end) pairs from the last dim back; ONNX
+    all begins, then all ends, from the first dim)."""
+    x = node.args[0]
+    pad: Any = node.args[1]
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    out = _meta(node)
+    pairs = [list(pad[i : i + 2]) for i in range(0, len(pad), 2)]
+    if any(p < 0 for pair in pairs for p in pair) or not isinstance(value, (bool, int, float)):
+        return None  # type: ignore[return-value]
+    rank = out.dim()
+    begins, ends = [0] * rank, [0] * rank
+    for i, (begin, end) in enumerate(pairs):
+        begins[rank - 1 - i], ends[rank - 1 - i] = begin, end
+    return g.one("Pad", [g.tensor(x), g.ints(begins + ends), g.scalar(value, out.dtype)], mode="constant")
+
+
 def _mm(g: _Graph, node: torch.fx.Node) -> Value:
     if any(not g.meta(a).dtype.is_floating_point for a in node.args):  # type: ignore[arg-type]
         return None  # type: ignore[return-value]
@@ -549,6 +593,32 @@ def _addmm(g: _Graph, node: torch.fx.Node) -> Value:
     if not _meta(node).dtype.is_floating_point:
         return None  # type: ignore[return-value]
     return g.one("Gemm", [g.tensor(a), g.tensor(b), g.tensor(bias)], alpha=float(alpha), beta=float(beta))  # type: ignore[arg-type]
+
+
+def _convolution(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.convolution`: ONNX Conv, or ConvTranspose when `transposed` (aten's transposed weight [C_in, C_out/g,
+    k...] is ConvTranspose's layout), with the same strides, symmetric pads, dilations, groups and output padding;
+    other argument forms are left to torch.onnx."""
+    x, weight, bias = node.args[:3]
+    settings: list[Any] = list(node.args[3:])
+    stride, padding, dilation, transposed, output_padding, groups = settings
+    out = _meta(node)
+    if not out.dtype.is_floating_point or out.dim() < 3:
+        return None  # type: ignore[return-value]
+    n = out.dim() - 2
+    inputs = [g.tensor(x), g.tensor(weight)] + ([g.tensor(bias)] if bias is not None else [])
+    attrs: dict[str, Any] = {
+        "strides": list(stride),
+        "pads": list(padding) * 2,
+        "dilations": list(dilation),
+        "group": int(groups),
+        "kernel_shape": list(g.meta(weight).shape[2:]),  # type: ignore[arg-type]
+    }
+    if any(len(attrs[k]) != n for k in ("strides", "dilations", "kernel_shape")) or len(attrs["pads"]) != 2 * n:
+        return None  # type: ignore[return-value]
+    if transposed:
+        return g.one("ConvTranspose", inputs, output_padding=list(output_padding), **attrs)
+    return g.one("Conv", inputs, **attrs)
 
 
 def _layer_norm(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
@@ -675,6 +745,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.select.int: _select,
     aten.slice.Tensor: _slice,
     aten.cat.default: _cat,
+    aten.constant_pad_nd.default: _constant_pad,
     aten.slice_scatter.default: _slice_scatter,
     aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split,
@@ -734,6 +805,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.sum.dim_IntList: _reduce("ReduceSum"),
     aten.sum.default: _reduce("ReduceSum"),
     aten.mean.dim: _reduce("ReduceMean"),
+    aten.var_mean.correction: _var_mean,
     aten.amax.default: _reduce("ReduceMax"),
     aten.amin.default: _reduce("ReduceMin"),
     aten.any.dim: _reduce("any"),
@@ -742,6 +814,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.mm.default: _mm,
     aten.bmm.default: _mm,
     aten.addmm.default: _addmm,
+    aten.convolution.default: _convolution,
     aten.native_layer_norm.default: _layer_norm,
     aten._softmax.default: _softmax("Softmax"),
     aten._log_softmax.default: _softmax("LogSoftmax"),

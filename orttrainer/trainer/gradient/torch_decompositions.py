@@ -17,10 +17,13 @@ sizes may be symbolic and are only passed through.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
 import torch
+
+from ..graph.passes import rewrite_enabled
 
 aten = torch.ops.aten
 
@@ -44,9 +47,12 @@ def convolution_backward(
     Rules, for a convolution with stride s, padding p, dilation d and kernel size k along each spatial dim:
     - the input's gradient is the transposed convolution of the output's gradient with the same weight (for a
       transposed convolution: the plain convolution), with the output padding that gives the input's size back;
-    - the weight's gradient is a convolution of the input with the output's gradient as its kernel, stride d,
-      dilation s and padding p, cut to k; the batch becomes the channels and the groups stay groups (one node for
-      any `groups`, depthwise included); for a transposed convolution the two roles swap;
+    - the weight's gradient, without groups and with at most `PER_OFFSET_MAX` kernel positions, is one matrix
+      product per kernel position j: the padded input, sliced from j·d with step s to the output's size, against
+      the output's gradient, both as matrices over (batch, output position) (`_weight_gradient_per_offset`);
+      otherwise it is a convolution of the input with the output's gradient as its kernel, stride d, dilation s
+      and padding p, cut to k, the batch becoming the channels and the groups staying groups (one node for any
+      `groups`, depthwise included); for a transposed convolution the two roles swap;
     - the bias's gradient is the output's gradient summed over every dim but the channels."""
     n = len(stride)
     stride, padding, dilation = list(stride), list(padding), list(dilation)
@@ -64,14 +70,50 @@ def convolution_backward(
             extra = [input.shape[2 + i] - reached[i] for i in range(n)]
             grad_input = aten.convolution(grad_output, weight, None, stride, padding, dilation, True, extra, groups)
     if output_mask[1]:
-        if transposed:  # weight [C_in, C_out/g, k]: "input" role = the output's gradient
-            grad_weight = _weight_gradient(grad_output, input, stride, padding, dilation, groups)
-        else:  # weight [C_out, C_in/g, k]
-            grad_weight = _weight_gradient(input, grad_output, stride, padding, dilation, groups)
-        grad_weight = _fit_spatial(grad_weight, weight.shape[2:])
+        # weight [C_out, C_in/g, k]; transposed: [C_in, C_out/g, k], the output's gradient in the "input" role
+        x, g = (grad_output, input) if transposed else (input, grad_output)
+        sizes = [int(size) for size in weight.shape[2:]]
+        if groups == 1 and math.prod(sizes) <= PER_OFFSET_MAX and rewrite_enabled("conv_weight_gradient_per_offset"):
+            grad_weight = _weight_gradient_per_offset(x, g, sizes, stride, padding, dilation)
+        else:
+            grad_weight = _fit_spatial(_weight_gradient(x, g, stride, padding, dilation, groups), sizes)
     if output_mask[2]:
         grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
     return grad_input, grad_weight, grad_bias
+
+
+# Kernel positions up to which the weight gradient is a matrix product per position (3×3, 5×5, 3×3×3 and 1×1 are
+# within): a graph node per position, against one convolution whose kernel is the whole output gradient — a
+# product with an output of k positions, which ONNX Runtime's CPU Conv ran at half to two thirds of the speed
+# (docs/engine.md §20).
+PER_OFFSET_MAX = 27
+
+
+def _weight_gradient_per_offset(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+) -> torch.Tensor:
+    """`sum_n sum_y g[n, o, y] * x[n, c, y*s + j*d - p]` as a tensor [g's channels, x's channels, j...] (no
+    groups), one matrix product per kernel position j: x (channels first, zero-padded by p) sliced at j·d with
+    step s to g's spatial size, as [C_x, N·Y], times g as [N·Y, C_g]."""
+    n = len(kernel)
+    spatial = [int(size) for size in g.shape[2:]]
+    pad = [side for p in reversed(padding) for side in (p, p)]
+    xt = aten.constant_pad_nd(x.transpose(0, 1), pad, 0.0) if any(padding) else x.transpose(0, 1)
+    gm = g.permute(0, *range(2, 2 + n), 1).reshape(-1, g.shape[1])  # [N·Y, C_g]
+    products = []
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        window = xt
+        for i, j in enumerate(offset):
+            start = j * dilation[i]
+            window = aten.slice(window, 2 + i, start, start + (spatial[i] - 1) * stride[i] + 1, stride[i])
+        products.append(aten.mm(window.reshape(x.shape[1], -1), gm))  # [C_x, C_g]
+    stacked = torch.stack(products).reshape(*kernel, x.shape[1], g.shape[1])
+    return stacked.permute(n + 1, n, *range(n))
 
 
 def _weight_gradient(

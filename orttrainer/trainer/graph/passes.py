@@ -28,9 +28,11 @@ measured and a suspected difference ruled out. `ORTTRAINER_DISABLE_REWRITES` is 
 names (`all` turns every one off): `cross_entropy_as_plain_ops` (graph/cross_entropy.py), `static_shapes`
 (graph/static_shapes.py: the 'ort' builder's graph specialised per input-shape signature; the torch builder's first
 graph traced for the first batch's shapes, gradient/differentiate.py), `aten_translation` (the torch builder's
-static graphs translated to ONNX directly, gradient/aten_onnx.py, instead of by torch.onnx) and `where_sum_to_concat`
-(graph/static_shapes.py: slice gradients placed by one-hot `Where`s and added become one `Concat`). None of them
-changes what is computed beyond float32 rounding; each is tested both ways.
+static graphs translated to ONNX directly, gradient/aten_onnx.py, instead of by torch.onnx), `where_sum_to_concat`
+(graph/static_shapes.py: slice gradients placed by one-hot `Where`s and added become one `Concat`) and
+`conv_weight_gradient_per_offset` (gradient/torch_decompositions.py: the torch builder writes a convolution's weight
+gradient as one matrix product per kernel position instead of one convolution). None of them changes what is
+computed beyond float32 rounding; each is tested both ways.
 """
 
 from __future__ import annotations
@@ -162,7 +164,13 @@ def repeated_initializer(graph: onnx.GraphProto) -> Problem:
 
 
 REWRITES_ENVIRONMENT_VARIABLE = "ORTTRAINER_DISABLE_REWRITES"
-REWRITES = ("cross_entropy_as_plain_ops", "static_shapes", "aten_translation", "where_sum_to_concat")
+REWRITES = (
+    "cross_entropy_as_plain_ops",
+    "static_shapes",
+    "aten_translation",
+    "where_sum_to_concat",
+    "conv_weight_gradient_per_offset",
+)
 
 
 def rewrite_enabled(name: str) -> bool:
