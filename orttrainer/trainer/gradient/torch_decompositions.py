@@ -101,7 +101,7 @@ def _weight_gradient_per_offset(
     groups), one matrix product per kernel position j: x (channels first, zero-padded by p) sliced at j·d with
     step s to g's spatial size, as [C_x, N·Y], times g as [N·Y, C_g]."""
     n = len(kernel)
-    spatial = [int(size) for size in g.shape[2:]]
+    spatial = list(g.shape[2:])  # may be symbolic: only passed through
     pad = [side for p in reversed(padding) for side in (p, p)]
     xt = aten.constant_pad_nd(x.transpose(0, 1), pad, 0.0) if any(padding) else x.transpose(0, 1)
     gm = g.permute(0, *range(2, 2 + n), 1).reshape(-1, g.shape[1])  # [N·Y, C_g]
