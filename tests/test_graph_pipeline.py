@@ -155,6 +155,7 @@ def test_gradient_model_passes_drop_the_scaled_loss_cast_cpu_kernels_and_scatter
         "without_outputs",
         "cast_fp32_only_kernels",
         "gather_grad_to_scatter_add",
+        "where_sum_to_concat",
         "guard_class_labels",
     ]
     result = run_passes(model, passes, verify=True)
@@ -183,12 +184,14 @@ def test_gradient_model_passes_without_mixed_precision_only_scatter():
     passes = gradient_model_passes(mixed_precision=False, cpu=True, scaled_loss="loss_scaled")
     assert [p.name for p in passes] == [  # CPU, float32
         "gather_grad_to_scatter_add",
+        "where_sum_to_concat",
         "cross_entropy_as_plain_ops",
         "guard_class_labels",
     ]
     assert [p.name for p in gradient_model_passes(mixed_precision=True, cpu=False, scaled_loss="s")] == [
         "without_outputs",
         "gather_grad_to_scatter_add",
+        "where_sum_to_concat",
         "guard_class_labels",
     ]
     result = run_passes(_gradient_model(), passes, verify=True)

@@ -47,7 +47,7 @@ CONVS = [
     (2, 4, 6, 1, 2, 0, 1, 1, False, 0, 7),  # 1x1, stride 2
     (2, 3, 5, (3, 5), (2, 1), (1, 2), (2, 1), 1, False, 0, 11),
     (3, 2, 3, 3, (1, 2, 1), 1, 1, 1, False, 0, 6),  # 27 positions
-    (2, 3, 4, 7, 2, 3, 1, 1, False, 0, 15),  # 49 positions: the grouped-convolution form
+    (2, 3, 4, 7, 2, 3, 1, 1, False, 0, 15),  # 49 positions: the one-convolution form
     (2, 4, 3, 3, 1, 1, 2, 1, True, 0, 6),  # transposed, dilated
 ]
 

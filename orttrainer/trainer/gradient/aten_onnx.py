@@ -546,8 +546,8 @@ def _var_mean(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     correction = node.kwargs.get("correction", 1)
     keepdim = bool(node.kwargs.get("keepdim", False))
     source = g.meta(x)  # type: ignore[arg-type]
-    if not source.dtype.is_floating_point or not isinstance(correction, (int, float)):
-        return None  # type: ignore[return-value]
+    if source.dtype not in (torch.float32, torch.float64) or not isinstance(correction, (int, float)):
+        return None  # type: ignore[return-value]  # float16 sums: PyTorch accumulates wider, torch.onnx matches it
     rank = source.dim()
     axes = [_axis(d, rank) for d in ([dims] if isinstance(dims, int) else (dims or range(rank)))]
     count = math.prod(source.shape[a] for a in axes)
