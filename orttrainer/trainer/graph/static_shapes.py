@@ -357,28 +357,6 @@ def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     }
 
 
-def _remove_unread(model: onnx.ModelProto, candidates: list[onnx.NodeProto]) -> None:
-    """Remove the `candidates` (known by their outputs) whose outputs nothing reads, repeatedly, then the
-    initializers that only removed nodes read and that are not graph inputs."""
-    graph = model.graph
-    removable = {out for node in candidates for out in node.output}
-    needed = {o.name for o in graph.output}
-    kept: list[onnx.NodeProto] = []
-    removed_inputs: set[str] = set()
-    for node in reversed(graph.node):  # readers come after the nodes they read
-        if any(o in removable for o in node.output) and not any(o in needed for o in node.output):
-            removed_inputs.update(node.input)
-            continue
-        kept.append(node)
-        needed.update(node.input)
-    del graph.node[:]
-    graph.node.extend(reversed(kept))
-    needed.update(i.name for i in graph.input)
-    initializers = [i for i in graph.initializer if i.name not in removed_inputs or i.name in needed]
-    del graph.initializer[:]
-    graph.initializer.extend(initializers)
-
-
 def _float16_problem(model: onnx.ModelProto) -> Problem:
     declared = [*model.graph.input, *model.graph.output, *model.graph.value_info]
     if any(v.type.tensor_type.elem_type == TensorProto.FLOAT16 for v in declared) or any(
@@ -392,20 +370,39 @@ def without_dead_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     """Rule: remove, repeatedly, every node none of whose outputs is a graph output or read by another node, then
     every initializer no node reads (a copy)."""
     result = copy_model(model)
-    needed = {o.name for o in result.graph.output}
-    kept: list[onnx.NodeProto] = []
-    for node in reversed(result.graph.node):
-        if any(name in needed for name in node.output):
-            kept.append(node)
-            needed.update(name for name in node.input if name)
-            for graph_attr in (a for a in node.attribute if a.type == onnx.AttributeProto.GRAPH):
-                needed.update(_graph_reads(graph_attr.g))
-    del result.graph.node[:]
-    result.graph.node.extend(reversed(kept))
-    initializers = [i for i in result.graph.initializer if i.name in needed]
-    del result.graph.initializer[:]
-    result.graph.initializer.extend(initializers)
+    _remove_unread(result)
     return result
+
+
+def _remove_unread(model: onnx.ModelProto, candidates: list[onnx.NodeProto] | None = None) -> None:
+    """In place, walking back from the outputs (the nodes in topological order): remove every node — of the
+    `candidates` (known by their outputs), or any when None — none of whose outputs is a graph output or read by a
+    kept node or its subgraphs; then the initializers nothing kept reads — with `candidates`, only those a removed
+    node read."""
+    graph = model.graph
+    removable = None if candidates is None else {out for node in candidates for out in node.output}
+    needed = {o.name for o in graph.output}
+    kept: list[onnx.NodeProto] = []
+    removed_reads: set[str] = set()
+    for node in reversed(graph.node):
+        if not any(name in needed for name in node.output) and (
+            removable is None or any(name in removable for name in node.output)
+        ):
+            removed_reads.update(node.input)
+            continue
+        kept.append(node)
+        needed.update(name for name in node.input if name)
+        for graph_attr in (a for a in node.attribute if a.type == onnx.AttributeProto.GRAPH):
+            needed.update(_graph_reads(graph_attr.g))
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    if removable is None:
+        initializers = [i for i in graph.initializer if i.name in needed]
+    else:  # a graph input's initializer is its default: kept
+        needed.update(i.name for i in graph.input)
+        initializers = [i for i in graph.initializer if i.name in needed or i.name not in removed_reads]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
 
 
 def _single_assignment_problem(model: onnx.ModelProto) -> Problem:
