@@ -156,6 +156,7 @@ def test_gradient_model_passes_drop_the_scaled_loss_cast_cpu_kernels_and_scatter
         "cast_fp32_only_kernels",
         "gather_grad_to_scatter_add",
         "where_sum_to_concat",
+        "summed_products_to_one",
         "guard_class_labels",
     ]
     result = run_passes(model, passes, verify=True)
@@ -185,6 +186,7 @@ def test_gradient_model_passes_without_mixed_precision_only_scatter():
     assert [p.name for p in passes] == [  # CPU, float32
         "gather_grad_to_scatter_add",
         "where_sum_to_concat",
+        "summed_products_to_one",
         "cross_entropy_as_plain_ops",
         "guard_class_labels",
     ]
@@ -192,6 +194,7 @@ def test_gradient_model_passes_without_mixed_precision_only_scatter():
         "without_outputs",
         "gather_grad_to_scatter_add",
         "where_sum_to_concat",
+        "summed_products_to_one",
         "guard_class_labels",
     ]
     result = run_passes(_gradient_model(), passes, verify=True)

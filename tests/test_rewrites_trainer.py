@@ -127,6 +127,54 @@ def test_the_torch_builder_s_qkv_gradient_is_a_concat_and_trains_the_same_withou
     assert ours["Where"] + 6 <= theirs["Where"]  # three one-hot placements per layer
 
 
+class _LSTMTagger(torch.nn.Module):
+    """A 2-layer LSTM over embedded tokens with a linear head: its recurrent weights are used at every time step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(30, 8)
+        self.lstm = torch.nn.LSTM(8, 8, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, tokens, labels):
+        out, _ = self.lstm(self.embed(tokens))
+        return torch.nn.functional.cross_entropy(self.head(out).reshape(-1, 5), labels.reshape(-1))
+
+
+def test_the_torch_builder_s_recurrent_weight_gradient_is_one_product_and_trains_as_torch_does(monkeypatch):
+    """An LSTM's recurrent weight gradient, one product per time step added (the torch builder's trace), becomes one
+    product per layer (graph/summed_products.py); `summed_products_to_one` off keeps the products; both train as
+    torch.optim does."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 30, (3, 6), generator=g), torch.randint(0, 5, (3, 6), generator=g)) for _ in range(3)]
+    desc = {"inputs": [("tokens", [3, 6]), ("labels", [3, 6])], "outputs": [("loss", [], True)]}
+
+    def train(disabled: str):
+        monkeypatch.setenv(ENVIRONMENT_VARIABLE, disabled)
+        torch.manual_seed(0)
+        trainer = make_trainer(
+            _LSTMTagger(), desc, optim.AdamConfig(lr=1e-2), extra={"_internal_use": {"gradient_builder": "torch"}}
+        )
+        for tokens, labels in batches:
+            trainer.train_step(tokens, labels)
+        return trainer
+
+    with_rewrite, without = train(""), train("summed_products_to_one")
+    torch.manual_seed(0)
+    reference = _LSTMTagger()
+    adam = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for tokens, labels in batches:
+        adam.zero_grad()
+        reference(tokens, labels).backward()
+        adam.step()
+    expected = {n: p.detach().numpy() for n, p in reference.named_parameters()}
+    for trainer in (with_rewrite, without):
+        weights = trainer_weights(trainer)
+        assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-5
+    # one product per layer instead of one per time step (6 steps, 2 layers)
+    assert _ops(with_rewrite)["MatMul"] <= _ops(without)["MatMul"] - 2 * 5
+
+
 def test_unknown_rewrite_names_are_an_error(monkeypatch):
     monkeypatch.setenv(ENVIRONMENT_VARIABLE, "static_shapes,speed")
     with pytest.raises(ValueError, match="unknown rewrites"):

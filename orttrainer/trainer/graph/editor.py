@@ -39,6 +39,7 @@ __all__ = [
     "raise_opset_problem",
     "raise_opset_pass",
     "raised_opset",
+    "remove_unread",
     "tensor_elem_type",
     "topologically_sorted",
 ]
@@ -269,6 +270,42 @@ def topologically_sorted(model: onnx.ModelProto) -> onnx.ModelProto:
     del graph.node[:]
     graph.node.extend(nodes)
     return result
+
+
+def remove_unread(model: onnx.ModelProto, candidates: list[onnx.NodeProto] | None = None) -> None:
+    """In place, walking back from the outputs (the nodes in topological order): remove every node — of the
+    `candidates` (known by their outputs), or any when None — none of whose outputs is a graph output or read by a
+    kept node or its subgraphs; then the initializers nothing kept reads — with `candidates`, only those a removed
+    node read."""
+    graph = model.graph
+    removable = None if candidates is None else {out for node in candidates for out in node.output}
+    needed = {o.name for o in graph.output}
+    kept: list[onnx.NodeProto] = []
+    removed_reads: set[str] = set()
+    for node in reversed(graph.node):
+        if not any(name in needed for name in node.output) and (
+            removable is None or any(name in removable for name in node.output)
+        ):
+            removed_reads.update(node.input)
+            continue
+        kept.append(node)
+        needed.update(name for name in node.input if name)
+        for graph_attr in (a for a in node.attribute if a.type == onnx.AttributeProto.GRAPH):
+            needed.update(_subgraph_reads(graph_attr.g))
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    if removable is None:
+        initializers = [i for i in graph.initializer if i.name in needed]
+    else:  # a graph input's initializer is its default: kept
+        needed.update(i.name for i in graph.input)
+        initializers = [i for i in graph.initializer if i.name in needed or i.name not in removed_reads]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+
+
+def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names a subgraph reads (outer-scope values included, conservatively every input of its nodes)."""
+    return {name for node in graph.node for name in node.input if name}
 
 
 def _sort_problem(model: onnx.ModelProto) -> Problem:

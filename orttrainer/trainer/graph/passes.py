@@ -27,12 +27,14 @@ Switches for the speed-only rewrites (`rewrite_enabled`): each can be turned off
 measured and a suspected difference ruled out. `ORTTRAINER_DISABLE_REWRITES` is a comma-separated list of rewrite
 names (`all` turns every one off): `cross_entropy_as_plain_ops` (graph/cross_entropy.py), `static_shapes`
 (graph/static_shapes.py: the 'ort' builder's graph specialised per input-shape signature; the torch builder's first
-graph traced for the first batch's shapes, gradient/differentiate.py), `aten_translation` (the torch builder's
-static graphs translated to ONNX directly, gradient/aten_onnx.py, instead of by torch.onnx), `where_sum_to_concat`
-(graph/static_shapes.py: slice gradients placed by one-hot `Where`s and added become one `Concat`) and
-`conv_weight_gradient_per_offset` (gradient/torch_decompositions.py: the torch builder writes a convolution's weight
-gradient as one matrix product per kernel position instead of one convolution). None of them changes what is
-computed beyond float32 rounding; each is tested both ways.
+graph traced for the first batch's shapes, gradient/differentiate.py), `aten_translation` (the torch builder's static
+graphs translated to ONNX directly, gradient/aten_onnx.py, instead of by torch.onnx), `where_sum_to_concat`
+(graph/static_shapes.py: slice gradients placed by one-hot `Where`s and added become one `Concat`),
+`summed_products_to_one` (graph/summed_products.py: a weight gradient summed over the weight's uses, one matrix product
+per use, becomes one product of the concatenated operands) and `conv_weight_gradient_per_offset`
+(gradient/torch_decompositions.py: the torch builder writes a convolution's weight gradient as one matrix product per
+kernel position instead of one convolution). None of them changes what is computed beyond float32 rounding; each is
+tested both ways.
 """
 
 from __future__ import annotations
@@ -169,6 +171,7 @@ REWRITES = (
     "static_shapes",
     "aten_translation",
     "where_sum_to_concat",
+    "summed_products_to_one",
     "conv_weight_gradient_per_offset",
 )
 

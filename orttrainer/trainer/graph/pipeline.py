@@ -12,8 +12,9 @@ runs them (its stages carry the same numbers).
 3. `gradient_passes`: on the gradient model (forward outputs + `<p>_grad`), the same for both builders and every
    input-shape signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels
    get casts; embedding gradients become scatter-adds; slice gradients placed by one-hot `Where`s become a `Concat`;
-   on the CPU in float32, softmax cross-entropy becomes plain ops; then recompute (the 'ort' builder's; the torch
-   builder recomputes in its trace, gradient/torch_recompute.py) and the activation statistics.
+   a gradient summed over a weight's uses, one matrix product per use, becomes one product; on the CPU in float32,
+   softmax cross-entropy becomes plain ops; then recompute (the 'ort' builder's; the torch builder recomputes in its
+   trace, gradient/torch_recompute.py) and the activation statistics.
 4. `training_tail`: accumulation, clipping and the optimizer update as one pass whose result carries its state
    contract (graph/training.py, compile/contract.py); with data parallelism, the gradient-step pass (the optimizer
    graph is a model of its own, graph/data_parallel.build_optimizer_graph).
@@ -49,6 +50,7 @@ from .recompute import RecomputePlan, recompute_pass
 from .scatter_grad import GATHER_GRAD_TO_SCATTER_ADD
 from .state_inputs import move_initializers_to_inputs_pass
 from .static_shapes import WHERE_SUM_TO_CONCAT
+from .summed_products import SUMMED_PRODUCTS_TO_ONE
 from .training import training_tail_pass
 
 __all__ = [
@@ -94,9 +96,11 @@ def gradient_model_passes(
     builder: ONNX Runtime's builder propagates casts itself) the casts move by its rules (graph/cast_propagation.py;
     a float32 graph is unchanged); under mixed precision (CPU) float32-only kernels get casts; embedding gradients
     become scatter-adds; the gradient of slices x[0], ..., x[n-1] placed by one-hot `Where`s and added (the torch
-    builder's q/k/v projection) becomes a `Concat` (graph/static_shapes.py); on the CPU in float32, softmax
-    cross-entropy becomes plain ops (graph/cross_entropy.py; both switchable: graph/passes.rewrite_enabled); class
-    labels are range-checked (graph/class_labels.py)."""
+    builder's q/k/v projection) becomes a `Concat` (graph/static_shapes.py); a sum of matrix products over the
+    same shape (a weight's gradient over its uses: an RNN's recurrent weight) becomes one product
+    (graph/summed_products.py); on the CPU in float32, softmax cross-entropy becomes plain ops
+    (graph/cross_entropy.py; each switchable: graph/passes.rewrite_enabled); class labels are range-checked
+    (graph/class_labels.py)."""
     passes: list[GraphPass] = []
     if mixed_precision:
         passes.append(without_outputs_pass([scaled_loss]))
@@ -108,6 +112,8 @@ def gradient_model_passes(
     passes.append(GATHER_GRAD_TO_SCATTER_ADD)
     if rewrite_enabled("where_sum_to_concat"):
         passes.append(WHERE_SUM_TO_CONCAT)
+    if rewrite_enabled("summed_products_to_one"):
+        passes.append(SUMMED_PRODUCTS_TO_ONE)
     if cpu and not mixed_precision and rewrite_enabled("cross_entropy_as_plain_ops"):
         passes.append(CROSS_ENTROPY_AS_PLAIN_OPS)
     passes.append(GUARD_CLASS_LABELS)  # labels range-checked as PyTorch does (graph/class_labels.py)

@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .editor import copy_model
+from .editor import copy_model, remove_unread
 from .passes import (
     FunctionPass,
     Problem,
@@ -262,7 +262,7 @@ def where_sum_to_concat(model: onnx.ModelProto) -> onnx.ModelProto:
             orphaned.extend(replaced)
             node.CopyFrom(helper.make_node("Concat", parts, [node.output[0]], name=node.name, axis=axis))
     if orphaned:
-        _remove_unread(result, orphaned)
+        remove_unread(result, orphaned)
     return result
 
 
@@ -370,39 +370,8 @@ def without_dead_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     """Rule: remove, repeatedly, every node none of whose outputs is a graph output or read by another node, then
     every initializer no node reads (a copy)."""
     result = copy_model(model)
-    _remove_unread(result)
+    remove_unread(result)
     return result
-
-
-def _remove_unread(model: onnx.ModelProto, candidates: list[onnx.NodeProto] | None = None) -> None:
-    """In place, walking back from the outputs (the nodes in topological order): remove every node — of the
-    `candidates` (known by their outputs), or any when None — none of whose outputs is a graph output or read by a
-    kept node or its subgraphs; then the initializers nothing kept reads — with `candidates`, only those a removed
-    node read."""
-    graph = model.graph
-    removable = None if candidates is None else {out for node in candidates for out in node.output}
-    needed = {o.name for o in graph.output}
-    kept: list[onnx.NodeProto] = []
-    removed_reads: set[str] = set()
-    for node in reversed(graph.node):
-        if not any(name in needed for name in node.output) and (
-            removable is None or any(name in removable for name in node.output)
-        ):
-            removed_reads.update(node.input)
-            continue
-        kept.append(node)
-        needed.update(name for name in node.input if name)
-        for graph_attr in (a for a in node.attribute if a.type == onnx.AttributeProto.GRAPH):
-            needed.update(_graph_reads(graph_attr.g))
-    del graph.node[:]
-    graph.node.extend(reversed(kept))
-    if removable is None:
-        initializers = [i for i in graph.initializer if i.name in needed]
-    else:  # a graph input's initializer is its default: kept
-        needed.update(i.name for i in graph.input)
-        initializers = [i for i in graph.initializer if i.name in needed or i.name not in removed_reads]
-    del graph.initializer[:]
-    graph.initializer.extend(initializers)
 
 
 def _single_assignment_problem(model: onnx.ModelProto) -> Problem:
@@ -413,11 +382,6 @@ def _single_assignment_problem(model: onnx.ModelProto) -> Problem:
 def _unsorted_problem(model: onnx.ModelProto) -> Problem:
     """The rule walks the nodes backwards from the outputs: a node must come after the nodes it reads."""
     return unsorted_input(model.graph)
-
-
-def _graph_reads(graph: onnx.GraphProto) -> set[str]:
-    """Names a subgraph reads (outer-scope values included, conservatively every input of its nodes)."""
-    return {name for node in graph.node for name in node.input if name}
 
 
 def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
