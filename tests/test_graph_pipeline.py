@@ -156,7 +156,8 @@ def test_gradient_model_passes_drop_the_scaled_loss_cast_cpu_kernels_and_scatter
         "cast_fp32_only_kernels",
         "gather_grad_to_scatter_add",
         "where_sum_to_concat",
-        "summed_products_to_one",
+        "summed_uses_to_one",
+        "drop_noop_reductions",
         "guard_class_labels",
     ]
     result = run_passes(model, passes, verify=True)
@@ -186,7 +187,8 @@ def test_gradient_model_passes_without_mixed_precision_only_scatter():
     assert [p.name for p in passes] == [  # CPU, float32
         "gather_grad_to_scatter_add",
         "where_sum_to_concat",
-        "summed_products_to_one",
+        "summed_uses_to_one",
+        "drop_noop_reductions",
         "cross_entropy_as_plain_ops",
         "guard_class_labels",
     ]
@@ -194,7 +196,8 @@ def test_gradient_model_passes_without_mixed_precision_only_scatter():
         "without_outputs",
         "gather_grad_to_scatter_add",
         "where_sum_to_concat",
-        "summed_products_to_one",
+        "summed_uses_to_one",
+        "drop_noop_reductions",
         "guard_class_labels",
     ]
     result = run_passes(_gradient_model(), passes, verify=True)

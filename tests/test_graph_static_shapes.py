@@ -131,6 +131,44 @@ def test_real_reductions_stay(axes, noop):
     assert _ops(dropped) == ["ReduceSum", "Identity"]
 
 
+def _one_value_model(op, axes, keepdims, shape=(1, 3, 1), opset=18, as_attribute=False):
+    """`y = op(x, axes, keepdims)` then `Neg`, x of `shape` (None: unknown)."""
+    inputs, initializers, attributes = ["x"], [], {"keepdims": keepdims}
+    if as_attribute:
+        attributes["axes"] = axes
+    else:
+        inputs.append("axes")
+        initializers.append(numpy_helper.from_array(np.array(axes, np.int64), "axes"))
+    nodes = [helper.make_node(op, inputs, ["r"], **attributes), helper.make_node("Neg", ["r"], ["y"])]
+    x = value_info("x", None if shape is None else list(shape))
+    return onnx_model(nodes, [x], [value_info("y", None)], initializers, opset=opset)
+
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"])
+@pytest.mark.parametrize(
+    ("axes", "keepdims", "replaced_by"), [([0], 1, "Identity"), ([0, -1], 1, "Identity"), ([2, 0], 0, "Squeeze")]
+)
+def test_a_reduction_over_axes_of_size_one_is_its_input(op, axes, keepdims, replaced_by):
+    model = _one_value_model(op, axes, keepdims)
+    dropped = run_passes(model, [DROP_NOOP_REDUCTIONS], verify=True)
+    assert _ops(dropped) == [replaced_by, "Neg"]
+    x = np.arange(3, dtype=np.float32).reshape(1, 3, 1) - 1.0
+    expected, got = run_onnx(model, {"x": x})[0], run_onnx(dropped, {"x": x})[0]
+    assert got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_a_reduction_with_axes_as_an_attribute_is_read_too():
+    model = _one_value_model("ReduceMean", [0], 1, opset=13, as_attribute=True)
+    assert _ops(run_passes(model, [DROP_NOOP_REDUCTIONS], verify=True)) == ["Identity", "Neg"]
+
+
+@pytest.mark.parametrize(("axes", "shape"), [([1], (1, 3, 1)), ([0], None), ([0, 1], (1, 3, 1))])
+def test_reductions_over_a_longer_or_unknown_axis_stay(axes, shape):
+    model = _one_value_model("ReduceSum", axes, 1, shape=shape)
+    assert _ops(run_passes(model, [DROP_NOOP_REDUCTIONS])) == ["ReduceSum", "Neg"]
+
+
 # -------------------------------------------------------------------------------------------- scatter-sum -> concat
 def _scatter_model(rows, first_dim=3, cast=True, fill_initializer=False, elem=TensorProto.FLOAT):
     """Sum over k of ScatterND(zeros[first_dim, 4, 5], [[rows[k]]], u_k), u_k inputs of shape [1, 4, 5]."""

@@ -141,10 +141,18 @@ class _LSTMTagger(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(out).reshape(-1, 5), labels.reshape(-1))
 
 
-def test_the_torch_builder_s_recurrent_weight_gradient_is_one_product_and_trains_as_torch_does(monkeypatch):
-    """An LSTM's recurrent weight gradient, one product per time step added (the torch builder's trace), becomes one
-    product per layer (graph/summed_products.py); `summed_products_to_one` off keeps the products; both train as
-    torch.optim does."""
+@pytest.mark.parametrize(
+    ("switch", "fewer"),
+    [
+        # one product and one reduction per layer for the recurrent weight and bias, not one per time step (6)
+        ("summed_uses_to_one", {"MatMul": 2 * 5, "ReduceSum": 2 * 5}),
+        ("noop_reductions", {"ReduceSum": 2 * 6}),  # each step's sum over an axis of size 1, in each layer
+    ],
+)
+def test_the_torch_builder_s_lstm_rewrites_train_as_torch_does(monkeypatch, switch, fewer):
+    """An LSTM's recurrent weight and bias gradients, one product or reduction per time step added (the torch
+    builder's trace), become one per layer (graph/summed_uses.py), and its reductions over an axis of size 1 go
+    (graph/static_shapes.drop_noop_reductions); each switched off keeps its ops; all train as torch.optim does."""
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 30, (3, 6), generator=g), torch.randint(0, 5, (3, 6), generator=g)) for _ in range(3)]
     desc = {"inputs": [("tokens", [3, 6]), ("labels", [3, 6])], "outputs": [("loss", [], True)]}
@@ -159,7 +167,7 @@ def test_the_torch_builder_s_recurrent_weight_gradient_is_one_product_and_trains
             trainer.train_step(tokens, labels)
         return trainer
 
-    with_rewrite, without = train(""), train("summed_products_to_one")
+    with_rewrite, without = train(""), train(switch)
     torch.manual_seed(0)
     reference = _LSTMTagger()
     adam = torch.optim.Adam(reference.parameters(), lr=1e-2)
@@ -171,8 +179,8 @@ def test_the_torch_builder_s_recurrent_weight_gradient_is_one_product_and_trains
     for trainer in (with_rewrite, without):
         weights = trainer_weights(trainer)
         assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-5
-    # one product per layer instead of one per time step (6 steps, 2 layers)
-    assert _ops(with_rewrite)["MatMul"] <= _ops(without)["MatMul"] - 2 * 5
+    for op, count in fewer.items():
+        assert _ops(with_rewrite)[op] == _ops(without)[op] - count
 
 
 def test_unknown_rewrite_names_are_an_error(monkeypatch):

@@ -26,8 +26,11 @@ from .passes import (
     unproduced_input,
 )
 
+Dim = int | str | None  # a dim as shape inference gives it: a size, a symbol, or unknown
+
 __all__ = [
     "FLOAT_TYPES",
+    "Dim",
     "TOPOLOGICALLY_SORTED",
     "GraphEditor",
     "can_raise_opset",
@@ -35,6 +38,7 @@ __all__ = [
     "default_opset",
     "fresh_name",
     "graph_value_names",
+    "inferred_shapes",
     "raise_opset",
     "raise_opset_problem",
     "raise_opset_pass",
@@ -306,6 +310,41 @@ def remove_unread(model: onnx.ModelProto, candidates: list[onnx.NodeProto] | Non
 def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
     """Names a subgraph reads (outer-scope values included, conservatively every input of its nodes)."""
     return {name for node in graph.node for name in node.input if name}
+
+
+def inferred_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, tuple[Dim, ...]]]:
+    """Element type and dims (an int, a symbol or None) of every tensor ONNX shape inference types, inferred on a
+    copy that declares the float initializers as typed inputs instead of carrying their data."""
+    graph = model.graph
+    small = [i for i in graph.initializer if i.data_type == TensorProto.INT64 and not i.external_data]
+    declared = {v.name for v in graph.input}
+    typed = [
+        helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+        for i in graph.initializer
+        if i.name not in declared and i not in small
+    ]
+    light = helper.make_model(
+        helper.make_graph(
+            list(graph.node), graph.name, [*graph.input, *typed], list(graph.output), small, value_info=graph.value_info
+        ),
+        opset_imports=list(model.opset_import),
+        ir_version=model.ir_version,
+        functions=list(model.functions),
+    )
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light)
+    except Exception:  # a graph shape inference cannot read: nothing is joined
+        return {}
+    shapes: dict[str, tuple[int, tuple[Dim, ...]]] = {}
+    g = inferred.graph
+    for value in [*g.input, *g.output, *g.value_info]:
+        tensor = value.type.tensor_type
+        if tensor.elem_type and tensor.HasField("shape"):
+            dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
+            shapes[value.name] = (tensor.elem_type, dims)
+    for initializer in small:
+        shapes[initializer.name] = (initializer.data_type, tuple(initializer.dims))
+    return shapes
 
 
 def _sort_problem(model: onnx.ModelProto) -> Problem:

@@ -30,8 +30,9 @@ names (`all` turns every one off): `cross_entropy_as_plain_ops` (graph/cross_ent
 graph traced for the first batch's shapes, gradient/differentiate.py), `aten_translation` (the torch builder's static
 graphs translated to ONNX directly, gradient/aten_onnx.py, instead of by torch.onnx), `where_sum_to_concat`
 (graph/static_shapes.py: slice gradients placed by one-hot `Where`s and added become one `Concat`),
-`summed_products_to_one` (graph/summed_products.py: a weight gradient summed over the weight's uses, one matrix product
-per use, becomes one product of the concatenated operands) and `conv_weight_gradient_per_offset`
+`summed_uses_to_one` (graph/summed_uses.py: a weight gradient summed over the weight's uses, one matrix product
+per use, becomes one product of the concatenated operands), `noop_reductions` (graph/static_shapes.py: on every
+gradient graph, a reduction over axes of size 1 becomes its input) and `conv_weight_gradient_per_offset`
 (gradient/torch_decompositions.py: the torch builder writes a convolution's weight gradient as one matrix product per
 kernel position instead of one convolution). None of them changes what is computed beyond float32 rounding; each is
 tested both ways.
@@ -171,7 +172,8 @@ REWRITES = (
     "static_shapes",
     "aten_translation",
     "where_sum_to_concat",
-    "summed_products_to_one",
+    "summed_uses_to_one",
+    "noop_reductions",
     "conv_weight_gradient_per_offset",
 )
 

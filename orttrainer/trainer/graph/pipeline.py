@@ -12,9 +12,10 @@ runs them (its stages carry the same numbers).
 3. `gradient_passes`: on the gradient model (forward outputs + `<p>_grad`), the same for both builders and every
    input-shape signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels
    get casts; embedding gradients become scatter-adds; slice gradients placed by one-hot `Where`s become a `Concat`;
-   a gradient summed over a weight's uses, one matrix product per use, becomes one product; on the CPU in float32,
-   softmax cross-entropy becomes plain ops; then recompute (the 'ort' builder's; the torch builder recomputes in its
-   trace, gradient/torch_recompute.py) and the activation statistics.
+   a gradient summed over a weight's uses, one matrix product per use, becomes one product; a reduction over axes
+   of size 1 becomes its input; on the CPU in float32, softmax cross-entropy becomes plain ops; then recompute (the
+   'ort' builder's; the torch builder recomputes in its trace, gradient/torch_recompute.py) and the activation
+   statistics.
 4. `training_tail`: accumulation, clipping and the optimizer update as one pass whose result carries its state
    contract (graph/training.py, compile/contract.py); with data parallelism, the gradient-step pass (the optimizer
    graph is a model of its own, graph/data_parallel.build_optimizer_graph).
@@ -49,8 +50,8 @@ from .passes import FunctionPass, GraphPass, rewrite_enabled, run_passes
 from .recompute import RecomputePlan, recompute_pass
 from .scatter_grad import GATHER_GRAD_TO_SCATTER_ADD
 from .state_inputs import move_initializers_to_inputs_pass
-from .static_shapes import WHERE_SUM_TO_CONCAT
-from .summed_products import SUMMED_PRODUCTS_TO_ONE
+from .static_shapes import DROP_NOOP_REDUCTIONS, WHERE_SUM_TO_CONCAT
+from .summed_uses import SUMMED_USES_TO_ONE
 from .training import training_tail_pass
 
 __all__ = [
@@ -98,7 +99,8 @@ def gradient_model_passes(
     become scatter-adds; the gradient of slices x[0], ..., x[n-1] placed by one-hot `Where`s and added (the torch
     builder's q/k/v projection) becomes a `Concat` (graph/static_shapes.py); a sum of matrix products over the
     same shape (a weight's gradient over its uses: an RNN's recurrent weight) becomes one product
-    (graph/summed_products.py); on the CPU in float32, softmax cross-entropy becomes plain ops
+    (graph/summed_uses.py); a reduction over axes of size 1 becomes its input (graph/static_shapes.py); on the
+    CPU in float32, softmax cross-entropy becomes plain ops
     (graph/cross_entropy.py; each switchable: graph/passes.rewrite_enabled); class labels are range-checked
     (graph/class_labels.py)."""
     passes: list[GraphPass] = []
@@ -112,8 +114,10 @@ def gradient_model_passes(
     passes.append(GATHER_GRAD_TO_SCATTER_ADD)
     if rewrite_enabled("where_sum_to_concat"):
         passes.append(WHERE_SUM_TO_CONCAT)
-    if rewrite_enabled("summed_products_to_one"):
-        passes.append(SUMMED_PRODUCTS_TO_ONE)
+    if rewrite_enabled("summed_uses_to_one"):
+        passes.append(SUMMED_USES_TO_ONE)
+    if rewrite_enabled("noop_reductions"):
+        passes.append(DROP_NOOP_REDUCTIONS)
     if cpu and not mixed_precision and rewrite_enabled("cross_entropy_as_plain_ops"):
         passes.append(CROSS_ENTROPY_AS_PLAIN_OPS)
     passes.append(GUARD_CLASS_LABELS)  # labels range-checked as PyTorch does (graph/class_labels.py)

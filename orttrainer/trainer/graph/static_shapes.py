@@ -11,8 +11,9 @@ rest on its result:
 - `static_inputs_pass(shapes)`: the named graph inputs declare the given dims;
 - `FOLD_BROADCAST_GRADIENT_ARGS`: a `BroadcastGradientArgs` whose two shapes are constants becomes its constant
   reduction axes;
-- `DROP_NOOP_REDUCTIONS`: a `ReduceSum` over a constant empty axes list with `noop_with_empty_axes=1`, and a `Sum`
-  of one input, become `Identity` (which ONNX Runtime then removes);
+- `DROP_NOOP_REDUCTIONS`: a `ReduceSum` over a constant empty axes list with `noop_with_empty_axes=1`, a `Sum`
+  of one input, and a reduction over axes of size 1 become `Identity` (which ONNX Runtime then removes) or
+  `Squeeze`. It also runs on every gradient graph (graph/pipeline.py): the torch builder's LSTM has such reductions;
 - `SCATTER_SUM_TO_CONCAT`: the gradient of `x[0], x[1], ..., x[n-1]` (PyTorch's fused q/k/v projection: n Gather
   gradients, scattered into zeros and summed) becomes one `Concat` of the n slices' gradients;
 - `WHERE_SUM_TO_CONCAT`: the same gradient as the torch builder's traced graph writes it (each slice's gradient
@@ -32,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .editor import copy_model, remove_unread
+from .editor import GraphEditor, copy_model, inferred_shapes, remove_unread
 from .passes import (
     FunctionPass,
     Problem,
@@ -147,21 +148,53 @@ def _broadcast_problem(model: onnx.ModelProto) -> Problem:
 
 def drop_noop_reductions(model: onnx.ModelProto) -> onnx.ModelProto:
     """Rule: `ReduceSum(x, axes)` with `noop_with_empty_axes=1` whose `axes` is an empty initializer, and `Sum(x)`
-    with one input, become `Identity(x)` (same output name)."""
+    with one input, become `Identity(x)` (same output name); so does a `ReduceSum`, `ReduceMean`, `ReduceMax` or
+    `ReduceMin` over constant axes that are all of size 1 in x's inferred shape (the sum, mean, max or min of one
+    value is that value), or `Squeeze(x, axes)` when it drops them (`keepdims=0`). The torch builder's trace of an
+    LSTM has one such `ReduceSum` per time step (docs/engine.md §21)."""
     result = copy_model(model)
     constants = _initializers(result)
+    shapes = inferred_shapes(result) if any(_reduced_axes(n, constants) for n in result.graph.node) else {}
+    editor = GraphEditor(result.graph, "orttrainer/noop_reductions")
     for node in result.graph.node:
         if _is_noop_reduction(node, constants) or (node.op_type == "Sum" and len(node.input) == 1):
-            identity = helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name)
-            node.CopyFrom(identity)
+            node.CopyFrom(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
+            continue
+        axes = _reduced_axes(node, constants)
+        dims = shapes.get(node.input[0], (0, ()))[1] if axes else ()
+        if not axes or not dims or any(not -len(dims) <= a < len(dims) or dims[a] != 1 for a in axes):
+            continue
+        if _attribute(node, "keepdims", 1):
+            node.CopyFrom(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
+        else:
+            dropped = editor.constant(sorted(a % len(dims) for a in axes), dtype=np.int64, hint="axes")
+            node.CopyFrom(helper.make_node("Squeeze", [node.input[0], dropped], [node.output[0]], name=node.name))
     return result
+
+
+_ONE_VALUE_REDUCTIONS = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin")
+
+
+def _reduced_axes(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> list[int]:
+    """The constant, non-empty axes a reduction of `_ONE_VALUE_REDUCTIONS` reduces (its `axes` input or attribute);
+    [] when they are not known or empty (an empty list reduces every axis, or none)."""
+    if node.op_type not in _ONE_VALUE_REDUCTIONS or node.domain not in ("", "ai.onnx") or not node.input:
+        return []
+    if len(node.input) > 1 and node.input[1]:
+        axes = constants.get(node.input[1])
+        return [int(a) for a in axes.reshape(-1)] if axes is not None and axes.dtype == np.int64 else []
+    return [int(a) for a in _attribute(node, "axes", [])]
 
 
 def _is_noop_reduction(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> bool:
     if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
         return False
-    noop = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "noop_with_empty_axes"), 0)
+    noop = _attribute(node, "noop_with_empty_axes", 0)
     return bool(noop) and node.input[1] in constants and constants[node.input[1]].size == 0
+
+
+def _attribute(node: onnx.NodeProto, name: str, default):
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 def scatter_sum_to_concat(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -1,4 +1,4 @@
-"""graph/summed_products.py on hand-built graphs: a sum of matrix products over the same [M, N] becomes one product
+"""graph/summed_uses.py on hand-built graphs: a sum of matrix products over the same [M, N] becomes one product
 of the concatenated operands, with the same values; what the rule does not cover is left as it is."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import numpy as np
 import onnx
 import pytest
 from helpers import onnx_model, run_onnx_by_name, value_info
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.passes import PassPreconditionError, run_passes
-from orttrainer.trainer.graph.summed_products import SUMMED_PRODUCTS_TO_ONE, summed_products_to_one
+from orttrainer.trainer.graph.summed_uses import SUMMED_USES_TO_ONE, summed_uses_to_one
 
 M, N = 5, 3
 
@@ -87,7 +87,7 @@ def _products_model(
 @pytest.mark.parametrize("sum_node", [False, True])
 def test_the_summed_products_become_one_product(transposed_a, transposes_after, sum_node):
     model = _products_model(transposed_a=transposed_a, transposes_after=transposes_after, sum_node=sum_node)
-    result = run_passes(model, [SUMMED_PRODUCTS_TO_ONE], verify=True)
+    result = run_passes(model, [SUMMED_USES_TO_ONE], verify=True)
     ops = _ops(result)
     assert ops.count("MatMul") == 1 and "Add" not in ops and "Sum" not in ops
     assert ops.count("Concat") == 2
@@ -98,7 +98,7 @@ def test_the_summed_products_become_one_product(transposed_a, transposes_after, 
 
 def test_other_leaves_are_added_to_the_product():
     model = _products_model(bias=True)
-    result = run_passes(model, [SUMMED_PRODUCTS_TO_ONE], verify=True)
+    result = run_passes(model, [SUMMED_USES_TO_ONE], verify=True)
     assert _ops(result).count("MatMul") == 1 and _ops(result).count("Sum") == 1
     _same_values(model, result)
 
@@ -106,14 +106,14 @@ def test_other_leaves_are_added_to_the_product():
 def test_products_of_different_shapes_form_groups_of_their_own():
     """Two [5, 3] products and two [1, 3] ones (the sum broadcasts): one product for each pair, then their sum."""
     model = _products_model(ks=(2, 4, 3, 2), a_rows=(M, 1, M, 1), transposes_after=0)
-    result = run_passes(model, [SUMMED_PRODUCTS_TO_ONE], verify=True)
+    result = run_passes(model, [SUMMED_USES_TO_ONE], verify=True)
     assert _ops(result).count("MatMul") == 2 and _ops(result).count("Sum") == 1
     _same_values(model, result)
 
 
 def test_a_lone_product_of_its_shape_is_added_as_it_is():
     model = _products_model(ks=(2, 4, 3), a_rows=(M, M, 1), transposes_after=0)
-    result = run_passes(model, [SUMMED_PRODUCTS_TO_ONE], verify=True)
+    result = run_passes(model, [SUMMED_USES_TO_ONE], verify=True)
     assert _ops(result).count("MatMul") == 2 and _ops(result).count("Sum") == 1
     _same_values(model, result)
 
@@ -122,20 +122,20 @@ def test_an_inner_sum_read_elsewhere_ends_the_tree():
     """`s0 = p0 + p1` is also a graph output: `y = s0 + p2` has one product leaf and stays; `s0` itself, a tree of
     two products, becomes one."""
     model = _products_model(extra_reader="inner")
-    result = run_passes(model, [SUMMED_PRODUCTS_TO_ONE], verify=True)
+    result = run_passes(model, [SUMMED_USES_TO_ONE], verify=True)
     assert _ops(result).count("MatMul") == 2 and _ops(result).count("Add") == 1
     _same_values(model, result)
 
 
 def test_a_product_read_elsewhere_is_not_joined():
     model = _products_model(ks=(2, 4), extra_reader="product")
-    assert summed_products_to_one(model) is model
+    assert summed_uses_to_one(model) is model
 
 
 def test_products_of_unknown_shape_stay():
     model = _products_model(ks=(2, 4), transposed_a=False, transposes_after=0)
     model.graph.input[0].type.tensor_type.ClearField("shape")
-    assert _ops(summed_products_to_one(model)) == _ops(model)
+    assert _ops(summed_uses_to_one(model)) == _ops(model)
 
 
 def test_a_sum_read_inside_a_subgraph_is_not_the_tree_s_alone():
@@ -147,7 +147,7 @@ def test_a_sum_read_inside_a_subgraph_is_not_the_tree_s_alone():
     model.graph.input.append(value_info("flag", [], TensorProto.BOOL))
     model.graph.node.append(helper.make_node("If", ["flag"], ["z"], then_branch=branch, else_branch=branch))
     model.graph.output.append(value_info("z", None))
-    result = summed_products_to_one(model)
+    result = summed_uses_to_one(model)
     assert _ops(result).count("MatMul") == 2  # s0's two products joined; y = s0 + p2 kept
     feeds = _feeds(model) | {"flag": np.array(True)}
     expected, got = run_onnx_by_name(model, feeds), run_onnx_by_name(result, feeds)
@@ -155,10 +155,92 @@ def test_a_sum_read_inside_a_subgraph_is_not_the_tree_s_alone():
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-5)
 
 
+def _reductions_model(
+    shapes=((4, 3), (2, 3), (5, 3)), axes=(0,), keepdims=1, targets=((3,),) * 3, opset=17, extra=False
+):
+    """`y` = the sum over k of `ReduceSum(x_k, axes, keepdims)`, each reshaped to `targets[k]` when not None, as a
+    chain of `Add`s; `extra`: plus a product term `MatMul(a, b)` of shape [1, 3]. Axes as an input from opset 13,
+    as an attribute before."""
+    nodes, inputs, initializers, terms = [], [], [], []
+    if opset >= 13:
+        initializers.append(numpy_helper.from_array(np.array(axes, np.int64), "axes"))
+    for k, (shape, target) in enumerate(zip(shapes, targets, strict=True)):
+        inputs.append(value_info(f"x{k}", list(shape)))
+        if opset >= 13:
+            nodes.append(helper.make_node("ReduceSum", [f"x{k}", "axes"], [f"r{k}"], keepdims=keepdims))
+        else:
+            nodes.append(helper.make_node("ReduceSum", [f"x{k}"], [f"r{k}"], axes=list(axes), keepdims=keepdims))
+        term = f"r{k}"
+        if target is not None:
+            initializers.append(numpy_helper.from_array(np.array(target, np.int64), f"shape{k}"))
+            nodes.append(helper.make_node("Reshape", [term, f"shape{k}"], [f"t{k}"]))
+            term = f"t{k}"
+        terms.append(term)
+    if extra:
+        inputs += [value_info("a", [1, 2]), value_info("b", [2, 3]), value_info("c", [1, 4]), value_info("d", [4, 3])]
+        nodes += [helper.make_node("MatMul", ["a", "b"], ["p0"]), helper.make_node("MatMul", ["c", "d"], ["p1"])]
+        terms += ["p0", "p1"]
+    total = terms[0]
+    for i, term in enumerate(terms[1:]):
+        out = "y" if i == len(terms) - 2 else f"s{i}"
+        nodes.append(helper.make_node("Add", [total, term], [out]))
+        total = out
+    return onnx_model(nodes, inputs, [value_info("y", None)], initializers, opset=opset)
+
+
+@pytest.mark.parametrize(
+    ("axes", "keepdims", "targets", "opset"),
+    [
+        ((0,), 1, ((3,),) * 3, 17),  # the torch builder's bias gradient: summed over the batch, reshaped
+        ((0,), 0, (None,) * 3, 17),
+        ((-2,), 1, (None,) * 3, 17),
+        ((0,), 1, ((3,),) * 3, 11),  # axes as an attribute
+    ],
+)
+def test_the_summed_reductions_become_one_reduction(axes, keepdims, targets, opset):
+    model = _reductions_model(axes=axes, keepdims=keepdims, targets=targets, opset=opset)
+    result = run_passes(model, [SUMMED_USES_TO_ONE], verify=True)
+    ops = _ops(result)
+    assert ops.count("ReduceSum") == 1 and ops.count("Concat") == 1 and "Add" not in ops
+    _same_values(model, result)
+
+
+def test_reductions_of_other_shapes_axes_or_targets_are_not_joined():
+    for model in (
+        _reductions_model(shapes=((4, 3), (4, 1), (5, 3)), targets=((3,), (1,), (3,))),  # [4, 1] is its own
+        _reductions_model(targets=((3,), (1, 3), (3,))),
+    ):
+        result = run_passes(model, [SUMMED_USES_TO_ONE], verify=True)
+        assert _ops(result).count("ReduceSum") == 2 and _ops(result).count("Sum") == 1
+        _same_values(model, result)
+    other_axes = _reductions_model(shapes=((4, 3), (4, 3)), axes=(0,), targets=(None, None))
+    other_axes.graph.initializer.append(numpy_helper.from_array(np.array([-2], np.int64), "axes_again"))
+    other_axes.graph.node[1].input[1] = "axes_again"  # the same axis by another name: joined
+    assert _ops(summed_uses_to_one(other_axes)).count("ReduceSum") == 1
+    other_axes.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.array([1], np.int64), "axes_again"))
+    other_axes.graph.output[0].type.tensor_type.ClearField("shape")
+    assert summed_uses_to_one(other_axes) is other_axes  # [1, 3] + [4, 1]: another axis, not joined
+
+
+def test_reductions_along_the_reduced_axis_may_differ_in_size():
+    model = _reductions_model(shapes=((3, 4), (3, 5), (3, 1)), axes=(1,), keepdims=0, targets=(None,) * 3)
+    result = run_passes(model, [SUMMED_USES_TO_ONE], verify=True)
+    assert _ops(result).count("ReduceSum") == 1
+    _same_values(model, result)
+
+
+def test_products_and_reductions_in_one_tree_are_joined_each():
+    model = _reductions_model(targets=((1, 3),) * 3, extra=True)
+    result = run_passes(model, [SUMMED_USES_TO_ONE], verify=True)
+    ops = _ops(result)
+    assert ops.count("ReduceSum") == 1 and ops.count("MatMul") == 1 and ops.count("Sum") == 1
+    _same_values(model, result)
+
+
 def test_the_argument_is_unchanged():
     model = _products_model()
     before = model.SerializeToString()
-    summed_products_to_one(model)
+    summed_uses_to_one(model)
     assert model.SerializeToString() == before
 
 
@@ -168,4 +250,4 @@ def test_the_rule_needs_a_sorted_graph():
     del model.graph.node[:]
     model.graph.node.extend(reversed(nodes))
     with pytest.raises(PassPreconditionError, match="before"):
-        run_passes(model, [SUMMED_PRODUCTS_TO_ONE])
+        run_passes(model, [SUMMED_USES_TO_ONE])
