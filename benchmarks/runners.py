@@ -8,7 +8,7 @@
 - `orttrainer[<builder>]+<variant>`: the same with one optimisation switched, to measure its effect: `graph-update`
   (`ORTTRAINER_OPTIMIZER_UPDATE=graph`, the plain-op update in the graph), `fused-update` (ONNX Runtime's AdamOptimizer
   kernel; orttrainer/trainer/update/path.py), `no-rewrites`, `no-static-shapes`, `no-cross-entropy`, `no-where-concat`,
-  `no-summed-uses`, `no-noop-reductions`, `no-conv-per-offset` (`ORTTRAINER_DISABLE_REWRITES`,
+  `no-summed-uses`, `no-noop-reductions`, `no-nchwc`, `no-conv-per-offset` (`ORTTRAINER_DISABLE_REWRITES`,
   orttrainer/trainer/graph/passes.py).
 - `ort-training-api`: ONNX Runtime's on-device training API (`artifacts.generate_artifacts`, `Module`, `Optimizer`),
   its AdamW switched to PyTorch's formula (`adam_mode=0`).
@@ -36,6 +36,7 @@ VARIANT_ENV = {
     "no-where-concat": ("ORTTRAINER_DISABLE_REWRITES", "where_sum_to_concat"),
     "no-summed-uses": ("ORTTRAINER_DISABLE_REWRITES", "summed_uses_to_one"),
     "no-noop-reductions": ("ORTTRAINER_DISABLE_REWRITES", "noop_reductions"),
+    "no-nchwc": ("ORTTRAINER_DISABLE_REWRITES", "blocked_convolutions"),
     "no-conv-per-offset": ("ORTTRAINER_DISABLE_REWRITES", "conv_weight_gradient_per_offset"),
 }
 VARIANTS = tuple(f"{r}+{v}" for r in ("orttrainer[ort]", "orttrainer[torch]") for v in VARIANT_ENV)

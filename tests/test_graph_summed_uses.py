@@ -10,7 +10,7 @@ from helpers import onnx_model, run_onnx_by_name, value_info
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.trainer.graph.passes import PassPreconditionError, run_passes
-from orttrainer.trainer.graph.summed_uses import SUMMED_USES_TO_ONE, summed_uses_to_one
+from orttrainer.trainer.graph.summed_uses import MAX_CONTRACTION, MAX_REDUCED, SUMMED_USES_TO_ONE, summed_uses_to_one
 
 M, N = 5, 3
 
@@ -235,6 +235,18 @@ def test_products_and_reductions_in_one_tree_are_joined_each():
     ops = _ops(result)
     assert ops.count("ReduceSum") == 1 and ops.count("MatMul") == 1 and ops.count("Sum") == 1
     _same_values(model, result)
+
+
+def test_large_terms_are_left_as_they_are():
+    """A contraction longer than MAX_CONTRACTION, or a reduced operand of more than MAX_REDUCED elements: the chain
+    costs such terms little, and joining would keep every operand alive."""
+    long = _products_model(ks=(MAX_CONTRACTION + 1, 2), transposed_a=False, transposes_after=0)
+    assert _ops(summed_uses_to_one(long)).count("MatMul") == 2
+    at_the_limit = _products_model(ks=(MAX_CONTRACTION, 2), transposed_a=False, transposes_after=0)
+    assert _ops(summed_uses_to_one(at_the_limit)).count("MatMul") == 1
+    rows = MAX_REDUCED // 3 + 1
+    large = _reductions_model(shapes=((rows, 3), (rows, 3)), targets=(None, None))
+    assert _ops(summed_uses_to_one(large)).count("ReduceSum") == 2
 
 
 def test_the_argument_is_unchanged():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 
 import numpy as np
+import onnx
 import pytest
 import test_trainer_parity as parity
 import torch
@@ -19,6 +20,7 @@ from orttrainer import optim
 from orttrainer.trainer.graph.passes import REWRITES_ENVIRONMENT_VARIABLE as ENVIRONMENT_VARIABLE
 from orttrainer.trainer.graph.passes import rewrite_enabled
 from orttrainer.trainer.runtime import has_training_build
+from orttrainer.trainer.runtime.ort import nchwc_block
 from orttrainer.trainer.runtime.static_graphs import MAX_STATIC_SIGNATURES
 
 
@@ -161,7 +163,10 @@ def test_the_torch_builder_s_lstm_rewrites_train_as_torch_does(monkeypatch, swit
         monkeypatch.setenv(ENVIRONMENT_VARIABLE, disabled)
         torch.manual_seed(0)
         trainer = make_trainer(
-            _LSTMTagger(), desc, optim.AdamConfig(lr=1e-2), extra={"_internal_use": {"gradient_builder": "torch"}}
+            _LSTMTagger(),
+            desc,
+            optim.AdamConfig(lr=1e-2),
+            extra={"_internal_use": {"gradient_builder": "torch"}, "utils": {"grad_norm_clip": False}},
         )
         for tokens, labels in batches:
             trainer.train_step(tokens, labels)
@@ -181,6 +186,62 @@ def test_the_torch_builder_s_lstm_rewrites_train_as_torch_does(monkeypatch, swit
         assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-5
     for op, count in fewer.items():
         assert _ops(with_rewrite)[op] == _ops(without)[op] - count
+
+
+class _SmallCNN(torch.nn.Module):
+    """An RGB stem, then 16- and 32-channel convolutions (whole blocks of the NCHWc layout) with BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.conv = torch.nn.Conv2d(16, 16, 3, padding=1, bias=False)
+        self.norm = torch.nn.BatchNorm2d(16)
+        self.down = torch.nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, images, labels):
+        x = torch.relu(self.stem(images))
+        x = torch.relu(self.norm(self.conv(x)))
+        x = self.down(x).mean(dim=(2, 3))
+        return torch.nn.functional.cross_entropy(self.head(x), labels)
+
+
+def test_convolutions_run_in_the_blocked_layout_and_train_as_torch_does(monkeypatch, tmp_path):
+    """On the CPU the session runs the convolutions with whole channel blocks as ONNX Runtime's NCHWc kernels
+    (graph/nchwc.py, at session creation); switched off, as plain `Conv`s; both train as torch.optim does."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(3)]
+    desc = {"inputs": [("images", [4, 3, 8, 8]), ("labels", [4])], "outputs": [("loss", [], True)]}
+
+    def train(disabled: str):
+        monkeypatch.setenv(ENVIRONMENT_VARIABLE, disabled)
+        torch.manual_seed(0)
+        path = str(tmp_path / f"optimized_{disabled or 'all'}.onnx")
+        saved = {"graph_save_paths": {"model_with_training_graph_after_optimization_path": path}}
+        trainer = make_trainer(
+            _SmallCNN(),
+            desc,
+            optim.AdamConfig(lr=1e-2),
+            extra={"_internal_use": {"gradient_builder": "torch"}, "debug": saved, "utils": {"grad_norm_clip": False}},
+        )
+        for images, labels in batches:
+            trainer.train_step(images, labels)
+        return trainer, {(n.domain, n.op_type) for n in onnx.load(path).graph.node}
+
+    (blocked, blocked_ops), (plain, plain_ops) = train(""), train("blocked_convolutions")
+    assert (("com.microsoft.nchwc", "Conv") in blocked_ops) == (nchwc_block() is not None)
+    assert ("com.microsoft.nchwc", "Conv") not in plain_ops
+    torch.manual_seed(0)
+    reference = _SmallCNN()
+    adam = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for images, labels in batches:
+        adam.zero_grad()
+        reference(images, labels).backward()
+        adam.step()
+    expected = {n: p.detach().numpy() for n, p in reference.named_parameters()}
+    for trainer in (blocked, plain):
+        weights = trainer_weights(trainer)
+        assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-4
 
 
 def test_unknown_rewrite_names_are_an_error(monkeypatch):

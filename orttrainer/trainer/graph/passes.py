@@ -32,7 +32,9 @@ graphs translated to ONNX directly, gradient/aten_onnx.py, instead of by torch.o
 (graph/static_shapes.py: slice gradients placed by one-hot `Where`s and added become one `Concat`),
 `summed_uses_to_one` (graph/summed_uses.py: a weight gradient summed over the weight's uses, one matrix product
 per use, becomes one product of the concatenated operands), `noop_reductions` (graph/static_shapes.py: on every
-gradient graph, a reduction over axes of size 1 becomes its input) and `conv_weight_gradient_per_offset`
+gradient graph, a reduction over axes of size 1 becomes its input), `blocked_convolutions` (graph/nchwc.py: on the
+CPU, convolutions run in ONNX Runtime's blocked channel layout, applied when a session is created) and
+`conv_weight_gradient_per_offset`
 (gradient/torch_decompositions.py: the torch builder writes a convolution's weight gradient as one matrix product per
 kernel position instead of one convolution). None of them changes what is computed beyond float32 rounding; each is
 tested both ways.
@@ -174,6 +176,7 @@ REWRITES = (
     "where_sum_to_concat",
     "summed_uses_to_one",
     "noop_reductions",
+    "blocked_convolutions",
     "conv_weight_gradient_per_offset",
 )
 

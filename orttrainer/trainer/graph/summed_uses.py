@@ -9,14 +9,17 @@ the operands concatenated along the contracted axis, `[A_1 ... A_n]·[B_1; ...; 
 concatenation (6.7 against 10.3 ms for those 64 products in ONNX Runtime, docs/engine.md §21).
 
 Rule (`summed_uses_to_one`): a tree of `Add` and `Sum` nodes — every inner node read by the tree only and not a graph
-output — whose leaves include n >= 2 terms of one group, each term's nodes read by the tree only and not graph
+output — whose leaves include n >= 2 small terms of one group, each term's nodes read by the tree only and not graph
 outputs, becomes one op for the group; the root then writes it, or the `Sum` of it and the other leaves when the
-tree has others. The terms:
+tree has others. Small: where the chain's cost per term (a pass over the accumulator, ONNX Runtime's cost per node)
+is of the order of the term's own work — a contraction of at most `MAX_CONTRACTION` (256) per product, an operand of
+at most `MAX_REDUCED` (65,536) elements per reduction. Larger terms (a layer shared across a deep network) are left
+as they are: the chain costs them little, and joining would keep every operand until the last use. The terms:
 
 - a product `MatMul(A_k, B_k)` seen through a chain (possibly empty) of `Transpose(perm=[1, 0])` nodes, where shape
-  inference gives A_k the shape [M, K_k] and B_k [K_k, N]; a group has one element type, M, N and parity of
-  transposes, and becomes `MatMul(Concat(A_k, axis=1), Concat(B_k, axis=0))`, transposed once when the parity is
-  odd. Where every A_k is itself `Transpose(X_k, perm=[1, 0])`, the concatenation is `Transpose(Concat(X_k,
+  inference gives A_k the shape [M, K_k] and B_k [K_k, N] with K_k known; a group has one element type, M, N and
+  parity of transposes, and becomes `MatMul(Concat(A_k, axis=1), Concat(B_k, axis=0))`, transposed once when the
+  parity is odd. Where every A_k is itself `Transpose(X_k, perm=[1, 0])`, the concatenation is `Transpose(Concat(X_k,
   axis=0))` (ONNX Runtime folds that transpose into the product; likewise for the B_k), so no transposed copy is
   made;
 - a reduction `ReduceSum(X_k, axes)` over constant, non-empty axes, optionally seen through a `Reshape` to a constant
@@ -33,6 +36,7 @@ operands, produced before it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +47,8 @@ from .editor import Dim, GraphEditor, copy_model, inferred_shapes, remove_unread
 from .passes import FunctionPass, Problem, require, unsorted_input
 
 _SUMS = ("Add", "Sum")
+MAX_CONTRACTION = 256
+MAX_REDUCED = 65536
 _Shapes = dict[str, tuple[int, tuple[Dim, ...]]]
 
 
@@ -268,18 +274,20 @@ def _reduction(name: str, seen: _Graph) -> _Reduction | None:
 
 def _group_key(term: _Term, shapes: _Shapes, seen: _Graph) -> tuple | None:
     """The terms that can be joined share a key: for products (element type, M, N, parity of transposes) when A is
-    [M, K] and B [K, N] with M and N known; for reductions (element type, X's dims but the first reduced one, the
-    axes, keepdims, the Reshape's target) when every dim of X is known. None: the term joins nothing."""
+    [M, K] and B [K, N] with M and N known and K at most MAX_CONTRACTION; for reductions (element type, X's dims
+    but the first reduced one, the axes, keepdims, the Reshape's target) when X's dims are known and it has at most
+    MAX_REDUCED elements. None: the term joins nothing."""
     if isinstance(term, _Product):
         a, b = shapes.get(term.a), shapes.get(term.b)
         if a is None or b is None or a[0] != b[0] or len(a[1]) != 2 or len(b[1]) != 2:
             return None
-        m, n = a[1][0], b[1][1]
-        if m is None or n is None:
+        m, n, k = a[1][0], b[1][1], a[1][1]
+        if m is None or n is None or not isinstance(k, int) or k > MAX_CONTRACTION:
             return None
         return "product", a[0], m, n, term.transposes % 2
     x = shapes.get(term.x)
-    if x is None or not x[1] or any(d is None for d in x[1]):
+    sizes = [d for d in x[1] if isinstance(d, int)] if x is not None else []
+    if x is None or not x[1] or len(sizes) != len(x[1]) or math.prod(sizes) > MAX_REDUCED:
         return None
     rank = len(x[1])
     if any(not -rank <= a < rank for a in term.axes):

@@ -20,6 +20,7 @@ so they must ask for the same limit.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import tempfile
@@ -32,6 +33,8 @@ import onnx
 import torch
 
 from ...schema.options import ORTTrainerOptions
+from ..graph.nchwc import NCHWC_DOMAIN, blocked_convolutions
+from ..graph.passes import rewrite_enabled
 from . import eager_ops, ort_private
 
 DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training")
@@ -160,6 +163,14 @@ def create_session(
     import onnxruntime as ort
 
     eager_ops.prepare_options(model, options)  # ops PyTorch runs inside the graph (gradient/eager_fallback.py)
+    if (
+        device.type == "cpu"
+        and options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        and any(node.op_type == "Conv" for node in model.graph.node)
+        and rewrite_enabled("blocked_convolutions")
+        and (block := nchwc_block()) is not None
+    ):
+        model = blocked_convolutions(model, block)  # ONNX Runtime's own NCHWc pass needs constant weights
     saved = (options.optimized_model_filepath, options.enable_mem_pattern, options.enable_mem_reuse)
     options.optimized_model_filepath = optimized_model_path  # read once, at session creation
     # The memory pattern (one block per run, planned from the first run) is off: on a graph with static shapes ONNX
@@ -182,6 +193,44 @@ def create_session(
         )
     _check_options_in_effect(session, providers)
     return session
+
+
+@functools.cache
+def nchwc_block() -> int | None:
+    """ONNX Runtime's channel block size for its NCHWc convolutions on this machine (8 with AVX2, 16 with AVX-512),
+    or None where it has none. Read from what its optimiser makes of a one-convolution model with a constant weight:
+    the blocked weight it writes is the weight in the layout `graph/nchwc.py` writes for that block size."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    channels = 16
+    weight = np.arange(channels * channels * 9, dtype=np.float32).reshape(channels, channels, 3, 3)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])],
+        "nchwc_probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    with tempfile.TemporaryDirectory(prefix="orttrainer_") as directory:
+        options.optimized_model_filepath = os.path.join(directory, "probe.onnx")
+        ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(options.optimized_model_filepath)
+    if not any(n.domain == NCHWC_DOMAIN and n.op_type == "Conv" for n in optimized.graph.node):
+        return None
+    blocked = [
+        numpy_helper.to_array(i).reshape(-1) for i in optimized.graph.initializer if tuple(i.dims) == weight.shape
+    ]
+    for block in (16, 8):
+        blocks = channels // block
+        expected = weight.reshape(blocks, block, blocks, block, 3, 3).transpose(0, 2, 4, 5, 3, 1)
+        if any(np.array_equal(b, expected.reshape(-1)) for b in blocked):
+            return block
+    return None
 
 
 def writable_debug_path(path: str, option: str) -> str:
