@@ -21,18 +21,19 @@ BLOCK = nchwc_block()
 needs_nchwc = pytest.mark.skipif(BLOCK is None, reason="ONNX Runtime has no NCHWc kernels on this CPU")
 
 
-def _conv_model(channels=16, out_channels=32, kernel=(3, 3), bias=False, elem=TensorProto.FLOAT, **attributes):
-    """`y = Conv(x, w[, b])` with x [2, channels, 9, 9] (or rank 3 for a 1-D kernel) and w a graph input."""
+def _conv_model(
+    channels=16, out_channels=32, kernel=(3, 3), bias=False, elem=TensorProto.FLOAT, op="Conv", **attributes
+):
+    """`y = op(x, w[, b])` with x [2, channels, 9, 9] (or rank 3 for a 1-D kernel) and w a graph input: a `Conv`
+    (w [out_channels, channels, k...]) or a `ConvTranspose` (w [channels, out_channels, k...])."""
     spatial = [9] * len(kernel)
-    inputs = [
-        value_info("x", [2, channels, *spatial], elem),
-        value_info("w", [out_channels, channels, *kernel], elem),
-    ]
+    weight = [out_channels, channels] if op == "Conv" else [channels, out_channels]
+    inputs = [value_info("x", [2, channels, *spatial], elem), value_info("w", [*weight, *kernel], elem)]
     names = ["x", "w"]
     if bias:
         inputs.append(value_info("b", [out_channels], elem))
         names.append("b")
-    node = helper.make_node("Conv", names, ["y"], **attributes)
+    node = helper.make_node(op, names, ["y"], **attributes)
     return onnx_model([node], inputs, [value_info("y", None, elem)], opset=17)
 
 
@@ -70,9 +71,38 @@ def test_a_convolution_runs_blocked_with_the_same_values(attributes):
     np.testing.assert_allclose(run_onnx(blocked, feeds)[0], run_onnx(model, feeds)[0], rtol=1e-5, atol=1e-5)
 
 
+@needs_nchwc
+@pytest.mark.parametrize(
+    "attributes",
+    [
+        {"pads": [1, 1, 1, 1]},
+        {},
+        {"pads": [2, 2, 2, 2], "dilations": [2, 2]},
+        {"pads": [0, 1, 2, 1], "bias": True},
+        {"kernel_shape": [1, 1]},
+    ],
+)
+def test_a_stride_one_transposed_convolution_runs_as_a_blocked_convolution(attributes):
+    attributes = dict(attributes)
+    bias = attributes.pop("bias", False)
+    kernel = tuple(attributes.get("kernel_shape", (3, 3)))
+    model = _conv_model(kernel=kernel, bias=bias, op="ConvTranspose", **attributes)
+    blocked = blocked_convolutions(model, BLOCK)
+    assert (NCHWC_DOMAIN, "Conv") in {(n.domain, n.op_type) for n in blocked.graph.node}
+    assert "ConvTranspose" not in {n.op_type for n in blocked.graph.node}
+    feeds = _feeds(model)
+    np.testing.assert_allclose(run_onnx(blocked, feeds)[0], run_onnx(model, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "model",
     [
+        _conv_model(op="ConvTranspose", strides=[2, 2]),
+        _conv_model(op="ConvTranspose", pads=[1, 1, 1, 1], output_padding=[1, 1]),
+        _conv_model(op="ConvTranspose", group=2),
+        _conv_model(op="ConvTranspose", output_shape=[11, 11]),
+        _conv_model(op="ConvTranspose", pads=[3, 3, 3, 3]),  # beyond the kernel's reach: a crop, not a convolution
+        _conv_model(op="ConvTranspose", channels=3),
         _conv_model(group=2),
         _conv_model(channels=3),  # channels that are not whole blocks (an image's RGB)
         _conv_model(out_channels=12),

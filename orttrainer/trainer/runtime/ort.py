@@ -166,7 +166,7 @@ def create_session(
     if (
         device.type == "cpu"
         and options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        and any(node.op_type == "Conv" for node in model.graph.node)
+        and any(node.op_type in ("Conv", "ConvTranspose") for node in model.graph.node)
         and rewrite_enabled("blocked_convolutions")
         and (block := nchwc_block()) is not None
     ):
