@@ -7,8 +7,8 @@ weight is a constant, since it reorders the weight once, while optimising: in a 
 inputs, so no convolution ever got the blocked kernels. This pass writes the reorder into the graph instead, where
 it costs a copy of the (small) weight per run.
 
-Rule (`blocked_convolutions(model, block)`): a `Conv` of the default domain whose input X and weight W shape
-inference gives as float32 [N, C, H, W] and [O, C, kh, kw], with `group` 1, no `auto_pad`, and C and O multiples of
+Rule (`blocked_convolutions(model, block)`): a `Conv` of the default domain whose weight W shape inference gives as
+float32 [O, C, kh, kw] (so the input X is [N, C, H, W]), with `group` 1, no `auto_pad`, and C and O multiples of
 `block`, becomes
 
     ReorderOutput(nchwc.Conv(ReorderInput(X), W', B), channels=O)
@@ -140,15 +140,10 @@ def _blocked_shape(node: onnx.NodeProto, shapes: dict, block: int) -> tuple[int,
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if attributes.get("group", 1) != 1 or attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
         return None
-    x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
-    if x is None or w is None or x[0] != TensorProto.FLOAT or w[0] != TensorProto.FLOAT:
+    weight = _float32_kernel(shapes.get(node.input[1]))
+    if weight is None or weight[0] % block or weight[1] % block:
         return None
-    if len(x[1]) != 4 or len(w[1]) != 4 or not all(isinstance(d, int) for d in w[1]):
-        return None
-    out_channels, in_channels, kh, kw = (int(d) for d in w[1])
-    if out_channels % block or in_channels % block or x[1][1] != in_channels:
-        return None
-    return out_channels, in_channels, kh, kw
+    return weight
 
 
 def _is_conv_transpose(node: onnx.NodeProto) -> bool:
@@ -162,19 +157,26 @@ def _transposed_shape(node: onnx.NodeProto, shapes: dict, block: int) -> tuple[i
         return None
     if any(s != 1 for s in attributes.get("strides", [1, 1])) or any(attributes.get("output_padding", [0, 0])):
         return None
-    x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
-    if x is None or w is None or x[0] != TensorProto.FLOAT or w[0] != TensorProto.FLOAT:
+    weight = _float32_kernel(shapes.get(node.input[1]))
+    if weight is None or weight[0] % block or weight[1] % block:
         return None
-    if len(x[1]) != 4 or len(w[1]) != 4 or not all(isinstance(d, int) for d in w[1]):
-        return None
-    in_channels, out_channels, kh, kw = (int(d) for d in w[1])
-    if out_channels % block or in_channels % block or x[1][1] != in_channels:
-        return None
+    in_channels, out_channels, kh, kw = weight
     dilations = list(attributes.get("dilations", [1, 1]))
     reach = [d * (k - 1) for d, k in zip(dilations, (kh, kw), strict=True)]
     if any(p > reach[i % 2] for i, p in enumerate(attributes.get("pads", [0, 0, 0, 0]))):
         return None
     return in_channels, out_channels, kh, kw
+
+
+def _float32_kernel(weight: tuple[int, tuple] | None) -> tuple[int, int, int, int] | None:
+    """The dims of a float32 2-D convolution's weight of known shape (the input's rank, channels and type follow from
+    it: ONNX's `Conv` and `ConvTranspose` require them to match), else None."""
+    if weight is None or weight[0] != TensorProto.FLOAT or len(weight[1]) != 4:
+        return None
+    dims = [d for d in weight[1] if isinstance(d, int)]
+    if len(dims) != 4:
+        return None
+    return dims[0], dims[1], dims[2], dims[3]
 
 
 def blocked_convolutions_pass(block: int) -> FunctionPass:
