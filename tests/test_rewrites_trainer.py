@@ -206,7 +206,8 @@ class _SmallCNN(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x), labels)
 
 
-def test_convolutions_run_in_the_blocked_layout_and_train_as_torch_does(monkeypatch, tmp_path):
+@pytest.mark.parametrize("builder", ["torch", pytest.param("ort", marks=needs_training_build)])
+def test_convolutions_run_in_the_blocked_layout_and_train_as_torch_does(monkeypatch, tmp_path, builder):
     """On the CPU the session runs the convolutions with whole channel blocks as ONNX Runtime's NCHWc kernels
     (graph/nchwc.py, at session creation); switched off, as plain `Conv`s; both train as torch.optim does."""
     g = torch.Generator().manual_seed(0)
@@ -222,7 +223,7 @@ def test_convolutions_run_in_the_blocked_layout_and_train_as_torch_does(monkeypa
             _SmallCNN(),
             desc,
             optim.AdamConfig(lr=1e-2),
-            extra={"_internal_use": {"gradient_builder": "torch"}, "debug": saved, "utils": {"grad_norm_clip": False}},
+            extra={"_internal_use": {"gradient_builder": builder}, "debug": saved, "utils": {"grad_norm_clip": False}},
         )
         for images, labels in batches:
             trainer.train_step(images, labels)
