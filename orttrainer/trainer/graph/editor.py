@@ -317,11 +317,11 @@ def inferred_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, tuple[Dim, .
     copy that declares the float initializers as typed inputs instead of carrying their data."""
     graph = model.graph
     small = [i for i in graph.initializer if i.data_type == TensorProto.INT64 and not i.external_data]
-    declared = {v.name for v in graph.input}
+    skipped = {v.name for v in graph.input} | {i.name for i in small}
     typed = [
         helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
         for i in graph.initializer
-        if i.name not in declared and i not in small
+        if i.name not in skipped
     ]
     light = helper.make_model(
         helper.make_graph(

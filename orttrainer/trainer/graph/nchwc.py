@@ -31,7 +31,6 @@ import onnx
 from onnx import TensorProto, helper
 
 from .editor import GraphEditor, copy_model, inferred_shapes
-from .passes import FunctionPass
 
 NCHWC_DOMAIN = "com.microsoft.nchwc"
 
@@ -177,7 +176,3 @@ def _float32_kernel(weight: tuple[int, tuple] | None) -> tuple[int, int, int, in
     if len(dims) != 4:
         return None
     return dims[0], dims[1], dims[2], dims[3]
-
-
-def blocked_convolutions_pass(block: int) -> FunctionPass:
-    return FunctionPass("blocked_convolutions", lambda model: blocked_convolutions(model, block))
