@@ -23,6 +23,10 @@ runs them (its stages carry the same numbers).
    model_desc outputs), under mixed precision from the float16 forward, then its statistics.
 
 The `debug.graph_save_paths` stages end after the last pass of stages 1, 3 and 4 (`run_passes(save=...)`).
+
+Not a compile stage: on the CPU, each session's graph gets its convolutions in ONNX Runtime's blocked channel layout
+when the session is created (graph/nchwc.py, from runtime/ort.create_session), since the layout depends on the CPU
+that runs it and the compiled graphs are cached for any CPU.
 """
 
 from __future__ import annotations
