@@ -154,6 +154,16 @@ def measure(case: Case, threads: int, repeats: int) -> dict:
     return {"kernel": name, "onnxruntime_ms": ort_ms, "pytorch_ms": torch_ms, "ratio": ratio, "error": error}
 
 
+def _cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, or what `platform` knows where there is none."""
+    fallback = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), fallback)
+    except OSError:  # not Linux
+        return fallback
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
@@ -163,12 +173,7 @@ def main() -> None:
     cases = [c for name, (i, o) in LINEAR_LAYERS.items() for c in linear_cases(name, i, o)]
     cases += [*attention_cases(), gelu_backward_case()]
     results = [measure(case, args.threads, args.repeats) for case in cases]
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = _cpu_name()
     print(f"{cpu}; torch {torch.__version__}, onnxruntime {ort.__version__}; {args.threads} thread(s)\n")
     rows = [
         [r["kernel"], f"{r['onnxruntime_ms']:.2f}", f"{r['pytorch_ms']:.2f}", f"{r['ratio']:.2f}x"] for r in results

@@ -129,6 +129,19 @@ def test_the_torch_builder_s_qkv_gradient_is_a_concat_and_trains_the_same_withou
     assert ours["Where"] + 6 <= theirs["Where"]  # three one-hot placements per layer
 
 
+def _adam_weights(make_model, batches, lr: float) -> dict[str, np.ndarray]:
+    """The weights of `make_model()` (seeded as the trainers' models are) after torch.optim.Adam on `batches`, the
+    model returning its loss."""
+    torch.manual_seed(0)
+    reference = make_model()
+    adam = torch.optim.Adam(reference.parameters(), lr=lr)
+    for batch in batches:
+        adam.zero_grad()
+        reference(*batch).backward()
+        adam.step()
+    return {n: p.detach().numpy() for n, p in reference.named_parameters()}
+
+
 class _LSTMTagger(torch.nn.Module):
     """A 2-layer LSTM over embedded tokens with a linear head: its recurrent weights are used at every time step."""
 
@@ -173,14 +186,7 @@ def test_the_torch_builder_s_lstm_rewrites_train_as_torch_does(monkeypatch, swit
         return trainer
 
     with_rewrite, without = train(""), train(switch)
-    torch.manual_seed(0)
-    reference = _LSTMTagger()
-    adam = torch.optim.Adam(reference.parameters(), lr=1e-2)
-    for tokens, labels in batches:
-        adam.zero_grad()
-        reference(tokens, labels).backward()
-        adam.step()
-    expected = {n: p.detach().numpy() for n, p in reference.named_parameters()}
+    expected = _adam_weights(_LSTMTagger, batches, lr=1e-2)
     for trainer in (with_rewrite, without):
         weights = trainer_weights(trainer)
         assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-5
@@ -232,14 +238,7 @@ def test_convolutions_run_in_the_blocked_layout_and_train_as_torch_does(monkeypa
     (blocked, blocked_ops), (plain, plain_ops) = train(""), train("blocked_convolutions")
     assert (("com.microsoft.nchwc", "Conv") in blocked_ops) == (nchwc_block() is not None)
     assert ("com.microsoft.nchwc", "Conv") not in plain_ops
-    torch.manual_seed(0)
-    reference = _SmallCNN()
-    adam = torch.optim.Adam(reference.parameters(), lr=1e-2)
-    for images, labels in batches:
-        adam.zero_grad()
-        reference(images, labels).backward()
-        adam.step()
-    expected = {n: p.detach().numpy() for n, p in reference.named_parameters()}
+    expected = _adam_weights(_SmallCNN, batches, lr=1e-2)
     for trainer in (blocked, plain):
         weights = trainer_weights(trainer)
         assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-4
