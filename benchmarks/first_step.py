@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import WORKLOADS, markdown_table, run_worker, save_json  # noqa: E402
+from common import WORKLOADS, compile_bytecode, markdown_table, run_worker, save_json  # noqa: E402
 
 
 def worker(workload_name: str, threads: int) -> dict:
@@ -73,6 +73,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.threads)))
         return
+    compile_bytecode()
     results = {
         name: [run_worker(__file__, [name, "--threads", str(args.threads)]) for _ in range(args.repeats)]
         for name in args.workloads

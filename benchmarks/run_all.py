@@ -12,7 +12,8 @@ Each runner has its own process; the processes step in turn (benchmarks/lockstep
 falls on all runners alike. Reported per runner: the median step time and the range of the per-round medians; the
 ratio to eager PyTorch (as users run it, and with fused Adam) as the median of the per-round ratios with its
 interquartile range; the time to the first step (export, compile, artifact generation and session creation
-included; each process starts alone, with an empty compile cache of its own: orttrainer/trainer/compile/cache.py);
+included; each process starts alone, with an empty compile cache of its own: orttrainer/trainer/compile/cache.py,
+and orttrainer byte-compiled beforehand, as an installed package is);
 for orttrainer's runners the first step of a second process on the cache the first one filled (unless
 `--no-cache-run`); the process's peak resident memory (`ru_maxrss`) and its growth over the
 same process after importing torch and onnxruntime and making the batches; the loss after the last step (the
@@ -38,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import WORKLOADS, markdown_table, save_json  # noqa: E402
+from common import WORKLOADS, compile_bytecode, markdown_table, save_json  # noqa: E402
 from lockstep import Worker, interleave, ratio_statistics, serve, time_statistics  # noqa: E402
 from runners import DEFAULT_VARIANTS, RUNNERS, VARIANTS, make_runner, runner_env, scalar  # noqa: E402
 
@@ -165,6 +166,8 @@ def main() -> int:
     runners = list(dict.fromkeys(args.runners + (list(DEFAULT_VARIANTS) if args.variants else [])))
     if args.other_python:  # the orttrainer runners again, on the other interpreter's onnxruntime
         runners += [f"{r}@other" for r in other_runners(runners, args.other_python)]
+    for python in dict.fromkeys([sys.executable, *([args.other_python] if args.other_python else [])]):
+        compile_bytecode(python)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="orttrainer-bench-cache-") as cache_root:
         results = [r for name in args.workloads for r in measure(name, runners, args, cache_root)]

@@ -166,6 +166,48 @@ def _weighted(weights: list[float]):
     return loss
 
 
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _Tripled(_Doubled):
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3
+
+
+class Through(MLP):
+    """MLP with a custom autograd.Function between the layers, chosen by an argument: the class's source is the
+    same, so only the dataflow (the Function's backward) tells two of them apart."""
+
+    def __init__(self, function: type[torch.autograd.Function] = _Doubled) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x):
+        return self.fc2(self.function.apply(nn.functional.gelu(self.fc1(x))))
+
+
+class Scaled(MLP):
+    """The hidden activations scaled by their mean magnitude, with or without its gradient: the same forward ops."""
+
+    def __init__(self, scale_gradient: bool = True) -> None:
+        super().__init__()
+        self.scale_gradient = scale_gradient
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.fc1(x))
+        with torch.set_grad_enabled(self.scale_gradient):
+            scale = h.abs().mean()
+        return self.fc2(h * scale)
+
+
 CHANGES = {
     "model structure (width)": {"model": Wider},
     "model structure (same parameters, another forward)": {"model": OtherActivation},
@@ -178,15 +220,23 @@ CHANGES = {
     "the input shapes": {"data": _batches(size=6)},
     "a constant of the loss": {"loss_fn": _weighted([2.0] + [1.0] * 9)},
     "BatchNorm's momentum": {"model": CumulativeNormalised},
+    "a custom Function's backward": {"model": lambda: Through(_Tripled)},
+    "a gradient not taken (no_grad)": {"model": lambda: Scaled(scale_gradient=False)},
 }
-BASES = {"a constant of the loss": {"loss_fn": _weighted([1.0] * 10)}, "BatchNorm's momentum": {"model": Normalised}}
+BASES = {
+    "a constant of the loss": {"loss_fn": _weighted([1.0] * 10)},
+    "BatchNorm's momentum": {"model": Normalised},
+    "a custom Function's backward": {"model": Through},
+    "a gradient not taken (no_grad)": {"model": Scaled},
+}
+TORCH_ONLY = ("parameter dtypes", "a custom Function's backward")  # the 'ort' builder refuses custom Functions
 
 
 # float64 needs the torch builder: ONNX Runtime's SoftmaxCrossEntropyLossGrad mixes float32 and float64
 @pytest.mark.parametrize(
     "change, builder",
     [
-        *(pytest.param(c, "ort", marks=needs_training_build) for c in CHANGES if c != "parameter dtypes"),
+        *(pytest.param(c, "ort", marks=needs_training_build) for c in CHANGES if c not in TORCH_ONLY),
         *((c, "torch") for c in CHANGES),
     ],
 )

@@ -439,3 +439,89 @@ def test_unsupported_at_opset_reads_the_torchscript_exporters_refusal():
             torch.onnx.export(Unflatten(), (torch.randn(6, 4),), io.BytesIO(), opset_version=12, dynamo=False)
     assert torch_private.unsupported_at_opset(refused.value) == ("aten::unflatten", 12, 13)
     assert torch_private.unsupported_at_opset(ValueError("something else")) is None
+
+
+class _Doubled(torch.autograd.Function):
+    """The identity, whose gradient is doubled: a forward no op list tells from a plain identity."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def _digest(forward, model: nn.Module, x: torch.Tensor, hooks: bool = False) -> str:
+    params = list(model.parameters())
+    return torch_private.dataflow_digest(
+        lambda: forward(model, x), [x], dict(model.named_parameters()), params, python_backward=hooks
+    )
+
+
+def _plain(model, x):
+    return model(x).sum()
+
+
+def _no_grad_scale(model, x):  # the same forward ops as `_scaled`, one of them without a gradient
+    h = model(x)
+    with torch.no_grad():
+        scale = h.abs().mean()
+    return (h * scale).sum()
+
+
+def _scaled(model, x):
+    h = model(x)
+    scale = h.abs().mean()
+    return (h * scale).sum()
+
+
+def _through_function(model, x):
+    return _Doubled.apply(model(x)).sum()
+
+
+def _through_clone(model, x):
+    return model(x).clone().sum()
+
+
+def _hooked(model, x):
+    h = model(x)
+    h.register_hook(lambda g: g * 3)
+    return h.sum()
+
+
+def test_dataflow_digest_sees_the_backward_without_running_it():
+    torch.manual_seed(0)
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    plain = _digest(_plain, model, x)
+    assert plain == _digest(_plain, model, torch.randn(4, 3)) == _digest(_plain, nn.Linear(3, 2), x)  # values
+    assert plain != _digest(_plain, model, torch.randn(5, 3))  # shapes
+    # no_grad and detach change the backward only: the autograd graph tells them apart
+    assert _digest(_no_grad_scale, model, x) != _digest(_scaled, model, x)
+    # the same forward ops; the custom Function's Python backward is run and recorded
+    assert _digest(_through_function, model, x) != _digest(_through_clone, model, x)
+
+
+def test_dataflow_digest_runs_the_backward_when_python_can_run_in_it():
+    torch.manual_seed(0)
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    ran = []
+
+    def counted(grad):
+        ran.append(grad)
+        return grad
+
+    def hooked_weight(model, x):
+        return model(x).sum()
+
+    assert _digest(_hooked, model, x) != _digest(_plain, model, x)  # a tensor hook on an activation
+    model.weight.register_hook(counted)  # a hook outside the graph: the caller says so
+    assert torch_private.backward_hooks_outside(model)
+    _digest(hooked_weight, model, x, hooks=torch_private.backward_hooks_outside(model))
+    assert len(ran) == 1  # the backward ran
+    other = nn.Linear(3, 2)
+    assert not torch_private.backward_hooks_outside(other)
+    walked = _digest(_plain, other, x)
+    with torch.autograd.graph.save_on_cpu():  # saved-tensor hooks: the backward runs them, so it is recorded
+        assert _digest(_plain, other, x) != walked

@@ -11,8 +11,8 @@ the dataflow digest and shape signature of that batch):
 - `specialised`: the 'ort' builder's graph specialised to a signature (runtime/static_graphs.py), under the first
   graph's key and the signature (it is a function of those).
 
-A lookup runs the dataflow digest (one forward and backward of the model in PyTorch, a training step's work) for
-every new batch signature the cache is asked about; a hit then skips export, tracing and compilation.
+A lookup runs the dataflow digest (one forward of the model in PyTorch, and its backward too when Python code can run
+in it) for every new batch signature the cache is asked about; a hit then skips export, tracing and compilation.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ The key (`TrainerKey`) covers everything a compiled graph depends on; any change
 - the model: the aten-level dataflow of one training-mode forward and backward of the model and its loss on the
   batch (`torch_private.dataflow_digest`: every op, its arguments wired by role — input, named state tensor,
   earlier result, constant by value — so the architecture, its hyper-parameters, the loss and constants such as a
-  loss's class weights all count), the source of the model's and loss function's own classes and functions,
-  every parameter's and buffer's name, shape, dtype and `requires_grad`, and the modules' train/eval modes;
+  loss's class weights all count; the backward by its autograd graph, or by its ops when Python can run in it),
+  the source of the model's and loss function's own classes and functions, every parameter's and buffer's name,
+  shape, dtype and `requires_grad`, and the modules' train/eval modes;
 - the input shapes and dtypes (in the dataflow, and in each graph's key);
 - the options that change a graph: every trainer option (the learning-rate scheduler and the loss scaler's
   state excepted), the optimizer configuration, model_desc, the device, the gradient-builder choice and the
@@ -275,14 +276,14 @@ def dataflow(
     copies = [t.detach().clone() for t in inputs]
     devices = sorted({t.device.index or 0 for t in [*copies, *params] if t.device.type == "cuda"})
 
-    def run() -> None:
+    def forward() -> torch.Tensor | None:
         outputs = flatten_tensors(wrapper(*copies))
-        if outputs and outputs[0].requires_grad and params:
-            torch.autograd.grad(outputs[0], params, allow_unused=True)
+        return outputs[0] if outputs and outputs[0].requires_grad else None
 
+    hooks = torch_private.backward_hooks_outside(module)
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), traced_as():
-            return torch_private.dataflow_digest(run, copies, state)
+            return torch_private.dataflow_digest(forward, copies, state, params, python_backward=hooks)
     finally:
         with torch.no_grad():
             for name, value in module.named_buffers():

@@ -460,13 +460,30 @@ def storage_reads(named: dict[str, torch.Tensor]) -> Iterator[set[str]]:
 
 
 def dataflow_digest(
-    run: Callable[[], Any], inputs: Sequence[torch.Tensor], state: dict[str, torch.Tensor], salt: str = ""
+    forward: Callable[[], torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    state: dict[str, torch.Tensor],
+    parameters: Sequence[torch.Tensor] = (),
+    salt: str = "",
+    python_backward: bool = False,
 ) -> str:
-    """A sha256 hex digest of the aten-level dataflow `run()` executes (forward and, if it calls autograd,
-    backward): each op's name, and each argument as what it is — `inputs[i]` (with its shape and dtype), a `state`
-    tensor by name (shape and dtype), the k-th output of an earlier op, a constant tensor by its dtype, shape and
-    bytes, or a Python value by its `repr`. Two runs have the same digest when they run the same ops in the same
+    """A sha256 hex digest of the aten-level dataflow of `forward()` and of the backward from the tensor it returns
+    to `parameters`: each op's name, and each argument as what it is — `inputs[i]` (with its shape and dtype), a
+    `state` tensor by name (shape and dtype), the k-th output of an earlier op, a constant tensor by its dtype, shape
+    and bytes, or a Python value by its `repr`. Two runs have the same digest when they run the same ops in the same
     order on the same kinds of values wired the same way, whatever the values of inputs and state.
+
+    The backward is digested without running it when no Python code can run in it: then each of its ops is the
+    fixed derivative (for this torch version) of a forward op, and its autograd graph — every node's name, its
+    edges, the state each gradient accumulates into — says which derivatives run on what (it also sees what the
+    forward's op list cannot: an op run under `no_grad`, a `detach`ed branch). Python can run in the backward
+    through a custom autograd.Function (module backward hooks and reentrant checkpoints are ones), a tensor hook
+    on a tensor the forward uses or keeps (`Tensor.register_hook`), saved-tensor hooks active in the forward
+    (non-reentrant checkpoints, `save_on_cpu`), or hooks outside the graph that the caller knows of
+    (`python_backward`: module and parameter hooks, `backward_hooks_outside`); then the backward runs, recorded
+    like the forward: the costlier way, as the backward is about two thirds of a training step's work.
+    Not seen: a hook put on a node directly (`grad_fn.register_hook`) inside the forward, or on a tensor after its
+    last use by an op that no one keeps.
 
     How: a TorchDispatchMode sees every aten op below autograd; tensors are recognised by identity (weakly held,
     so an id is never confused with a freed tensor's). Its `_should_skip_dynamo` is False: PyTorch otherwise wraps
@@ -507,6 +524,7 @@ def dataflow_digest(
         if id(tensor) not in names:  # a tied tensor keeps its first name
             remember(tensor, f"state:{name}:{tuple(tensor.shape)}:{tensor.dtype}")
     count = [0]
+    hooked = [python_backward]
 
     class _Recorder(TorchDispatchMode):
         @classmethod
@@ -516,6 +534,10 @@ def dataflow_digest(
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             line = f"{func}({describe(args)};{describe(kwargs)})"
+            if not hooked[0]:
+                hooked[0] = _saved_tensor_hooks_active() or any(
+                    _has_tensor_hooks(leaf) for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor)
+                )
             result = func(*args, **kwargs)
             count[0] += 1
             for j, leaf in enumerate(pytree.tree_leaves(result)):
@@ -526,8 +548,65 @@ def dataflow_digest(
             return result
 
     with _Recorder():
-        run()
+        loss = forward()
+    if loss is None or loss.grad_fn is None or not parameters:
+        return digest.hexdigest()
+    kept = (reference() for reference, _ in list(names.values()))
+    hooked[0] = hooked[0] or any(t is not None and _has_tensor_hooks(t) for t in kept) or _has_tensor_hooks(loss)
+    graph, python_nodes = _autograd_graph(loss.grad_fn, describe)
+    if hooked[0] or python_nodes:
+        with _Recorder():
+            torch.autograd.grad(loss, list(parameters), allow_unused=True)
+    else:
+        for line in graph:
+            digest.update(line.encode())
+            digest.update(b"\n")
     return digest.hexdigest()
+
+
+def _autograd_graph(root: Any, describe: Callable[[Any], str]) -> tuple[list[str], bool]:
+    """One line per node of the autograd graph behind `root`, breadth first in `next_functions` order: its name,
+    its edges (the index of the node each leads to and the input it feeds) and, for a gradient accumulator, the
+    tensor it accumulates into; and whether a node is a custom autograd.Function (Python code in the backward)."""
+    order, index, lines = [root], {id(root): 0}, []
+    python = False
+    for node in order:  # grows while it is walked
+        edges = []
+        for following, input_nr in node.next_functions:
+            if following is None:
+                edges.append("-")
+                continue
+            if id(following) not in index:
+                index[id(following)] = len(order)
+                order.append(following)
+            edges.append(f"{index[id(following)]}:{input_nr}")
+        python = python or getattr(node, "_forward_cls", None) is not None  # only Python-defined Functions have one
+        variable = getattr(node, "variable", None)  # AccumulateGrad's leaf
+        target = "" if variable is None else f"->{describe(variable)}"
+        lines.append(f"{node.name()}[{','.join(edges)}]{target}")
+    return lines, python
+
+
+def _has_tensor_hooks(tensor: torch.Tensor) -> bool:
+    return bool(getattr(tensor, "_backward_hooks", None))
+
+
+def _saved_tensor_hooks_active() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def backward_hooks_outside(module: torch.nn.Module) -> bool:
+    """True when a backward through `module` can run Python hooks that its autograd graph does not show: hooks on
+    its parameters or buffers, a module's `register_backward_hook` (the non-full form hooks the output's node), or
+    a global module backward hook."""
+    from torch.nn.modules import module as module_module
+
+    if module_module._global_backward_hooks or module_module._global_backward_pre_hooks:
+        return True
+    if any(m._backward_hooks or m._backward_pre_hooks for m in module.modules()):
+        return True
+    tensors = [*module.parameters(), *module.buffers()]
+    return any(_has_tensor_hooks(t) or getattr(t, "_post_accumulate_grad_hooks", None) for t in tensors)
 
 
 def _tensor_digest(tensor: torch.Tensor) -> str:
