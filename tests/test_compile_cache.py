@@ -69,6 +69,10 @@ def test_a_second_trainer_gets_the_graphs_from_the_cache_and_trains_the_same(bui
     x, y = _batches(1)[0]  # the eval graph and state_dict work on the cached build
     np.testing.assert_allclose(first.eval_step(x, y)[1].numpy(), second.eval_step(x, y)[1].numpy())
     assert second.state_dict()["model"]["full_precision"].keys() == first.state_dict()["model"]["full_precision"].keys()
+    # what the dry run learned: the typed model_desc from the entry, PyTorch's first outputs run when read
+    assert second._built.model_desc.outputs == first._built.model_desc.outputs
+    for ours, theirs in zip(second.torch_sample_outputs, first.torch_sample_outputs, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("builder", BUILDERS)

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import cast
 
 import onnx
 import torch
 
 from .._require import require
 from ..amp import LossScaler
-from ..schema.model_desc import _ORTTrainerModelDesc
+from ..schema.model_desc import OutputDescriptionTyped, _ORTTrainerModelDesc
 from .activations import ActivationStatistics
 from .build import cached as build_cache
 from .build.export import TRACING, state_outside_graph
@@ -32,6 +33,7 @@ from .build.forward import (
     TorchExportInfo,
     auto_fallback,
     onnx_forward,
+    prepare_cached,
     prepare_torch,
     torch_route_forward,
     torchscript_forward,
@@ -199,6 +201,9 @@ def _compile_and_open(
             "trainable": compiled.trainable,
             "frozen": compiled.frozen,
             "shapes": {name: list(shape) for name, shape in compiled.shapes.items()},
+            "output_dtypes": [  # typed by the dry run (build/export.record_export_types)
+                str(cast(OutputDescriptionTyped, d).dtype).removeprefix("torch.") for d in forward.model_desc.outputs
+            ],
         }
         eval_model = compiled.eval_model if forward.eval_graphs is None else None
         cached.store_first(meta, compiled.training.model, eval_model)
@@ -213,15 +218,17 @@ def _build_from_cache(
     activations: ActivationStatistics,
     cached: build_cache.CachedBuild,
 ) -> Built | None:
-    """Stages 1 and 2 from the compile cache (None on a miss): the dry run (for the typed model_desc and PyTorch's
-    first outputs) and the stored graphs; the initial state is the module's, as compilation would take it."""
+    """Stages 1 and 2 from the compile cache (None on a miss): the typed model_desc and the builder from the entry,
+    the dry run deferred until its outputs are read, and the stored graphs; the initial state is the module's, as
+    compilation would take it."""
     stored = cached.load_first()
     if stored is None:
         return None
     meta, training_model, eval_model = stored
     _logger.info("the compiled graphs come from the compile cache (%s)", cached.cache.path(cached.first_key))
     choice = BuilderChoice(*meta["builder"])
-    plan = replace(prepare_torch(config, module, sample_inputs, record_reads=False), choice=choice)
+    output_dtypes = [getattr(torch, name) for name in meta["output_dtypes"]]
+    plan = prepare_cached(config, module, sample_inputs, output_dtypes, choice)
     split = (list(meta["trainable"]), list(meta["frozen"]))
     source: onnx.ModelProto | Callable[[], onnx.ModelProto]
     if meta["route"] == "torch":
@@ -230,7 +237,9 @@ def _build_from_cache(
         source = forward.eval_graphs.forward_model
     else:
         aliases, unused = state_outside_graph(module, set(split[0] + split[1]))
-        info = TorchExportInfo(list(module.state_dict()), aliases, unused, plan.dry.sample_outputs, not module.training)
+        info = TorchExportInfo(
+            list(module.state_dict()), aliases, unused, lambda: plan.dry.sample_outputs, not module.training
+        )
         forward = Forward(plan.model_desc, onnx.ModelProto(), *split, choice, info, None, sample_inputs)
         source = _LazyExport(config, module, sample_inputs, activations, plan)
     losses = [o.name for o in forward.model_desc.outputs if o.is_loss]

@@ -119,7 +119,7 @@ class ORTTrainer:
     def torch_sample_outputs(self) -> list[torch.Tensor] | None:
         """PyTorch's outputs for the first batch (a PyTorch model, after the first step)."""
         built = self._built
-        return built.torch_export.sample_outputs if built and built.torch_export else None
+        return built.torch_export.sample_outputs() if built and built.torch_export else None
 
     @property
     def step(self) -> int:
@@ -335,7 +335,7 @@ class ORTTrainer:
         if check_export and built.torch_export is not None:
             outputs = [d.name for d in built.model_desc.outputs]
             check_model_export(
-                outputs, built.session.evaluate(self._data(inputs), outputs), built.torch_export.sample_outputs
+                outputs, built.session.evaluate(self._data(inputs), outputs), built.torch_export.sample_outputs()
             )
         return built
 

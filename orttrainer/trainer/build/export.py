@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import io
 import re
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,6 +50,7 @@ import onnx
 import torch
 
 from ..._require import require
+from ...debug.subscriber import no_increase_global_step
 from ...dtypes import onnx_to_torch
 from ...schema.model_desc import _ORTTrainerModelDesc
 from ..gradient import torch_private
@@ -97,16 +99,33 @@ class _ModelWithLoss(torch.nn.Module):
 
 
 @dataclass(frozen=True)
-class DryRun:
-    """What running the model once in PyTorch (an eval-mode copy, `dry_run`) learned."""
+class EvalRun:
+    """What the eval-mode run itself gave."""
 
     sample_outputs: list[torch.Tensor]  # flattened (loss, *outputs) with a loss_fn, else the model's outputs
+    custom_functions: list[str]  # custom torch.autograd.Functions in the outputs' autograd graph
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What running the model once in PyTorch (an eval-mode copy, `dry_run`) learned. `evaluated` gives the run's
+    own results; a build from the compile cache knows the rest from the entry and runs the model only when they
+    are first read (`deferred_dry_run`)."""
+
+    evaluated: Callable[[], EvalRun]
     input_dtypes: list[torch.dtype]
     output_dtypes: list[torch.dtype]  # of the model_desc outputs
     was_training: bool  # the model's train/eval mode when it was handed over (eval: dropout off in training)
-    custom_functions: list[str]  # custom torch.autograd.Functions met in the dry run
     # state_dict entries the eval-mode forward reads (state_dict order; tied names too); None: not recorded
     read_state: list[str] | None
+
+    @property
+    def sample_outputs(self) -> list[torch.Tensor]:
+        return self.evaluated().sample_outputs
+
+    @property
+    def custom_functions(self) -> list[str]:
+        return self.evaluated().custom_functions
 
 
 @dataclass
@@ -173,10 +192,36 @@ def dry_run(
             f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
             f"{' with its loss_fn' if loss_fn else ''} returns {len(sample_outputs)}"
         )
+    for output, value in zip(model_desc.outputs, sample_outputs, strict=False):
+        if output.is_loss and isinstance(value, torch.Tensor) and value.dim() != 0:
+            raise ValueError(
+                f"the loss output {output.name!r} must be a scalar (shape []), but the model returns "
+                f"shape {list(value.shape)}; reduce it (e.g. mean) in the model or loss_fn"
+            )
     input_dtypes = [t.dtype for t in sample_inputs]
     output_dtypes = [t.dtype for t in sample_outputs[: len(output_names)]]
     read_state = [name for name in model.state_dict() if name in read] if read is not None else None
-    return DryRun(sample_outputs, input_dtypes, output_dtypes, model.training, functions, read_state)
+    evaluated = EvalRun(sample_outputs, functions)
+    return DryRun(lambda: evaluated, input_dtypes, output_dtypes, model.training, read_state)
+
+
+def deferred_dry_run(
+    model: torch.nn.Module, loss_fn, model_desc, sample_inputs: list[torch.Tensor], output_dtypes: list[torch.dtype]
+) -> DryRun:
+    """The dry run of a build from the compile cache: the output dtypes are the entry's (its key covers the model,
+    its loss and the inputs, so the checks `dry_run` makes held when it was built); the eval-mode run happens when
+    its outputs are first read (the legacy `torch_sample_outputs`, a lazy TorchScript export), on the first batch.
+    Why deferred: it is a forward of the model, about a tenth of a cached first step (README § Benchmarks)."""
+    input_names = [d.name for d in model_desc.inputs]
+
+    @functools.cache
+    def evaluated() -> EvalRun:
+        with TRACING, no_increase_global_step():
+            outputs, functions, _ = _dry_run(_ModelWithLoss(model, loss_fn, input_names), sample_inputs, False)
+        return EvalRun(outputs, functions)
+
+    input_dtypes = [t.dtype for t in sample_inputs]
+    return DryRun(evaluated, input_dtypes, list(output_dtypes), model.training, None)
 
 
 def export_model(
@@ -540,17 +585,11 @@ def _half(value: Any) -> Any:
 
 
 def record_export_types(desc: _ORTTrainerModelDesc, exported: DryRun) -> None:
-    """PyTorch model: input and output dtypes from the first batch and the dry run; the loss must be a scalar."""
+    """PyTorch model: input and output dtypes from the first batch and the dry run."""
     for i, dtype in enumerate(exported.input_dtypes):
         desc.add_type_to_input_description(i, dtype)
     for i, dtype in enumerate(exported.output_dtypes):
         desc.add_type_to_output_description(i, dtype)
-    for output, value in zip(desc.outputs, exported.sample_outputs, strict=False):
-        if output.is_loss and isinstance(value, torch.Tensor) and value.dim() != 0:
-            raise ValueError(
-                f"the loss output {output.name!r} must be a scalar (shape []), but the model returns "
-                f"shape {list(value.shape)}; reduce it (e.g. mean) in the model or loss_fn"
-            )
 
 
 def record_graph_types(desc: _ORTTrainerModelDesc, model: onnx.ModelProto) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import onnx
@@ -61,7 +61,7 @@ class TorchExportInfo:
     state_dict_keys: list[str]  # the module's state_dict order, for `state_dict(pytorch_format=True)`
     aliases: dict[str, str]  # state_dict key -> initializer holding the same (tied) tensor
     unused_state: dict[str, torch.Tensor]  # state_dict entries the graph does not use (copies; they never change)
-    sample_outputs: list[torch.Tensor]  # PyTorch's outputs for the first batch (debug.check_model_export)
+    sample_outputs: Callable[[], list[torch.Tensor]]  # PyTorch's outputs for the first batch (the dry run's)
     dropout_off: bool  # the module was in eval mode: it trains without dropout, BatchNorm on running statistics
     sample_shapes: tuple[tuple[int, ...], ...] = ()  # the first batch's input shapes
 
@@ -118,6 +118,18 @@ def prepare_torch(
         training_build=has_training_build(),
         edits_forward=options._internal_use.extra_postprocess is not None,
     )
+    record_export_types(desc, dry)
+    return TorchPlan(desc, dry, choice)
+
+
+def prepare_cached(
+    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, output_dtypes: list, choice: BuilderChoice
+) -> TorchPlan:
+    """`prepare_torch` for a build from the compile cache: the output dtypes and the builder come from the entry,
+    and the dry run's eval-mode run is deferred until its outputs are read (`export.deferred_dry_run`)."""
+    desc = copy.deepcopy(config.model_desc)
+    check_inputs(sample_inputs, desc.inputs)
+    dry = export_mod.deferred_dry_run(module, config.loss_fn, desc, sample_inputs, output_dtypes)
     record_export_types(desc, dry)
     return TorchPlan(desc, dry, choice)
 
@@ -186,7 +198,7 @@ def torchscript_forward(
         list(state.keys()),
         exported.aliases,
         {**exported.unused_state, **{name: state[name].detach().clone() for name in dropped if name in state}},
-        exported.sample_outputs,
+        lambda: exported.sample_outputs,
         not exported.was_training,
         tuple(tuple(t.shape) for t in sample_inputs),
     )
@@ -291,7 +303,7 @@ def torch_route_forward(
     if options._internal_use.extra_postprocess is not None:
         return edited_torch_forward(config, module, sample_inputs, replace(plan, dry=dry), evals)
     aliases, unused = export_mod.state_outside_graph(module, set(trainable + frozen))
-    info = TorchExportInfo(list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training)
+    info = TorchExportInfo(list(module.state_dict()), aliases, unused, lambda: dry.sample_outputs, not dry.was_training)
     weights = state_model(module, trainable + frozen)
     statistics = activations if marking is not None else None
     return Forward(desc, weights, trainable, frozen, plan.choice, info, source, sample_inputs, statistics, evals)
@@ -331,7 +343,7 @@ def edited_torch_forward(
     names_back, features = onnx_module.state_names, trace_features(config)
     traced = TorchSource(onnx_module, None, names, opset, True, state_names=names_back, features=features)
     aliases, unused = export_mod.state_outside_graph(module, set(trainable + frozen))
-    info = TorchExportInfo(list(module.state_dict()), aliases, unused, dry.sample_outputs, not dry.was_training)
+    info = TorchExportInfo(list(module.state_dict()), aliases, unused, lambda: dry.sample_outputs, not dry.was_training)
     return Forward(desc, forward, trainable, frozen, plan.choice, info, traced, sample_inputs, None, evals)
 
 

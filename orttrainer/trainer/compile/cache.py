@@ -21,7 +21,8 @@ The key (`TrainerKey`) covers everything a compiled graph depends on; any change
 What the key cannot see is not cached: a trainer with `_internal_use.extra_postprocess` (a user function), debug
 options that write files or compare exports, orttrainer.debug statistics, data parallelism or an ONNX model as
 input builds as before. A model whose traced graph depends on something outside the model (a file, an
-environment variable read only while exporting) must not use the cache.
+environment variable read only while exporting), or whose forward hooks an autograd node directly
+(`grad_fn.register_hook`: `torch_private.dataflow_digest` cannot see it), must not use the cache.
 
 An entry (`CompileCache.store`) is one file, written to a temporary name and renamed into place (atomic): a header
 with the key, what the trainer needs besides the graphs (`meta`), and for each stored model its size and sha256.
