@@ -525,3 +525,29 @@ def test_dataflow_digest_runs_the_backward_when_python_can_run_in_it():
     walked = _digest(_plain, other, x)
     with torch.autograd.graph.save_on_cpu():  # saved-tensor hooks: the backward runs them, so it is recorded
         assert _digest(_plain, other, x) != walked
+
+
+def test_dataflow_digest_runs_the_backward_only_when_python_can_run_in_it(monkeypatch):
+    calls = []
+    grad = torch.autograd.grad
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", counted)
+    torch.manual_seed(0)
+    model, x = nn.Linear(3, 2), torch.randn(4, 3, requires_grad=True)
+    _digest(_plain, model, x)
+    _digest(_no_grad_scale, model, x)
+    assert calls == []  # C++ derivatives only: read from the autograd graph
+
+    def checkpointed(model, x):  # the reentrant checkpoint is a custom Function
+        return torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True).sum()
+
+    _digest(_through_function, model, x)
+    _digest(checkpointed, model, x)
+    hooked = nn.Linear(3, 2)
+    hooked.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    _digest(_plain, hooked, x, hooks=torch_private.backward_hooks_outside(hooked))
+    assert len(calls) == 3
