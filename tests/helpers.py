@@ -46,6 +46,19 @@ def make_trainer(model, desc, config, loss_fn=None, extra: dict | None = None) -
     return ORTTrainer(model, desc, config, loss_fn=loss_fn, options=cpu_options(extra))
 
 
+def adam_weights(make_model, batches, lr: float) -> dict[str, np.ndarray]:
+    """The weights of `make_model()` (seeded as the trainers' models are) after torch.optim.Adam on `batches`, the
+    model returning its loss."""
+    torch.manual_seed(0)
+    reference = make_model()
+    adam = torch.optim.Adam(reference.parameters(), lr=lr)
+    for batch in batches:
+        adam.zero_grad()
+        reference(*batch).backward()
+        adam.step()
+    return {n: p.detach().numpy() for n, p in reference.named_parameters()}
+
+
 def trainer_weights(trainer: ORTTrainer) -> dict[str, np.ndarray]:
     return trainer._training_session.get_state(list(trainer._built.compiled.trainable))
 

@@ -103,3 +103,17 @@ class StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return 3 * grad
+
+
+class LSTMTagger(torch.nn.Module):
+    """A 2-layer LSTM over embedded tokens with a linear head: its recurrent weights are used at every time step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(30, 8)
+        self.lstm = torch.nn.LSTM(8, 8, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, tokens, labels):
+        out, _ = self.lstm(self.embed(tokens))
+        return torch.nn.functional.cross_entropy(self.head(out).reshape(-1, 5), labels.reshape(-1))

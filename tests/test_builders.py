@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import onnx
 import pytest
 import torch
+from helpers import adam_weights, make_trainer, needs_training_build, trainer_weights
+from models import LSTMTagger
 
 from orttrainer import optim
 from orttrainer.trainer.compile.contract import check_same_state_contract
@@ -23,6 +26,10 @@ def test_builder_choice_rules():
     assert choose_builder("torch").builder == "torch" and choose_builder("ort").builder == "ort"
     assert choose_builder("auto", onnx_model=True).builder == "ort"
     assert choose_builder("auto", training_build=False).builder == "torch"
+    recurrent = choose_builder("auto", recurrent_layers=["LSTM", "GRU", "LSTM"])
+    assert recurrent.builder == "torch" and "recurrent layers (GRU, LSTM)" in recurrent.reason
+    assert choose_builder("auto", recurrent_layers=["LSTM"], cpu=False).builder == "auto"  # measured on the CPU only
+    assert choose_builder("ort", recurrent_layers=["LSTM"]).builder == "ort"
     with pytest.raises(NotImplementedError, match=r"Function\(s\) \['F'\]"):
         choose_builder("ort", custom_functions=["F"])
     with pytest.raises(NotImplementedError, match="extra_postprocess edits the exported forward graph"):
@@ -71,3 +78,21 @@ def test_state_the_trainer_does_not_hold_becomes_a_constant_or_disappears():
     assert [(i.name, onnx.numpy_helper.to_array(i).tolist()) for i in bound.graph.initializer] == [("used", [2, 3])]
     with pytest.raises(ValueError, match=r"\['used'\] are neither trainer state"):
         bind_foreign_state(copy.deepcopy(model), 1, ["w"], {})
+
+
+@needs_training_build
+def test_auto_trains_recurrent_layers_with_the_torch_builder_on_the_cpu():
+    """On the training runtime 'auto' would try the 'ort' builder, whose LSTM gradient kernels train ~3x slower on
+    the CPU: an LSTM model goes to the torch builder, and trains as torch.optim does."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 30, (3, 6), generator=g), torch.randint(0, 5, (3, 6), generator=g)) for _ in range(3)]
+    desc = {"inputs": [("tokens", [3, 6]), ("labels", [3, 6])], "outputs": [("loss", [], True)]}
+    torch.manual_seed(0)
+    trainer = make_trainer(LSTMTagger(), desc, optim.AdamConfig(lr=1e-2), extra={"utils": {"grad_norm_clip": False}})
+    for tokens, labels in batches:
+        trainer.train_step(tokens, labels)
+    choice = trainer._built.builder
+    assert choice.builder == "torch" and "recurrent layers (LSTM)" in choice.reason
+    expected = adam_weights(LSTMTagger, batches, lr=1e-2)
+    weights = trainer_weights(trainer)
+    assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-5

@@ -13,8 +13,8 @@ import onnx
 import pytest
 import test_trainer_parity as parity
 import torch
-from helpers import make_trainer, needs_training_build, trainer_weights
-from models import MLP, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
+from helpers import adam_weights, make_trainer, needs_training_build, trainer_weights
+from models import MLP, LSTMTagger, TinyTransformer, mlp_desc, transformer_desc, transformer_loss
 
 from orttrainer import optim
 from orttrainer.trainer.graph.passes import REWRITES_ENVIRONMENT_VARIABLE as ENVIRONMENT_VARIABLE
@@ -129,33 +129,6 @@ def test_the_torch_builder_s_qkv_gradient_is_a_concat_and_trains_the_same_withou
     assert ours["Where"] + 6 <= theirs["Where"]  # three one-hot placements per layer
 
 
-def _adam_weights(make_model, batches, lr: float) -> dict[str, np.ndarray]:
-    """The weights of `make_model()` (seeded as the trainers' models are) after torch.optim.Adam on `batches`, the
-    model returning its loss."""
-    torch.manual_seed(0)
-    reference = make_model()
-    adam = torch.optim.Adam(reference.parameters(), lr=lr)
-    for batch in batches:
-        adam.zero_grad()
-        reference(*batch).backward()
-        adam.step()
-    return {n: p.detach().numpy() for n, p in reference.named_parameters()}
-
-
-class _LSTMTagger(torch.nn.Module):
-    """A 2-layer LSTM over embedded tokens with a linear head: its recurrent weights are used at every time step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(30, 8)
-        self.lstm = torch.nn.LSTM(8, 8, num_layers=2, batch_first=True)
-        self.head = torch.nn.Linear(8, 5)
-
-    def forward(self, tokens, labels):
-        out, _ = self.lstm(self.embed(tokens))
-        return torch.nn.functional.cross_entropy(self.head(out).reshape(-1, 5), labels.reshape(-1))
-
-
 @pytest.mark.parametrize(
     ("switch", "fewer"),
     [
@@ -176,7 +149,7 @@ def test_the_torch_builder_s_lstm_rewrites_train_as_torch_does(monkeypatch, swit
         monkeypatch.setenv(ENVIRONMENT_VARIABLE, disabled)
         torch.manual_seed(0)
         trainer = make_trainer(
-            _LSTMTagger(),
+            LSTMTagger(),
             desc,
             optim.AdamConfig(lr=1e-2),
             extra={"_internal_use": {"gradient_builder": "torch"}, "utils": {"grad_norm_clip": False}},
@@ -186,7 +159,7 @@ def test_the_torch_builder_s_lstm_rewrites_train_as_torch_does(monkeypatch, swit
         return trainer
 
     with_rewrite, without = train(""), train(switch)
-    expected = _adam_weights(_LSTMTagger, batches, lr=1e-2)
+    expected = adam_weights(LSTMTagger, batches, lr=1e-2)
     for trainer in (with_rewrite, without):
         weights = trainer_weights(trainer)
         assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-5
@@ -238,7 +211,7 @@ def test_convolutions_run_in_the_blocked_layout_and_train_as_torch_does(monkeypa
     (blocked, blocked_ops), (plain, plain_ops) = train(""), train("blocked_convolutions")
     assert (("com.microsoft.nchwc", "Conv") in blocked_ops) == (nchwc_block() is not None)
     assert ("com.microsoft.nchwc", "Conv") not in plain_ops
-    expected = _adam_weights(_SmallCNN, batches, lr=1e-2)
+    expected = adam_weights(_SmallCNN, batches, lr=1e-2)
     for trainer in (blocked, plain):
         weights = trainer_weights(trainer)
         assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-4

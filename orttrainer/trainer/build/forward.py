@@ -117,6 +117,8 @@ def prepare_torch(
         custom_functions=dry.custom_functions,
         training_build=has_training_build(),
         edits_forward=options._internal_use.extra_postprocess is not None,
+        recurrent_layers=[type(m).__name__ for m in module.modules() if isinstance(m, torch.nn.RNNBase)],
+        cpu=config.device.type == "cpu",
     )
     record_export_types(desc, dry)
     return TorchPlan(desc, dry, choice)

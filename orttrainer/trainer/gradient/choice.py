@@ -3,10 +3,11 @@
 'ort' is ONNX Runtime's C++ builder on the exported ONNX graph (`ort_builder.py`); 'torch' traces PyTorch's own
 autograd (`torch_builder.py`); 'auto' (the default) takes 'torch' for a model with a custom
 `torch.autograd.Function` (the exporter inlines its forward, so only the torch builder keeps the user's backward)
-and otherwise tries 'ort', falling back to 'torch' when any part of the 'ort' route fails
-(`build.forward.auto_fallback`). The custom Functions come from a dry run in PyTorch, before any export. An
-ONNX model uses 'ort' where ONNX Runtime's training build is installed and otherwise 'torch', which traces an
-`OnnxModule` (`onnx_module/`) of it.
+and, on the CPU, for a model with recurrent layers (ONNX Runtime's LSTM and GRU gradient kernels train them about
+3× slower than the torch builder's graph of the same layers; README § Benchmarks), and otherwise tries 'ort',
+falling back to 'torch' when any part of the 'ort' route fails (`build.forward.auto_fallback`). The custom
+Functions come from a dry run in PyTorch, before any export. An ONNX model uses 'ort' where ONNX Runtime's training
+build is installed and otherwise 'torch', which traces an `OnnxModule` (`onnx_module/`) of it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def choose_builder(
     custom_functions: Sequence[str] = (),
     training_build: bool = True,
     edits_forward: bool = False,
+    recurrent_layers: Sequence[str] = (),
+    cpu: bool = True,
 ) -> BuilderChoice:
     """Rules, in order:
     - an ONNX model: 'auto' means 'ort' with ONNX Runtime's training build (`training_build`) and 'torch' (an
@@ -45,7 +48,8 @@ def choose_builder(
       ignore the user's backward;
     - 'ort' with custom Functions is a NotImplementedError naming them (their backward would be ignored);
     - 'torch', and 'auto' with custom Functions, mean 'torch'; 'auto' without the training build
-      (`training_build=False`: the maintained onnxruntime) means 'torch'; 'auto' otherwise stays 'auto'.
+      (`training_build=False`: the maintained onnxruntime) means 'torch'; 'auto' with `recurrent_layers` (the class
+      names of the model's nn.RNN/LSTM/GRU modules) on the CPU (`cpu`) means 'torch'; 'auto' otherwise stays 'auto'.
     Every trainer option works on both builders: no option decides the builder."""
     functions = list(custom_functions)
     if onnx_model:
@@ -74,6 +78,13 @@ def choose_builder(
     if not training_build:
         return BuilderChoice(
             "torch", "auto: onnxruntime-training is not installed, and the torch builder runs on any ONNX Runtime build"
+        )
+    if recurrent_layers and cpu:
+        return BuilderChoice(
+            "torch",
+            f"auto: the model has recurrent layers ({', '.join(sorted(set(recurrent_layers)))}), which the torch "
+            "builder's graph trains about 3x faster on the CPU than ONNX Runtime's recurrent gradient kernels; set "
+            f"options {OPTION}='ort' for a faster first step instead",
         )
     return BuilderChoice("auto", "auto: no custom torch.autograd.Function")
 
