@@ -137,9 +137,10 @@ class _Interrupted(Exception):
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
 @pytest.mark.parametrize("config", [optim.AdamConfig(lr=1e-2), optim.LambConfig(lr=1e-2)], ids=["adam", "lamb"])
 def test_a_step_interrupted_by_a_signal_is_applied_whole_or_not_at_all(config):
-    """A SIGALRM handler that raises, timed at random across the step (40 tries): afterwards the trainer equals a
-    twin that took exactly the steps whose counters moved — never a state in between, so a retry counts no gradient
-    twice."""
+    """A SIGALRM handler that raises, timed across the step (40 tries, from 10 µs to 1.2 steps on a geometric grid,
+    in a random order: the early ones land before the step's state changes begin, the late ones after): afterwards
+    the trainer equals a twin that took exactly the steps whose counters moved — never a state in between, so a
+    retry counts no gradient twice."""
     trainer, twin = _trained(config, steps=1), _trained(config, steps=1)
     batch = _batch(5)
     timer = signal.getitimer(signal.ITIMER_REAL)
@@ -154,12 +155,14 @@ def test_a_step_interrupted_by_a_signal_is_applied_whole_or_not_at_all(config):
         raise _Interrupted
 
     previous = signal.signal(signal.SIGALRM, interrupt)
-    rng = random.Random(0)
+    # uniform delays left all 40 after the step's first changes on a fast step (the window before them is short)
+    delays = [1e-5 * (1.2 * step_time / 1e-5) ** (i / 39) for i in range(40)]
+    random.Random(0).shuffle(delays)
     outcomes = {"applied": 0, "not applied": 0}
     try:
-        for _ in range(40):
+        for delay in delays:
             before = _everything(trainer)
-            signal.setitimer(signal.ITIMER_REAL, max(rng.uniform(0.0, 1.2 * step_time), 1e-5))
+            signal.setitimer(signal.ITIMER_REAL, delay)
             try:
                 trainer.train_step(*batch)
                 while True:  # the alarm was later than the step: let it fire here, outside the step
