@@ -117,7 +117,8 @@ class ORTTrainer:
 
     @property
     def torch_sample_outputs(self) -> list[torch.Tensor] | None:
-        """PyTorch's outputs for the first batch (a PyTorch model, after the first step)."""
+        """PyTorch's outputs for the first batch (a PyTorch model, after the first step; after a build from the
+        compile cache they are computed when first read, from the module, whose weights the trainer never changes)."""
         built = self._built
         return built.torch_export.sample_outputs() if built and built.torch_export else None
 

@@ -211,7 +211,7 @@ def deferred_dry_run(
     """The dry run of a build from the compile cache: the output dtypes are the entry's (its key covers the model,
     its loss and the inputs, so the checks `dry_run` makes held when it was built); the eval-mode run happens when
     its outputs are first read (the legacy `torch_sample_outputs`, a lazy TorchScript export), on the first batch.
-    Why deferred: it is a forward of the model, about a tenth of a cached first step (README § Benchmarks)."""
+    Why deferred: it is a forward of the model, about a tenth of a cached first step (docs/engine.md §22)."""
     input_names = [d.name for d in model_desc.inputs]
 
     @functools.cache

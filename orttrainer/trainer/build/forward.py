@@ -102,15 +102,12 @@ class TorchPlan:
         return replace(self, choice=BuilderChoice("torch", reason))
 
 
-def prepare_torch(
-    config: TrainerConfig, module: torch.nn.Module, sample_inputs: list, record_reads: bool = True
-) -> TorchPlan:
-    """The dry run (no debug step counted, no file written) and the builder `choose_builder` picks for it.
-    `record_reads=False`: the torch route's state reads are not needed (they come from the compile cache)."""
+def prepare_torch(config: TrainerConfig, module: torch.nn.Module, sample_inputs: list) -> TorchPlan:
+    """The dry run (no debug step counted, no file written) and the builder `choose_builder` picks for it."""
     desc, options = copy.deepcopy(config.model_desc), config.options
     check_inputs(sample_inputs, desc.inputs)
     with no_increase_global_step():
-        reads = record_reads and (options._internal_use.gradient_builder == "torch" or not has_training_build())
+        reads = options._internal_use.gradient_builder == "torch" or not has_training_build()
         dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs, record_reads=reads)
     choice = choose_builder(
         options._internal_use.gradient_builder,
