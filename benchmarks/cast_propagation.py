@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import WORKLOADS, markdown_table, save_json  # noqa: E402
+from common import DEFAULT_WORKLOADS, WORKLOADS, markdown_table, save_json  # noqa: E402
 from lockstep import Worker, interleave, ratio_statistics, serve, time_statistics  # noqa: E402
 
 SETTINGS = [
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, choices=list(WORKLOADS))
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

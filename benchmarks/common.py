@@ -79,12 +79,13 @@ class BenchResNet(nn.Module):
 
 
 class BenchLSTM(nn.Module):
-    """An LSTM language model: Embedding(1000, 256), a 2-layer LSTM (hidden 256, batch first), a linear head."""
+    """An LSTM language model: Embedding(1000, 256), a 2-layer LSTM (hidden 256, batch first), a linear head; with
+    `layer=nn.GRU`, the same model with a GRU."""
 
-    def __init__(self, vocab: int = 1000, hidden: int = 256) -> None:
+    def __init__(self, vocab: int = 1000, hidden: int = 256, layer: type[nn.RNNBase] = nn.LSTM) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
-        self.lstm = nn.LSTM(hidden, hidden, num_layers=2, batch_first=True)
+        self.lstm = layer(hidden, hidden, num_layers=2, batch_first=True)
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, tokens):
@@ -133,7 +134,15 @@ WORKLOADS = {
         {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])], "outputs": [("loss", [], True)]},
         lambda: (torch.randint(0, 1000, (16, 64)), torch.randint(0, 1000, (16, 64))),
     ),
+    "gru": Workload(
+        "GRU language model 2x256, seq 64, batch 16",
+        lambda: BenchLSTM(layer=nn.GRU),
+        token_loss,
+        {"inputs": [("tokens", ["batch", "seq"]), ("target", ["batch", "seq"])], "outputs": [("loss", [], True)]},
+        lambda: (torch.randint(0, 1000, (16, 64)), torch.randint(0, 1000, (16, 64))),
+    ),
 }
+DEFAULT_WORKLOADS = ["mlp", "transformer", "cnn", "lstm"]  # what runs unless named; the GRU measures a builder rule
 
 
 def run_worker(script: str, args: list[str], timeout: float = 900, env: dict[str, str] | None = None) -> dict:

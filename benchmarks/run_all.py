@@ -39,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import WORKLOADS, compile_bytecode, markdown_table, save_json  # noqa: E402
+from common import DEFAULT_WORKLOADS, WORKLOADS, compile_bytecode, markdown_table, save_json  # noqa: E402
 from lockstep import Worker, interleave, ratio_statistics, serve, time_statistics  # noqa: E402
 from runners import DEFAULT_VARIANTS, RUNNERS, VARIANTS, make_runner, runner_env, scalar  # noqa: E402
 
@@ -138,7 +138,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=3, help="steps per runner per round")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, choices=list(WORKLOADS))
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=list(RUNNERS + VARIANTS))
     parser.add_argument(
         "--no-variants",

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import WORKLOADS, markdown_table, run_worker, save_json  # noqa: E402
+from common import DEFAULT_WORKLOADS, WORKLOADS, markdown_table, run_worker, save_json  # noqa: E402
 
 RUNNERS = ("pytorch", "orttrainer-ort", "orttrainer-torch")
 
@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
     parser.add_argument("--profile", action="store_true", help="ORT kernel time per op type (transformer)")
     parser.add_argument("--worker", nargs=2, metavar=("RUNNER", "WORKLOAD"), help=argparse.SUPPRESS)
