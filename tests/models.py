@@ -92,6 +92,18 @@ class ScalarAndTupleFunction(torch.autograd.Function):
         return ctx.alpha * ctx.beta[0] * ctx.beta[1] * ctx.gamma * grad_input, None, None, None
 
 
+class DoubledGradient(torch.autograd.Function):
+    """The identity (a copy), whose gradient is doubled: no list of forward ops tells it from a plain copy."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
 class StraightThrough(torch.autograd.Function):
     """round() forward; backward 3·g — not the derivative of round (0 almost everywhere), so a trained weight shows
     whose backward ran."""

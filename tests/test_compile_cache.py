@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import make_trainer, max_difference, needs_training_build, trainer_weights
-from models import MLP, mlp_desc
+from models import MLP, DoubledGradient, mlp_desc
 from torch import nn
 
 from orttrainer import optim
@@ -170,17 +170,7 @@ def _weighted(weights: list[float]):
     return loss
 
 
-class _Doubled(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
-
-
-class _Tripled(_Doubled):
+class _Tripled(DoubledGradient):
     @staticmethod
     def backward(ctx, grad):
         return grad * 3
@@ -190,7 +180,7 @@ class Through(MLP):
     """MLP with a custom autograd.Function between the layers, chosen by an argument: the class's source is the
     same, so only the dataflow (the Function's backward) tells two of them apart."""
 
-    def __init__(self, function: type[torch.autograd.Function] = _Doubled) -> None:
+    def __init__(self, function: type[torch.autograd.Function] = DoubledGradient) -> None:
         super().__init__()
         self.function = function
 

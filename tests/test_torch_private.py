@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
-from models import StraightThrough
+from models import DoubledGradient, StraightThrough
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -441,18 +441,6 @@ def test_unsupported_at_opset_reads_the_torchscript_exporters_refusal():
     assert torch_private.unsupported_at_opset(ValueError("something else")) is None
 
 
-class _Doubled(torch.autograd.Function):
-    """The identity, whose gradient is doubled: a forward no op list tells from a plain identity."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
-
-
 def _digest(forward, model: nn.Module, x: torch.Tensor, hooks: bool = False) -> str:
     params = list(model.parameters())
     return torch_private.dataflow_digest(
@@ -478,7 +466,7 @@ def _scaled(model, x):
 
 
 def _through_function(model, x):
-    return _Doubled.apply(model(x)).sum()
+    return DoubledGradient.apply(model(x)).sum()
 
 
 def _through_clone(model, x):
