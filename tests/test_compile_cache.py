@@ -76,6 +76,21 @@ def test_a_second_trainer_gets_the_graphs_from_the_cache_and_trains_the_same(bui
 
 
 @pytest.mark.parametrize("builder", BUILDERS)
+def test_a_cached_build_runs_the_dry_run_only_when_its_outputs_are_read(builder, cache_dir, caplog, monkeypatch):
+    from orttrainer.trainer.build import export
+
+    _train(MLP, builder, caplog)
+    runs = []
+    real = export._dry_run
+    monkeypatch.setattr(export, "_dry_run", lambda *args: runs.append(args) or real(*args))
+    trainer, _, hit = _train(MLP, builder, caplog)
+    assert hit and runs == []  # three steps, and PyTorch never ran the model's eval-mode copy
+    outputs = trainer.torch_sample_outputs
+    assert len(runs) == 1 and outputs[0].dim() == 0  # read: run once (the loss first), then kept
+    assert trainer.torch_sample_outputs is outputs and len(runs) == 1
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
 def test_batch_norm_statistics_move_the_same_on_a_cached_build(builder, cache_dir, caplog):
     first, losses, _ = _train(Normalised, builder, caplog)
     second, cached_losses, hit = _train(Normalised, builder, caplog)
