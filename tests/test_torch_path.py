@@ -500,3 +500,28 @@ def test_a_model_saved_from_the_torch_route_trains_again_as_an_onnx_model_on_it(
     trainer.train_step(*data[1])
     ours = trainer_weights(trainer)  # the ONNX model also trains its float constants (initializers), as legacy
     assert max_difference({n: v for n, v in trainer_weights(again).items() if n in ours}, ours) < 1e-6
+
+
+def test_the_dry_run_runs_a_forward_that_takes_a_gradient_of_its_own():
+    """The dry run drops the activations autograd saves (it only reads the outputs and their graph); a forward that
+    runs a backward itself (a gradient penalty) runs again keeping them."""
+    from orttrainer.schema.model_desc import _ORTTrainerModelDesc
+    from orttrainer.trainer.build import export
+
+    class Penalised(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 2)
+
+        def forward(self, x):
+            y = self.linear(x)
+            (slope,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+            return y.sum() + slope.pow(2).sum()
+
+    torch.manual_seed(0)
+    model, x = Penalised(), torch.randn(4, 3, requires_grad=True)
+    desc = _ORTTrainerModelDesc({"inputs": [("x", [4, 3])], "outputs": [("loss", [], True)]})
+    for record_reads in (True, False):
+        run = export.dry_run(model, None, desc, [x], record_reads=record_reads)
+        assert torch.equal(run.sample_outputs[0], model(x).detach())
+        assert run.custom_functions == []

@@ -539,3 +539,41 @@ def test_dataflow_digest_runs_the_backward_only_when_python_can_run_in_it(monkey
     hooked.register_full_backward_hook(lambda module, grad_in, grad_out: None)
     _digest(_plain, hooked, x, hooks=torch_private.backward_hooks_outside(hooked))
     assert len(calls) == 3
+
+
+def test_saved_tensors_dropped_builds_the_graph_but_keeps_no_activation():
+    import weakref
+
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def forward():
+        h = x * 2
+        kept = weakref.ref(h)
+        return (h * h).sum(), kept  # the product saves its inputs for its backward
+
+    loss, kept = forward()
+    assert kept() is not None  # autograd holds the activation until the backward
+    with torch_private.saved_tensors_dropped():
+        loss, kept = forward()
+    assert kept() is None
+    assert loss.grad_fn is not None and loss.grad_fn.next_functions[0][0].name() == "MulBackward0"
+    with pytest.raises(torch_private.SavedTensorDroppedError):
+        loss.backward()
+    with torch.autograd.graph.save_on_cpu(), torch_private.saved_tensors_dropped():  # hooks in force stay in charge
+        loss, _ = forward()
+    loss.backward()
+    assert x.grad is not None
+
+
+def test_dataflow_digest_keeps_the_saved_tensors_a_backward_inside_the_forward_needs():
+    torch.manual_seed(0)
+    model, x = nn.Linear(3, 2), torch.randn(4, 3, requires_grad=True)
+
+    def penalised(model, x):  # a gradient penalty: the forward runs a backward of its own
+        y = model(x)
+        (slope,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return y.sum() + slope.pow(2).sum()
+
+    digest = _digest(penalised, model, x)
+    assert digest == _digest(penalised, model, torch.randn(4, 3, requires_grad=True))
+    assert digest != _digest(_plain, model, x)

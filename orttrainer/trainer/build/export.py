@@ -455,12 +455,19 @@ def _dry_run(
     was_training = runner.training
     runner.eval()
     state = runner.model.state_dict(keep_vars=True)
-    try:
+
+    def run() -> tuple[object, set[str] | None]:
         if record_reads:
-            outputs, read = _run_recording_reads(runner, inputs, state)
-        else:
-            with torch.enable_grad():
-                outputs, read = runner(*[copy.deepcopy(t) for t in inputs]), None
+            return _run_recording_reads(runner, inputs, state)
+        with torch.enable_grad():
+            return runner(*[copy.deepcopy(t) for t in inputs]), None
+
+    try:
+        try:  # the autograd graph is walked, never run: it need not hold the activations
+            with torch_private.saved_tensors_dropped():
+                outputs, read = run()
+        except torch_private.SavedTensorDroppedError:  # the forward runs a backward of its own
+            outputs, read = run()
     finally:
         runner.train(was_training)
     functions = custom_autograd_functions(outputs)
@@ -473,6 +480,8 @@ def _run_recording_reads(runner: torch.nn.Module, inputs: list[torch.Tensor], st
     try:
         with torch.enable_grad(), torch_private.storage_reads(state) as read:
             return runner(*[copy.deepcopy(t) for t in inputs]), read
+    except torch_private.SavedTensorDroppedError:
+        raise
     except Exception:
         with torch.enable_grad():
             return runner(*[copy.deepcopy(t) for t in inputs]), set(state)

@@ -485,10 +485,39 @@ def dataflow_digest(
     Not seen: a hook put on a node directly (`grad_fn.register_hook`) inside the forward, or on a tensor after its
     last use by an op that no one keeps.
 
+    The forward runs with the tensors autograd saves for the backward dropped (`saved_tensors_dropped`: the graph
+    is walked, never run), unless the backward will run: then, or when that is found only after the forward (a
+    custom Function, a tensor hook), the forward runs again keeping them.
+
     How: a TorchDispatchMode sees every aten op below autograd; tensors are recognised by identity (weakly held,
     so an id is never confused with a freed tensor's). Its `_should_skip_dynamo` is False: PyTorch otherwise wraps
     the handler to disable torch.compile, which imports torch._dynamo when the mode is first entered (1-5 s and
     ~40 MB, measured on torch 2.13; nothing here compiles)."""
+    keep_saved = python_backward or _saved_tensor_hooks_active()
+    if not keep_saved:
+        try:
+            with saved_tensors_dropped():
+                digest = _dataflow_digest(forward, inputs, state, parameters, salt, python_backward, False)
+            if digest is not None:
+                return digest
+        except SavedTensorDroppedError:  # the forward runs a backward of its own
+            pass
+    digest = _dataflow_digest(forward, inputs, state, parameters, salt, python_backward, True)
+    assert digest is not None
+    return digest
+
+
+def _dataflow_digest(
+    forward: Callable[[], torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    state: dict[str, torch.Tensor],
+    parameters: Sequence[torch.Tensor],
+    salt: str,
+    python_backward: bool,
+    backward_can_run: bool,
+) -> str | None:
+    """`dataflow_digest`, or None when the backward has to run and `backward_can_run` is False (its saved
+    tensors were dropped)."""
     import hashlib
     import weakref
 
@@ -555,6 +584,8 @@ def dataflow_digest(
     hooked[0] = hooked[0] or any(t is not None and _has_tensor_hooks(t) for t in kept) or _has_tensor_hooks(loss)
     graph, python_nodes = _autograd_graph(loss.grad_fn, describe)
     if hooked[0] or python_nodes:
+        if not backward_can_run:
+            return None
         with _Recorder():
             torch.autograd.grad(loss, list(parameters), allow_unused=True)
     else:
@@ -592,7 +623,36 @@ def _has_tensor_hooks(tensor: torch.Tensor) -> bool:
 
 
 def _saved_tensor_hooks_active() -> bool:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    """Saved-tensor hooks other than `saved_tensors_dropped`'s are in force."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and top[0] is not _drop_saved
+
+
+class SavedTensorDroppedError(RuntimeError):
+    """A backward needed a tensor that `saved_tensors_dropped` did not keep."""
+
+
+def _drop_saved(tensor: torch.Tensor) -> None:
+    return None
+
+
+def _dropped_saved(_: None) -> torch.Tensor:
+    raise SavedTensorDroppedError("a backward ran inside a forward whose saved tensors were dropped")
+
+
+@contextlib.contextmanager
+def saved_tensors_dropped() -> Iterator[None]:
+    """Within the block, autograd keeps none of the tensors it saves for a backward (its graph is built, but a
+    backward through it raises `SavedTensorDroppedError`); saved-tensor hooks already in force stay in charge.
+
+    Why: a forward run only to read its ops, outputs or autograd graph (the compile cache's key, the build's dry
+    run) otherwise holds every activation to its end, as a training step does: ~130 MB on the README's
+    transformer, memory the allocator then keeps for the rest of the process."""
+    if _saved_tensor_hooks_active():
+        yield
+        return
+    with torch.autograd.graph.saved_tensors_hooks(_drop_saved, _dropped_saved):
+        yield
 
 
 def backward_hooks_outside(module: torch.nn.Module) -> bool:
