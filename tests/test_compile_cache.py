@@ -8,6 +8,8 @@ import logging
 import os
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from helpers import make_trainer, max_difference, needs_training_build, trainer_weights
@@ -16,6 +18,8 @@ from torch import nn
 
 from orttrainer import optim
 from orttrainer.trainer.compile import cache as cache_module
+from orttrainer.trainer.runtime import ort as ort_module
+from orttrainer.trainer.runtime.ort import ONNXRUNTIME_GRAPHS, Device, OptimizedGraphs, create_session
 
 HIT = "the compiled graphs come from the compile cache"
 CE = nn.functional.cross_entropy
@@ -30,7 +34,9 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def _entries(directory) -> list[str]:
-    return sorted(str(p) for p in directory.rglob("*.entry")) if directory.exists() else []
+    """The trainers' entries (not ONNX Runtime's optimised graphs, runtime/ort.OptimizedGraphs)."""
+    found = directory.rglob("*.entry") if directory.exists() else []
+    return sorted(str(p) for p in found if ONNXRUNTIME_GRAPHS not in p.relative_to(directory).parts)
 
 
 def _batches(n: int = 3, size: int = 8, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -356,3 +362,138 @@ def test_a_user_function_option_is_not_cached(cache_dir, caplog):
         _, _, hit = _train(MLP, "ort", caplog, extra={"_internal_use": {"extra_postprocess": lambda m: m}})
     assert not hit and "compile cache not used: _internal_use.extra_postprocess" in caplog.text
     assert not _entries(cache_dir)
+
+
+# ONNX Runtime's optimised graphs (runtime/ort.OptimizedGraphs) ---------------------------------------------------
+
+
+def _affine(weight: float = 1.0, dropout: bool = False) -> onnx.ModelProto:
+    """y = x @ w + b, which ONNX Runtime's optimiser fuses into one Gemm; with a Dropout after it if asked."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.full((3, 2), weight, dtype=np.float32), "w")
+    b = numpy_helper.from_array(np.arange(2, dtype=np.float32), "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])]
+    if dropout:
+        nodes[-1].output[0] = "z"
+        nodes.append(helper.make_node("Dropout", ["z"], ["y"], seed=1))
+    graph = helper.make_graph(
+        nodes,
+        "affine",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 2])],
+        [w, b],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _graphs_stored(directory) -> list[str]:
+    return sorted(str(p) for p in (directory / ONNXRUNTIME_GRAPHS).rglob("*.entry"))
+
+
+def _session(model, graphs, options=None, disabled=()):
+    options = options or ort.SessionOptions()
+    return create_session(model, options, [(ort_module.CPU_PROVIDER, {})], Device("cpu"), "", disabled, True, graphs)
+
+
+def _levels_of_sessions(monkeypatch) -> list:
+    """The optimisation level of every InferenceSession created from now on, and the model each was given."""
+    made, real = [], ort.InferenceSession
+
+    def recorded(model, options, **kwargs):
+        made.append((options.graph_optimization_level, model))
+        return real(model, options, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", recorded)
+    return made
+
+
+def test_onnx_runtime_s_optimised_graph_is_stored_then_loaded_with_the_optimiser_off(cache_dir, monkeypatch):
+    graphs = OptimizedGraphs.for_sessions(None, Device("cpu"))
+    assert graphs is not None
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    expected = x @ np.ones((3, 2), np.float32) + np.arange(2, dtype=np.float32)
+    first = _session(_affine(), graphs)
+    (stored,) = _graphs_stored(cache_dir)
+    assert not _entries(cache_dir)  # a trainer's entries are apart
+    made = _levels_of_sessions(monkeypatch)
+    options = ort.SessionOptions()
+    second = _session(_affine(), graphs, options)
+    ((level, model),) = made
+    assert level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    assert [n.op_type for n in onnx.load_from_string(model).graph.node] == ["Gemm"]  # the optimiser's output
+    assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL  # restored
+    for session in (first, second):
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], expected)
+    assert _graphs_stored(cache_dir) == [stored]
+
+
+def test_the_optimised_graph_s_key_is_everything_the_optimiser_reads(cache_dir, monkeypatch):
+    graphs = OptimizedGraphs.for_sessions(None, Device("cpu"))
+    assert graphs is not None
+    cpu = [(ort_module.CPU_PROVIDER, {})]
+
+    def key(model=None, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL, disabled=(), deterministic=False):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = level
+        options.use_deterministic_compute = deterministic
+        return graphs.key((model or _affine()).SerializeToString(), options, cpu, disabled)
+
+    base = key()
+    assert key() == base
+    changed = {
+        "the model": key(_affine(weight=2.0)),
+        "the level": key(level=ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED),
+        "a disabled optimiser": key(disabled=["MatMulAddFusion"]),
+        "deterministic compute": key(deterministic=True),
+    }
+    monkeypatch.setattr(ort_module, "processor", lambda: "another processor")
+    changed["the processor"] = key()
+    monkeypatch.setattr(ort, "__version__", "0.0.0")
+    changed["the onnxruntime version"] = key()
+    assert len({base, *changed.values()}) == len(changed) + 1, changed
+
+
+def test_optimised_graphs_are_kept_only_where_their_key_is_complete(cache_dir, monkeypatch):
+    graphs = OptimizedGraphs.for_sessions(None, Device("cpu"))
+    assert graphs is not None
+    options = ort.SessionOptions()
+    assert graphs.serves(_affine(), options)
+    assert not graphs.serves(_affine(dropout=True), options)  # seeds drawn per trainer are in its bytes
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    assert not graphs.serves(_affine(), options)  # nothing optimised to keep
+    assert OptimizedGraphs.for_sessions(ort.SessionOptions(), Device("cpu")) is None  # the user's SessionOptions
+    assert OptimizedGraphs.for_sessions(None, Device("cuda", 0)) is None
+    _session(_affine(dropout=True), graphs)
+    assert not _graphs_stored(cache_dir)
+    with monkeypatch.context() as patched:
+        patched.setattr(ort_module, "processor", lambda: None)  # no /proc/cpuinfo
+        assert OptimizedGraphs.for_sessions(None, Device("cpu")) is None
+    monkeypatch.setenv("ORTTRAINER_COMPILE_CACHE", "off")
+    assert OptimizedGraphs.for_sessions(None, Device("cpu")) is None
+
+
+def test_an_optimised_graph_onnx_runtime_cannot_load_is_replaced(cache_dir, caplog):
+    graphs = OptimizedGraphs.for_sessions(None, Device("cpu"))
+    assert graphs is not None
+    _session(_affine(), graphs)
+    (path,) = _graphs_stored(cache_dir)
+    key = os.path.basename(path).removesuffix(".entry")
+    cache_module.CompileCache(str(cache_dir / ONNXRUNTIME_GRAPHS)).store(key, {}, {"model": b"not an onnx model"})
+    with caplog.at_level(logging.WARNING, logger="orttrainer"):
+        session = _session(_affine(), graphs)
+    assert "cannot load the cached optimised graph" in caplog.text
+    x = np.ones((4, 3), np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], [[3.0, 4.0]] * 4)
+    assert onnx.load_from_string(graphs._cache.load(key).blobs["model"]).graph.node  # replaced by a real graph
+
+
+def test_a_second_trainer_loads_onnx_runtime_s_optimised_graphs_and_trains_the_same(cache_dir, caplog, monkeypatch):
+    _, losses, _ = _train(MLP, "torch", caplog)
+    stored = _graphs_stored(cache_dir)
+    assert stored
+    made = _levels_of_sessions(monkeypatch)
+    _, again, hit = _train(MLP, "torch", caplog)
+    assert hit and again == losses
+    assert made and all(level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL for level, _ in made)
+    assert _graphs_stored(cache_dir) == stored

@@ -29,6 +29,9 @@ with the key, what the trainer needs besides the graphs (`meta`), and for each s
 `load` checks all of them; a file that fails a check is removed and reported as a miss, so the graph is built
 again and the entry rewritten — a corrupt entry is never used. Failures to read or write the directory are
 warnings: training goes on without the cache.
+
+The folder `onnxruntime` holds entries of the same layout with ONNX Runtime's optimised graphs, keyed by their
+input's bytes (runtime/ort.OptimizedGraphs).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """ONNX Runtime as the trainer uses it: which distribution is installed, the device, session options, execution
 providers and the `provider_options` option (checked so that nothing asked for is silently dropped), the CPU arena
-cap of `device.mem_limit`, and session creation.
+cap of `device.mem_limit`, and session creation (with ONNX Runtime's optimised graphs kept in the compile cache,
+`OptimizedGraphs`).
 
 Installed runtimes: three distributions provide the `onnxruntime` module: `onnxruntime` (the maintained CPU build),
 `onnxruntime-gpu` (the maintained CUDA build) and `onnxruntime-training` (1.19.2, the last training build: ONNX
@@ -21,8 +22,11 @@ so they must ask for the same limit.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
+import logging
 import os
+import platform
 import tempfile
 import warnings
 from collections.abc import Sequence
@@ -36,6 +40,8 @@ from ...schema.options import ORTTrainerOptions
 from ..graph.nchwc import NCHWC_DOMAIN, blocked_convolutions
 from ..graph.passes import rewrite_enabled
 from . import eager_ops, ort_private
+
+_logger = logging.getLogger(__name__)
 
 DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training")
 EXTRAS = {"onnxruntime": "cpu", "onnxruntime-gpu": "gpu", "onnxruntime-training": "ort-training"}
@@ -155,11 +161,13 @@ def create_session(
     optimized_model_path: str,
     disabled_optimizers: Sequence[str] = (),
     memory_reuse: bool = True,
+    optimized_graphs: OptimizedGraphs | None = None,
 ) -> Any:
     """An `onnxruntime.InferenceSession` for `model`; `optimized_model_path` (may be "") receives the optimized
     graph; `disabled_optimizers` names ONNX Runtime graph transformers not to run; `memory_reuse` False turns off
-    the allocation planner's buffer reuse (`SessionOptions.enable_mem_reuse`) for this session. Every provider
-    option asked for must be in effect, and `device.id` cuda must run on CUDA."""
+    the allocation planner's buffer reuse (`SessionOptions.enable_mem_reuse`) for this session; `optimized_graphs`
+    keeps ONNX Runtime's optimised graph of `model` for the next process. Every provider option asked for must be
+    in effect, and `device.id` cuda must run on CUDA."""
     import onnxruntime as ort
 
     eager_ops.prepare_options(model, options)  # ops PyTorch runs inside the graph (gradient/eager_fallback.py)
@@ -180,9 +188,13 @@ def create_session(
     if not memory_reuse:  # a freed buffer stays allocated until its reuser runs (docs/engine.md §16)
         options.enable_mem_reuse = False
     try:
-        session = ort.InferenceSession(
-            model.SerializeToString(), options, providers=providers, disabled_optimizers=list(disabled_optimizers)
-        )
+        serialized = model.SerializeToString()
+        if optimized_graphs is not None and not optimized_model_path and optimized_graphs.serves(model, options):
+            session = optimized_graphs.session(serialized, options, providers, disabled_optimizers)
+        else:
+            session = ort.InferenceSession(
+                serialized, options, providers=providers, disabled_optimizers=list(disabled_optimizers)
+            )
     finally:
         options.optimized_model_filepath, options.enable_mem_pattern, options.enable_mem_reuse = saved
     if device.type == "cuda" and session.get_providers()[0] != "CUDAExecutionProvider":
@@ -231,6 +243,103 @@ def nchwc_block() -> int | None:
         if any(np.array_equal(b, expected.reshape(-1)) for b in blocked):
             return block
     return None
+
+
+ONNXRUNTIME_GRAPHS = "onnxruntime"  # the compile cache's folder for ONNX Runtime's optimised graphs
+
+
+class OptimizedGraphs:
+    """ONNX Runtime's optimised graph of each session's model, kept in the compile cache's folder `onnxruntime`
+    (compile/cache.py) so that another process loads it with the optimiser off instead of optimising again: for the LSTM benchmark's ~7,500
+    nodes that is 0.28 s instead of 0.81 s (docs/engine.md §22).
+
+    Rule: an entry's key is the sha256 of the model's bytes and of everything else the optimiser reads — the
+    onnxruntime version and build, the providers and their options, the optimisation level, the disabled
+    optimisers, deterministic compute, and the processor (model and feature flags: the NCHWc layout and some
+    fusions depend on the instruction set). So a cached graph is ONNX Runtime's output for exactly this input,
+    and no option of the trainer needs to be in the key. Served only where all of that is known: on the CPU
+    provider, with orttrainer's own SessionOptions (a user's may hold config entries that Python cannot read
+    back), on Linux (where /proc/cpuinfo names the processor), and for graphs without Dropout nodes (their seeds,
+    drawn per trainer, are in the bytes: each process would write a new entry)."""
+
+    def __init__(self, cache: Any) -> None:
+        self._cache = cache  # compile/cache.CompileCache
+
+    @classmethod
+    def for_sessions(cls, user_options: Any, device: Device) -> OptimizedGraphs | None:
+        """The cache for sessions made with `user_options` (None: orttrainer's own) on `device`, or None."""
+        from ..compile.cache import CompileCache, cache_directory
+
+        directory = cache_directory()
+        if directory is None or user_options is not None or device.type != "cpu" or processor() is None:
+            return None
+        return cls(CompileCache(os.path.join(directory, ONNXRUNTIME_GRAPHS)))
+
+    def serves(self, model: onnx.ModelProto, options: Any) -> bool:
+        import onnxruntime as ort
+
+        level = options.graph_optimization_level
+        return level != ort.GraphOptimizationLevel.ORT_DISABLE_ALL and not any(
+            n.op_type == "Dropout" for n in model.graph.node
+        )
+
+    def key(self, serialized: bytes, options: Any, providers: list, disabled_optimizers: Sequence[str]) -> str:
+        import onnxruntime as ort
+
+        from ..compile.cache import digest
+
+        return digest(
+            "onnxruntime optimised graph",
+            hashlib.sha256(serialized).hexdigest(),
+            ort.__version__,
+            has_training_build(),
+            providers,
+            str(options.graph_optimization_level),
+            sorted(disabled_optimizers),
+            options.use_deterministic_compute,
+            processor(),
+        )
+
+    def session(self, serialized: bytes, options: Any, providers: list, disabled_optimizers: Sequence[str]) -> Any:
+        """A session for the model `serialized`: from its stored optimised graph, optimiser off; or optimised
+        here, and that graph stored. An entry ONNX Runtime cannot load is logged and replaced."""
+        import onnxruntime as ort
+
+        key = self.key(serialized, options, providers, disabled_optimizers)
+        entry = self._cache.load(key)
+        if entry is not None:
+            level = options.graph_optimization_level
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            try:
+                return ort.InferenceSession(entry.blobs["model"], options, providers=providers)
+            except Exception as err:  # optimised again below, and the entry replaced
+                path = self._cache.path(key)
+                _logger.warning("ONNX Runtime cannot load the cached optimised graph %s (%s)", path, err)
+            finally:
+                options.graph_optimization_level = level
+        with tempfile.TemporaryDirectory(prefix="orttrainer_") as directory:
+            options.optimized_model_filepath = os.path.join(directory, "optimized.onnx")
+            session = ort.InferenceSession(
+                serialized, options, providers=providers, disabled_optimizers=list(disabled_optimizers)
+            )
+            with open(options.optimized_model_filepath, "rb") as f:
+                optimized = f.read()
+        self._cache.store(key, {}, {"model": optimized})
+        return session
+
+
+@functools.cache
+def processor() -> str | None:
+    """The processor as ONNX Runtime's CPU kernels see it: the machine, and the first processor's model name and
+    feature flags from /proc/cpuinfo; None where that file cannot be read (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+    except OSError:
+        return None
+    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
+    lines = [line.strip() for line in first.splitlines() if line.split(":")[0].strip() in wanted]
+    return platform.machine() + "\n" + "\n".join(lines) if lines else None
 
 
 def writable_debug_path(path: str, option: str) -> str:

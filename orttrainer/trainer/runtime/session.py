@@ -48,7 +48,15 @@ from ..graph.passes import run_passes, verification_enabled
 from ..state import DropoutStreams
 from ..update.torch_fused import TorchOptimizer
 from . import ort_private
-from .ort import TRAINING_UNSAFE_FUSIONS, Device, create_session, optimized_model, providers_for, session_options
+from .ort import (
+    TRAINING_UNSAFE_FUSIONS,
+    Device,
+    OptimizedGraphs,
+    create_session,
+    optimized_model,
+    providers_for,
+    session_options,
+)
 from .static_graphs import MAX_STATIC_SIGNATURES, specializable, specialized
 
 if TYPE_CHECKING:
@@ -336,6 +344,7 @@ class SessionBase(ABC):
         self._torch_device = config.device.torch_device
         self._options = session_options(config.session_options, config.deterministic, config.device, config.mem_limit)
         self._providers = providers_for(config.device, config.mem_limit, config.provider_options or {})
+        self._optimized_graphs = OptimizedGraphs.for_sessions(config.session_options, config.device)
         # with eval_for, `first` only names the data inputs: the graphs are created when first needed
         first = EvalGraph(eval_model, list(eval_for.data_inputs if eval_for is not None else data_inputs))
         self._evals = GraphRunners(self._eval_session, first, eval_for, "", streams)
@@ -351,7 +360,14 @@ class SessionBase(ABC):
         unsafe = TRAINING_UNSAFE_FUSIONS if training else ()
         reuse = self.config.memory_reuse or not training
         return create_session(
-            model, self._options, self._providers, self.config.device, optimized_model_path, unsafe, reuse
+            model,
+            self._options,
+            self._providers,
+            self.config.device,
+            optimized_model_path,
+            unsafe,
+            reuse,
+            self._optimized_graphs,
         )
 
     def _eval_session(self, model: onnx.ModelProto, optimized_model_path: str) -> Any:
