@@ -466,7 +466,7 @@ def _dry_run(
         try:  # the autograd graph is walked, never run: it need not hold the activations
             with torch_private.saved_tensors_dropped():
                 outputs, read = run()
-        except torch_private.SavedTensorDroppedError:  # the forward runs a backward of its own
+        except Exception:  # e.g. the forward runs a backward of its own (SavedTensorDroppedError, maybe wrapped)
             outputs, read = run()
     finally:
         runner.train(was_training)
@@ -480,7 +480,7 @@ def _run_recording_reads(runner: torch.nn.Module, inputs: list[torch.Tensor], st
     try:
         with torch.enable_grad(), torch_private.storage_reads(state) as read:
             return runner(*[copy.deepcopy(t) for t in inputs]), read
-    except torch_private.SavedTensorDroppedError:
+    except torch_private.SavedTensorDroppedError:  # not the recording's fault: `_dry_run` runs it again
         raise
     except Exception:
         with torch.enable_grad():

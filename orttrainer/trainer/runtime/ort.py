@@ -250,8 +250,8 @@ ONNXRUNTIME_GRAPHS = "onnxruntime"  # the compile cache's folder for ONNX Runtim
 
 class OptimizedGraphs:
     """ONNX Runtime's optimised graph of each session's model, kept in the compile cache's folder `onnxruntime`
-    (compile/cache.py) so that another process loads it with the optimiser off instead of optimising again: for the LSTM benchmark's ~7,500
-    nodes that is 0.28 s instead of 0.81 s (docs/engine.md §22).
+    (compile/cache.py) so that another process loads it with the optimiser off instead of optimising again: for
+    the LSTM benchmark's ~7,500 nodes that is 0.28 s instead of 0.81 s (docs/engine.md §22).
 
     Rule: an entry's key is the sha256 of the model's bytes and of everything else the optimiser reads — the
     onnxruntime version and build, the providers and their options, the optimisation level, the disabled

@@ -500,8 +500,8 @@ def dataflow_digest(
                 digest = _dataflow_digest(forward, inputs, state, parameters, salt, python_backward, False)
             if digest is not None:
                 return digest
-        except SavedTensorDroppedError:  # the forward runs a backward of its own
-            pass
+        except Exception:  # e.g. the forward runs a backward of its own (SavedTensorDroppedError, maybe wrapped)
+            pass  # a forward that fails for another reason fails again below, with its saved tensors
     digest = _dataflow_digest(forward, inputs, state, parameters, salt, python_backward, True)
     assert digest is not None
     return digest
