@@ -460,6 +460,9 @@ def test_optimised_graphs_are_kept_only_where_their_key_is_complete(cache_dir, m
     options = ort.SessionOptions()
     assert graphs.serves(_affine(), options)
     assert not graphs.serves(_affine(dropout=True), options)  # seeds drawn per trainer are in its bytes
+    with monkeypatch.context() as patched:
+        patched.setattr(OptimizedGraphs, "MAX_BYTES", _affine().ByteSize() - 1)
+        assert not graphs.serves(_affine(), options)  # a graph carrying large initializers
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     assert not graphs.serves(_affine(), options)  # nothing optimised to keep
     assert OptimizedGraphs.for_sessions(ort.SessionOptions(), Device("cpu")) is None  # the user's SessionOptions
@@ -497,3 +500,19 @@ def test_a_second_trainer_loads_onnx_runtime_s_optimised_graphs_and_trains_the_s
     assert hit and again == losses
     assert made and all(level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL for level, _ in made)
     assert _graphs_stored(cache_dir) == stored
+
+
+def test_a_session_opens_when_its_optimised_graph_cannot_be_written(cache_dir, monkeypatch):
+    graphs = OptimizedGraphs.for_sessions(None, Device("cpu"))
+    assert graphs is not None
+    real = ort.InferenceSession
+
+    def no_space(model, options, **kwargs):
+        if options.optimized_model_filepath:
+            raise RuntimeError("No space left on device")
+        return real(model, options, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", no_space)
+    session = _session(_affine(), graphs)
+    np.testing.assert_allclose(session.run(None, {"x": np.ones((4, 3), np.float32)})[0], [[3.0, 4.0]] * 4)
+    assert not _graphs_stored(cache_dir)

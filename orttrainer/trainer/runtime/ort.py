@@ -259,8 +259,13 @@ class OptimizedGraphs:
     fusions depend on the instruction set). So a cached graph is ONNX Runtime's output for exactly this input,
     and no option of the trainer needs to be in the key. Served only where all of that is known: on the CPU
     provider, with orttrainer's own SessionOptions (a user's may hold config entries that Python cannot read
-    back), on Linux (where /proc/cpuinfo names the processor), and for graphs without Dropout nodes (their seeds,
-    drawn per trainer, are in the bytes: each process would write a new entry)."""
+    back), on Linux (where /proc/cpuinfo names the processor), for graphs of at most `MAX_BYTES`, and for graphs
+    without Dropout nodes (their seeds, drawn per trainer, are in the bytes: each process would write a new
+    entry)."""
+
+    # Larger graphs are not kept: the training graphs take the state as inputs, so a graph this large carries
+    # weights as initializers, which the cache would copy for little gain (ONNX Runtime's time goes with nodes).
+    MAX_BYTES = 256 << 20
 
     def __init__(self, cache: Any) -> None:
         self._cache = cache  # compile/cache.CompileCache
@@ -279,8 +284,10 @@ class OptimizedGraphs:
         import onnxruntime as ort
 
         level = options.graph_optimization_level
-        return level != ort.GraphOptimizationLevel.ORT_DISABLE_ALL and not any(
-            n.op_type == "Dropout" for n in model.graph.node
+        return (
+            level != ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            and model.ByteSize() <= self.MAX_BYTES
+            and not any(n.op_type == "Dropout" for n in model.graph.node)
         )
 
     def key(self, serialized: bytes, options: Any, providers: list, disabled_optimizers: Sequence[str]) -> str:
@@ -319,11 +326,18 @@ class OptimizedGraphs:
                 options.graph_optimization_level = level
         with tempfile.TemporaryDirectory(prefix="orttrainer_") as directory:
             options.optimized_model_filepath = os.path.join(directory, "optimized.onnx")
-            session = ort.InferenceSession(
-                serialized, options, providers=providers, disabled_optimizers=list(disabled_optimizers)
-            )
-            with open(options.optimized_model_filepath, "rb") as f:
-                optimized = f.read()
+            try:
+                session = ort.InferenceSession(
+                    serialized, options, providers=providers, disabled_optimizers=list(disabled_optimizers)
+                )
+                with open(options.optimized_model_filepath, "rb") as f:
+                    optimized = f.read()
+            except Exception as err:  # writing the optimised graph failed (the disk, say): a session without it
+                _logger.info("ONNX Runtime's optimised graph is not kept (%s)", err)
+                options.optimized_model_filepath = ""
+                return ort.InferenceSession(
+                    serialized, options, providers=providers, disabled_optimizers=list(disabled_optimizers)
+                )
         self._cache.store(key, {}, {"model": optimized})
         return session
 
