@@ -264,8 +264,9 @@ class OptimizedGraphs:
     entry)."""
 
     # Larger graphs are not kept: the training graphs take the state as inputs, so a graph this large carries
-    # weights as initializers, which the cache would copy for little gain (ONNX Runtime's time goes with nodes).
-    MAX_BYTES = 256 << 20
+    # weights as initializers (an ONNX model's frozen ones), which every process would hash and the cache copy
+    # for little gain: ONNX Runtime's optimiser takes time by nodes, not bytes (the LSTM's 7,500 nodes: 1.2 MB).
+    MAX_BYTES = 64 << 20
 
     def __init__(self, cache: Any) -> None:
         self._cache = cache  # compile/cache.CompileCache
