@@ -876,11 +876,16 @@ def provider_options(ctx: Context) -> None:
     deeper=("test_trainer_features::test_deterministic_compute_and_user_session_options_reach_onnxruntime",),
 )
 def session_options(ctx: Context) -> None:
-    """The user's SessionOptions are the sessions' (one intra-op thread here; ONNX Runtime's choice by default)."""
+    """The user's SessionOptions are the sessions' (one intra-op thread here; ONNX Runtime's choice by default), and
+    keep ONNX Runtime's spinning; orttrainer's own do not spin between runs (docs/engine.md §3.3)."""
     user = ort.SessionOptions()
     user.intra_op_num_threads = 1
-    assert _session_options(_mlp({"session_options": user})).intra_op_num_threads == 1
-    assert _session_options(ctx.shared(_default_run)["trainer"]).intra_op_num_threads == 0
+    given = _session_options(_mlp({"session_options": user}))
+    assert given.intra_op_num_threads == 1
+    assert _config_entry(given, "session.intra_op.allow_spinning") is None
+    default = _session_options(ctx.shared(_default_run)["trainer"])
+    assert default.intra_op_num_threads == 0
+    assert _config_entry(default, "session.intra_op.allow_spinning") == "0"
 
 
 # ------------------------------------------------------------------------------------------------------- the tests
