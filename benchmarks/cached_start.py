@@ -58,7 +58,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(*args.worker)))
         return
-    compile_bytecode()
+    bytecode = compile_bytecode()
     results: dict[str, dict[str, list[float]]] = {}
     for name in args.workloads:
         cache = tempfile.mkdtemp(prefix="orttrainer-cached-start-")
@@ -88,7 +88,8 @@ def main() -> None:
         "cached: optimised again (s)",
     ]
     print(f"{args.pairs} interleaved pairs of processes\n\n" + markdown_table(header, rows))
-    print(f"\nJSON: {save_json('cached_start.json', {'builder': args.builder, 'results': results})}")
+    payload = {"builder": args.builder, "bytecode": bytecode, "results": results}
+    print(f"\nJSON: {save_json('cached_start.json', payload)}")
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.threads)))
         return
-    compile_bytecode()
+    bytecode = compile_bytecode()
     results = {
         name: [run_worker(__file__, [name, "--threads", str(args.threads)]) for _ in range(args.repeats)]
         for name in args.workloads
@@ -86,7 +86,8 @@ def main() -> None:
         rows.append([WORKLOADS[name].name, *(f"{m:.2f}" for m in medians), "/".join(map(str, graphs))])
     header = ["workload (torch builder)", "first step (s)", "second step (s)", "new batch size (s)", "graphs"]
     print(f"threads: {args.threads}, medians of {args.repeats} processes\n\n" + markdown_table(header, rows))
-    print(f"\nJSON: {save_json('first_step.json', {'threads': args.threads, 'results': results})}")
+    payload = {"threads": args.threads, "bytecode": bytecode, "results": results}
+    print(f"\nJSON: {save_json('first_step.json', payload)}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import DEFAULT_WORKLOADS, WORKLOADS, compile_bytecode, markdown_table, save_json  # noqa: E402
+from common import DEFAULT_WORKLOADS, WORKLOADS, compile_bytecode, environment, markdown_table, save_json  # noqa: E402
 from lockstep import Worker, interleave, ratio_statistics, serve, time_statistics  # noqa: E402
 from runners import DEFAULT_VARIANTS, RUNNERS, VARIANTS, make_runner, runner_env, scalar  # noqa: E402
 
@@ -166,14 +165,14 @@ def main() -> int:
     runners = list(dict.fromkeys(args.runners + (list(DEFAULT_VARIANTS) if args.variants else [])))
     if args.other_python:  # the orttrainer runners again, on the other interpreter's onnxruntime
         runners += [f"{r}@other" for r in other_runners(runners, args.other_python)]
-    for python in dict.fromkeys([sys.executable, *([args.other_python] if args.other_python else [])]):
-        compile_bytecode(python)
+    pythons = list(dict.fromkeys([sys.executable, *([args.other_python] if args.other_python else [])]))
+    bytecode = compile_bytecode(pythons)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="orttrainer-bench-cache-") as cache_root:
         results = [r for name in args.workloads for r in measure(name, runners, args, cache_root)]
     text = report(results, args)
-    print(text)
-    payload = {"arguments": vars(args), "environment": environment(), "results": results}
+    print(text + f"\n\nBytecode: {bytecode}.")
+    payload = {"arguments": vars(args), "environment": {**environment(), "bytecode": bytecode}, "results": results}
     payload["wall_s"] = time.perf_counter() - started
     print(f"\nJSON: {save_json('run_all.json', payload)}")
     return 1 if any("failed" in r for r in results) else 0
@@ -188,23 +187,6 @@ def other_runners(runners: list[str], python: str) -> list[str]:
     if training == "True":
         return chosen
     return [r for r in chosen if r.startswith("orttrainer[torch]")] + ["orttrainer[torch]+graph-update"]
-
-
-def environment() -> dict:
-    import onnxruntime
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "onnxruntime": onnxruntime.__version__,
-        "cpus": os.cpu_count(),
-        "cpu": cpu,
-        "isa": [f for f in ("avx2", "fma", "avx512f", "amx_tile") if f in flags],
-        "machine": platform.machine(),
-    }
 
 
 def _ratio(r: dict, base: str) -> str:
