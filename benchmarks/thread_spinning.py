@@ -1,0 +1,111 @@
+"""ONNX Runtime's thread pool spinning between runs, on every core: orttrainer's own SessionOptions (no spinning
+between runs) against ONNX Runtime's defaults (a user's plain `SessionOptions()`, which spin), beside eager PyTorch.
+
+    python benchmarks/thread_spinning.py [--workloads mlp lstm transformer cnn] [--rounds 2] [--steps 15]
+
+Threads are each library's default (every core), as a user gets them; the other benchmarks give each runner one
+thread, where ONNX Runtime has no pool to spin. A step of the trainer is an ONNX Runtime run, then torch's fused
+update; the pool's threads, spinning after the run, take the cores that torch's update needs (docs/engine.md
+§3.3). For each workload a first process fills a compile cache; then `--rounds` rounds run one process per variant
+in turn, each timing `--steps` steps after 3 warm-up steps (their median). Prints a markdown table (the median of
+the rounds) and writes benchmarks/results/thread_spinning.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import WORKLOADS, compile_bytecode, environment, markdown_table, run_worker, save_json  # noqa: E402
+
+VARIANTS = ("pytorch", "orttrainer", "orttrainer, ONNX Runtime's spinning")
+
+
+def worker(variant: str, workload_name: str, steps: int) -> dict:
+    import onnxruntime as ort
+    import torch
+
+    torch.manual_seed(0)
+    workload = WORKLOADS[workload_name]
+    x, y = workload.make_batch()
+    model = workload.make_model()
+    if variant == "pytorch":
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        def step(x, target):
+            optimizer.zero_grad(set_to_none=True)
+            workload.loss_fn(model(x), target).backward()
+            optimizer.step()
+
+    else:
+        from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+        options: dict = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}}
+        if variant != "orttrainer":  # a user's SessionOptions: ONNX Runtime's defaults, spinning included
+            options["session_options"] = ort.SessionOptions()
+            options["session_options"].log_severity_level = 3
+        adam = optim.AdamConfig(lr=1e-3)
+        trainer = ORTTrainer(
+            model, workload.model_desc, adam, loss_fn=workload.loss_fn, options=ORTTrainerOptions(options)
+        )
+        step = trainer.train_step
+    for _ in range(3):
+        step(x, y)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - start)
+    return {"step_ms": 1000 * statistics.median(times), "torch_threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=["mlp", "lstm", "transformer", "cnn"], choices=WORKLOADS)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--worker", nargs=2, metavar=("VARIANT", "WORKLOAD"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(*args.worker, args.steps)))
+        return
+    bytecode = compile_bytecode()
+    results: dict[str, dict[str, list[float]]] = {}
+    for name in args.workloads:
+        env = {"ORTTRAINER_COMPILE_CACHE": tempfile.mkdtemp(prefix="orttrainer-thread-spinning-")}
+        run_worker(__file__, ["orttrainer", name, "--steps", "1"], env=env)  # fills the cache
+        results[name] = {variant: [] for variant in VARIANTS}
+        for _ in range(args.rounds):
+            for variant in VARIANTS:
+                measured = run_worker(__file__, [variant, name, "--steps", str(args.steps)], env=env)
+                results[name][variant].append(measured["step_ms"])
+    rows = []
+    for name, by_variant in results.items():
+        eager, ours, spinning = (statistics.median(by_variant[v]) for v in VARIANTS)
+        rows.append(
+            [
+                WORKLOADS[name].name,
+                f"{eager:.1f}",
+                f"{ours:.1f} ({ours / eager:.2f}x)",
+                f"{spinning:.1f} ({spinning / eager:.2f}x)",
+            ]
+        )
+    header = ["workload", "eager PyTorch (ms/step)", "orttrainer (vs eager)", "ONNX Runtime's spinning (vs eager)"]
+    env = environment()
+    print(
+        f"{env['cpu']} ({', '.join(env['isa'])}), {env['cpus']} CPUs, each library's default threads; torch "
+        f"{env['torch']}, onnxruntime {env['onnxruntime']}; {args.rounds} rounds\n\n" + markdown_table(header, rows)
+    )
+    payload = {"environment": {**env, "bytecode": bytecode}, "arguments": vars(args), "results": results}
+    print(f"\nJSON: {save_json('thread_spinning.json', payload)}")
+
+
+if __name__ == "__main__":
+    main()
