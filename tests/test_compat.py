@@ -265,10 +265,13 @@ def test_run_usage_errors(tmp_path):
 
 def test_run_under_torchrun_aliases_every_rank(tmp_path):
     """`torchrun --module orttrainer.run script.py` (README): each rank runs the script with the aliases installed."""
+    # each rank writes a file of its own: the workers share torchrun's stdout, whose output went missing once in CI
+    # (exit status 0, no line from either rank)
     script = tmp_path / "ranks.py"
     script.write_text(
         "import os\nfrom onnxruntime.training import ORTTrainer\n"
-        "print('rank', os.environ['RANK'], ORTTrainer.__module__)\n"
+        "with open(f\"rank{os.environ['RANK']}.txt\", 'w') as f:\n"
+        "    f.write(f\"rank {os.environ['RANK']} {ORTTrainer.__module__}\")\n"
     )
     result = _run(
         [
@@ -284,5 +287,7 @@ def test_run_under_torchrun_aliases_every_rank(tmp_path):
         cwd=str(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
-    assert lines == ["rank 0 orttrainer.trainer.orttrainer", "rank 1 orttrainer.trainer.orttrainer"]
+    lines = sorted(path.read_text() for path in tmp_path.glob("rank*.txt"))
+    assert lines == ["rank 0 orttrainer.trainer.orttrainer", "rank 1 orttrainer.trainer.orttrainer"], (
+        result.stdout[-2000:] + result.stderr[-3000:]
+    )

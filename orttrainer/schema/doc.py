@@ -72,7 +72,11 @@ MEANINGS = {
     "_internal_use.gradient_builder": "'ort', 'torch' or 'auto': who builds the backward graph (see Gradient builders)",
     "provider_options": "execution-provider name -> its options (str -> str, int, float or bool), e.g. "
     "`{'CUDAExecutionProvider': {'arena_extend_strategy': 'kSameAsRequested'}}`",
-    "session_options": "an `onnxruntime.SessionOptions` for the training and eval sessions (threads, profiling)",
+    "session_options": (
+        "an `onnxruntime.SessionOptions` for the training and eval sessions (threads, profiling), on which the trainer "
+        "sets only deterministic compute and the memory cap, as the legacy trainer did; without it, orttrainer's own, "
+        "whose thread pool does not spin between runs (§ Benchmarks, Threads)"
+    ),
 }
 
 # cerberus type names -> what a user passes
