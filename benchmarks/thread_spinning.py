@@ -79,13 +79,14 @@ def main() -> None:
     bytecode = compile_bytecode()
     results: dict[str, dict[str, list[float]]] = {}
     for name in args.workloads:
-        env = {"ORTTRAINER_COMPILE_CACHE": tempfile.mkdtemp(prefix="orttrainer-thread-spinning-")}
-        run_worker(__file__, ["orttrainer", name, "--steps", "1"], env=env)  # fills the cache
-        results[name] = {variant: [] for variant in VARIANTS}
-        for _ in range(args.rounds):
-            for variant in VARIANTS:
-                measured = run_worker(__file__, [variant, name, "--steps", str(args.steps)], env=env)
-                results[name][variant].append(measured["step_ms"])
+        with tempfile.TemporaryDirectory(prefix="orttrainer-thread-spinning-") as cache:
+            env = {"ORTTRAINER_COMPILE_CACHE": cache}
+            run_worker(__file__, ["orttrainer", name, "--steps", "1"], env=env)  # fills the cache
+            results[name] = {variant: [] for variant in VARIANTS}
+            for _ in range(args.rounds):
+                for variant in VARIANTS:
+                    measured = run_worker(__file__, [variant, name, "--steps", str(args.steps)], env=env)
+                    results[name][variant].append(measured["step_ms"])
     rows = []
     for name, by_variant in results.items():
         eager, ours, spinning = (statistics.median(by_variant[v]) for v in VARIANTS)
