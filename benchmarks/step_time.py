@@ -7,8 +7,8 @@ Runners: `pytorch` (eager), `orttrainer-ort` (ONNX Runtime's gradient builder) a
 autograd traced into the graph), chosen with options `_internal_use.gradient_builder`. Prints a markdown table and
 writes benchmarks/results/step_time.json. Each measurement runs in its own process; the table reports the median
 step time after warm-up, the ratio to PyTorch measured in the same run, and the time to the first step (export +
-compile + session creation + first run). `--profile` adds ONNX Runtime's kernel time per op type for the
-transformer's training graph, per builder.
+compile + session creation + first run). `--profile` adds ONNX Runtime's kernel time per op type of each
+workload's training graph, per builder.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
-    parser.add_argument("--profile", action="store_true", help="ORT kernel time per op type (transformer)")
+    parser.add_argument("--profile", action="store_true", help="ORT kernel time per op type of each workload")
     parser.add_argument("--worker", nargs=2, metavar=("RUNNER", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -138,7 +138,7 @@ def main() -> None:
     for name in args.workloads:
         for runner in args.runners:
             flags = ["--threads", str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            if args.profile and runner != "pytorch" and name == "transformer":
+            if args.profile and runner != "pytorch":
                 flags.append("--profile")
             results.append(run_worker(__file__, [runner, name, *flags]))
     print(report(results, args.threads))

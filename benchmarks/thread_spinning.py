@@ -1,5 +1,6 @@
 """ONNX Runtime's thread pool spinning between runs, on every core: orttrainer's own SessionOptions (no spinning
-between runs) against ONNX Runtime's defaults (a user's plain `SessionOptions()`, which spin), beside eager PyTorch.
+between runs) against ONNX Runtime's defaults (a user's plain `SessionOptions()`, which spin) and against spinning
+during a run only (a user's `SessionOptions()` with `session.force_spinning_stop`), beside eager PyTorch.
 
     python benchmarks/thread_spinning.py [--workloads mlp lstm transformer cnn] [--rounds 2] [--steps 15]
 
@@ -25,7 +26,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import WORKLOADS, compile_bytecode, environment, markdown_table, run_worker, save_json  # noqa: E402
 
-VARIANTS = ("pytorch", "orttrainer", "orttrainer, ONNX Runtime's spinning")
+# variant -> the session config entries of a user's SessionOptions (None: orttrainer's own SessionOptions)
+VARIANTS: dict[str, dict[str, str] | None] = {
+    "orttrainer": None,
+    "ONNX Runtime's spinning": {},
+    "spinning stopped after each run": {"session.force_spinning_stop": "1"},
+}
 
 
 def worker(variant: str, workload_name: str, steps: int) -> dict:
@@ -48,9 +54,12 @@ def worker(variant: str, workload_name: str, steps: int) -> dict:
         from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
         options: dict = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}}
-        if variant != "orttrainer":  # a user's SessionOptions: ONNX Runtime's defaults, spinning included
+        entries = VARIANTS[variant]
+        if entries is not None:  # a user's SessionOptions: ONNX Runtime's defaults (spinning) and `entries`
             options["session_options"] = ort.SessionOptions()
             options["session_options"].log_severity_level = 3
+            for key, value in entries.items():
+                options["session_options"].add_session_config_entry(key, value)
         adam = optim.AdamConfig(lr=1e-3)
         trainer = ORTTrainer(
             model, workload.model_desc, adam, loss_fn=workload.loss_fn, options=ORTTrainerOptions(options)
@@ -82,23 +91,17 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="orttrainer-thread-spinning-") as cache:
             env = {"ORTTRAINER_COMPILE_CACHE": cache}
             run_worker(__file__, ["orttrainer", name, "--steps", "1"], env=env)  # fills the cache
-            results[name] = {variant: [] for variant in VARIANTS}
+            results[name] = {variant: [] for variant in ("pytorch", *VARIANTS)}
             for _ in range(args.rounds):
-                for variant in VARIANTS:
+                for variant in results[name]:
                     measured = run_worker(__file__, [variant, name, "--steps", str(args.steps)], env=env)
                     results[name][variant].append(measured["step_ms"])
     rows = []
     for name, by_variant in results.items():
-        eager, ours, spinning = (statistics.median(by_variant[v]) for v in VARIANTS)
-        rows.append(
-            [
-                WORKLOADS[name].name,
-                f"{eager:.1f}",
-                f"{ours:.1f} ({ours / eager:.2f}x)",
-                f"{spinning:.1f} ({spinning / eager:.2f}x)",
-            ]
-        )
-    header = ["workload", "eager PyTorch (ms/step)", "orttrainer (vs eager)", "ONNX Runtime's spinning (vs eager)"]
+        eager = statistics.median(by_variant["pytorch"])
+        medians = [statistics.median(by_variant[v]) for v in VARIANTS]
+        rows.append([WORKLOADS[name].name, f"{eager:.1f}", *(f"{m:.1f} ({m / eager:.2f}x)" for m in medians)])
+    header = ["workload", "eager PyTorch (ms/step)", *(f"{v} (vs eager)" for v in VARIANTS)]
     env = environment()
     print(
         f"{env['cpu']} ({', '.join(env['isa'])}), {env['cpus']} CPUs, each library's default threads; torch "

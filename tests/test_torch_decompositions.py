@@ -77,6 +77,38 @@ def test_convolution_backward_is_the_ops(case, per_offset, monkeypatch):
     close(only_weight[1], want[1], atol=1e-4)
 
 
+# activations --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("product", [True, False], ids=["product", "where"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_threshold_backward_is_the_op(product, dtype, threshold, monkeypatch):
+    """The gradient times its mask (`threshold_backward_as_product`) and the kept select both give the op's values,
+    at exact zeros, at the threshold and at NaN inputs too; a masked negative gradient may be -0.0, equal to 0."""
+    if not product:
+        monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "threshold_backward_as_product")
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, 6).to(dtype)
+    x[0, 0, :3] = torch.tensor([0.0, threshold, float("nan")], dtype=dtype)
+    for self in (x, torch.relu(x)):  # nn.Threshold reads the input, ReLU its output
+        grad = torch.randn(4, 5, 6).to(dtype)
+        got = D.threshold_backward(grad, self, threshold)
+        want = aten.threshold_backward(grad, self, threshold)
+        assert got.dtype == want.dtype
+        assert torch.equal(got, want)
+
+
+def test_threshold_backward_as_product_differs_only_for_a_non_finite_gradient_at_a_masked_position(monkeypatch):
+    """The documented difference: a gradient that is infinite or NaN where the input is at or below the threshold
+    gives NaN there (0 times it), where the op gives 0; unmasked, it passes as it is, as the op's does."""
+    self = torch.tensor([-1.0, -1.0, 2.0, 2.0])
+    grad = torch.tensor([float("inf"), float("nan"), float("inf"), float("nan")])
+    got = D.threshold_backward(grad, self, 0.0)
+    assert torch.isnan(got[:2]).all() and got[2] == float("inf") and torch.isnan(got[3])
+    monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "threshold_backward_as_product")
+    kept = D.threshold_backward(grad, self, 0.0)
+    assert torch.equal(kept[:3], aten.threshold_backward(grad, self, 0.0)[:3]) and torch.isnan(kept[3])
+
+
 # pooling --------------------------------------------------------------------------------------------------------------
 AVG = [
     # (dims, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, size)

@@ -525,3 +525,29 @@ def test_the_dry_run_runs_a_forward_that_takes_a_gradient_of_its_own():
         run = export.dry_run(model, None, desc, [x], record_reads=record_reads)
         assert torch.equal(run.sample_outputs[0], model(x).detach())
         assert run.custom_functions == []
+
+
+class ReluNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.threshold = nn.Linear(16, 32), nn.Linear(32, 4), nn.Threshold(0.1, 0.0)
+
+    def forward(self, x):
+        return self.fc2(self.threshold(torch.relu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("product", [True, False], ids=["product", "where"])
+def test_relu_backward_is_a_product_with_its_mask_unless_switched_off(product, monkeypatch, tmp_path):
+    """ReLU's and Threshold's backward: the gradient times its mask (ONNX Runtime's CPU Where is about ten times
+    slower, docs/engine.md §3.3), or with `threshold_backward_as_product` switched off the select PyTorch's
+    decomposition writes; the weights follow PyTorch's either way."""
+    if not product:
+        monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "threshold_backward_as_product")
+    path = str(tmp_path / "gradient.onnx")
+    saved = {"debug": {"graph_save_paths": {"model_with_gradient_graph_path": path}}}
+    train_and_compare(ReluNet(), batches(), {**TORCH, **saved})
+    nodes = onnx.load(path).graph.node
+    masks = {out for node in nodes if node.op_type == "LessOrEqual" for out in node.output}
+    readers = [node.op_type for node in nodes if masks & set(node.input)]
+    # one mask per activation's backward; nn.Threshold's forward is a select of its own
+    assert sorted(readers) == (["Not", "Not", "Where"] if product else ["Where", "Where", "Where"])

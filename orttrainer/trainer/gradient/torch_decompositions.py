@@ -6,7 +6,8 @@ against the op itself and against `torch.autograd`); `torch_private/decompositio
 why. Two kinds:
 
 - backward ops (`convolution_backward`, `avg_pool{2,3}d_backward`, max-pool backward ops), replaced in the
-  traced joint graph like PyTorch's post-autograd decompositions;
+  traced joint graph like PyTorch's post-autograd decompositions; one of them, `threshold_backward`, replaces
+  PyTorch's own decomposition for speed, not coverage;
 - forward ops whose derivative PyTorch writes as an untranslatable backward op (`_embedding_bag`, `_trilinear`,
   `_adaptive_avg_pool3d`, ...): autograd differentiates the decomposition instead (`stage="autograd"` in the
   table), so the backward is made of the decomposition's own derivatives.
@@ -145,6 +146,25 @@ def _fit_spatial(t: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
             pad = [0, 0] * (t.dim() - 1 - dim) + [0, size - have]
             t = aten.constant_pad_nd(t, pad, 0.0)
     return t
+
+
+# ---------------------------------------------------------------------------------------------------- activations
+def threshold_backward(grad_output: torch.Tensor, self: torch.Tensor, threshold: float) -> torch.Tensor:
+    """`aten.threshold_backward` (the backward of ReLU, and of `nn.Threshold`) as the gradient times the mask of
+    the positions where `self` is not at or below `threshold`, cast to the gradient's type: LessOrEqual, Not,
+    Cast and Mul in ONNX, against PyTorch's own decomposition `where(self <= threshold, 0, grad_output)`, whose ONNX
+    `Where` ONNX Runtime's CPU kernel runs at about a tenth of the speed of an elementwise op, on one thread (4.5 ms
+    against 0.65 ms on [32, 32, 32, 32], docs/engine.md §3.3).
+
+    Rule: the same values wherever `grad_output` is finite (a masked negative gradient gives -0.0 for 0.0); where
+    it is infinite or NaN at a masked position the product is NaN, where the select gives 0. Such a gradient
+    means the layer above already overflowed (its own gradients are not finite either), and under mixed precision
+    the step is skipped as an overflow either way. With `ORTTRAINER_DISABLE_REWRITES=threshold_backward_as_product`
+    the select is kept."""
+    if not rewrite_enabled("threshold_backward_as_product"):
+        return aten.where(aten.le(self, threshold), 0.0, grad_output)
+    keep = aten.logical_not(aten.le(self, threshold))
+    return aten.mul(grad_output, keep.to(grad_output.dtype))
 
 
 # ------------------------------------------------------------------------------------------------------- pooling

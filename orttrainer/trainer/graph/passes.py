@@ -36,8 +36,10 @@ gradient graph, a reduction over axes of size 1 becomes its input), `blocked_con
 CPU, convolutions run in ONNX Runtime's blocked channel layout, applied when a session is created) and
 `conv_weight_gradient_per_offset`
 (gradient/torch_decompositions.py: the torch builder writes a convolution's weight gradient as one matrix product per
-kernel position instead of one convolution). None of them changes what is computed beyond float32 rounding; each is
-tested both ways.
+kernel position instead of one convolution) and `threshold_backward_as_product` (gradient/torch_decompositions.py: the
+torch builder writes ReLU's backward as the gradient times its mask instead of a `Where`). None of them changes what
+is computed beyond float32 rounding, but for the last one's non-finite gradients at masked positions (NaN where the
+`Where` gives 0, its docstring); each is tested both ways.
 """
 
 from __future__ import annotations
@@ -178,6 +180,7 @@ REWRITES = (
     "noop_reductions",
     "blocked_convolutions",
     "conv_weight_gradient_per_offset",
+    "threshold_backward_as_product",
 )
 
 

@@ -95,6 +95,15 @@ TABLE: tuple[Entry, ...] = (
         own.convolution_backward,
     ),
     Entry(
+        ("aten.threshold_backward.default",),
+        "trace",
+        "orttrainer",
+        "ReLU's backward, for speed: PyTorch's decomposition is a Where, which ONNX Runtime's CPU kernel runs at a "
+        "tenth of an elementwise op's speed; written as the gradient times its mask (the same values for finite "
+        "gradients; switch: threshold_backward_as_product)",
+        own.threshold_backward,
+    ),
+    Entry(
         ("aten.avg_pool2d_backward.default",),
         "trace",
         "orttrainer",
