@@ -92,7 +92,7 @@ def invertible_layer_norm() -> Iterator[None]:
 def pin_outputs(joint: fx.GraphModule) -> int:
     """Pin the node of each graph output (the loss, the other forward outputs, the gradients) before the node that
     follows it in the graph: that node's first computed tensor input passes through `after(x, output)`. Returns
-    the number of pins. `joint` is modified."""
+    the number of pins. `joint`'s graph is modified (its Python code is regenerated where it runs)."""
     graph = joint.graph
     live = _live(graph)  # a pin on a dead node would be removed with it by the exporter
     nodes = [node for node in graph.nodes if node in live]
@@ -114,7 +114,6 @@ def pin_outputs(joint: fx.GraphModule) -> int:
         follower.replace_input_with(source, gate)
         pins += 1
     graph.lint()
-    joint.recompile()
     return pins
 
 

@@ -351,7 +351,6 @@ def _gate(module: fx.GraphModule, groups: list[Group]) -> None:
                         gated[source].meta.update(val=source.meta["val"], partitioner_tag="is_backward")
                     node.replace_input_with(source, gated[source])
     graph.lint()
-    module.recompile()
 
 
 def transformer_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -430,7 +429,6 @@ def layer_nodes(joint: fx.GraphModule) -> list[list[fx.Node]]:
         assert isinstance(source, fx.Node)
         node.replace_all_uses_with(source)
         joint.graph.erase_node(node)
-    joint.recompile()
     return [nodes for nodes in layers if nodes]
 
 
