@@ -157,10 +157,10 @@ def threshold_backward(grad_output: torch.Tensor, self: torch.Tensor, threshold:
     against 0.65 ms on [32, 32, 32, 32], docs/engine.md §3.3).
 
     Rule: the same values wherever `grad_output` is finite (a masked negative gradient gives -0.0 for 0.0); where
-    it is infinite or NaN at a masked position the product is NaN, where the select gives 0. Such a gradient
-    means the layer above already overflowed (its own gradients are not finite either), and under mixed precision
-    the step is skipped as an overflow either way. With `ORTTRAINER_DISABLE_REWRITES=threshold_backward_as_product`
-    the select is kept."""
+    it is infinite or NaN at a masked position the product is NaN, where the select gives 0. Such a gradient comes
+    from an overflow above the activation, which in practice reaches unmasked positions and other gradients too;
+    should it fall on masked positions only, a mixed-precision step is skipped as an overflow where PyTorch's would
+    not be. With `ORTTRAINER_DISABLE_REWRITES=threshold_backward_as_product` the select is kept."""
     if not rewrite_enabled("threshold_backward_as_product"):
         return aten.where(aten.le(self, threshold), 0.0, grad_output)
     keep = aten.logical_not(aten.le(self, threshold))
