@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -240,6 +243,18 @@ def environment() -> dict:
         "isa": [f for f in ("avx2", "fma", "avx512f", "amx_tile") if f in flags],
         "machine": platform.machine(),
     }
+
+
+def median_step_ms(step: Callable, batch: tuple, steps: int, warmup: int = 3) -> float:
+    """The median time of `steps` calls of `step(*batch)`, after `warmup` untimed ones, in milliseconds."""
+    for _ in range(warmup):
+        step(*batch)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step(*batch)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
 
 
 def save_json(name: str, payload: dict) -> str:

@@ -22,12 +22,19 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import WORKLOADS, compile_bytecode, environment, markdown_table, run_worker, save_json  # noqa: E402
-from runners import VARIANT_ENV  # noqa: E402
+from common import (  # noqa: E402
+    WORKLOADS,
+    compile_bytecode,
+    environment,
+    markdown_table,
+    median_step_ms,
+    run_worker,
+    save_json,
+)
+from runners import VARIANT_ENV, make_runner  # noqa: E402
 
 
 def worker(runner: str, workload_name: str, threads: int, steps: int) -> dict:
@@ -37,16 +44,9 @@ def worker(runner: str, workload_name: str, threads: int, steps: int) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(threads)
     workload = WORKLOADS[workload_name]
-    x, y = workload.make_batch()
-    model = workload.make_model()
+    batch = workload.make_batch()
     if runner == "pytorch":
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-        def step(x, target):
-            optimizer.zero_grad(set_to_none=True)
-            workload.loss_fn(model(x), target).backward()
-            optimizer.step()
-
+        step = make_runner("pytorch", workload, threads, False)[0]
     else:
         from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
@@ -58,17 +58,14 @@ def worker(runner: str, workload_name: str, threads: int, steps: int) -> dict:
         options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}, "session_options": session_options}
         adam = optim.AdamConfig(lr=1e-3)
         trainer = ORTTrainer(
-            model, workload.model_desc, adam, loss_fn=workload.loss_fn, options=ORTTrainerOptions(options)
+            workload.make_model(),
+            workload.model_desc,
+            adam,
+            loss_fn=workload.loss_fn,
+            options=ORTTrainerOptions(options),
         )
         step = trainer.train_step
-    for _ in range(3):
-        step(x, y)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step(x, y)
-        times.append(time.perf_counter() - start)
-    return {"step_ms": 1000 * statistics.median(times), "torch_threads": torch.get_num_threads()}
+    return {"step_ms": median_step_ms(step, batch, steps), "torch_threads": torch.get_num_threads()}
 
 
 def main() -> None:

@@ -20,11 +20,19 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import WORKLOADS, compile_bytecode, environment, markdown_table, run_worker, save_json  # noqa: E402
+from common import (  # noqa: E402
+    WORKLOADS,
+    compile_bytecode,
+    environment,
+    markdown_table,
+    median_step_ms,
+    run_worker,
+    save_json,
+)
+from runners import make_runner  # noqa: E402
 
 # variant -> the session config entries of a user's SessionOptions (None: orttrainer's own SessionOptions)
 VARIANTS: dict[str, dict[str, str] | None] = {
@@ -40,16 +48,9 @@ def worker(variant: str, workload_name: str, steps: int) -> dict:
 
     torch.manual_seed(0)
     workload = WORKLOADS[workload_name]
-    x, y = workload.make_batch()
-    model = workload.make_model()
+    batch = workload.make_batch()
     if variant == "pytorch":
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-        def step(x, target):
-            optimizer.zero_grad(set_to_none=True)
-            workload.loss_fn(model(x), target).backward()
-            optimizer.step()
-
+        step = make_runner("pytorch", workload, torch.get_num_threads(), False)[0]
     else:
         from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
@@ -62,17 +63,14 @@ def worker(variant: str, workload_name: str, steps: int) -> dict:
                 options["session_options"].add_session_config_entry(key, value)
         adam = optim.AdamConfig(lr=1e-3)
         trainer = ORTTrainer(
-            model, workload.model_desc, adam, loss_fn=workload.loss_fn, options=ORTTrainerOptions(options)
+            workload.make_model(),
+            workload.model_desc,
+            adam,
+            loss_fn=workload.loss_fn,
+            options=ORTTrainerOptions(options),
         )
         step = trainer.train_step
-    for _ in range(3):
-        step(x, y)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step(x, y)
-        times.append(time.perf_counter() - start)
-    return {"step_ms": 1000 * statistics.median(times), "torch_threads": torch.get_num_threads()}
+    return {"step_ms": median_step_ms(step, batch, steps), "torch_threads": torch.get_num_threads()}
 
 
 def main() -> None:
