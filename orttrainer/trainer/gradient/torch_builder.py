@@ -242,7 +242,7 @@ def _traced_and_translated(
         del graph  # the traced graph and its fake tensors are not needed any more
         return _gradient_graph(request, model, state, canonical, mutated, None, recomputed)
     # The rewrites since the trace edited the graph only; torch.onnx runs its Python code, generated here once (on
-    # the LSTM's joint graph of 9,000 nodes each generation took 0.34 s; the direct translation reads the nodes)
+    # the LSTM's joint graph of 9,000 nodes a generation takes 0.34 s; the direct translation reads the nodes)
     graph.recompile()
     try:
         model = export_with_eager_fallback(  # ops without an ONNX translation run in PyTorch (see there)

@@ -355,8 +355,7 @@ def _still_symbolic(shape_env: Any, size: Any) -> bool:
 
 
 def _descriptor_signature(graph: torch.fx.GraphModule, requiring_grad: list[list[str]]) -> JointSignature:
-    """Rewrite a descriptor-annotated joint graph to `aot_export_joint`'s form, in place, and describe it (the
-    graph only: its Python code is regenerated where it runs, `torch_builder._traced_and_translated`).
+    """Rewrite a descriptor-annotated joint graph to `aot_export_joint`'s form, in place, and describe it.
     `requiring_grad`: the names of each parameter that requires grad; a tied parameter has several, one
     placeholder each, and has a gradient when the forward reads it under any of them (the others get None)."""
     from torch._functorch._aot_autograd import descriptors as d
@@ -400,6 +399,7 @@ def _descriptor_signature(graph: torch.fx.GraphModule, requiring_grad: list[list
         raise MissingGradientError(f"parameters {missing} did not receive a gradient")
     out.args = (tuple(kept),)
     fx._codegen = torch.fx.graph.CodeGen()  # flat placeholders instead of the (primals, tangents) pytree
+    graph.recompile()
     return JointSignature(tuple(inputs), tuple(outputs))
 
 
