@@ -97,23 +97,30 @@ def _pytorch(workload, fused: bool, compiled: bool):
     return step, "first step includes Inductor compilation" if compiled else "", None
 
 
-def _orttrainer(workload, threads: int, builder: str, profile: bool):
+def make_trainer(workload, session_options=None, builder: str = "auto"):
+    """An ORTTrainer of `workload`'s model with Adam (lr `LR`) and no clipping, as every orttrainer runner has it;
+    `session_options`: a user's SessionOptions (None: orttrainer's own)."""
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
-    prefix = os.path.join(tempfile.mkdtemp(), "ort_profile") if profile else None
-    options = {
+    options: dict[str, Any] = {
         "device": {"id": "cpu"},
         "utils": {"grad_norm_clip": False},
-        "session_options": session_options(threads, prefix),
         "_internal_use": {"gradient_builder": builder},
     }
-    trainer = ORTTrainer(
+    if session_options is not None:
+        options["session_options"] = session_options
+    return ORTTrainer(
         workload.make_model(),
         workload.model_desc,
         optim.AdamConfig(lr=LR),
         loss_fn=workload.loss_fn,
         options=ORTTrainerOptions(options),
     )
+
+
+def _orttrainer(workload, threads: int, builder: str, profile: bool):
+    prefix = os.path.join(tempfile.mkdtemp(), "ort_profile") if profile else None
+    trainer = make_trainer(workload, session_options(threads, prefix), builder)
 
     def profile_result() -> dict[str, float]:
         session = trainer._training_session.train_session

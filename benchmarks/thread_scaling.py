@@ -34,7 +34,7 @@ from common import (  # noqa: E402
     run_worker,
     save_json,
 )
-from runners import VARIANT_ENV, make_runner  # noqa: E402
+from runners import VARIANT_ENV, make_runner, make_trainer  # noqa: E402
 
 
 def worker(runner: str, workload_name: str, threads: int, steps: int) -> dict:
@@ -48,23 +48,12 @@ def worker(runner: str, workload_name: str, threads: int, steps: int) -> dict:
     if runner == "pytorch":
         step = make_runner("pytorch", workload, threads, False)[0]
     else:
-        from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-
         session_options = ort.SessionOptions()
         session_options.intra_op_num_threads = threads
         session_options.inter_op_num_threads = 1
         session_options.log_severity_level = 3
         session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}, "session_options": session_options}
-        adam = optim.AdamConfig(lr=1e-3)
-        trainer = ORTTrainer(
-            workload.make_model(),
-            workload.model_desc,
-            adam,
-            loss_fn=workload.loss_fn,
-            options=ORTTrainerOptions(options),
-        )
-        step = trainer.train_step
+        step = make_trainer(workload, session_options).train_step
     return {"step_ms": median_step_ms(step, batch, steps), "torch_threads": torch.get_num_threads()}
 
 

@@ -32,7 +32,7 @@ from common import (  # noqa: E402
     run_worker,
     save_json,
 )
-from runners import make_runner  # noqa: E402
+from runners import make_runner, make_trainer  # noqa: E402
 
 # variant -> the session config entries of a user's SessionOptions (None: orttrainer's own SessionOptions)
 VARIANTS: dict[str, dict[str, str] | None] = {
@@ -52,24 +52,14 @@ def worker(variant: str, workload_name: str, steps: int) -> dict:
     if variant == "pytorch":
         step = make_runner("pytorch", workload, torch.get_num_threads(), False)[0]
     else:
-        from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-
-        options: dict = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}}
+        session_options = None
         entries = VARIANTS[variant]
         if entries is not None:  # a user's SessionOptions: ONNX Runtime's defaults (spinning) and `entries`
-            options["session_options"] = ort.SessionOptions()
-            options["session_options"].log_severity_level = 3
+            session_options = ort.SessionOptions()
+            session_options.log_severity_level = 3
             for key, value in entries.items():
-                options["session_options"].add_session_config_entry(key, value)
-        adam = optim.AdamConfig(lr=1e-3)
-        trainer = ORTTrainer(
-            workload.make_model(),
-            workload.model_desc,
-            adam,
-            loss_fn=workload.loss_fn,
-            options=ORTTrainerOptions(options),
-        )
-        step = trainer.train_step
+                session_options.add_session_config_entry(key, value)
+        step = make_trainer(workload, session_options).train_step
     return {"step_ms": median_step_ms(step, batch, steps), "torch_threads": torch.get_num_threads()}
 
 
