@@ -245,6 +245,12 @@ def environment() -> dict:
     }
 
 
+def environment_line(env: dict) -> str:
+    """The processor and library versions of `environment()`, as a table's caption begins."""
+    processor = f"{env['cpu']} ({', '.join(env['isa'])}), {env['cpus']} CPUs"
+    return f"{processor}; torch {env['torch']}, onnxruntime {env['onnxruntime']}"
+
+
 def median_step_ms(step: Callable, batch: tuple, steps: int, warmup: int = 3) -> float:
     """The median time of `steps` calls of `step(*batch)`, after `warmup` untimed ones, in milliseconds."""
     for _ in range(warmup):

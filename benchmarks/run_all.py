@@ -38,7 +38,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import DEFAULT_WORKLOADS, WORKLOADS, compile_bytecode, environment, markdown_table, save_json  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_WORKLOADS,
+    WORKLOADS,
+    compile_bytecode,
+    environment,
+    environment_line,
+    markdown_table,
+    save_json,
+)
 from lockstep import Worker, interleave, ratio_statistics, serve, time_statistics  # noqa: E402
 from runners import DEFAULT_VARIANTS, RUNNERS, VARIANTS, make_runner, runner_env, scalar  # noqa: E402
 
@@ -232,8 +240,7 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
     ]
     env = environment()
     text = (
-        f"{env['cpu']} ({', '.join(env['isa'])}), {env['cpus']} CPUs; torch {env['torch']}, onnxruntime "
-        f"{env['onnxruntime']}; {args.threads} thread(s) per runner; Adam lr 1e-3; {args.rounds} interleaved rounds "
+        f"{environment_line(env)}; {args.threads} thread(s) per runner; Adam lr 1e-3; {args.rounds} interleaved rounds "
         f"of {args.steps} steps after {args.warmup} warm-up steps.\n\n" + markdown_table(header, rows)
     )
     for r in results:

@@ -29,6 +29,7 @@ from common import (  # noqa: E402
     WORKLOADS,
     compile_bytecode,
     environment,
+    environment_line,
     markdown_table,
     median_step_ms,
     run_worker,
@@ -102,10 +103,7 @@ def main() -> None:
             rows.append([WORKLOADS[name].name if runner == "pytorch" else "", runner, *cells])
     header = ["workload", "runner", *(f"{t} thread{'s' if t > 1 else ''}: ms/step (vs eager)" for t in args.threads)]
     env = environment()
-    print(
-        f"{env['cpu']} ({', '.join(env['isa'])}), {env['cpus']} CPUs; torch {env['torch']}, onnxruntime "
-        f"{env['onnxruntime']}; {args.rounds} rounds\n\n" + markdown_table(header, rows)
-    )
+    print(f"{environment_line(env)}; {args.rounds} rounds\n\n" + markdown_table(header, rows))
     payload = {"environment": {**env, "bytecode": bytecode}, "arguments": vars(args), "results": results}
     print(f"\nJSON: {save_json('thread_scaling.json', payload)}")
 

@@ -27,6 +27,7 @@ from common import (  # noqa: E402
     WORKLOADS,
     compile_bytecode,
     environment,
+    environment_line,
     markdown_table,
     median_step_ms,
     run_worker,
@@ -92,8 +93,8 @@ def main() -> None:
     header = ["workload", "eager PyTorch (ms/step)", *(f"{v} (vs eager)" for v in VARIANTS)]
     env = environment()
     print(
-        f"{env['cpu']} ({', '.join(env['isa'])}), {env['cpus']} CPUs, each library's default threads; torch "
-        f"{env['torch']}, onnxruntime {env['onnxruntime']}; {args.rounds} rounds\n\n" + markdown_table(header, rows)
+        f"{environment_line(env)}; each library's default threads; {args.rounds} rounds\n\n"
+        + markdown_table(header, rows)
     )
     payload = {"environment": {**env, "bytecode": bytecode}, "arguments": vars(args), "results": results}
     print(f"\nJSON: {save_json('thread_spinning.json', payload)}")
