@@ -65,6 +65,8 @@ def _orttrainer_step(workload, threads: int, profile_prefix: str | None, builder
     session_options.intra_op_num_threads = threads
     session_options.inter_op_num_threads = 1
     session_options.log_severity_level = 3
+    # as orttrainer's own SessionOptions (docs/engine.md §3.3): the pool does not spin while torch's update runs
+    session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if profile_prefix:
         session_options.enable_profiling = True
         session_options.profile_file_prefix = profile_prefix
@@ -158,7 +160,8 @@ def report(results: list[dict], threads: int) -> str:
     for r in results:
         if "profile" in r:
             top = list(r["profile"].items())[:15]
-            text += f"\n\nONNX Runtime kernel time per op type, transformer train step, {r['runner']} (ms/step):\n\n"
+            caption = f"ONNX Runtime kernel time per op type, {r['workload']} train step, {r['runner']} (ms/step)"
+            text += f"\n\n{caption}:\n\n"
             text += markdown_table(["op type", "ms/step"], [[op, f"{ms:.2f}"] for op, ms in top])
     return text
 

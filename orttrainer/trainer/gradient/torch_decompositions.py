@@ -48,9 +48,10 @@ def convolution_backward(
     Rules, for a convolution with stride s, padding p, dilation d and kernel size k along each spatial dim:
     - the input's gradient is the transposed convolution of the output's gradient with the same weight (for a
       transposed convolution: the plain convolution), with the output padding that gives the input's size back;
-    - the weight's gradient, without groups and with at most `PER_OFFSET_MAX` kernel positions, is one matrix
-      product per kernel position j: the padded input, sliced from j·d with step s to the output's size, against
-      the output's gradient, both as matrices over (batch, output position) (`_weight_gradient_per_offset`);
+    - the weight's gradient, without groups and with at most `PER_OFFSET_MAX` kernel positions, is one batched
+      matrix product per kernel position j: the padded input, sliced from j·d with step s to the output's size, as
+      [batch, C_in, output position], against the output's gradient as [batch, output position, C_out], summed
+      over the batch (`_weight_gradient_per_offset`);
       otherwise it is a convolution of the input with the output's gradient as its kernel, stride d, dilation s
       and padding p, cut to k, the batch becoming the channels and the groups staying groups (one node for any
       `groups`, depthwise included); for a transposed convolution the two roles swap;
@@ -86,7 +87,8 @@ def convolution_backward(
 # Kernel positions up to which the weight gradient is a matrix product per position (3×3, 5×5, 3×3×3 and 1×1 are
 # within): a graph node per position, against one convolution whose kernel is the whole output gradient — a
 # product with an output of k positions, which ONNX Runtime's CPU Conv ran at half to two thirds of the speed
-# (docs/engine.md §20).
+# (docs/engine.md §20). Each product is batched over the batch and summed after it: as one product over
+# (batch, position) its output, only [C_in, C_out], left the threads little to share (docs/engine.md §20).
 PER_OFFSET_MAX = 27
 
 
@@ -99,22 +101,22 @@ def _weight_gradient_per_offset(
     dilation: list[int],
 ) -> torch.Tensor:
     """`sum_n sum_y g[n, o, y] * x[n, c, y*s + j*d - p]` as a tensor [g's channels, x's channels, j...] (no
-    groups), one matrix product per kernel position j: x (channels first, zero-padded by p) sliced at j·d with
-    step s to g's spatial size, as [C_x, N·Y], times g as [N·Y, C_g]."""
+    groups), one batched matrix product per kernel position j: x (zero-padded by p) sliced at j·d with step s to g's
+    spatial size, as [N, C_x, Y], times g as [N, Y, C_g], summed over the batch."""
     n = len(kernel)
-    spatial = list(g.shape[2:])  # may be symbolic: only passed through
+    batch, spatial = x.shape[0], list(g.shape[2:])  # may be symbolic: only passed through
     pad = [side for p in reversed(padding) for side in (p, p)]
-    xt = aten.constant_pad_nd(x.transpose(0, 1), pad, 0.0) if any(padding) else x.transpose(0, 1)
-    gm = g.permute(0, *range(2, 2 + n), 1).reshape(-1, g.shape[1])  # [N·Y, C_g]
+    xp = aten.constant_pad_nd(x, pad, 0.0) if any(padding) else x
+    gt = g.reshape(batch, g.shape[1], -1).transpose(1, 2)  # [N, Y, C_g]
     products = []
     for offset in itertools.product(*(range(k) for k in kernel)):
-        window = xt
+        window = xp
         for i, j in enumerate(offset):
             start = j * dilation[i]
             window = aten.slice(window, 2 + i, start, start + (spatial[i] - 1) * stride[i] + 1, stride[i])
-        products.append(aten.mm(window.reshape(x.shape[1], -1), gm))  # [C_x, C_g]
-    stacked = torch.stack(products).reshape(*kernel, x.shape[1], g.shape[1])
-    return stacked.permute(n + 1, n, *range(n))
+        products.append(aten.bmm(window.reshape(batch, x.shape[1], -1), gt))  # [N, C_x, C_g]
+    summed = torch.stack(products).sum(1)  # [positions, C_x, C_g]
+    return summed.reshape(*kernel, x.shape[1], g.shape[1]).permute(n + 1, n, *range(n))
 
 
 def _weight_gradient(
