@@ -77,6 +77,29 @@ def test_convolution_backward_is_the_ops(case, per_offset, monkeypatch):
     close(only_weight[1], want[1], atol=1e-4)
 
 
+def test_the_per_position_weight_gradient_is_batched_over_the_samples():
+    """Each kernel position's product is one `bmm` over the samples, [N, C_in, output positions] by [N, output
+    positions, C_out] (summed over N after it), not one product over (sample, position): ONNX Runtime shares a
+    product's output among threads, and [C_in, C_out] alone gave them little (docs/engine.md §20)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def weight_gradient(g, x, w):
+        mask = [False, True, False]
+        return D.convolution_backward(g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, mask)[1]
+
+    g, x, w = torch.randn(5, 6, 8, 8), torch.randn(5, 4, 8, 8), torch.randn(6, 4, 3, 3)
+    graph = make_fx(weight_gradient)(g, x, w).graph
+    products = [node for node in graph.nodes if node.op == "call_function" and "mm" in str(node.target)]
+    assert [node.target for node in products] == [aten.bmm.default] * 9
+    shapes = {(tuple(p.args[0].meta["val"].shape), tuple(p.args[1].meta["val"].shape)) for p in products}
+    assert shapes == {((5, 4, 64), (5, 64, 6))}
+    close(
+        weight_gradient(g, x, w),
+        aten.convolution_backward(g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, True, False])[1],
+        atol=1e-4,
+    )
+
+
 # activations --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("product", [True, False], ids=["product", "where"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
