@@ -53,13 +53,17 @@ def runner_env(runner: str) -> dict[str, str]:
     return env
 
 
-def session_options(threads: int, profile_prefix: str | None = None):
+def session_options(threads: int, profile_prefix: str | None = None, spinning: bool = True):
+    """A user's SessionOptions of `threads` threads; `spinning=False` stops the pool's spinning between runs, as
+    orttrainer's own SessionOptions do (docs/engine.md §3.3)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix

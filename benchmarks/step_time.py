@@ -24,6 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 from common import DEFAULT_WORKLOADS, WORKLOADS, markdown_table, run_worker, save_json  # noqa: E402
+from runners import make_trainer, session_options  # noqa: E402
 
 RUNNERS = ("pytorch", "orttrainer-ort", "orttrainer-torch")
 
@@ -57,30 +58,8 @@ def _pytorch_step(workload):
 
 
 def _orttrainer_step(workload, threads: int, profile_prefix: str | None, builder: str):
-    import onnxruntime as ort
-
-    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-
-    session_options = ort.SessionOptions()
-    session_options.intra_op_num_threads = threads
-    session_options.inter_op_num_threads = 1
-    session_options.log_severity_level = 3
-    # as orttrainer's own SessionOptions (docs/engine.md §3.3): the pool does not spin while torch's update runs
-    session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if profile_prefix:
-        session_options.enable_profiling = True
-        session_options.profile_file_prefix = profile_prefix
-    options = ORTTrainerOptions(
-        {
-            "device": {"id": "cpu"},
-            "utils": {"grad_norm_clip": False},
-            "session_options": session_options,
-            "_internal_use": {"gradient_builder": builder},
-        }
-    )
-    trainer = ORTTrainer(
-        workload.make_model(), workload.model_desc, optim.AdamConfig(lr=1e-3), loss_fn=workload.loss_fn, options=options
-    )
+    options = session_options(threads, profile_prefix, spinning=False)  # as orttrainer's own SessionOptions
+    trainer = make_trainer(workload, options, builder)
     return trainer.train_step, trainer
 
 

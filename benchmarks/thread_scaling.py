@@ -35,11 +35,10 @@ from common import (  # noqa: E402
     run_worker,
     save_json,
 )
-from runners import VARIANT_ENV, make_runner, make_trainer  # noqa: E402
+from runners import VARIANT_ENV, make_runner, make_trainer, session_options  # noqa: E402
 
 
 def worker(runner: str, workload_name: str, threads: int, steps: int) -> dict:
-    import onnxruntime as ort
     import torch
 
     torch.manual_seed(0)
@@ -49,12 +48,7 @@ def worker(runner: str, workload_name: str, threads: int, steps: int) -> dict:
     if runner == "pytorch":
         step = make_runner("pytorch", workload, threads, False)[0]
     else:
-        session_options = ort.SessionOptions()
-        session_options.intra_op_num_threads = threads
-        session_options.inter_op_num_threads = 1
-        session_options.log_severity_level = 3
-        session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        step = make_trainer(workload, session_options).train_step
+        step = make_trainer(workload, session_options(threads, spinning=False)).train_step
     return {"step_ms": median_step_ms(step, batch, steps), "torch_threads": torch.get_num_threads()}
 
 
