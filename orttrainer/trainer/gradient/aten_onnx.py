@@ -17,7 +17,10 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
 - `native_dropout` is ONNX Dropout in training mode (outputs: the result and the mask), as torch.onnx writes it, so
   the trainer seeds it like any Dropout (graph/dropout_seeds.py);
 - `convolution` is Conv or ConvTranspose with its attributes (the weight gradients of gradient/torch_decompositions.py
-  are products, pads and slices), so a CNN's graph needs no second trace for torch.onnx (docs/engine.md §20).
+  are products, pads and slices), so a CNN's graph needs no second trace for torch.onnx (docs/engine.md §20);
+- an LSTM layer's recurrence and its backward (`orttrainer::lstm_recurrence[_backward]`, gradient/recurrent_layers.py)
+  are unrolled: each time step's cell as plain ops, the steps' results concatenated over time where an op other than
+  the backward reads them (the backward reads each step's values as the forward wrote them).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
 source of ~500 functions on first use) and runs a general optimiser; on the benchmark transformer's joint graph
@@ -30,6 +33,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +42,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ...dtypes import torch_to_onnx
+from . import recurrent_layers as _registers_the_recurrence_ops  # noqa: F401 - torch.ops.orttrainer.lstm_*
 
 FOLD_LIMIT = 1 << 16  # elements of a constant result computed at translation time
 # torch dtypes without a numpy dtype: a constant of one leaves the graph to torch.onnx, which writes it itself
@@ -106,6 +111,7 @@ class _Graph:
         self.constants: dict[torch.fx.Node, torch.Tensor] = {}  # nodes whose value is known now
         self._emitted: dict[tuple, Value] = {}  # constant tensors already written, by content
         self._count = 0
+        self.recurrences: dict[Value, _UnrolledRecurrence] = {}  # by its `acts` output (`_lstm_recurrence`)
 
     # -- building blocks --------------------------------------------------------------------------------------
     def fresh(self, base: str) -> Value:
@@ -262,6 +268,8 @@ def _axis(dim: int, rank: int) -> int:
 
 def _reshape(g: _Graph, node: torch.fx.Node) -> Value:
     shape = list(_meta(node).shape)
+    if _same_shape_view(node):
+        return g.tensor(node.args[0])
     attrs = {"allowzero": 1} if 0 in shape else {}
     return g.one("Reshape", [g.tensor(node.args[0]), g.ints(shape)], **attrs)
 
@@ -719,23 +727,148 @@ def _dropout(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     return tuple(g.emit("Dropout", [g.tensor(x), ratio, training], outputs=2))
 
 
+@dataclass(frozen=True)
+class _UnrolledRecurrence:
+    """An unrolled `lstm_recurrence`'s per-step values its backward reads, each [H or 4H, B] (feature-major)."""
+
+    cs_output: Value  # the recurrence's `cs` output
+    forget: list[Value]  # f
+    through_cell: list[Value]  # o·(1 - tanh²(c)): d c from d h
+    gate_factors: list[Value]  # (g·i(1-i), c_prev·f(1-f), i·(1-g²), tanh(c)·o(1-o)) stacked: d gates from d c, d h
+
+
+def _lstm_recurrence(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    """The recurrence unrolled, feature-major: the state is hᵀ, cᵀ [H, B] and each step's gates
+    W_hh·hᵀ + gates_x[t]ᵀ [4H, B], so that the product's large operand is W_hh as it is (a [B, H]·[H, 4H] product
+    packs W_hh's 1 MB on every call: twice as slow, docs/engine.md §23). Per step (in reverse for `reverse`): MatMul,
+    Add, Split into i, f, g, o, their activations, the cell update; where the backward reads the step, also the factors
+    it needs (`_UnrolledRecurrence`). Each output a Concat over time where an op other than the backward reads it."""
+    gates_x, h0, c0, w_hh, reverse = node.args
+    steps, batch, width = g.meta(gates_x).shape  # type: ignore[arg-type]
+    if g.meta(gates_x).dtype != torch.float32:  # type: ignore[arg-type]
+        return None  # type: ignore[return-value]
+    hidden = width // 4
+    by_step = g.one("Reshape", [g.one("Transpose", [g.tensor(gates_x)], perm=[0, 2, 1]), g.ints([steps * width, batch])])
+    inputs = g.emit("Split", [by_step, g.ints([width] * steps)], outputs=steps, axis=0)
+    if _read_outside_backward(node, 2):  # the activations are for the backward only (gradient/recurrent_layers.py)
+        return None  # type: ignore[return-value]
+    h, c = (g.one("Transpose", [g.tensor(v)], perm=[1, 0]) for v in (h0, c0))
+    backward = bool(_backward_readers(node))
+    one = g.scalar(1.0, torch.float32)
+    cell_part = g.const(np.concatenate([np.zeros(2 * hidden), np.ones(hidden), np.zeros(hidden)]).astype(np.float32)[:, None])
+    hs, cs, forget, through_cell, factors = ([""] * steps for _ in range(5))
+    for t in reversed(range(steps)) if reverse else range(steps):
+        c_prev = c
+        gates = g.one("Add", [g.one("MatMul", [g.tensor(w_hh), h]), inputs[t]])
+        i, f, cell, o = g.emit("Split", [gates, g.ints([hidden] * 4)], outputs=4, axis=0)
+        i, f, cell, o = g.one("Sigmoid", [i]), g.one("Sigmoid", [f]), g.one("Tanh", [cell]), g.one("Sigmoid", [o])
+        c = g.one("Add", [g.one("Mul", [f, c]), g.one("Mul", [i, cell])])
+        tanh_c = g.one("Tanh", [c])
+        h = g.one("Mul", [o, tanh_c])
+        hs[t], cs[t] = h, c
+        if backward:
+            acts = g.one("Concat", [i, f, cell, o], axis=0)
+            derivative = g.one("Mul", [g.one("Sub", [one, acts]), g.one("Add", [acts, cell_part])])
+            factors[t] = g.one("Mul", [g.one("Concat", [cell, c_prev, i, tanh_c], axis=0), derivative])
+            through_cell[t] = g.one("Mul", [o, g.one("Sub", [one, g.one("Mul", [tanh_c, tanh_c])])])
+            forget[t] = f
+    outputs = tuple(
+        _time_major(g, values, steps, batch) if _read_outside_backward(node, k) else g.fresh("unmaterialized")
+        for k, values in enumerate((hs, cs, [""]))
+    )
+    if backward:
+        g.recurrences[outputs[2]] = _UnrolledRecurrence(outputs[1], forget, through_cell, factors)
+    return outputs
+
+
+def _time_major(g: _Graph, steps: list[Value], count: int, batch: int) -> Value:
+    """[T, B, ·] of per-step feature-major values [·, B]."""
+    stacked = g.one("Concat", steps, axis=0)
+    return g.one("Transpose", [g.one("Reshape", [stacked, g.ints([count, -1, batch])])], perm=[0, 2, 1])
+
+
+def _feature_major_steps(g: _Graph, value: Value, steps: int, width: int, batch: int) -> list[Value]:
+    """The T per-step [width, B] slices of a [T, B, width] value."""
+    by_step = g.one("Reshape", [g.one("Transpose", [value], perm=[0, 2, 1]), g.ints([steps * width, batch])])
+    return g.emit("Split", [by_step, g.ints([width] * steps)], outputs=steps, axis=0)
+
+
+def _backward_readers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The `lstm_recurrence_backward` nodes reading `node`'s outputs (directly or through same-shape views)."""
+    readers = [r for item in node.users for r in item.users]
+    while any(_same_shape_view(r) for r in readers):
+        readers = [v for r in readers for v in (r.users if _same_shape_view(r) else [r])]
+    return [r for r in readers if r.target is _RECURRENCE_BACKWARD]
+
+
+def _read_outside_backward(node: torch.fx.Node, index: int) -> bool:
+    """Whether output `index` of `node` is read by anything but a `lstm_recurrence_backward` (directly or through
+    views of the same shape, which are the value itself: `_reshape`)."""
+    readers = [r for item in node.users if item.args[1] == index for r in item.users]
+    while any(_same_shape_view(r) for r in readers):
+        readers = [v for r in readers for v in (r.users if _same_shape_view(r) else [r])]
+    return any(r.target is not _RECURRENCE_BACKWARD for r in readers)
+
+
+def _same_shape_view(node: torch.fx.Node) -> bool:
+    """A view (`_reshape`'s ops) to its input's own shape (AOTAutograd views the tensors it saves for the
+    backward so)."""
+    if node.target not in _VIEWS:
+        return False
+    source = node.args[0]
+    value, result = source.meta.get("val"), node.meta.get("val")  # type: ignore[union-attr]
+    return isinstance(value, torch.Tensor) and isinstance(result, torch.Tensor) and value.shape == result.shape
+
+
+def _lstm_recurrence_backward(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    """The recurrence's backward unrolled, feature-major, over the factors its forward computed
+    (`lstm_recurrence_backward`'s docstring): per step, backward in time, d h = d hs[t] + the later step's, d c =
+    d cs[t] + the later step's + d h·o·(1 - tanh²(c)), d gates = (d c, d c, d c, d h) stacked times the gate factors,
+    the earlier step's d c = d c·f and its d h = W_hhᵀ·d gates."""
+    grad_hs, grad_cs, cs, acts, _, w_hh, reverse = node.args
+    forward = g.recurrences.get(g.tensor(acts))
+    if forward is None or g.tensor(cs) != forward.cs_output:  # not the values of one unrolled forward
+        return None  # type: ignore[return-value]
+    steps, batch, hidden = g.meta(grad_hs).shape  # type: ignore[arg-type]
+    upper_h = _feature_major_steps(g, g.tensor(grad_hs), steps, hidden, batch)
+    upper_c = None if grad_cs is None else _feature_major_steps(g, g.tensor(grad_cs), steps, hidden, batch)
+    w_t = g.one("Transpose", [g.tensor(w_hh)], perm=[1, 0])  # read by every step: ONNX Runtime keeps it a tensor
+    grad_gates = [""] * steps
+    grad_h = grad_c = ""
+    for t in range(steps) if reverse else reversed(range(steps)):
+        grad_h = g.one("Add", [upper_h[t], grad_h]) if grad_h else upper_h[t]
+        if upper_c is not None:
+            grad_c = g.one("Add", [upper_c[t], grad_c]) if grad_c else upper_c[t]
+        from_h = g.one("Mul", [grad_h, forward.through_cell[t]])
+        grad_c = g.one("Add", [grad_c, from_h]) if grad_c else from_h
+        upstream = g.one("Concat", [grad_c, grad_c, grad_c, grad_h], axis=0)
+        grad_gates[t] = g.one("Mul", [upstream, forward.gate_factors[t]])
+        grad_c = g.one("Mul", [grad_c, forward.forget[t]])
+        grad_h = g.one("MatMul", [w_t, grad_gates[t]])
+    return (
+        _time_major(g, grad_gates, steps, batch),
+        g.one("Transpose", [grad_h], perm=[1, 0]),
+        g.one("Transpose", [grad_c], perm=[1, 0]),
+    )
+
+
+_RECURRENCE_BACKWARD = torch.ops.orttrainer.lstm_recurrence_backward.default
 _RANDOM = {aten.native_dropout.default}
 
+_VIEWS = (
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
+    aten.flatten.using_ints,
+    torch.ops.prims.squeeze.default,
+)
+
 _TRANSLATIONS: dict[Any, Translation] = {
-    **{
-        op: _reshape
-        for op in (
-            aten.view.default,
-            aten._unsafe_view.default,
-            aten.reshape.default,
-            aten.squeeze.default,
-            aten.squeeze.dim,
-            aten.squeeze.dims,
-            aten.unsqueeze.default,
-            aten.flatten.using_ints,
-            torch.ops.prims.squeeze.default,
-        )
-    },
+    **{op: _reshape for op in _VIEWS},
     **{op: _same for op in (aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default)},
     aten._to_copy.default: _to_copy,
     aten.permute.default: _permute,
@@ -837,6 +970,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
             aten.scalar_tensor.default,
         )
     },
+    torch.ops.orttrainer.lstm_recurrence.default: _lstm_recurrence,
+    _RECURRENCE_BACKWARD: _lstm_recurrence_backward,
     # creation ops with static arguments: always folded (`_fold`); untranslatable otherwise
     **{op: (lambda g, node: None) for op in (aten.arange.default, aten.arange.start, aten.arange.start_step)},
 }

@@ -36,8 +36,10 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from ..build.export import _ModelWithLoss
+from ..graph.passes import rewrite_enabled
 from . import torch_private
 from .errors import GradientBuildError
+from .recurrent_layers import recurrence_as_one_op
 
 
 class UntraceableFunctionError(GradientBuildError):
@@ -130,6 +132,8 @@ def trace_joint(
     dims = [list(d) for d in dynamic_dims] if dynamic_dims is not None else [[] for _ in inputs]
     dynamic = any(dims)
     with (
+        # an LSTM's recurrence as one op, which only the direct translation knows (gradient/recurrent_layers.py)
+        recurrence_as_one_op(not for_torch_onnx and rewrite_enabled("lstm_recurrence_as_one_op")),
         torch_private.module_state_kept(wrapper),  # a failed (or any) trace leaves no traced tensor in the model
         _requires_grad_only(wrapper, wrapper.inner.model, set(trainable)),
         tensor_attributes_as_buffers(wrapper),

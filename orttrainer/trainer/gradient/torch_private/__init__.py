@@ -16,6 +16,7 @@ from .decompositions import (
     Entry,
     autograd_decompositions,
     core_aten_decompositions,
+    pytorch_decomposition,
     trace_decompositions,
     training_decompositions,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "causal_mask_detection_off",
     "causal_mask_from_hint",
     "core_aten_decompositions",
+    "pytorch_decomposition",
     "dataflow_digest",
     "export_tracing_flags",
     "export_graph_to_onnx",

@@ -6,6 +6,8 @@ Two stages (`Entry.stage`):
 - "autograd": replaces an op before autograd sees it (a Python kernel for the op's Autograd dispatch key, as
   PyTorch itself registers for `aten.lstm`), so autograd differentiates the decomposition's ops. Used for forward
   ops whose own backward op has no ONNX translation while a differentiable decomposition of the forward exists.
+  An own entry for an op that PyTorch itself decomposes so (`aten.lstm.input`) replaces PyTorch's kernel while
+  tracing and falls back to it (`pytorch_decomposition`) where it declines.
 
 Order of preference (issue 23): PyTorch's decompositions (`torch._decomp`) and torch.onnx's translations (onnxscript
 torchlib); `orttrainer.trainer.gradient.torch_decompositions` only where neither exists. Each own entry is checked
@@ -25,6 +27,7 @@ from typing import Literal
 
 import torch
 
+from .. import recurrent_layers
 from .. import torch_decompositions as own
 from .exporting import onnx_decompositions
 
@@ -389,6 +392,27 @@ TABLE: tuple[Entry, ...] = (
         own.trilinear,
     ),
     Entry(
+        ("aten.lstm.input",),
+        "autograd",
+        "orttrainer",
+        "nn.LSTM: PyTorch's decomposition (its own kernel at this stage) loops over the time steps, so the trace grew "
+        "with the sequence (9,000 nodes for the benchmark LSTM), and it never applies the dropout between layers; "
+        "layer by layer with that dropout, each layer's recurrence one op that the direct ONNX translation unrolls "
+        "(gradient/recurrent_layers.py; switch: lstm_recurrence_as_one_op)",
+        recurrent_layers.lstm,
+    ),
+    *(
+        Entry(
+            (f"aten.{name}.input",),
+            "autograd",
+            "orttrainer",
+            "nn.GRU, nn.RNN: PyTorch's decomposition (its own kernel at this stage) never applies the dropout between "
+            "layers; its layers one by one with that dropout (gradient/recurrent_layers.py)",
+            recurrent_layers.single_state_rnn(getattr(aten, name).input),
+        )
+        for name in ("gru", "rnn_tanh", "rnn_relu")
+    ),
+    Entry(
         ("aten._embedding_bag.default", "aten._embedding_bag_forward_only.default"),
         "autograd",
         "orttrainer",
@@ -447,6 +471,13 @@ def trace_decompositions(float16: bool = False, for_torch_onnx: bool = True) -> 
     return table
 
 
+def pytorch_decomposition(op: torch._ops.OpOverload) -> Callable:
+    """PyTorch's own decomposition of `op` (`torch._decomp`), for an own entry that declines."""
+    from torch._decomp import decomposition_table
+
+    return decomposition_table[op]
+
+
 def autograd_table() -> dict:
     """The "autograd" stage of `TABLE`: op -> the function autograd differentiates instead of the op."""
     from torch._decomp import decomposition_table
@@ -470,23 +501,36 @@ def autograd_decompositions() -> Iterator[None]:
     """Within the block, the ops of `autograd_table()` run as their decompositions below autograd's view: each
     is a Python kernel for the op's Autograd dispatch key, which PyTorch's tracers call (they run with the Python
     dispatcher on); eager code, which does not, is unaffected. Restored on exit; nested blocks share one
-    registration. Ops for which PyTorch registered such a kernel itself are left alone."""
+    registration. Where PyTorch registered such a kernel itself, an own entry replaces it (and restores it) and a
+    PyTorch entry leaves it alone."""
     global _autograd_depth
     from torch._C import DispatchKey
 
+    own_ops = {
+        _op(n) for entry in TABLE if entry.stage == "autograd" and entry.source == "orttrainer" for n in entry.ops
+    }
     with _autograd_lock:
-        added = []
+        replaced: dict = {}  # (op, key) -> the kernel it had (None: none)
         if _autograd_depth == 0:
             for op, decomposition in autograd_table().items():
-                if DispatchKey.Autograd in op.py_kernels:
+                if DispatchKey.Autograd in op.py_kernels and op not in own_ops:
                     continue
-                op.py_impl(DispatchKey.Autograd)(decomposition)
-                added.append(op)
+                keys = [DispatchKey.Autograd]
+                if op in own_ops and DispatchKey.CompositeImplicitAutograd in op.py_kernels:
+                    # the Python dispatcher resolves an autograd key to this kernel before the Autograd one
+                    keys.append(DispatchKey.CompositeImplicitAutograd)
+                for key in keys:
+                    replaced[op, key] = op.py_kernels.get(key)
+                    op.py_kernels[key] = decomposition
+                op._dispatch_cache.clear()
         _autograd_depth += 1
         try:
             yield
         finally:
             _autograd_depth -= 1
-            for op in added:
-                op.py_kernels.pop(DispatchKey.Autograd, None)
+            for (op, key), kernel in replaced.items():
+                if kernel is None:
+                    op.py_kernels.pop(key, None)
+                else:
+                    op.py_kernels[key] = kernel
                 op._dispatch_cache.clear()
