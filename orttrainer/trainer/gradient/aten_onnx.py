@@ -19,8 +19,9 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
 - `convolution` is Conv or ConvTranspose with its attributes (the weight gradients of gradient/torch_decompositions.py
   are products, pads and slices), so a CNN's graph needs no second trace for torch.onnx (docs/engine.md §20);
 - an LSTM layer's recurrence and its backward (`orttrainer::lstm_recurrence[_backward]`, gradient/recurrent_layers.py)
-  are unrolled: each time step's cell as plain ops, the steps' results concatenated over time where an op other than
-  the backward reads them (the backward reads each step's values as the forward wrote them).
+  are unrolled, feature-major as the ops are: each time step's cell as plain ops, the steps' results concatenated
+  where an op other than the backward reads them; the forward also computes, per step, the factors the backward
+  multiplies by (3 products of each step's activations), so that the backward's step is 8 ops.
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
 source of ~500 functions on first use) and runs a general optimiser; on the benchmark transformer's joint graph
@@ -738,24 +739,23 @@ class _UnrolledRecurrence:
 
 
 def _lstm_recurrence(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
-    """The recurrence unrolled, feature-major: the state is hᵀ, cᵀ [H, B] and each step's gates
-    W_hh·hᵀ + gates_x[t]ᵀ [4H, B], so that the product's large operand is W_hh as it is (a [B, H]·[H, 4H] product
-    packs W_hh's 1 MB on every call: twice as slow, docs/engine.md §23). Per step (in reverse for `reverse`): MatMul,
-    Add, Split into i, f, g, o, their activations, the cell update; where the backward reads the step, also the factors
-    it needs (`_UnrolledRecurrence`). Each output a Concat over time where an op other than the backward reads it."""
+    """The recurrence unrolled, feature-major as the op is (gradient/recurrent_layers.py): the state is hᵀ, cᵀ
+    [H, B], each step's gates W_hh·hᵀ + its columns of gates_x [4H, B]. Per step (in reverse for `reverse`): MatMul,
+    Add, Split into i, f, g, o, their activations, the cell update; where the backward reads the step, also the
+    factors it needs (`_UnrolledRecurrence`). An output is the steps' Concat where an op other than the backward
+    reads it."""
     gates_x, h0, c0, w_hh, reverse = node.args
-    steps, batch, width = g.meta(gates_x).shape  # type: ignore[arg-type]
-    if g.meta(gates_x).dtype != torch.float32:  # type: ignore[arg-type]
+    width, columns = g.meta(gates_x).shape  # type: ignore[arg-type]
+    batch = g.meta(h0).shape[0]  # type: ignore[arg-type]
+    if g.meta(gates_x).dtype != torch.float32 or _read_outside_backward(node, 2):  # type: ignore[arg-type]
         return None  # type: ignore[return-value]
-    hidden = width // 4
-    by_step = g.one("Reshape", [g.one("Transpose", [g.tensor(gates_x)], perm=[0, 2, 1]), g.ints([steps * width, batch])])
-    inputs = g.emit("Split", [by_step, g.ints([width] * steps)], outputs=steps, axis=0)
-    if _read_outside_backward(node, 2):  # the activations are for the backward only (gradient/recurrent_layers.py)
-        return None  # type: ignore[return-value]
+    hidden, steps = width // 4, columns // batch
+    inputs = _steps_of(g, g.tensor(gates_x), steps, batch)
     h, c = (g.one("Transpose", [g.tensor(v)], perm=[1, 0]) for v in (h0, c0))
     backward = bool(_backward_readers(node))
     one = g.scalar(1.0, torch.float32)
-    cell_part = g.const(np.concatenate([np.zeros(2 * hidden), np.ones(hidden), np.zeros(hidden)]).astype(np.float32)[:, None])
+    cell_part = np.concatenate([np.zeros(2 * hidden), np.ones(hidden), np.zeros(hidden)]).astype(np.float32)
+    cell_mask = g.const(cell_part[:, None])
     hs, cs, forget, through_cell, factors = ([""] * steps for _ in range(5))
     for t in reversed(range(steps)) if reverse else range(steps):
         c_prev = c
@@ -766,14 +766,14 @@ def _lstm_recurrence(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
         tanh_c = g.one("Tanh", [c])
         h = g.one("Mul", [o, tanh_c])
         hs[t], cs[t] = h, c
-        if backward:
+        if backward:  # activations' derivatives (1 - a)·(a + m): a·(1 - a) for σ, 1 - a² for tanh (m: cell_mask)
             acts = g.one("Concat", [i, f, cell, o], axis=0)
-            derivative = g.one("Mul", [g.one("Sub", [one, acts]), g.one("Add", [acts, cell_part])])
+            derivative = g.one("Mul", [g.one("Sub", [one, acts]), g.one("Add", [acts, cell_mask])])
             factors[t] = g.one("Mul", [g.one("Concat", [cell, c_prev, i, tanh_c], axis=0), derivative])
             through_cell[t] = g.one("Mul", [o, g.one("Sub", [one, g.one("Mul", [tanh_c, tanh_c])])])
             forget[t] = f
     outputs = tuple(
-        _time_major(g, values, steps, batch) if _read_outside_backward(node, k) else g.fresh("unmaterialized")
+        g.one("Concat", values, axis=1) if _read_outside_backward(node, k) else g.fresh("unmaterialized")
         for k, values in enumerate((hs, cs, [""]))
     )
     if backward:
@@ -781,16 +781,9 @@ def _lstm_recurrence(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     return outputs
 
 
-def _time_major(g: _Graph, steps: list[Value], count: int, batch: int) -> Value:
-    """[T, B, ·] of per-step feature-major values [·, B]."""
-    stacked = g.one("Concat", steps, axis=0)
-    return g.one("Transpose", [g.one("Reshape", [stacked, g.ints([count, -1, batch])])], perm=[0, 2, 1])
-
-
-def _feature_major_steps(g: _Graph, value: Value, steps: int, width: int, batch: int) -> list[Value]:
-    """The T per-step [width, B] slices of a [T, B, width] value."""
-    by_step = g.one("Reshape", [g.one("Transpose", [value], perm=[0, 2, 1]), g.ints([steps * width, batch])])
-    return g.emit("Split", [by_step, g.ints([width] * steps)], outputs=steps, axis=0)
+def _steps_of(g: _Graph, value: Value, steps: int, batch: int) -> list[Value]:
+    """The T per-step column blocks [·, B] of a feature-major [·, T·B] value."""
+    return g.emit("Split", [value, g.ints([batch] * steps)], outputs=steps, axis=1)
 
 
 def _backward_readers(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -821,17 +814,18 @@ def _same_shape_view(node: torch.fx.Node) -> bool:
 
 
 def _lstm_recurrence_backward(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
-    """The recurrence's backward unrolled, feature-major, over the factors its forward computed
+    """The recurrence's backward unrolled, feature-major as the op is, over the factors its forward computed
     (`lstm_recurrence_backward`'s docstring): per step, backward in time, d h = d hs[t] + the later step's, d c =
     d cs[t] + the later step's + d h·o·(1 - tanh²(c)), d gates = (d c, d c, d c, d h) stacked times the gate factors,
     the earlier step's d c = d c·f and its d h = W_hhᵀ·d gates."""
-    grad_hs, grad_cs, cs, acts, _, w_hh, reverse = node.args
+    grad_hs, grad_cs, cs, acts, c0, w_hh, reverse = node.args
     forward = g.recurrences.get(g.tensor(acts))
     if forward is None or g.tensor(cs) != forward.cs_output:  # not the values of one unrolled forward
         return None  # type: ignore[return-value]
-    steps, batch, hidden = g.meta(grad_hs).shape  # type: ignore[arg-type]
-    upper_h = _feature_major_steps(g, g.tensor(grad_hs), steps, hidden, batch)
-    upper_c = None if grad_cs is None else _feature_major_steps(g, g.tensor(grad_cs), steps, hidden, batch)
+    batch = g.meta(c0).shape[0]  # type: ignore[arg-type]
+    steps = g.meta(grad_hs).shape[1] // batch  # type: ignore[arg-type]
+    upper_h = _steps_of(g, g.tensor(grad_hs), steps, batch)
+    upper_c = None if grad_cs is None else _steps_of(g, g.tensor(grad_cs), steps, batch)
     w_t = g.one("Transpose", [g.tensor(w_hh)], perm=[1, 0])  # read by every step: ONNX Runtime keeps it a tensor
     grad_gates = [""] * steps
     grad_h = grad_c = ""
@@ -846,7 +840,7 @@ def _lstm_recurrence_backward(g: _Graph, node: torch.fx.Node) -> tuple[Value, ..
         grad_c = g.one("Mul", [grad_c, forward.forget[t]])
         grad_h = g.one("MatMul", [w_t, grad_gates[t]])
     return (
-        _time_major(g, grad_gates, steps, batch),
+        g.one("Concat", grad_gates, axis=1),
         g.one("Transpose", [grad_h], perm=[1, 0]),
         g.one("Transpose", [grad_c], perm=[1, 0]),
     )

@@ -5,23 +5,27 @@ so that the trace does not grow with the sequence (the ONNX translation unrolls 
 Rule: `lstm` and `single_state_rnn(op)` (the "autograd"-stage decompositions of `aten.lstm.input`, `aten.gru.input`,
 `aten.rnn_tanh.input` and `aten.rnn_relu.input`, torch_private/decompositions.py) compute what the op computes: each
 layer, both directions, then in training mode dropout at p on its output unless it is the last layer. A layer is
-PyTorch's own decomposition of the op for one layer, except an LSTM layer where `recurrence_as_one_op` is on, which is:
-for each direction gates_x = x·W_ihᵀ + b_ih + b_hh over all time steps at once, then the recurrence
-`lstm_recurrence(gates_x, h0, c0, W_hh, reverse)`: for t in time order (reversed for the reverse direction)
-gates = gates_x[t] + h·W_hhᵀ, i, f, o = σ(their parts), g = tanh(its part), c = f·c + i·g, h = o·tanh(c); it returns
-every step's h, c and activated gates (i, f, g, o) at the step's own time index. The layer's output is the h's (both
-directions concatenated), its final state the last step's h and c. The recurrence's backward is
-`lstm_recurrence_backward`, the gates' gradient at every step, and W_hh's gradient then one product over all steps:
-Σ_t d gates_tᵀ · h_{t-1}.
+PyTorch's own decomposition of the op for one layer, except the LSTM's layers where `recurrence_as_one_op` is on.
+Those run feature-major — a sequence is [features, T·B], column t·B + b holding sample b at step t — from the first
+layer's input to the last layer's output: per layer and direction, gates_x = W_ih·x + b_ih + b_hh over all steps at
+once, then `lstm_recurrence(gates_x, h0, c0, W_hh, reverse)`: for t in time order (reversed for the reverse
+direction) gates = gates_x's step t + W_hh·hᵀ, i, f, o = σ(their parts), g = tanh(its part), c = f·c + i·g,
+h = o·tanh(c); it returns every step's h, c and activated gates (i, f, g, o) in their step's columns. The layer's
+output is the h's (both directions stacked), its final state the last step taken's h and c. The recurrence's
+backward is `lstm_recurrence_backward`, the gates' gradient at every step, and W_hh's gradient then one product over
+all steps, d gates·(the previous steps' h)ᵀ.
 
-An LSTM layer is PyTorch's decomposition (the recurrence traced step by step) for projections (`proj_size`), tensors
-other than float32, and the traces made for torch.onnx, which has no translation of these ops (a dynamic-shape
-graph, or a graph the direct translation does not cover). Switch: `graph/passes.rewrite_enabled(
-"lstm_recurrence_as_one_op")`.
+Feature-major because each step's product is then W_hh·hᵀ ([4H, H]·[H, B]), whose large operand ONNX Runtime reads
+as it is; h·W_hhᵀ ([B, H]·[H, 4H]) packs W_hh's 1 MB on every call, twice as slow, and the layers would pass their
+sequences transposed (docs/engine.md §23).
+
+An LSTM is PyTorch's decomposition (the recurrence traced step by step) for projections (`proj_size`), tensors other
+than float32, and the traces made for torch.onnx, which has no translation of these ops (a dynamic-shape graph, or a
+graph the direct translation does not cover). Switch: `graph/passes.rewrite_enabled("lstm_recurrence_as_one_op")`.
 
 Why: PyTorch's decomposition loops over the time steps in Python, and AOTAutograd traces every step's cell, forward
 and backward, op by op, at about a millisecond per op: the benchmark LSTM (2 layers, 64 steps) was 9,000 traced nodes
-and 8.7 s of a first step that now takes 2.3 s (docs/engine.md §22). And PyTorch's decomposition (torch 2.13's
+and most of an 8.3 s first step, 1.8 s now (docs/engine.md §23). And PyTorch's decomposition (torch 2.13's
 `_rnn_helper`) applies the dropout between layers only when `num_layers < i - 1`, which never holds: a traced
 `nn.LSTM(dropout=p)` (GRU, RNN) trained without it.
 """
@@ -52,35 +56,41 @@ def recurrence_as_one_op(enabled: bool) -> Iterator[None]:
 
 
 def _gates(acts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(acts.chunk(4, -1))
+    return tuple(acts.chunk(4, 0))
+
+
+def _step(values: torch.Tensor, t: int, batch: int) -> torch.Tensor:
+    """Step `t`'s columns [·, B] of a feature-major [·, T·B] value."""
+    return values[:, t * batch : (t + 1) * batch]
 
 
 @torch.library.custom_op("orttrainer::lstm_recurrence", mutates_args=())
 def lstm_recurrence(
     gates_x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: torch.Tensor, reverse: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hs [T, B, H], cs [T, B, H], acts [T, B, 4H]) of the recurrence over `gates_x` [T, B, 4H] from `h0`, `c0`
-    [B, H] with the recurrent weight `w_hh` [4H, H] (module docstring)."""
-    steps = gates_x.shape[0]
-    hs: list[torch.Tensor] = [h0] * steps
-    cs: list[torch.Tensor] = [c0] * steps
-    acts: list[torch.Tensor] = [gates_x[0]] * steps
-    h, c = h0, c0
+    """(hs [H, T·B], cs [H, T·B], acts [4H, T·B]) of the recurrence over `gates_x` [4H, T·B] from `h0`, `c0` [B, H]
+    with the recurrent weight `w_hh` [4H, H], feature-major (module docstring)."""
+    batch = h0.shape[0]
+    steps = gates_x.shape[1] // batch
+    hs: list[torch.Tensor] = [h0.t()] * steps
+    cs: list[torch.Tensor] = [c0.t()] * steps
+    acts: list[torch.Tensor] = [gates_x[:, :batch]] * steps
+    h, c = h0.t(), c0.t()
     for t in reversed(range(steps)) if reverse else range(steps):
-        i, f, g, o = _gates(gates_x[t] + h @ w_hh.t())
+        i, f, g, o = _gates(_step(gates_x, t, batch) + w_hh @ h)
         i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
         c = f * c + i * g
         h = o * c.tanh()
-        hs[t], cs[t], acts[t] = h, c, torch.cat([i, f, g, o], -1)
-    return torch.stack(hs), torch.stack(cs), torch.stack(acts)
+        hs[t], cs[t], acts[t] = h, c, torch.cat([i, f, g, o], 0)
+    return torch.cat(hs, 1), torch.cat(cs, 1), torch.cat(acts, 1)
 
 
 @lstm_recurrence.register_fake
 def _lstm_recurrence_shapes(gates_x, h0, c0, w_hh, reverse):  # noqa: ANN001, ANN202 - torch.library's signature
-    steps = gates_x.shape[0]
+    columns = gates_x.shape[1]
     return (
-        gates_x.new_empty((steps, *h0.shape)),
-        gates_x.new_empty((steps, *c0.shape)),
+        gates_x.new_empty((h0.shape[1], columns)),
+        gates_x.new_empty((c0.shape[1], columns)),
         gates_x.new_empty(gates_x.shape),
     )
 
@@ -95,38 +105,34 @@ def lstm_recurrence_backward(
     w_hh: torch.Tensor,
     reverse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d gates_x [T, B, 4H], d h0, d c0) of `lstm_recurrence` from the gradients of its hs and cs (None: nothing
-    reads the cs) and what its forward returned: backward in time, d h = d hs[t] + W_hhᵀ·(the later step's d gates), d c = d cs[t] + the later
-    step's f·d c + d h·o·(1 - tanh²(c)), and d gates = (d c·g, d c·c_prev, d c·i, d h·tanh(c)) times each activation's
-    derivative."""
-    steps = grad_hs.shape[0]
-    grad_gates: list[torch.Tensor] = [acts[0]] * steps
-    grad_h = torch.zeros_like(grad_hs[0])
-    grad_c = torch.zeros_like(c0)
+    """(d gates_x [4H, T·B], d h0 [B, H], d c0 [B, H]) of `lstm_recurrence` from the gradients of its hs and cs (None:
+    nothing reads the cs) and what its forward returned; backward in time: d h = d hs[t] + W_hhᵀ·(the later step's
+    d gates), d c = d cs[t] + f·(the later step's d c) + d h·o·(1 - tanh²(c)), and d gates = (d c·g, d c·c_prev,
+    d c·i, d h·tanh(c)) times each activation's derivative (σ' = a·(1 - a), tanh' = 1 - a²)."""
+    batch = c0.shape[0]
+    steps = grad_hs.shape[1] // batch
+    grad_gates: list[torch.Tensor] = [acts[:, :batch]] * steps
+    grad_h = torch.zeros_like(c0.t())
+    grad_c = torch.zeros_like(c0.t())
     for t in range(steps) if reverse else reversed(range(steps)):
         before = t + 1 if reverse else t - 1
-        c_prev = cs[before] if 0 <= before < steps else c0
-        i, f, g, o = _gates(acts[t])
-        tanh_c = cs[t].tanh()
-        grad_h = grad_hs[t] + grad_h
-        grad_c = grad_c if grad_cs is None else grad_cs[t] + grad_c
+        c_prev = _step(cs, before, batch) if 0 <= before < steps else c0.t()
+        step_acts = _step(acts, t, batch)
+        i, f, g, o = _gates(step_acts)
+        tanh_c = _step(cs, t, batch).tanh()
+        grad_h = _step(grad_hs, t, batch) + grad_h
+        grad_c = grad_c if grad_cs is None else _step(grad_cs, t, batch) + grad_c
         grad_c = grad_c + grad_h * o * (1 - tanh_c * tanh_c)
-        upstream = torch.cat([grad_c * g, grad_c * c_prev, grad_c * i, grad_h * tanh_c], -1)
-        grad_gates[t] = upstream * _activation_derivative(acts[t])
+        upstream = torch.cat([grad_c * g, grad_c * c_prev, grad_c * i, grad_h * tanh_c], 0)
+        grad_gates[t] = upstream * torch.cat([i * (1 - i), f * (1 - f), 1 - g * g, o * (1 - o)], 0)
         grad_c = grad_c * f
-        grad_h = grad_gates[t] @ w_hh
-    return torch.stack(grad_gates), grad_h, grad_c
-
-
-def _activation_derivative(acts: torch.Tensor) -> torch.Tensor:
-    """Each gate's derivative from its activation a: a·(1 - a) for the sigmoid gates, 1 - a² for the cell gate."""
-    i, f, g, o = _gates(acts)
-    return torch.cat([i * (1 - i), f * (1 - f), 1 - g * g, o * (1 - o)], -1)
+        grad_h = w_hh.t() @ grad_gates[t]
+    return torch.cat(grad_gates, 1), grad_h.t(), grad_c.t()
 
 
 @lstm_recurrence_backward.register_fake
 def _lstm_recurrence_backward_shapes(grad_hs, grad_cs, cs, acts, c0, w_hh, reverse):  # noqa: ANN001, ANN202
-    return acts.new_empty(acts.shape), grad_hs.new_empty(grad_hs.shape[1:]), c0.new_empty(c0.shape)
+    return acts.new_empty(acts.shape), c0.new_empty(c0.shape), c0.new_empty(c0.shape)
 
 
 def _save(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
@@ -138,15 +144,14 @@ def _save(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signat
 
 
 def _backward(ctx, grad_hs, grad_cs, grad_acts):  # noqa: ANN001, ANN202 - torch.library's signature
-    """The recurrence's backward (`lstm_recurrence_backward`) and W_hh's gradient as one product over all steps;
-    `acts` is for the backward only (its gradient is not propagated: nothing else reads it)."""
+    """The recurrence's backward (`lstm_recurrence_backward`) and W_hh's gradient as one product over all steps,
+    d gates·(the previous steps' h)ᵀ; `acts` is for the backward only (nothing else reads it)."""
     h0, c0, w_hh, hs, cs, acts = ctx.saved_tensors
     grad_hs = torch.zeros_like(hs) if grad_hs is None else grad_hs
     grad_gates, grad_h0, grad_c0 = lstm_recurrence_backward(grad_hs, grad_cs, cs, acts, c0, w_hh, ctx.reverse)
-    before = [hs[1:], h0.unsqueeze(0)] if ctx.reverse else [h0.unsqueeze(0), hs[:-1]]
-    h_prev = torch.cat(before, 0)
-    hidden = h_prev.shape[-1]
-    grad_w_hh = grad_gates.reshape(-1, 4 * hidden).t() @ h_prev.reshape(-1, hidden)
+    batch = h0.shape[0]
+    before = [hs[:, batch:], h0.t()] if ctx.reverse else [h0.t(), hs[:, :-batch]]
+    grad_w_hh = grad_gates @ torch.cat(before, 1).t()
     return grad_gates, grad_h0, grad_c0, grad_w_hh, None
 
 
@@ -165,17 +170,62 @@ def lstm(
     batch_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`aten.lstm.input` layer by layer (module docstring)."""
-    one_op = _one_op(input, hx, params, num_layers * (2 if bidirectional else 1) * (4 if has_biases else 2))
+    if _one_op(input, hx, params, num_layers * (2 if bidirectional else 1) * (4 if has_biases else 2)):
+        return _feature_major_lstm(
+            input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first
+        )
 
     def layer(x: torch.Tensor, states: list[torch.Tensor], weights: Sequence[torch.Tensor]) -> tuple:
-        if one_op:
-            return _layer(x, states[0], states[1], weights, has_biases)
         return _pytorch(torch.ops.aten.lstm.input)(x, states, weights, has_biases, 1, 0.0, train, bidirectional, False)
 
     output, *final = _layer_by_layer(
         layer, input, list(hx), params, num_layers, dropout, train, bidirectional, batch_first
     )
     return output, final[0], final[1]
+
+
+def _feature_major_lstm(
+    input: torch.Tensor,
+    hx: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    has_biases: bool,
+    num_layers: int,
+    dropout: float,
+    train: bool,
+    bidirectional: bool,
+    batch_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layers with their recurrences as one op each, feature-major from the first layer's input to the last
+    layer's output ([features, T·B], column t·B + b: `lstm_recurrence`), so that neither the layers' inputs nor
+    their gates are transposed between layers."""
+    steps, batch = (input.shape[1], input.shape[0]) if batch_first else (input.shape[0], input.shape[1])
+    # to [F, T·B] by a swap of the leading dims (rows move whole) and a 2-d transpose: ONNX Runtime's Transpose
+    # reverses [B, T, F] in one go 6x slower (docs/engine.md §23)
+    x = (input.transpose(0, 1) if batch_first else input).reshape(steps * batch, input.shape[2]).t()
+    directions = 2 if bidirectional else 1
+    group = 4 if has_biases else 2
+    h_n: list[torch.Tensor] = []
+    c_n: list[torch.Tensor] = []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            k = layer * directions + direction
+            w_ih, w_hh, *biases = params[k * group : (k + 1) * group]
+            gates_x = w_ih @ x
+            if biases:
+                gates_x = gates_x + (biases[0] + biases[1]).unsqueeze(1)
+            reverse = direction == 1
+            hs, cs, _ = lstm_recurrence(gates_x, hx[0][k], hx[1][k], w_hh, reverse)
+            final = slice(0, batch) if reverse else slice((steps - 1) * batch, steps * batch)  # the last step taken
+            outputs.append(hs)
+            h_n.append(hs[:, final].t())
+            c_n.append(cs[:, final].t())
+        x = outputs[0] if directions == 1 else torch.cat(outputs, 0)
+        if dropout and train and layer < num_layers - 1:
+            x = torch.dropout(x, dropout, train=True)
+    output = x.t().contiguous().reshape(steps, batch, x.shape[0])  # contiguous: else one [H, T, B] reversal again
+    output = output.transpose(0, 1) if batch_first else output
+    return output, torch.stack(h_n), torch.stack(c_n)
 
 
 def single_state_rnn(op: torch._ops.OpOverload):  # noqa: ANN201 - a decomposition of `op`'s signature
@@ -237,28 +287,6 @@ def _pytorch(op: torch._ops.OpOverload) -> Callable:
     from .torch_private import pytorch_decomposition
 
     return pytorch_decomposition(op)
-
-
-def _layer(
-    x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, params: Sequence[torch.Tensor], has_biases: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One layer over time-major `x` with its recurrences as one op each: (output, h_n, c_n), the states
-    [directions, B, H]."""
-    group = 4 if has_biases else 2
-    outputs, h_n, c_n = [], [], []
-    for direction in range(h0.shape[0]):
-        w_ih, w_hh, *biases = params[direction * group : (direction + 1) * group]
-        gates_x = torch.nn.functional.linear(x, w_ih, biases[0] if biases else None)
-        if biases:
-            gates_x = gates_x + biases[1]
-        reverse = direction == 1
-        hs, cs, _ = lstm_recurrence(gates_x, h0[direction], c0[direction], w_hh, reverse)
-        final = 0 if reverse else -1  # the state after the last step taken
-        outputs.append(hs)
-        h_n.append(hs[final])
-        c_n.append(cs[final])
-    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
-    return output, torch.stack(h_n), torch.stack(c_n)
 
 
 def _one_op(input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor], count: int) -> bool:
