@@ -223,7 +223,7 @@ def _feature_major_lstm(
         x = outputs[0] if directions == 1 else torch.cat(outputs, 0)
         if dropout and train and layer < num_layers - 1:
             x = torch.dropout(x, dropout, train=True)
-    output = x.t().contiguous().reshape(steps, batch, x.shape[0])  # contiguous: else one [H, T, B] reversal again
+    output = x.t().reshape(steps, batch, x.shape[0])
     output = output.transpose(0, 1) if batch_first else output
     return output, torch.stack(h_n), torch.stack(c_n)
 
