@@ -223,3 +223,28 @@ def test_dropout_between_layers_is_applied(monkeypatch, layer, switch):
     graph = _joint(Tagger(layer, num_layers=3, dropout=0.25), 4)[0]
     dropouts = [n for n in graph.graph.nodes if n.target == torch.ops.aten.native_dropout.default]
     assert len(dropouts) == 2 and all(n.args[1] == 0.25 for n in dropouts)
+
+
+def test_other_lengths_one_step_and_one_sample_train_as_torch_optim():
+    """Batches of 5, 1 and 7 steps, and of one sample, through one trainer (a graph per input shape): torch.optim's
+    weights."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 5), (3, 1), (1, 7), (3, 5)]
+    batches = [(torch.randint(0, 30, s, generator=g), torch.randint(0, 5, s, generator=g)) for s in shapes]
+    desc = {"inputs": [("tokens", ["batch", "seq"]), ("labels", ["batch", "seq"])], "outputs": [("loss", [], True)]}
+
+    def make_model():
+        return Tagger(num_layers=2, bidirectional=True)
+
+    torch.manual_seed(0)
+    trainer = make_trainer(
+        make_model(),
+        desc,
+        optim.AdamConfig(lr=1e-2),
+        extra={"_internal_use": {"gradient_builder": "torch"}, "utils": {"grad_norm_clip": False}},
+    )
+    for tokens, labels in batches:
+        trainer.train_step(tokens, labels)
+    expected = adam_weights(make_model, batches, lr=1e-2)
+    weights = trainer_weights(trainer)
+    assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-5
