@@ -38,7 +38,7 @@ VARIANT_ENV = {
     "no-noop-reductions": ("ORTTRAINER_DISABLE_REWRITES", "noop_reductions"),
     "no-nchwc": ("ORTTRAINER_DISABLE_REWRITES", "blocked_convolutions"),
     "no-conv-per-offset": ("ORTTRAINER_DISABLE_REWRITES", "conv_weight_gradient_per_offset"),
-    "no-lstm-op": ("ORTTRAINER_DISABLE_REWRITES", "lstm_recurrence_as_one_op"),
+    "no-recurrence-op": ("ORTTRAINER_DISABLE_REWRITES", "recurrences_as_one_op"),
     "no-relu-product": ("ORTTRAINER_DISABLE_REWRITES", "threshold_backward_as_product"),
 }
 VARIANTS = tuple(f"{r}+{v}" for r in ("orttrainer[ort]", "orttrainer[torch]") for v in VARIANT_ENV)

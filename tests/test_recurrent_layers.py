@@ -20,8 +20,12 @@ from orttrainer.trainer.gradient.recurrent_layers import lstm, recurrence_as_one
 from orttrainer.trainer.gradient.torch_trace import JointWrapper, trace_joint
 from orttrainer.trainer.graph.passes import REWRITES_ENVIRONMENT_VARIABLE
 
-RECURRENCE = "orttrainer.lstm_recurrence.default"
-BACKWARD = "orttrainer.lstm_recurrence_backward.default"
+RECURRENCE = {nn.LSTM: "orttrainer.lstm_recurrence.default", nn.GRU: "orttrainer.gru_recurrence.default"}
+BACKWARD = {
+    nn.LSTM: "orttrainer.lstm_recurrence_backward.default",
+    nn.GRU: "orttrainer.gru_recurrence_backward.default",
+}
+ONE_OP_LAYERS = pytest.mark.parametrize("layer", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
 
 
 def _loss(out, h, c):
@@ -58,7 +62,9 @@ def test_the_decomposition_computes_what_nn_lstm_computes(bidirectional, bias, b
     ids=["gru", "rnn-tanh", "rnn-relu"],
 )
 @pytest.mark.parametrize("bidirectional", [False, True])
-def test_gru_and_rnn_layer_by_layer_compute_what_the_module_computes(layer, op, bidirectional):
+@pytest.mark.parametrize("one_op", [True, False], ids=["one-op", "pytorch-s"])
+def test_gru_and_rnn_layer_by_layer_compute_what_the_module_computes(layer, op, bidirectional, one_op):
+    """As nn.LSTM's: a GRU's recurrence as one op, or each layer PyTorch's decomposition (an RNN's always)."""
     torch.manual_seed(0)
     module = layer(5, 7, num_layers=3, bidirectional=bidirectional, batch_first=True)
     x = torch.randn(3, 4, 5, requires_grad=True)
@@ -67,7 +73,8 @@ def test_gru_and_rnn_layer_by_layer_compute_what_the_module_computes(layer, op, 
     leaves = [x, h0, *module.parameters()]
     expected = torch.autograd.grad(out.square().sum() + h.sin().sum(), leaves)
     decomposition = single_state_rnn(getattr(torch.ops.aten, op).input)
-    ours = decomposition(x, h0, list(module._flat_weights), True, 3, 0.0, True, bidirectional, True)
+    with recurrence_as_one_op(one_op):
+        ours = decomposition(x, h0, list(module._flat_weights), True, 3, 0.0, True, bidirectional, True)
     got = torch.autograd.grad(ours[0].square().sum() + ours[1].sin().sum(), leaves)
     for a, b in zip((out, h, *expected), (*ours, *got), strict=True):
         torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
@@ -105,35 +112,38 @@ def _targets(graph: torch.fx.GraphModule) -> Counter:
     return Counter(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
 
 
-def test_the_trace_does_not_grow_with_the_sequence():
+@ONE_OP_LAYERS
+def test_the_trace_does_not_grow_with_the_sequence(layer):
     """One recurrence op and one backward op per layer and direction, and as many traced nodes for 40 steps as for
     4; traced for torch.onnx (which has no translation of them), or with the switch off, the steps are traced one by
     one."""
     torch.manual_seed(0)
-    model = Tagger(num_layers=2, bidirectional=True)
+    model = Tagger(layer, num_layers=2, bidirectional=True)
     short, long = _joint(model, 4)[0], _joint(model, 40)[0]
-    assert _targets(short)[RECURRENCE] == _targets(short)[BACKWARD] == 4
+    assert _targets(short)[RECURRENCE[layer]] == _targets(short)[BACKWARD[layer]] == 4
     assert len(short.graph.nodes) == len(long.graph.nodes)
     for_torch_onnx = _joint(model, 4, for_torch_onnx=True)[0]
-    assert _targets(for_torch_onnx)[RECURRENCE] == 0
+    assert _targets(for_torch_onnx)[RECURRENCE[layer]] == 0
     assert len(for_torch_onnx.graph.nodes) > 2 * len(short.graph.nodes)
 
 
-def test_the_switch_off_traces_step_by_step(monkeypatch):
-    monkeypatch.setenv(REWRITES_ENVIRONMENT_VARIABLE, "lstm_recurrence_as_one_op")
+@ONE_OP_LAYERS
+def test_the_switch_off_traces_step_by_step(monkeypatch, layer):
+    monkeypatch.setenv(REWRITES_ENVIRONMENT_VARIABLE, "recurrences_as_one_op")
     torch.manual_seed(0)
-    graph = _joint(Tagger(), 4)[0]
-    assert _targets(graph)[RECURRENCE] == 0
-    assert _targets(graph)["aten.sigmoid.default"] >= 3 * 4
+    graph = _joint(Tagger(layer), 4)[0]
+    assert _targets(graph)[RECURRENCE[layer]] == 0
+    assert _targets(graph)["aten.sigmoid.default"] >= 2 * 4
 
 
 def test_projections_decline_to_pytorch_s_decomposition():
     """An LSTM with projections (`proj_size`) is traced step by step, by PyTorch's decomposition."""
     torch.manual_seed(0)
     graph = _joint(Tagger(proj_size=3), 4)[0]
-    assert _targets(graph)[RECURRENCE] == 0
+    assert _targets(graph)[RECURRENCE[nn.LSTM]] == 0
 
 
+@ONE_OP_LAYERS
 @pytest.mark.parametrize(
     "options",
     [
@@ -143,11 +153,11 @@ def test_projections_decline_to_pytorch_s_decomposition():
     ],
     ids=["two-layers", "bidirectional-batch-first", "no-bias"],
 )
-def test_the_unrolled_translation_computes_what_the_traced_graph_computes(options):
+def test_the_unrolled_translation_computes_what_the_traced_graph_computes(layer, options):
     """The joint graph's ONNX translation (the recurrences unrolled), run by ONNX Runtime, gives the loss and every
     gradient that PyTorch gives running the traced graph itself (the ops' eager kernels)."""
     torch.manual_seed(0)
-    graph, sig, wrapper, inputs = _joint(Tagger(**options), 5)
+    graph, sig, wrapper, inputs = _joint(Tagger(layer, **options), 5)
     state = {**dict(wrapper.named_parameters()), **dict(wrapper.named_buffers())}
     user = iter(inputs)
     args = [state[name].detach() if kind != "user" else next(user) for kind, name in sig.inputs]
@@ -159,7 +169,8 @@ def test_the_unrolled_translation_computes_what_the_traced_graph_computes(option
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
     ops = Counter(n.op_type for n in model.graph.node)
-    assert ops["Sigmoid"] == 3 * 5 * (2 * 2 if options.get("bidirectional") else options.get("num_layers", 1))
+    per_step = 3 if layer is nn.LSTM else 1  # an LSTM's i, f, o; a GRU's r and z at once
+    assert ops["Sigmoid"] == per_step * 5 * (2 * 2 if options.get("bidirectional") else options.get("num_layers", 1))
 
 
 class LearnedStart(nn.Module):
@@ -182,7 +193,7 @@ class LearnedStart(nn.Module):
         return nn.functional.cross_entropy(logits, labels.reshape(-1)) + 0.1 * (h.square().mean() + c.abs().mean())
 
 
-@pytest.mark.parametrize("switch", ["", "lstm_recurrence_as_one_op"], ids=["one-op", "step-by-step"])
+@pytest.mark.parametrize("switch", ["", "recurrences_as_one_op"], ids=["one-op", "step-by-step"])
 @pytest.mark.parametrize(
     "make_model",
     [LearnedStart, lambda: Tagger(bidirectional=True), lambda: Tagger(nn.GRU, num_layers=2, batch_first=True)],
@@ -211,7 +222,7 @@ def test_trains_as_torch_optim(monkeypatch, switch, make_model):
 
 @pytest.mark.parametrize(
     ("layer", "switch"),
-    [(nn.LSTM, ""), (nn.LSTM, "lstm_recurrence_as_one_op"), (nn.GRU, ""), (nn.RNN, "")],
+    [(nn.LSTM, ""), (nn.LSTM, "recurrences_as_one_op"), (nn.GRU, ""), (nn.RNN, "")],
     ids=["lstm-one-op", "lstm-step-by-step", "gru", "rnn"],
 )
 def test_dropout_between_layers_is_applied(monkeypatch, layer, switch):
@@ -225,7 +236,8 @@ def test_dropout_between_layers_is_applied(monkeypatch, layer, switch):
     assert len(dropouts) == 2 and all(n.args[1] == 0.25 for n in dropouts)
 
 
-def test_other_lengths_one_step_and_one_sample_train_as_torch_optim():
+@ONE_OP_LAYERS
+def test_other_lengths_one_step_and_one_sample_train_as_torch_optim(layer):
     """Batches of 5, 1 and 7 steps, and of one sample, through one trainer (a graph per input shape): torch.optim's
     weights."""
     g = torch.Generator().manual_seed(0)
@@ -234,7 +246,7 @@ def test_other_lengths_one_step_and_one_sample_train_as_torch_optim():
     desc = {"inputs": [("tokens", ["batch", "seq"]), ("labels", ["batch", "seq"])], "outputs": [("loss", [], True)]}
 
     def make_model():
-        return Tagger(num_layers=2, bidirectional=True)
+        return Tagger(layer, num_layers=2, bidirectional=True)
 
     torch.manual_seed(0)
     trainer = make_trainer(

@@ -112,7 +112,8 @@ class _Graph:
         self.constants: dict[torch.fx.Node, torch.Tensor] = {}  # nodes whose value is known now
         self._emitted: dict[tuple, Value] = {}  # constant tensors already written, by content
         self._count = 0
-        self.recurrences: dict[Value, _UnrolledRecurrence] = {}  # by its `acts` output (`_lstm_recurrence`)
+        # unrolled recurrences by the output only their backward reads (`_lstm_recurrence`, `_gru_recurrence`)
+        self.recurrences: dict[Value, _UnrolledRecurrence | _UnrolledGRU] = {}
 
     # -- building blocks --------------------------------------------------------------------------------------
     def fresh(self, base: str) -> Value:
@@ -791,7 +792,7 @@ def _backward_readers(node: torch.fx.Node) -> list[torch.fx.Node]:
     readers = [r for item in node.users for r in item.users]
     while any(_same_shape_view(r) for r in readers):
         readers = [v for r in readers for v in (r.users if _same_shape_view(r) else [r])]
-    return [r for r in readers if r.target is _RECURRENCE_BACKWARD]
+    return [r for r in readers if r.target in _BACKWARD_OPS]
 
 
 def _read_outside_backward(node: torch.fx.Node, index: int) -> bool:
@@ -800,7 +801,7 @@ def _read_outside_backward(node: torch.fx.Node, index: int) -> bool:
     readers = [r for item in node.users if item.args[1] == index for r in item.users]
     while any(_same_shape_view(r) for r in readers):
         readers = [v for r in readers for v in (r.users if _same_shape_view(r) else [r])]
-    return any(r.target is not _RECURRENCE_BACKWARD for r in readers)
+    return any(r.target not in _BACKWARD_OPS for r in readers)
 
 
 def _same_shape_view(node: torch.fx.Node) -> bool:
@@ -820,7 +821,9 @@ def _lstm_recurrence_backward(g: _Graph, node: torch.fx.Node) -> tuple[Value, ..
     the earlier step's d c = d c·f and its d h = W_hhᵀ·d gates."""
     grad_hs, grad_cs, cs, acts, c0, w_hh, reverse = node.args
     forward = g.recurrences.get(g.tensor(acts))
-    if forward is None or g.tensor(cs) != forward.cs_output:  # not the values of one unrolled forward
+    if (
+        not isinstance(forward, _UnrolledRecurrence) or g.tensor(cs) != forward.cs_output
+    ):  # not the values of one unrolled forward
         return None  # type: ignore[return-value]
     batch = g.meta(c0).shape[0]  # type: ignore[arg-type]
     steps = g.meta(grad_hs).shape[1] // batch  # type: ignore[arg-type]
@@ -846,7 +849,90 @@ def _lstm_recurrence_backward(g: _Graph, node: torch.fx.Node) -> tuple[Value, ..
     )
 
 
+@dataclass(frozen=True)
+class _UnrolledGRU:
+    """An unrolled `gru_recurrence`'s per-step values its backward reads, each [H or 3H, B] (feature-major)."""
+
+    update: list[Value]  # z: d h_prev from d h, besides through W_hh
+    input_factors: list[Value]  # d gates_x from d h (stacked three times): r, z, n pre-activation factors
+    recurrent_factors: list[Value]  # d gh from d h (stacked three times)
+
+
+def _gru_recurrence(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    """A GRU layer's recurrence unrolled, feature-major as the op is (gradient/recurrent_layers.py): per step (in
+    reverse for `reverse`) gh = W_hh·hᵀ (+ b_hh), r, z = σ(gates_x's + gh's r, z parts), n = tanh(gates_x's n + r·gh's
+    n), h = n + z·(h - n); where the backward reads the step, also the factors it multiplies d h by
+    (`_UnrolledGRU`). The hs are the steps' Concat where an op other than the backward reads them."""
+    gates_x, h0, w_hh, b_hh, reverse = node.args
+    width, columns = g.meta(gates_x).shape  # type: ignore[arg-type]
+    batch = g.meta(h0).shape[0]  # type: ignore[arg-type]
+    if g.meta(gates_x).dtype != torch.float32 or _read_outside_backward(node, 1):  # type: ignore[arg-type]
+        return None  # type: ignore[return-value]
+    hidden, steps = width // 3, columns // batch
+    inputs = _steps_of(g, g.tensor(gates_x), steps, batch)
+    bias = None if b_hh is None else g.one("Unsqueeze", [g.tensor(b_hh), g.ints([1])])
+    h = g.one("Transpose", [g.tensor(h0)], perm=[1, 0])
+    backward = bool(_backward_readers(node))
+    one = g.scalar(1.0, torch.float32)
+    hs, update, input_factors, recurrent_factors = ([""] * steps for _ in range(4))
+    for t in reversed(range(steps)) if reverse else range(steps):
+        recurrent = g.one("MatMul", [g.tensor(w_hh), h])
+        recurrent = recurrent if bias is None else g.one("Add", [recurrent, bias])
+        x_rz, x_n = g.emit("Split", [inputs[t], g.ints([2 * hidden, hidden])], outputs=2, axis=0)
+        h_rz, h_n = g.emit("Split", [recurrent, g.ints([2 * hidden, hidden])], outputs=2, axis=0)
+        r, z = g.emit(
+            "Split", [g.one("Sigmoid", [g.one("Add", [x_rz, h_rz])]), g.ints([hidden] * 2)], outputs=2, axis=0
+        )
+        n = g.one("Tanh", [g.one("Add", [x_n, g.one("Mul", [r, h_n])])])
+        kept = g.one("Sub", [h, n])  # h_prev - n
+        h = g.one("Add", [n, g.one("Mul", [z, kept])])
+        hs[t] = h
+        if backward:
+            not_z = g.one("Sub", [one, z])
+            through_n = g.one("Mul", [not_z, g.one("Sub", [one, g.one("Mul", [n, n])])])  # (1 - z)·(1 - n²)
+            through_z = g.one("Mul", [kept, g.one("Mul", [z, not_z])])  # (h_prev - n)·z(1 - z)
+            through_r = g.one("Mul", [g.one("Mul", [through_n, h_n]), g.one("Mul", [r, g.one("Sub", [one, r])])])
+            input_factors[t] = g.one("Concat", [through_r, through_z, through_n], axis=0)
+            recurrent_factors[t] = g.one("Concat", [through_r, through_z, g.one("Mul", [through_n, r])], axis=0)
+            update[t] = z
+    outputs = (
+        g.one("Concat", hs, axis=1) if _read_outside_backward(node, 0) else g.fresh("unmaterialized"),
+        g.fresh("unmaterialized"),
+    )
+    if backward:
+        g.recurrences[outputs[1]] = _UnrolledGRU(update, input_factors, recurrent_factors)
+    return outputs
+
+
+def _gru_recurrence_backward(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    """A GRU recurrence's backward unrolled, feature-major, over the factors its forward computed
+    (`gru_recurrence_backward`'s docstring): per step, backward in time, d h = d hs[t] + the later step's,
+    d gates_x and d gh = (d h, d h, d h) stacked times their factors, the earlier step's d h = d h·z + W_hhᵀ·d gh."""
+    grad_hs, _, saved, h0, w_hh, reverse = node.args
+    forward = g.recurrences.get(g.tensor(saved))
+    if not isinstance(forward, _UnrolledGRU):
+        return None  # type: ignore[return-value]
+    batch = g.meta(h0).shape[0]  # type: ignore[arg-type]
+    steps = g.meta(grad_hs).shape[1] // batch  # type: ignore[arg-type]
+    upper = _steps_of(g, g.tensor(grad_hs), steps, batch)
+    w_t = g.one("Transpose", [g.tensor(w_hh)], perm=[1, 0])  # read by every step: ONNX Runtime keeps it a tensor
+    grad_gates, grad_recurrent = [""] * steps, [""] * steps
+    grad_h = ""
+    for t in range(steps) if reverse else reversed(range(steps)):
+        grad_h = g.one("Add", [upper[t], grad_h]) if grad_h else upper[t]
+        stacked = g.one("Concat", [grad_h, grad_h, grad_h], axis=0)
+        grad_gates[t] = g.one("Mul", [stacked, forward.input_factors[t]])
+        grad_recurrent[t] = g.one("Mul", [stacked, forward.recurrent_factors[t]])
+        grad_h = g.one("Add", [g.one("Mul", [grad_h, forward.update[t]]), g.one("MatMul", [w_t, grad_recurrent[t]])])
+    return (
+        g.one("Concat", grad_gates, axis=1),
+        g.one("Concat", grad_recurrent, axis=1),
+        g.one("Transpose", [grad_h], perm=[1, 0]),
+    )
+
+
 _RECURRENCE_BACKWARD = torch.ops.orttrainer.lstm_recurrence_backward.default
+_BACKWARD_OPS = {_RECURRENCE_BACKWARD, torch.ops.orttrainer.gru_recurrence_backward.default}
 _RANDOM = {aten.native_dropout.default}
 
 _VIEWS = (
@@ -966,6 +1052,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
     },
     torch.ops.orttrainer.lstm_recurrence.default: _lstm_recurrence,
     _RECURRENCE_BACKWARD: _lstm_recurrence_backward,
+    torch.ops.orttrainer.gru_recurrence.default: _gru_recurrence,
+    torch.ops.orttrainer.gru_recurrence_backward.default: _gru_recurrence_backward,
     # creation ops with static arguments: always folded (`_fold`); untranslatable otherwise
     **{op: (lambda g, node: None) for op in (aten.arange.default, aten.arange.start, aten.arange.start_step)},
 }

@@ -133,7 +133,7 @@ def trace_joint(
     dynamic = any(dims)
     with (
         # an LSTM's recurrence as one op, which only the direct translation knows (gradient/recurrent_layers.py)
-        recurrence_as_one_op(not for_torch_onnx and rewrite_enabled("lstm_recurrence_as_one_op")),
+        recurrence_as_one_op(not for_torch_onnx and rewrite_enabled("recurrences_as_one_op")),
         torch_private.module_state_kept(wrapper),  # a failed (or any) trace leaves no traced tensor in the model
         _requires_grad_only(wrapper, wrapper.inner.model, set(trainable)),
         tensor_attributes_as_buffers(wrapper),

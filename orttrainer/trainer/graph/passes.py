@@ -38,8 +38,8 @@ CPU, convolutions run in ONNX Runtime's blocked channel layout, applied when a s
 (gradient/torch_decompositions.py: the torch builder writes a convolution's weight gradient as one matrix product per
 kernel position instead of one convolution) and `threshold_backward_as_product` (gradient/torch_decompositions.py: the
 torch builder writes ReLU's backward as the gradient times its mask instead of a `Where`) and
-`lstm_recurrence_as_one_op` (gradient/recurrent_layers.py: the torch builder traces each LSTM layer's recurrence as one
-op, which its direct translation unrolls, instead of step by step). None of them changes what is computed beyond
+`recurrences_as_one_op` (gradient/recurrent_layers.py: the torch builder traces each LSTM or GRU layer's recurrence as
+one op, which its direct translation unrolls, instead of step by step). None of them changes what is computed beyond
 float32 rounding, but for `threshold_backward_as_product`'s non-finite gradients at masked positions (NaN where the
 `Where` gives 0, its docstring); each is tested both ways.
 """
@@ -183,7 +183,7 @@ REWRITES = (
     "blocked_convolutions",
     "conv_weight_gradient_per_offset",
     "threshold_backward_as_product",
-    "lstm_recurrence_as_one_op",
+    "recurrences_as_one_op",
 )
 
 

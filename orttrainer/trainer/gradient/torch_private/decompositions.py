@@ -391,26 +391,32 @@ TABLE: tuple[Entry, ...] = (
         "nn.Bilinear: no translation, no decomposition; an einsum, whose derivative is einsums",
         own.trilinear,
     ),
-    Entry(
-        ("aten.lstm.input",),
-        "autograd",
-        "orttrainer",
-        "nn.LSTM: PyTorch's decomposition (its own kernel at this stage) loops over the time steps, so the trace grew "
-        "with the sequence (9,000 nodes for the benchmark LSTM), and it never applies the dropout between layers; "
-        "layer by layer with that dropout, each layer's recurrence one op that the direct ONNX translation unrolls "
-        "(gradient/recurrent_layers.py; switch: lstm_recurrence_as_one_op)",
-        recurrent_layers.lstm,
+    *(
+        Entry(
+            (f"aten.{name}.input",),
+            "autograd",
+            "orttrainer",
+            "nn.LSTM, nn.GRU: PyTorch's decomposition (its own kernel at this stage) loops over the time steps, so "
+            "the trace grew with the sequence (9,000 nodes for the benchmark LSTM), and it never applies the dropout "
+            "between layers; layer by layer with that dropout, each layer's recurrence one op that the direct ONNX "
+            "translation unrolls (gradient/recurrent_layers.py; switch: recurrences_as_one_op)",
+            decomposition,
+        )
+        for name, decomposition in (
+            ("lstm", recurrent_layers.lstm),
+            ("gru", recurrent_layers.single_state_rnn(aten.gru.input)),
+        )
     ),
     *(
         Entry(
             (f"aten.{name}.input",),
             "autograd",
             "orttrainer",
-            "nn.GRU, nn.RNN: PyTorch's decomposition (its own kernel at this stage) never applies the dropout between "
-            "layers; its layers one by one with that dropout (gradient/recurrent_layers.py)",
+            "nn.RNN: PyTorch's decomposition (its own kernel at this stage) never applies the dropout between layers; "
+            "its layers one by one with that dropout (gradient/recurrent_layers.py)",
             recurrent_layers.single_state_rnn(getattr(aten, name).input),
         )
-        for name in ("gru", "rnn_tanh", "rnn_relu")
+        for name in ("rnn_tanh", "rnn_relu")
     ),
     Entry(
         ("aten._embedding_bag.default", "aten._embedding_bag_forward_only.default"),
