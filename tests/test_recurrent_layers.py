@@ -1,7 +1,7 @@
-"""Recurrent layers as the torch builder traces them (gradient/recurrent_layers.py): an LSTM layer's recurrence as one
-op — the decomposition against nn.LSTM and autograd, the trace's size against the sequence length, the unrolled ONNX
-translation against PyTorch, the trainer against torch.optim with the rewrite on and off — and the dropout between
-the layers of nn.LSTM, nn.GRU and nn.RNN."""
+"""Recurrent layers as the torch builder traces them (gradient/recurrent_layers.py): an LSTM's or GRU's layer's
+recurrence as one op — the decomposition against nn.LSTM/nn.GRU and autograd, the trace's size against the sequence
+length, the unrolled ONNX translation against PyTorch, the trainer against torch.optim with the rewrite on and off —
+and the dropout between the layers of nn.LSTM, nn.GRU and nn.RNN."""
 
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ def test_the_torch_builder_s_qkv_gradient_is_a_concat_and_trains_the_same_withou
 )
 def test_the_torch_builder_s_lstm_rewrites_train_as_torch_does(monkeypatch, switch, fewer):
     """An LSTM's recurrent weight and bias gradients, one product or reduction per time step added (the torch
-    builder's trace step by step: `recurrences_as_one_op` off, as for a GRU or an LSTM it declines), become one
+    builder's trace step by step: `recurrences_as_one_op` off, as for an nn.RNN or an LSTM it declines), become one
     per layer (graph/summed_uses.py), and its reductions over an axis of size 1 go
     (graph/static_shapes.drop_noop_reductions); each switched off keeps its ops; all train as torch.optim does."""
     g = torch.Generator().manual_seed(0)
