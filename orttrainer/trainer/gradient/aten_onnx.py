@@ -43,7 +43,6 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ...dtypes import torch_to_onnx
-from . import recurrent_layers as _registers_the_recurrence_ops  # noqa: F401 - torch.ops.orttrainer.lstm_*
 
 FOLD_LIMIT = 1 << 16  # elements of a constant result computed at translation time
 # torch dtypes without a numpy dtype: a constant of one leaves the graph to torch.onnx, which writes it itself
@@ -208,7 +207,7 @@ class _Graph:
             return
         if self._fold(node):
             return
-        translation = _TRANSLATIONS.get(node.target)
+        translation = _TRANSLATIONS.get(node.target) or _CUSTOM_TRANSLATIONS.get(_custom_op_name(node.target))
         if translation is None:
             raise UntranslatableGraph(f"no direct ONNX translation for {node.target} (node {node.name})")
         result = translation(self, node)
@@ -792,7 +791,7 @@ def _backward_readers(node: torch.fx.Node) -> list[torch.fx.Node]:
     readers = [r for item in node.users for r in item.users]
     while any(_same_shape_view(r) for r in readers):
         readers = [v for r in readers for v in (r.users if _same_shape_view(r) else [r])]
-    return [r for r in readers if r.target in _BACKWARD_OPS]
+    return [r for r in readers if _custom_op_name(r.target) in _BACKWARD_OPS]
 
 
 def _read_outside_backward(node: torch.fx.Node, index: int) -> bool:
@@ -801,7 +800,7 @@ def _read_outside_backward(node: torch.fx.Node, index: int) -> bool:
     readers = [r for item in node.users if item.args[1] == index for r in item.users]
     while any(_same_shape_view(r) for r in readers):
         readers = [v for r in readers for v in (r.users if _same_shape_view(r) else [r])]
-    return any(r.target not in _BACKWARD_OPS for r in readers)
+    return any(_custom_op_name(r.target) not in _BACKWARD_OPS for r in readers)
 
 
 def _same_shape_view(node: torch.fx.Node) -> bool:
@@ -931,8 +930,16 @@ def _gru_recurrence_backward(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...
     )
 
 
-_RECURRENCE_BACKWARD = torch.ops.orttrainer.lstm_recurrence_backward.default
-_BACKWARD_OPS = {_RECURRENCE_BACKWARD, torch.ops.orttrainer.gru_recurrence_backward.default}
+_BACKWARD_OPS = {"orttrainer::lstm_recurrence_backward", "orttrainer::gru_recurrence_backward"}
+
+
+def _custom_op_name(target: Any) -> str | None:
+    """An op's qualified name ("orttrainer::lstm_recurrence"): orttrainer's own ops are translated by name, so that
+    importing the translation does not register them (gradient/recurrent_layers.recurrent_ops)."""
+    schema = getattr(target, "_schema", None)
+    return schema.name if schema is not None else None
+
+
 _RANDOM = {aten.native_dropout.default}
 
 _VIEWS = (
@@ -1050,10 +1057,12 @@ _TRANSLATIONS: dict[Any, Translation] = {
             aten.scalar_tensor.default,
         )
     },
-    torch.ops.orttrainer.lstm_recurrence.default: _lstm_recurrence,
-    _RECURRENCE_BACKWARD: _lstm_recurrence_backward,
-    torch.ops.orttrainer.gru_recurrence.default: _gru_recurrence,
-    torch.ops.orttrainer.gru_recurrence_backward.default: _gru_recurrence_backward,
     # creation ops with static arguments: always folded (`_fold`); untranslatable otherwise
     **{op: (lambda g, node: None) for op in (aten.arange.default, aten.arange.start, aten.arange.start_step)},
+}
+_CUSTOM_TRANSLATIONS: dict[str | None, Translation] = {
+    "orttrainer::lstm_recurrence": _lstm_recurrence,
+    "orttrainer::lstm_recurrence_backward": _lstm_recurrence_backward,
+    "orttrainer::gru_recurrence": _gru_recurrence,
+    "orttrainer::gru_recurrence_backward": _gru_recurrence_backward,
 }
