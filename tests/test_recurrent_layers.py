@@ -16,8 +16,8 @@ from torch import nn
 
 from orttrainer import optim
 from orttrainer.trainer.gradient.aten_onnx import translate
-from orttrainer.trainer.gradient.recurrent_layers import lstm, recurrence_as_one_op, single_state_rnn
-from orttrainer.trainer.gradient.torch_trace import JointWrapper, trace_joint
+from orttrainer.trainer.gradient.recurrent_layers import lstm, single_state_rnn
+from orttrainer.trainer.gradient.torch_trace import JointWrapper, trace_joint, translated_directly
 from orttrainer.trainer.graph.passes import REWRITES_ENVIRONMENT_VARIABLE
 
 RECURRENCE = {nn.LSTM: "orttrainer.lstm_recurrence.default", nn.GRU: "orttrainer.gru_recurrence.default"}
@@ -49,7 +49,7 @@ def test_the_decomposition_computes_what_nn_lstm_computes(bidirectional, bias, b
     out, (h, c) = module(x, (h0, c0))
     leaves = [x, h0, c0, *module.parameters()]
     expected = torch.autograd.grad(_loss(out, h, c), leaves)
-    with recurrence_as_one_op(True):
+    with translated_directly(True):
         ours = lstm(x, [h0, c0], list(module._flat_weights), bias, layers, 0.0, True, bidirectional, batch_first)
     got = torch.autograd.grad(_loss(*ours), leaves)
     for a, b in zip((out, h, c, *expected), (*ours, *got), strict=True):
@@ -73,7 +73,7 @@ def test_gru_and_rnn_layer_by_layer_compute_what_the_module_computes(layer, op, 
     leaves = [x, h0, *module.parameters()]
     expected = torch.autograd.grad(out.square().sum() + h.sin().sum(), leaves)
     decomposition = single_state_rnn(getattr(torch.ops.aten, op).input)
-    with recurrence_as_one_op(one_op):
+    with translated_directly(one_op):
         ours = decomposition(x, h0, list(module._flat_weights), True, 3, 0.0, True, bidirectional, True)
     got = torch.autograd.grad(ours[0].square().sum() + ours[1].sin().sum(), leaves)
     for a, b in zip((out, h, *expected), (*ours, *got), strict=True):

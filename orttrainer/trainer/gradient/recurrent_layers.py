@@ -6,10 +6,11 @@ gradient/aten_onnx.py).
 Rule: `lstm` and `single_state_rnn(op)` (the "autograd"-stage decompositions of `aten.lstm.input`, `aten.gru.input`,
 `aten.rnn_tanh.input` and `aten.rnn_relu.input`, torch_private/decompositions.py) compute what the op computes: each
 layer, both directions, then in training mode dropout at p on its output unless it is the last layer. A layer is
-PyTorch's own decomposition of the op for one layer, except an LSTM's or GRU's layers where `recurrence_as_one_op` is
-on. Those run feature-major — a sequence is [features, T·B], column t·B + b holding sample b at step t — from the
-first layer's input to the last layer's output: per layer and direction, gates_x = W_ih·x + b_ih (+ b_hh for an
-LSTM) over all steps at once, then the recurrence in time order (reversed for the reverse direction):
+PyTorch's own decomposition of the op for one layer, except an LSTM's or GRU's layers in a trace for the direct
+translation (`torch_trace.for_direct_translation`). Those run feature-major — a sequence is [features, T·B], column
+t·B + b holding sample b at step t — from the first layer's input to the last layer's output: per layer and
+direction, gates_x = W_ih·x + b_ih (+ b_hh for an LSTM) over all steps at once, then the recurrence in time order
+(reversed for the reverse direction):
 - `lstm_recurrence(gates_x, h0, c0, W_hh, reverse)`: gates = gates_x's step t + W_hh·hᵀ, i, f, o = σ(their parts),
   g = tanh(its part), c = f·c + i·g, h = o·tanh(c); it returns every step's h, c and activated gates (i, f, g, o);
 - `gru_recurrence(gates_x, h0, W_hh, b_hh, reverse)`: gh = W_hh·hᵀ + b_hh, r, z = σ(gates_x's + gh's r, z parts),
@@ -36,28 +37,12 @@ and most of an 8.3 s first step, 1.8 s now (docs/engine.md §23). And PyTorch's 
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
 
-__all__ = ["lstm", "recurrence_as_one_op", "recurrent_ops", "single_state_rnn"]
-
-_state = threading.local()
-
-
-@contextlib.contextmanager
-def recurrence_as_one_op(enabled: bool) -> Iterator[None]:
-    """Within the block (this thread), `lstm` writes each recurrence as one op when `enabled`; outside, or when not,
-    it is PyTorch's decomposition. The torch builder enables it for traces it translates directly."""
-    previous = getattr(_state, "enabled", False)
-    _state.enabled = enabled
-    try:
-        yield
-    finally:
-        _state.enabled = previous
+__all__ = ["lstm", "recurrent_ops", "single_state_rnn"]
 
 
 def lstm(
@@ -209,6 +194,15 @@ def recurrent_ops() -> ModuleType:
     return ops
 
 
+def _direct_translation() -> bool:
+    """Whether the trace running in this thread is for the direct translation (which unrolls the recurrence ops) and
+    the switch `recurrences_as_one_op` is on."""
+    from ..graph.passes import rewrite_enabled
+    from .torch_trace import for_direct_translation
+
+    return for_direct_translation() and rewrite_enabled("recurrences_as_one_op")
+
+
 def _pytorch(op: torch._ops.OpOverload) -> Callable:
     from .torch_private import pytorch_decomposition
 
@@ -220,7 +214,7 @@ def _one_op(input: torch.Tensor, hx: list[torch.Tensor], params: Sequence[torch.
     float32 throughout, 3-d input."""
     tensors = [input, *hx, *params]
     return (
-        getattr(_state, "enabled", False)
+        _direct_translation()
         and input.dim() == 3
         and all(h.shape == hx[0].shape for h in hx)
         and len(params) == count

@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from ..build.export import _ModelWithLoss
-from ..graph.passes import rewrite_enabled
 from . import torch_private
 from .errors import GradientBuildError
-from .recurrent_layers import recurrence_as_one_op
 
 
 class UntraceableFunctionError(GradientBuildError):
@@ -132,8 +131,7 @@ def trace_joint(
     dims = [list(d) for d in dynamic_dims] if dynamic_dims is not None else [[] for _ in inputs]
     dynamic = any(dims)
     with (
-        # an LSTM's recurrence as one op, which only the direct translation knows (gradient/recurrent_layers.py)
-        recurrence_as_one_op(not for_torch_onnx and rewrite_enabled("recurrences_as_one_op")),
+        translated_directly(not for_torch_onnx),
         torch_private.module_state_kept(wrapper),  # a failed (or any) trace leaves no traced tensor in the model
         _requires_grad_only(wrapper, wrapper.inner.model, set(trainable)),
         tensor_attributes_as_buffers(wrapper),
@@ -163,6 +161,27 @@ def trace_joint(
             raise
         except Exception as err:
             raise _explain_trace_error(err, wrapper, inputs, trainable) from err
+
+
+_trace = threading.local()
+
+
+@contextlib.contextmanager
+def translated_directly(direct: bool) -> Iterator[None]:
+    """Within the block (this thread), traces are for the direct translation (gradient/aten_onnx.py) when `direct`,
+    else for torch.onnx: decompositions may then use ops only the direct translation knows (the recurrences of
+    gradient/recurrent_ops.py)."""
+    previous = getattr(_trace, "direct", False)
+    _trace.direct = direct
+    try:
+        yield
+    finally:
+        _trace.direct = previous
+
+
+def for_direct_translation() -> bool:
+    """Whether the trace running in this thread is for the direct translation (`translated_directly`)."""
+    return getattr(_trace, "direct", False)
 
 
 @contextlib.contextmanager
