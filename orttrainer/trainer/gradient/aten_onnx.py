@@ -18,10 +18,13 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   the trainer seeds it like any Dropout (graph/dropout_seeds.py);
 - `convolution` is Conv or ConvTranspose with its attributes (the weight gradients of gradient/torch_decompositions.py
   are products, pads and slices), so a CNN's graph needs no second trace for torch.onnx (docs/engine.md §20);
-- an LSTM layer's recurrence and its backward (`orttrainer::lstm_recurrence[_backward]`, gradient/recurrent_layers.py)
-  are unrolled, feature-major as the ops are: each time step's cell as plain ops, the steps' results concatenated
-  where an op other than the backward reads them; the forward also computes, per step, the factors the backward
-  multiplies by (3 products of each step's activations), so that the backward's step is 8 ops.
+- an LSTM's or GRU's layer's recurrence and its backward (`orttrainer::lstm_recurrence[_backward]`,
+  `orttrainer::gru_recurrence[_backward]`, gradient/recurrent_ops.py) are unrolled, feature-major as the ops are: each
+  time step's cell as plain ops, the steps' results concatenated where an op other than the backward reads them; the
+  forward also computes, per step, the factors the backward multiplies by, so that the backward's step is 8 ops (7
+  for a GRU); these ops are looked up by name (`_CUSTOM_TRANSLATIONS`), so that importing this module does not
+  register them;
+- a view to its input's own shape is that input's value (no node).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
 source of ~500 functions on first use) and runs a general optimiser; on the benchmark transformer's joint graph
@@ -787,20 +790,22 @@ def _steps_of(g: _Graph, value: Value, steps: int, batch: int) -> list[Value]:
 
 
 def _backward_readers(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The `lstm_recurrence_backward` nodes reading `node`'s outputs (directly or through same-shape views)."""
-    readers = [r for item in node.users for r in item.users]
-    while any(_same_shape_view(r) for r in readers):
-        readers = [v for r in readers for v in (r.users if _same_shape_view(r) else [r])]
-    return [r for r in readers if _custom_op_name(r.target) in _BACKWARD_OPS]
+    """The recurrence backward nodes reading any output of `node`."""
+    return [r for r in _readers(node) if _custom_op_name(r.target) in _BACKWARD_OPS]
 
 
 def _read_outside_backward(node: torch.fx.Node, index: int) -> bool:
-    """Whether output `index` of `node` is read by anything but a `lstm_recurrence_backward` (directly or through
-    views of the same shape, which are the value itself: `_reshape`)."""
-    readers = [r for item in node.users if item.args[1] == index for r in item.users]
+    """Whether output `index` of `node` is read by anything but a recurrence backward."""
+    return any(_custom_op_name(r.target) not in _BACKWARD_OPS for r in _readers(node, index))
+
+
+def _readers(node: torch.fx.Node, index: int | None = None) -> list[torch.fx.Node]:
+    """The nodes reading output `index` (None: any output) of the multi-output `node`, through views of the same
+    shape (which are the value itself: `_reshape`)."""
+    readers = [r for item in node.users if index is None or item.args[1] == index for r in item.users]
     while any(_same_shape_view(r) for r in readers):
         readers = [v for r in readers for v in (r.users if _same_shape_view(r) else [r])]
-    return any(_custom_op_name(r.target) not in _BACKWARD_OPS for r in readers)
+    return readers
 
 
 def _same_shape_view(node: torch.fx.Node) -> bool:
@@ -820,15 +825,13 @@ def _lstm_recurrence_backward(g: _Graph, node: torch.fx.Node) -> tuple[Value, ..
     the earlier step's d c = d c·f and its d h = W_hhᵀ·d gates."""
     grad_hs, grad_cs, cs, acts, c0, w_hh, reverse = node.args
     forward = g.recurrences.get(g.tensor(acts))
-    if (
-        not isinstance(forward, _UnrolledRecurrence) or g.tensor(cs) != forward.cs_output
-    ):  # not the values of one unrolled forward
+    if not isinstance(forward, _UnrolledRecurrence) or g.tensor(cs) != forward.cs_output:  # not one forward's values
         return None  # type: ignore[return-value]
     batch = g.meta(c0).shape[0]  # type: ignore[arg-type]
     steps = g.meta(grad_hs).shape[1] // batch  # type: ignore[arg-type]
     upper_h = _steps_of(g, g.tensor(grad_hs), steps, batch)
     upper_c = None if grad_cs is None else _steps_of(g, g.tensor(grad_cs), steps, batch)
-    w_t = g.one("Transpose", [g.tensor(w_hh)], perm=[1, 0])  # read by every step: ONNX Runtime keeps it a tensor
+    w_t = g.one("Transpose", [g.tensor(w_hh)], perm=[1, 0])  # once, read by every step's product
     grad_gates = [""] * steps
     grad_h = grad_c = ""
     for t in range(steps) if reverse else reversed(range(steps)):
@@ -914,7 +917,8 @@ def _gru_recurrence_backward(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...
     batch = g.meta(h0).shape[0]  # type: ignore[arg-type]
     steps = g.meta(grad_hs).shape[1] // batch  # type: ignore[arg-type]
     upper = _steps_of(g, g.tensor(grad_hs), steps, batch)
-    w_t = g.one("Transpose", [g.tensor(w_hh)], perm=[1, 0])  # read by every step: ONNX Runtime keeps it a tensor
+    # once, read by every step's product; ONNX Runtime folds it into each step's Gemm here (docs/engine.md §23)
+    w_t = g.one("Transpose", [g.tensor(w_hh)], perm=[1, 0])
     grad_gates, grad_recurrent = [""] * steps, [""] * steps
     grad_h = ""
     for t in range(steps) if reverse else reversed(range(steps)):

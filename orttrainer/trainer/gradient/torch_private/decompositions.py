@@ -6,13 +6,13 @@ Two stages (`Entry.stage`):
 - "autograd": replaces an op before autograd sees it (a Python kernel for the op's Autograd dispatch key, as
   PyTorch itself registers for `aten.lstm`), so autograd differentiates the decomposition's ops. Used for forward
   ops whose own backward op has no ONNX translation while a differentiable decomposition of the forward exists.
-  An own entry for an op that PyTorch itself decomposes so (`aten.lstm.input`) replaces PyTorch's kernel while
-  tracing and falls back to it (`pytorch_decomposition`) where it declines.
+  An own entry for an op that PyTorch itself decomposes so (`aten.lstm.input`, `aten.gru.input`, the RNNs') replaces
+  PyTorch's kernel while tracing and calls it (`pytorch_decomposition`) where it declines.
 
 Order of preference (issue 23): PyTorch's decompositions (`torch._decomp`) and torch.onnx's translations (onnxscript
 torchlib); `orttrainer.trainer.gradient.torch_decompositions` only where neither exists. Each own entry is checked
-eagerly against the op and `torch.autograd` (tests/test_torch_decompositions.py) and through the builder and ONNX
-Runtime (tests/test_torch_builder_layers.py).
+eagerly against the op and `torch.autograd` (tests/test_torch_decompositions.py; the recurrent layers',
+tests/test_recurrent_layers.py) and through the builder and ONNX Runtime (tests/test_torch_builder_layers.py).
 
 Part of `torch_private` (see its docstring for the rule); verified on torch 2.13.0 with onnxscript 0.7.2.
 """
