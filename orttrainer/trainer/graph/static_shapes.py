@@ -13,7 +13,8 @@ rest on its result:
   reduction axes;
 - `DROP_NOOP_REDUCTIONS`: a `ReduceSum` over a constant empty axes list with `noop_with_empty_axes=1`, a `Sum`
   of one input, and a reduction over axes of size 1 become `Identity` (which ONNX Runtime then removes) or
-  `Squeeze`. It also runs on every gradient graph (graph/pipeline.py): the torch builder's LSTM has such reductions;
+  `Squeeze`. It also runs on every gradient graph (graph/pipeline.py): the torch builder's LSTM traced step by step has
+  such reductions;
 - `SCATTER_SUM_TO_CONCAT`: the gradient of `x[0], x[1], ..., x[n-1]` (PyTorch's fused q/k/v projection: n Gather
   gradients, scattered into zeros and summed) becomes one `Concat` of the n slices' gradients;
 - `WHERE_SUM_TO_CONCAT`: the same gradient as the torch builder's traced graph writes it (each slice's gradient
@@ -151,7 +152,7 @@ def drop_noop_reductions(model: onnx.ModelProto) -> onnx.ModelProto:
     with one input, become `Identity(x)` (same output name); so does a `ReduceSum`, `ReduceMean`, `ReduceMax` or
     `ReduceMin` over constant axes that are all of size 1 in x's inferred shape (the sum, mean, max or min of one
     value is that value), or `Squeeze(x, axes)` when it drops them (`keepdims=0`). The torch builder's trace of an
-    LSTM has one such `ReduceSum` per time step (docs/engine.md §21)."""
+    LSTM step by step has one such `ReduceSum` per time step (docs/engine.md §21)."""
     result = copy_model(model)
     constants = _initializers(result)
     shapes = inferred_shapes(result) if any(_reduced_axes(n, constants) for n in result.graph.node) else {}

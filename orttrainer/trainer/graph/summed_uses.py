@@ -2,9 +2,10 @@
 
 A tensor used at several places — an RNN's recurrent weight and biases at each of its time steps, a tied embedding —
 gets as gradient one term per use, added: `dW = A_1·B_1 + ... + A_n·B_n` for a weight, `db = sum(dY_1) + ... +
-sum(dY_n)` for a bias. The torch builder traces an LSTM over 64 steps into 64 products of [1024, 16]·[16, 256] and 63
-additions into a [1024, 256] accumulator, so the accumulator is read and written 64 times and each product has a
-contraction of 16 only; each bias gets 64 reductions of [16, 1024] and 63 additions. The same sums are one product of
+sum(dY_n)` for a bias. The torch builder traced an LSTM over 64 steps (an nn.RNN, or an LSTM or GRU whose recurrence
+is not one op: gradient/recurrent_layers.py, still is) into 64 products of [1024, 16]·[16, 256] and 63 additions
+into a [1024, 256] accumulator, so the accumulator is read and written 64 times and each product has a contraction of
+16 only; each bias gets 64 reductions of [16, 1024] and 63 additions. The same sums are one product of
 the operands concatenated along the contracted axis, `[A_1 ... A_n]·[B_1; ...; B_n]`, and one reduction of the
 concatenation (6.7 against 10.3 ms for those 64 products in ONNX Runtime, docs/engine.md §21).
 
