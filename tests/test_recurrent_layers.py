@@ -193,6 +193,22 @@ class LearnedStart(nn.Module):
         return nn.functional.cross_entropy(logits, labels.reshape(-1)) + 0.1 * (h.square().mean() + c.abs().mean())
 
 
+def _difference_from_torch_optim(make_model, batches, desc) -> float:
+    """The largest weight difference between ORTTrainer (torch builder, Adam) and torch.optim after `batches`."""
+    torch.manual_seed(0)
+    trainer = make_trainer(
+        make_model(),
+        desc,
+        optim.AdamConfig(lr=1e-2),
+        extra={"_internal_use": {"gradient_builder": "torch"}, "utils": {"grad_norm_clip": False}},
+    )
+    for tokens, labels in batches:
+        trainer.train_step(tokens, labels)
+    expected = adam_weights(make_model, batches, lr=1e-2)
+    weights = trainer_weights(trainer)
+    return max(float(np.abs(weights[n] - expected[n]).max()) for n in expected)
+
+
 @pytest.mark.parametrize("switch", ["", "recurrences_as_one_op"], ids=["one-op", "step-by-step"])
 @pytest.mark.parametrize(
     "make_model",
@@ -206,18 +222,7 @@ def test_trains_as_torch_optim(monkeypatch, switch, make_model):
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 30, (3, 7), generator=g), torch.randint(0, 5, (3, 7), generator=g)) for _ in range(3)]
     desc = {"inputs": [("tokens", [3, 7]), ("labels", [3, 7])], "outputs": [("loss", [], True)]}
-    torch.manual_seed(0)
-    trainer = make_trainer(
-        make_model(),
-        desc,
-        optim.AdamConfig(lr=1e-2),
-        extra={"_internal_use": {"gradient_builder": "torch"}, "utils": {"grad_norm_clip": False}},
-    )
-    for tokens, labels in batches:
-        trainer.train_step(tokens, labels)
-    expected = adam_weights(make_model, batches, lr=1e-2)
-    weights = trainer_weights(trainer)
-    assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-5
+    assert _difference_from_torch_optim(make_model, batches, desc) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -248,15 +253,4 @@ def test_other_lengths_one_step_and_one_sample_train_as_torch_optim(layer):
     def make_model():
         return Tagger(layer, num_layers=2, bidirectional=True)
 
-    torch.manual_seed(0)
-    trainer = make_trainer(
-        make_model(),
-        desc,
-        optim.AdamConfig(lr=1e-2),
-        extra={"_internal_use": {"gradient_builder": "torch"}, "utils": {"grad_norm_clip": False}},
-    )
-    for tokens, labels in batches:
-        trainer.train_step(tokens, labels)
-    expected = adam_weights(make_model, batches, lr=1e-2)
-    weights = trainer_weights(trainer)
-    assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-5
+    assert _difference_from_torch_optim(make_model, batches, desc) < 1e-5

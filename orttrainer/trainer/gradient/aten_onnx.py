@@ -747,13 +747,12 @@ def _lstm_recurrence(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     Add, Split into i, f, g, o, their activations, the cell update; where the backward reads the step, also the
     factors it needs (`_UnrolledRecurrence`). An output is the steps' Concat where an op other than the backward
     reads it."""
-    gates_x, h0, c0, w_hh, reverse = node.args
-    width, columns = g.meta(gates_x).shape  # type: ignore[arg-type]
-    batch = g.meta(h0).shape[0]  # type: ignore[arg-type]
-    if g.meta(gates_x).dtype != torch.float32 or _read_outside_backward(node, 2):  # type: ignore[arg-type]
+    _, h0, c0, w_hh, reverse = node.args
+    unrolled = _unrolled_inputs(g, node, gates=4, for_backward=2)
+    if unrolled is None:
         return None  # type: ignore[return-value]
-    hidden, steps = width // 4, columns // batch
-    inputs = _steps_of(g, g.tensor(gates_x), steps, batch)
+    inputs, hidden, batch = unrolled
+    steps = len(inputs)
     h, c = (g.one("Transpose", [g.tensor(v)], perm=[1, 0]) for v in (h0, c0))
     backward = bool(_backward_readers(node))
     one = g.scalar(1.0, torch.float32)
@@ -782,6 +781,19 @@ def _lstm_recurrence(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     if backward:
         g.recurrences[outputs[2]] = _UnrolledRecurrence(outputs[1], forget, through_cell, factors)
     return outputs
+
+
+def _unrolled_inputs(
+    g: _Graph, node: torch.fx.Node, gates: int, for_backward: int
+) -> tuple[list[Value], int, int] | None:
+    """(each step's [gates·H, B] columns of the recurrence's gates_x, H, B), or None where the op is not translated:
+    not float32, or its output `for_backward` (saved for its backward only) is read elsewhere."""
+    gates_x, h0 = node.args[:2]
+    width, columns = g.meta(gates_x).shape  # type: ignore[arg-type]
+    batch = g.meta(h0).shape[0]  # type: ignore[arg-type]
+    if g.meta(gates_x).dtype != torch.float32 or _read_outside_backward(node, for_backward):  # type: ignore[arg-type]
+        return None
+    return _steps_of(g, g.tensor(gates_x), columns // batch, batch), width // gates, batch
 
 
 def _steps_of(g: _Graph, value: Value, steps: int, batch: int) -> list[Value]:
@@ -865,13 +877,12 @@ def _gru_recurrence(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     reverse for `reverse`) gh = W_hh·hᵀ (+ b_hh), r, z = σ(gates_x's + gh's r, z parts), n = tanh(gates_x's n + r·gh's
     n), h = n + z·(h - n); where the backward reads the step, also the factors it multiplies d h by
     (`_UnrolledGRU`). The hs are the steps' Concat where an op other than the backward reads them."""
-    gates_x, h0, w_hh, b_hh, reverse = node.args
-    width, columns = g.meta(gates_x).shape  # type: ignore[arg-type]
-    batch = g.meta(h0).shape[0]  # type: ignore[arg-type]
-    if g.meta(gates_x).dtype != torch.float32 or _read_outside_backward(node, 1):  # type: ignore[arg-type]
+    _, h0, w_hh, b_hh, reverse = node.args
+    unrolled = _unrolled_inputs(g, node, gates=3, for_backward=1)
+    if unrolled is None:
         return None  # type: ignore[return-value]
-    hidden, steps = width // 3, columns // batch
-    inputs = _steps_of(g, g.tensor(gates_x), steps, batch)
+    inputs, hidden, batch = unrolled
+    steps = len(inputs)
     bias = None if b_hh is None else g.one("Unsqueeze", [g.tensor(b_hh), g.ints([1])])
     h = g.one("Transpose", [g.tensor(h0)], perm=[1, 0])
     backward = bool(_backward_readers(node))
