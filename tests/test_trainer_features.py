@@ -362,6 +362,24 @@ def test_deterministic_compute_and_user_session_options_reach_onnxruntime():
     assert session_options.use_deterministic_compute and session_options.intra_op_num_threads == 1
 
 
+@pytest.mark.parametrize("builder", [pytest.param("ort", marks=needs_training_build), "torch"])
+def test_cpu_sessions_run_without_the_buffer_reuse_plan_and_leave_the_users_options_as_they_were(builder):
+    """docs/engine.md §24: on the CPU every session (training and eval) frees each buffer when its tensor dies."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    extra = {"session_options": options, "_internal_use": {"gradient_builder": builder}}
+    trainer = make_trainer(MLP(), mlp_desc(), optim.SGDConfig(), CE, extra)
+    x, y = mlp_batches(1)[0]
+    trainer.train_step(x, y)
+    trainer.eval_step(x, y)
+    session = trainer._training_session
+    sessions = [session._runners.latest.session, session._evals.latest.session]
+    for created in sessions:
+        assert not created.get_session_options().enable_mem_reuse
+        assert not created.get_session_options().enable_mem_pattern
+    assert options.enable_mem_reuse and options.enable_mem_pattern  # the user's object is not changed
+
+
 def test_the_legacy_wrapper_passes_inputs_to_forward_by_name():
     class Named(torch.nn.Module):
         def __init__(self) -> None:

@@ -20,7 +20,7 @@ memory a step holds:
 - **No buffer reuse plan** (trainer/model.py, `SessionConfig.memory_reuse`): ONNX Runtime's allocation planner
   gives a tensor the buffer of an earlier one that has died, and keeps that buffer allocated from the first
   tensor's birth to the last one's death, over the gap between them (docs/engine.md §16); without the plan each
-  buffer is freed when its tensor dies.
+  buffer is freed when its tensor dies. On the CPU every session already runs without it (docs/engine.md §24).
 
 Recompute needs the last two as well (its copies would otherwise wait for the deferred outputs, and reuse the
 forward's buffers), so the trainer applies them with either option. The graph computes the same values either way,

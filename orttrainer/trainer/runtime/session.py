@@ -319,7 +319,8 @@ class SessionConfig:
     session_options: Any = None  # onnxruntime.SessionOptions given by the user
     deterministic: bool = False
     optimized_model_path: str = ""
-    memory_reuse: bool = True  # False: training sessions without ONNX Runtime's buffer reuse (docs/engine.md §16)
+    # False: training sessions without ONNX Runtime's buffer reuse (docs/engine.md §16); on the CPU no session has it
+    memory_reuse: bool = True
 
 
 class SessionBase(ABC):
