@@ -17,6 +17,7 @@ import pytest
 import torch
 from legacy_checkpoint_files import adam_state, linear_weights, trainer_options, write_checkpoint
 
+import orttrainer.checkpoint as orttrainer_checkpoint
 from orttrainer import _checkpoint_storage, _utils
 from orttrainer.checkpoint import _atomic, layout, storage
 from orttrainer.checkpoint.storage import CheckpointNotFoundError
@@ -461,6 +462,30 @@ def test_layout_imports_neither_torch_nor_onnxruntime():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_training_without_checkpoints_loads_no_hdf5_and_a_checkpoint_loads_it_when_first_needed(tmp_path):
+    # A fresh interpreter: this one has imported h5py already. docs/engine.md §24.
+    code = (
+        "import sys, torch, orttrainer.checkpoint as checkpoint\n"
+        "from orttrainer import ORTTrainer, ORTTrainerOptions, optim\n"
+        "model = torch.nn.Linear(4, 3)\n"
+        "desc = {'inputs': [('input', ['n', 4]), ('t', ['n'])], 'outputs': [('loss', [], True)]}\n"
+        "trainer = ORTTrainer(model, desc, optim.SGDConfig(), loss_fn=torch.nn.functional.cross_entropy,\n"
+        "                     options=ORTTrainerOptions({'device': {'id': 'cpu'}}))\n"
+        "trainer.train_step(torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))\n"
+        "assert 'h5py' not in sys.modules, 'a train_step imported h5py'\n"
+        "assert checkpoint.CheckpointNotFoundError is checkpoint.storage.CheckpointNotFoundError\n"
+        f"trainer.save_checkpoint({str(tmp_path / 'c.ortcp')!r})\n"
+        "assert 'h5py' in sys.modules\n"
+        f"trainer.load_checkpoint({str(tmp_path / 'c.ortcp')!r})\n"
+    )
+    env = {**os.environ, "ORTTRAINER_COMPILE_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "c.ortcp").is_file()
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        orttrainer_checkpoint.nothing  # noqa: B018 - the attribute read is the test
 
 
 def test_device_index():

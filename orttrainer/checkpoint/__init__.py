@@ -15,7 +15,10 @@
 
 from __future__ import annotations
 
-from . import layout, safe_pickle, storage, user_dict
+import importlib
+from typing import Any
+
+from . import layout, safe_pickle, user_dict
 from .aggregate import (
     _AGGREGATION_MODE,
     CheckpointAggregationError,
@@ -46,12 +49,11 @@ from .experimental import (
     experimental_state_dict,
 )
 from .safe_pickle import UnsafePickleError
-from .storage import CheckpointCorruptError, CheckpointNotFoundError
 
 __all__ = [
     "CheckpointAggregationError",
-    "CheckpointCorruptError",
-    "CheckpointNotFoundError",
+    "CheckpointCorruptError",  # noqa: F822 - served by __getattr__, with `storage`
+    "CheckpointNotFoundError",  # noqa: F822
     "UnsafePickleError",
     "aggregate_checkpoints",
     "experimental_load_checkpoint",
@@ -60,6 +62,18 @@ __all__ = [
     "experimental_state_dict",
     "layout",
     "safe_pickle",
-    "storage",
+    "storage",  # noqa: F822
     "user_dict",
 ]
+
+
+_FROM_STORAGE = ("CheckpointCorruptError", "CheckpointNotFoundError")
+
+
+def __getattr__(name: str) -> Any:
+    """``storage`` and its errors, imported when first asked for: ``storage`` imports h5py and HDF5 (~11 MB resident,
+    docs/engine.md §24), which a training run that never reads or writes a checkpoint does not need."""
+    if name == "storage" or name in _FROM_STORAGE:
+        storage = importlib.import_module(f"{__name__}.storage")  # also binds the attribute, for later reads
+        return storage if name == "storage" else getattr(storage, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,6 @@ from onnx import numpy_helper
 
 from .. import amp
 from .._require import require
-from ..checkpoint import storage
 from ..checkpoint._atomic import atomic_write
 from ..debug.subscriber import WATCHED
 from ..optim.config import _OptimizerConfig
@@ -406,6 +405,7 @@ class ORTTrainer:
         fully written; an existing path raises FileExistsError. `user_dict` is stored without pickle where it is
         plain data (`checkpoint/user_dict.py`); other values are pickled one by one, with a warning that loading
         them needs `trusted=True`."""
+        from ..checkpoint import storage  # HDF5 is loaded only by a run that checkpoints (docs/engine.md §24)
         from ..checkpoint.user_dict import encode_user_dict
 
         if self._built is None:
@@ -433,7 +433,7 @@ class ORTTrainer:
         naming its key, before the trainer's state changes and without running it. `trusted=True` unpickles
         whatever the file holds: only for files you trust, since unpickling can run any code.
         """
-        from ..checkpoint import aggregate_checkpoints
+        from ..checkpoint import aggregate_checkpoints, storage
         from ..checkpoint.user_dict import decode_user_dict
 
         options = storage.load(paths[0], key="trainer_options")
