@@ -270,3 +270,34 @@ def test_the_trainer_trains_the_same_with_either_translation(switch, monkeypatch
     assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
     ops = {n.op_type for n in trainer._built.compiled.training.model.graph.node}
     assert ("Squeeze" in ops) == (switch == "off")  # torch.onnx writes squeezes; the direct translation reshapes
+
+
+# orttrainer's own ops: the ordering gate and the activation marker -----------------------------------------------
+
+
+def test_the_ordering_gate_and_the_activation_marker_are_translated_directly():
+    """`after(x, dep)` is x once dep is computed (NaN, bool and 0-d deps included); `activation_mark` is the marker
+    node graph/statistics.py reads. Neither sends the graph to torch.onnx."""
+    from orttrainer.trainer.gradient.torch_private import custom_ops
+    from orttrainer.trainer.graph.statistics import MARK_DOMAIN, MARK_OP, directed_marks_to_identity
+
+    def f(x, dep, flag, scalar):
+        y = custom_ops.AFTER(x * 2, dep)
+        z = custom_ops.AFTER(y + 1, flag)
+        marked = custom_ops.ACTIVATION_MARK(z, "layer.out", False)
+        return custom_ops.AFTER(marked, scalar), custom_ops.ACTIVATION_MARK(y, "layer.out", True)
+
+    inputs = [torch.randn(3, 4), torch.tensor([float("nan"), 1.0]), torch.tensor([True]), torch.tensor(2.0)]
+    graph = make_fx(f)(*inputs)
+    model = translate(graph, ["x", "dep", "flag", "scalar"], ["out", "grad"], 18)
+    assert _ops(model).count(MARK_OP) == 2 and MARK_DOMAIN in {o.domain for o in model.opset_import}
+    assert _ops(model).count("Squeeze") == 3
+    plain, marks = directed_marks_to_identity(model)
+    assert [(activation, direction) for activation, direction, _ in marks] == [
+        ("layer.out", "forward"),
+        ("layer.out", "backward"),
+    ]
+    expected = f(*inputs)
+    got = _run(plain, inputs)
+    for value, want in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(value, want.numpy())

@@ -19,7 +19,6 @@ from torch import nn
 
 from orttrainer import optim
 from orttrainer.trainer.gradient.torch_builder import RECOMPUTED_KEY
-from orttrainer.trainer.graph.passes import REWRITES_ENVIRONMENT_VARIABLE
 from orttrainer.trainer.runtime import has_training_build
 
 TORCH = {"_internal_use": {"gradient_builder": "torch"}}
@@ -41,16 +40,6 @@ def _recomputed(trainer) -> int:
     return int(metadata.get(RECOMPUTED_KEY, 0))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_translation():
-    """Every graph here through torch.onnx: the direct translation (gradient/aten_onnx.py) does not take the graphs
-    recompute marks, and two translations of one computation round differently (Adam then amplifies the last bit),
-    so the bit-identical comparisons compare one translation with itself."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(REWRITES_ENVIRONMENT_VARIABLE, "aten_translation")
-        yield
-
-
 @pytest.fixture(scope="module")
 def reference():
     return trainer_weights(_train({}))
@@ -70,6 +59,27 @@ def test_each_option_recomputes_what_it_names_and_trains_bit_identically(referen
     trainer = _train({option: True})
     assert trainer.gradient_builder == "torch" and _recomputed(trainer) == expected
     assert max_difference(trainer_weights(trainer), reference) == 0.0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"graph_transformer": {"transformer_layer_recompute": True}},
+        {"graph_transformer": {"attn_dropout_recompute": True}},
+        {"graph_transformer": {}, "utils": {"memory_efficient_gradient": True}},
+    ],
+)
+def test_recompute_and_memory_efficient_gradients_keep_the_direct_translation(options, caplog):
+    """Their `after` gates have a direct ONNX translation (gradient/aten_onnx.py): the graph is not sent to
+    torch.onnx, whose re-trace took the transformer's first step from 2.3 s to 4-4.6 s (docs/engine.md §25)."""
+    import logging
+
+    graph_transformer = options.pop("graph_transformer")
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer = _train(graph_transformer, steps=1, **options)
+    assert "does not cover" not in caplog.text
+    names = [n.name for n in trainer._built.compiled.training.model.graph.node]
+    assert any(name.startswith("aten/") for name in names) and not any(name.startswith("node_") for name in names)
 
 
 def test_number_recompute_layers_counts_from_the_first_layer():

@@ -24,6 +24,9 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   forward also computes, per step, the factors the backward multiplies by, so that the backward's step is 8 ops (7
   for a GRU); these ops are looked up by name (`_CUSTOM_TRANSLATIONS`), so that importing this module does not
   register them;
+- orttrainer's ordering gate `after(x, dep)` (recompute and `utils.memory_efficient_gradient`) and activation marker
+  (`orttrainer.debug` statistics) are the nodes their torch.onnx translations write (gradient/torch_private/
+  custom_ops.py), so those options keep the direct translation;
 - a view to its input's own shape is that input's value (no node).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
@@ -46,6 +49,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ...dtypes import torch_to_onnx
+from ..graph.statistics import MARK_DOMAIN, MARK_OP
 
 FOLD_LIMIT = 1 << 16  # elements of a constant result computed at translation time
 # torch dtypes without a numpy dtype: a constant of one leaves the graph to torch.onnx, which writes it itself
@@ -257,8 +261,9 @@ class _Graph:
 
     def model(self) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, "main_graph", self.inputs, self.outputs, self.initializers)
-        opset = helper.make_opsetid("", self.opset)
-        return helper.make_model(graph, opset_imports=[opset], ir_version=helper.find_min_ir_version_for([opset]))
+        opsets = [helper.make_opsetid("", self.opset)]
+        opsets += [helper.make_opsetid(d, 1) for d in sorted({n.domain for n in self.nodes if n.domain})]
+        return helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets[:1]))
 
 
 # -- translations -------------------------------------------------------------------------------------------------
@@ -948,6 +953,27 @@ def _gru_recurrence_backward(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...
 _BACKWARD_OPS = {"orttrainer::lstm_recurrence_backward", "orttrainer::gru_recurrence_backward"}
 
 
+def _after(g: _Graph, node: torch.fx.Node) -> Value:
+    """`orttrainer::after(x, dep)`: `x`, computed only once `dep` is, as `Squeeze(Unsqueeze(x, [0]), [0] + z)` with
+    `z` an int64 zero read from `dep`'s first element: the gate torch.onnx's translation writes
+    (gradient/torch_private/custom_ops.py says why it copies nothing and no optimiser folds it)."""
+    x, dep = node.args
+    flat = g.one("Reshape", [g.tensor(dep), g.ints([-1])])
+    first = g.one("Slice", [flat, g.ints([0]), g.ints([1])])
+    number = g.one("Cast", [first], to=TensorProto.FLOAT)  # Greater takes numbers only (dep may be bool)
+    zero = g.one("ReduceSum", [g.one("Cast", [g.one("Greater", [number, number])], to=TensorProto.INT64)], keepdims=0)
+    axis = g.ints([0])
+    return g.one("Squeeze", [g.one("Unsqueeze", [g.tensor(x), axis]), g.one("Add", [axis, zero])])
+
+
+def _activation_mark(g: _Graph, node: torch.fx.Node) -> Value:
+    """`orttrainer::activation_mark(x, name, backward)`: the marker node `graph/statistics.py` reads
+    (`orttrainer.debug::ActivationMark`, attributes `activation` and `direction`)."""
+    x, name, backward = node.args
+    direction = "backward" if backward else "forward"
+    return g.one(MARK_OP, [g.tensor(x)], domain=MARK_DOMAIN, activation=name, direction=direction)
+
+
 def _custom_op_name(target: Any) -> str | None:
     """An op's qualified name ("orttrainer::lstm_recurrence"): orttrainer's own ops are translated by name, so that
     importing the translation does not register them (gradient/recurrent_layers.recurrent_ops)."""
@@ -1076,6 +1102,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
     **{op: (lambda g, node: None) for op in (aten.arange.default, aten.arange.start, aten.arange.start_step)},
 }
 _CUSTOM_TRANSLATIONS: dict[str | None, Translation] = {
+    "orttrainer::after": _after,
+    "orttrainer::activation_mark": _activation_mark,
     "orttrainer::lstm_recurrence": _lstm_recurrence,
     "orttrainer::lstm_recurrence_backward": _lstm_recurrence_backward,
     "orttrainer::gru_recurrence": _gru_recurrence,
