@@ -16,6 +16,8 @@ from orttrainer.trainer.gradient import torch_private
 from orttrainer.trainer.gradient.aten_onnx import FOLD_LIMIT, UntranslatableGraph, translate
 from orttrainer.trainer.gradient.torch_trace import JointWrapper
 
+aten = torch.ops.aten
+
 
 def _run(model: onnx.ModelProto, inputs: list[torch.Tensor]) -> list[np.ndarray]:
     onnx.checker.check_model(model, full_check=True)
@@ -301,3 +303,54 @@ def test_the_ordering_gate_and_the_activation_marker_are_translated_directly():
     got = _run(plain, inputs)
     for value, want in zip(got, expected, strict=True):
         np.testing.assert_array_equal(value, want.numpy())
+
+
+# a convolution's weight gradient traced as one op ---------------------------------------------------------------
+
+WEIGHT_GRADIENT_CASES = [
+    # (dims, in_ch, out_ch, kernel, stride, padding, dilation, transposed, output_padding, size)
+    (2, 3, 4, 3, 1, 1, 1, False, 0, 7),
+    (2, 4, 6, 1, 2, 0, 1, False, 0, 7),  # 1x1, stride 2: one position
+    (2, 3, 5, (3, 5), (2, 1), (1, 2), (2, 1), False, 0, 11),
+    (1, 4, 6, 3, 1, 0, 1, False, 0, 9),
+    (3, 2, 3, 3, (1, 2, 1), 1, 1, False, 0, 6),  # 27 positions
+    (2, 4, 3, 3, 1, 1, 2, True, 0, 6),  # transposed, dilated
+]
+
+
+@pytest.mark.parametrize("case", WEIGHT_GRADIENT_CASES, ids=[f"conv{i}" for i in range(len(WEIGHT_GRADIENT_CASES))])
+def test_a_convolution_weight_gradient_is_one_traced_op_translated_as_its_decomposition(case):
+    """For the direct translation the per-position weight gradient is one traced node,
+    `orttrainer::conv_weight_gradient` (gradient/conv_ops.py), whatever the kernel's size; it translates to the nodes
+    the decomposition translates to, which compute the same bits, and to aten's gradient; its eager kernel too."""
+    from orttrainer.trainer.gradient import conv_ops
+    from orttrainer.trainer.gradient import torch_decompositions as D
+    from orttrainer.trainer.gradient.torch_trace import translated_directly
+
+    dims, cin, cout, kernel, stride, padding, dilation, transposed, output_padding, size = case
+    n = lambda v: [v] * dims if isinstance(v, int) else list(v)  # noqa: E731
+    torch.manual_seed(0)
+    x = torch.randn(2, cin, *[size + i for i in range(dims)])
+    w = torch.randn(*([cin, cout] if transposed else [cout, cin]), *n(kernel))
+    conv = (n(stride), n(padding), n(dilation), transposed, n(output_padding), 1)
+    g = torch.randn_like(aten.convolution(x, w, None, *conv))
+    want = aten.convolution_backward(g, x, w, None, *conv, [False, True, False])[1]
+
+    def weight_gradient(g, x, w):
+        return (D.convolution_backward(g, x, w, None, *conv, [False, True, False])[1],)
+
+    graphs, models = {}, {}
+    for one_op in (True, False):
+        with translated_directly(one_op):
+            table = torch_private.core_aten_decompositions()  # as the builder traces: aten.stack becomes a cat
+            graphs[one_op] = make_fx(weight_gradient, table, tracing_mode="fake")(g, x, w)
+        models[one_op] = translate(graphs[one_op], ["g", "x", "w"], ["grad_weight"], 18)
+    ops = [str(node.target) for node in graphs[True].graph.nodes if node.op == "call_function"]
+    assert ops == ["orttrainer.conv_weight_gradient.default"]
+    assert sorted(_ops(models[True])) == sorted(_ops(models[False]))
+    one_op, decomposed = (_run(models[k], [g, x, w])[0] for k in (True, False))
+    np.testing.assert_array_equal(one_op, decomposed)
+    np.testing.assert_allclose(one_op, want.numpy(), atol=1e-4, rtol=1e-5)
+    a, b = (g, x) if transposed else (x, g)
+    eager = conv_ops.conv_weight_gradient(a, b, n(kernel), n(stride), n(padding), n(dilation))
+    torch.testing.assert_close(eager, want, atol=1e-4, rtol=1e-5)

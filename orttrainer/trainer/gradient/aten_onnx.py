@@ -24,6 +24,8 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   forward also computes, per step, the factors the backward multiplies by, so that the backward's step is 8 ops (7
   for a GRU); these ops are looked up by name (`_CUSTOM_TRANSLATIONS`), so that importing this module does not
   register them;
+- a convolution's weight gradient traced as one op (`orttrainer::conv_weight_gradient`, gradient/conv_ops.py) is
+  the per-position products its decomposition translates to;
 - orttrainer's ordering gate `after(x, dep)` (recompute and `utils.memory_efficient_gradient`) and activation marker
   (`orttrainer.debug` statistics) are the nodes their torch.onnx translations write (gradient/torch_private/
   custom_ops.py), so those options keep the direct translation;
@@ -37,6 +39,7 @@ same: tests/test_aten_onnx.py runs both translations of the same graphs through 
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -953,6 +956,45 @@ def _gru_recurrence_backward(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...
 _BACKWARD_OPS = {"orttrainer::lstm_recurrence_backward", "orttrainer::gru_recurrence_backward"}
 
 
+def _conv_weight_gradient(g: _Graph, node: torch.fx.Node) -> Value:
+    """`orttrainer::conv_weight_gradient(x, g, kernel, stride, padding, dilation)` (gradient/conv_ops.py) as the nodes
+    its decomposition `weight_gradient_per_offset` translates to: x padded (Pad), g as [N, Y, C_g] (Reshape,
+    Transpose); per kernel position j, x sliced from j·d with step s along each spatial dim (a Slice per dim), as
+    [N, C_x, Y] (Reshape), times g (MatMul); the products stacked (a Concat of two or more, Reshape to
+    [positions, N, C_x, C_g]), summed over the batch (ReduceSum) and laid out as the weight [C_g, C_x, *kernel]
+    (Reshape, Transpose). A 1-d convolution's values have those shapes already: no Reshape but the stacking one."""
+    x, grad = node.args[:2]
+    kernel, stride, padding, dilation = (list(v) for v in node.args[2:6])  # type: ignore[arg-type]
+    x_meta, g_meta, out = g.meta(x), g.meta(grad), _meta(node)  # type: ignore[arg-type]
+    n, batch, channels_x, channels_g = len(kernel), x_meta.shape[0], x_meta.shape[1], g_meta.shape[1]
+    spatial = list(g_meta.shape[2:])
+    padded = g.tensor(x)
+    if any(padding):
+        pads = [0, 0, *padding, 0, 0, *padding]
+        padded = g.one("Pad", [padded, g.ints(pads), g.scalar(0.0, x_meta.dtype)], mode="constant")
+
+    def flat(value: Value, channels: int) -> Value:  # [N, C, *spatial] as [N, C, Y]: a 1-d one is that already
+        return value if n == 1 else g.one("Reshape", [value, g.ints([batch, channels, -1])])
+
+    gt = g.one("Transpose", [flat(g.tensor(grad), channels_g)], perm=[0, 2, 1])
+    products = []
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        window = padded
+        for i, j in enumerate(offset):
+            start = j * dilation[i]
+            end = start + (spatial[i] - 1) * stride[i] + 1
+            window = g.one("Slice", [window, g.ints([start]), g.ints([end]), g.ints([2 + i]), g.ints([stride[i]])])
+        products.append(g.one("MatMul", [flat(window, channels_x), gt]))
+    stacked_shape = g.ints([len(products), batch, channels_x, channels_g])
+    joined = products[0] if len(products) == 1 else g.one("Concat", products, axis=0)
+    stacked = g.one("Reshape", [joined, stacked_shape])
+    summed = g.one("ReduceSum", [stacked, g.ints([1])], keepdims=0)
+    weight = summed if n == 1 else g.one("Reshape", [summed, g.ints([*kernel, channels_x, channels_g])])
+    if list(out.shape) != [channels_g, channels_x, *kernel]:
+        raise UntranslatableGraph(f"{node.name}: weight gradient of shape {tuple(out.shape)}")
+    return g.one("Transpose", [weight], perm=[n + 1, n, *range(n)])
+
+
 def _after(g: _Graph, node: torch.fx.Node) -> Value:
     """`orttrainer::after(x, dep)`: `x`, computed only once `dep` is, as `Squeeze(Unsqueeze(x, [0]), [0] + z)` with
     `z` an int64 zero read from `dep`'s first element: the gate torch.onnx's translation writes
@@ -1102,6 +1144,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     **{op: (lambda g, node: None) for op in (aten.arange.default, aten.arange.start, aten.arange.start_step)},
 }
 _CUSTOM_TRANSLATIONS: dict[str | None, Translation] = {
+    "orttrainer::conv_weight_gradient": _conv_weight_gradient,
     "orttrainer::after": _after,
     "orttrainer::activation_mark": _activation_mark,
     "orttrainer::lstm_recurrence": _lstm_recurrence,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
@@ -51,7 +52,8 @@ def convolution_backward(
     - the weight's gradient, without groups and with at most `PER_OFFSET_MAX` kernel positions, is one batched
       matrix product per kernel position j: the padded input, sliced from j·d with step s to the output's size, as
       [batch, C_in, output position], against the output's gradient as [batch, output position, C_out], summed
-      over the batch (`_weight_gradient_per_offset`);
+      over the batch (`weight_gradient_per_offset`; traced for the direct translation as one op,
+      `orttrainer::conv_weight_gradient` of gradient/conv_ops.py);
       otherwise it is a convolution of the input with the output's gradient as its kernel, stride d, dilation s
       and padding p, cut to k, the batch becoming the channels and the groups staying groups (one node for any
       `groups`, depthwise included); for a transposed convolution the two roles swap;
@@ -76,7 +78,10 @@ def convolution_backward(
         x, g = (grad_output, input) if transposed else (input, grad_output)
         sizes = [int(size) for size in weight.shape[2:]]
         if groups == 1 and math.prod(sizes) <= PER_OFFSET_MAX and rewrite_enabled("conv_weight_gradient_per_offset"):
-            grad_weight = _weight_gradient_per_offset(x, g, sizes, stride, padding, dilation)
+            if _direct_translation():  # one traced node, which the direct translation writes out (conv_ops.py)
+                grad_weight = conv_ops().conv_weight_gradient(x, g, sizes, stride, padding, dilation)
+            else:
+                grad_weight = weight_gradient_per_offset(x, g, sizes, stride, padding, dilation)
         else:
             grad_weight = _fit_spatial(_weight_gradient(x, g, stride, padding, dilation, groups), sizes)
     if output_mask[2]:
@@ -92,7 +97,22 @@ def convolution_backward(
 PER_OFFSET_MAX = 27
 
 
-def _weight_gradient_per_offset(
+def conv_ops() -> ModuleType:
+    """gradient/conv_ops.py, imported (its op registered) when a trace first writes the op: not at orttrainer's
+    import or in a process whose graphs come from the compile cache."""
+    from . import conv_ops as ops
+
+    return ops
+
+
+def _direct_translation() -> bool:
+    """Whether the trace running in this thread is for the direct translation (gradient/aten_onnx.py)."""
+    from .torch_trace import for_direct_translation
+
+    return for_direct_translation()
+
+
+def weight_gradient_per_offset(
     x: torch.Tensor,
     g: torch.Tensor,
     kernel: list[int],
