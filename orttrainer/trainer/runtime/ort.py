@@ -166,9 +166,8 @@ def create_session(
     """An `onnxruntime.InferenceSession` for `model`; `optimized_model_path` (may be "") receives the optimized
     graph; `disabled_optimizers` names ONNX Runtime graph transformers not to run; `memory_reuse` False turns off
     the allocation planner's buffer reuse (`SessionOptions.enable_mem_reuse`) for this session, which is off on the
-    CPU in any case; `optimized_graphs`
-    keeps ONNX Runtime's optimised graph of `model` for the next process. Every provider option asked for must be
-    in effect, and `device.id` cuda must run on CUDA."""
+    CPU in any case; `optimized_graphs` keeps ONNX Runtime's optimised graph of `model` for the next process. Every
+    provider option asked for must be in effect, and `device.id` cuda must run on CUDA."""
     import onnxruntime as ort
 
     eager_ops.prepare_options(model, options)  # ops PyTorch runs inside the graph (gradient/eager_fallback.py)
