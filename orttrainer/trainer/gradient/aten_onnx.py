@@ -478,9 +478,7 @@ def _elu(g: _Graph, node: torch.fx.Node) -> Value:
     x, *rest = node.args
     alpha, scale, input_scale = [*rest, 1.0, 1.0, 1.0][:3]
     out = _meta(node).dtype
-    if node.kwargs or not isinstance(alpha, (int, float)) or scale != 1 or input_scale != 1:
-        return None  # type: ignore[return-value]
-    if not out.is_floating_point:
+    if node.kwargs or scale != 1 or input_scale != 1 or not out.is_floating_point:
         return None  # type: ignore[return-value]
     return g.one("Elu", [g.typed(x, out)], alpha=float(alpha))
 
