@@ -156,6 +156,44 @@ def test_slices_selects_and_scatters():
     _check(graph, [x, index])
 
 
+def test_the_ops_of_common_losses_and_activations():
+    """mean of every element (MSE, L1, Huber), log1p (BCE, softplus, mish), isnan (KL divergence), ELU, leaky ReLU,
+    tanh-approximated GELU, vector norms (cosine similarity) and a clamp with tensor bounds."""
+
+    def f(x, y, i):
+        low = torch.full((1, 4), -0.5)
+        return (
+            x.mean(),
+            torch.mean(x, dtype=torch.float64),
+            torch.log1p(x.abs()),
+            torch.isnan(y),
+            torch.isnan(i),
+            nn.functional.elu(x, alpha=0.5),
+            nn.functional.leaky_relu(x, 0.2),
+            nn.functional.gelu(x, approximate="tanh"),
+            torch.linalg.vector_norm(x, 2, dim=1, keepdim=True),
+            torch.linalg.vector_norm(x, 1, dim=(0, 1)),
+            torch.linalg.vector_norm(x),
+            torch.clamp(x, low, low + 1.0),
+            torch.clamp(x, min=low),
+        )
+
+    inputs = [torch.randn(3, 4), torch.tensor([0.0, float("nan"), 1.0]), torch.arange(3)]
+    _check(make_fx(f)(*inputs), inputs)
+
+
+def test_arithmetic_and_order_comparisons_of_bools():
+    """ONNX's Mul, Max, Min, Add and order comparisons take no bools; PyTorch's mul, maximum, minimum and add of two
+    bools are logic (and, or, and, or), and False < True."""
+
+    def f(a, b):
+        return a * b, torch.maximum(a, b), torch.minimum(a, b), a + b, a < b, a >= b, a * True, a == b
+
+    inputs = [torch.tensor([True, True, False, False]), torch.tensor([True, False, True, False])]
+    model = _check(make_fx(f)(*inputs), inputs)
+    assert {"And", "Or"} <= set(_ops(model)) and not {"Mul", "Max", "Min", "Add"} & set(_ops(model))
+
+
 def test_constants_are_folded_and_large_fills_are_constant_of_shape():
     def f(x):
         masks = torch.arange(3).view(3, 1) == torch.tensor([0, 1, 2])  # constant: folded into one initializer
@@ -305,6 +343,23 @@ def test_the_ordering_gate_and_the_activation_marker_are_translated_directly():
         np.testing.assert_array_equal(value, want.numpy())
 
 
+def test_a_marked_activation_states_its_dtype():
+    """The statistics take a marked activation's dtype from the model's types (trainer/activations.py): a float16
+    activation under mixed precision is reported as float16, also when nothing else states its type."""
+    from orttrainer.trainer.gradient.torch_private import custom_ops
+    from orttrainer.trainer.graph.editor import tensor_elem_type
+    from orttrainer.trainer.graph.statistics import MARK_OP
+
+    def f(x):
+        inner = custom_ops.ACTIVATION_MARK(x.half() * 2, "inner", False).float() + 1
+        return inner, custom_ops.ACTIVATION_MARK(inner.half(), "last", False)
+
+    x = torch.randn(3, 4)
+    model = translate(make_fx(f)(x), ["x"], ["out", "last"], 18)
+    marked = [n.output[0] for n in model.graph.node if n.op_type == MARK_OP]
+    assert [tensor_elem_type(model, name) for name in marked] == [onnx.TensorProto.FLOAT16] * 2
+
+
 # a convolution's weight gradient traced as one op ---------------------------------------------------------------
 
 WEIGHT_GRADIENT_CASES = [
@@ -354,3 +409,48 @@ def test_a_convolution_weight_gradient_is_one_traced_op_translated_as_its_decomp
     a, b = (g, x) if transposed else (x, g)
     eager = conv_ops.conv_weight_gradient(a, b, n(kernel), n(stride), n(padding), n(dilation))
     torch.testing.assert_close(eager, want, atol=1e-4, rtol=1e-5)
+
+
+LOSSES = {
+    "mse": (None, nn.functional.mse_loss, "regression"),
+    "l1": (None, nn.functional.l1_loss, "regression"),
+    "smooth_l1": (None, nn.functional.smooth_l1_loss, "regression"),
+    "bce_with_logits": (None, nn.functional.binary_cross_entropy_with_logits, "probabilities"),
+    "bce_after_sigmoid": (nn.Sigmoid(), nn.functional.binary_cross_entropy, "probabilities"),
+    "kl_div": (nn.LogSoftmax(-1), lambda a, b: nn.functional.kl_div(a, b.softmax(-1), reduction="batchmean"), "any"),
+    "softplus_elu_leaky_relu": (nn.Sequential(nn.Softplus(), nn.ELU(), nn.LeakyReLU(0.1)), None, "regression"),
+    "gelu_tanh_hardswish_mish": (nn.Sequential(nn.GELU("tanh"), nn.Hardswish(), nn.Mish()), None, "regression"),
+    "cosine_similarity": (None, lambda a, b: (1 - nn.functional.cosine_similarity(a, b)).mean(), "any"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOSSES))
+def test_common_losses_and_activations_train_like_pytorch_on_the_direct_translation(case, caplog):
+    """Models with these losses and activations went to torch.onnx (a missing translation) and now do not; three
+    SGD steps give PyTorch's weights."""
+    import logging
+
+    from helpers import clone, make_trainer, max_difference, torch_weights, trainer_weights
+
+    from orttrainer import optim
+
+    head, loss, target_kind = LOSSES[case]
+    loss = loss or nn.functional.mse_loss
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), head) if head is not None else nn.Sequential(nn.Linear(8, 4))
+    reference = clone(model)
+    desc = {"inputs": [("input", ["n", 8]), ("target", ["n", 4])], "outputs": [("loss", [], True)]}
+    extra = {"_internal_use": {"gradient_builder": "torch"}, "utils": {"grad_norm_clip": False}}
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), loss, extra)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        for _ in range(3):
+            x = torch.randn(6, 8, generator=generator)
+            target = torch.rand(6, 4, generator=generator) if target_kind == "probabilities" else torch.randn(6, 4)
+            trainer.train_step(x, target)
+            sgd.zero_grad()
+            loss(reference(x), target).backward()
+            sgd.step()
+    assert "does not cover" not in caplog.text
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5

@@ -123,6 +123,8 @@ class _Graph:
         self._count = 0
         # unrolled recurrences by the output only their backward reads (`_lstm_recurrence`, `_gru_recurrence`)
         self.recurrences: dict[Value, _UnrolledRecurrence | _UnrolledGRU] = {}
+        # values whose type the model states (value_info): what reads the graph by name needs it
+        self.stated_types: dict[Value, torch.Tensor] = {}
 
     # -- building blocks --------------------------------------------------------------------------------------
     def fresh(self, base: str) -> Value:
@@ -263,7 +265,11 @@ class _Graph:
         self.outputs.append(_value_info(name, self.meta(arg)))
 
     def model(self) -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, "main_graph", self.inputs, self.outputs, self.initializers)
+        produced = {o for n in self.nodes for o in n.output} - {o.name for o in self.outputs}
+        value_info = [_value_info(name, meta) for name, meta in self.stated_types.items() if name in produced]
+        graph = helper.make_graph(
+            self.nodes, "main_graph", self.inputs, self.outputs, self.initializers, value_info=value_info
+        )
         opsets = [helper.make_opsetid("", self.opset)]
         opsets += [helper.make_opsetid(d, 1) for d in sorted({n.domain for n in self.nodes if n.domain})]
         return helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets[:1]))
@@ -404,6 +410,10 @@ def _elementwise(op: str, compute: str = "promoted") -> Translation:
         dtype = out if compute == "float" else g.promoted(*args)
         if compute == "float" and not dtype.is_floating_point:
             return None  # type: ignore[return-value]
+        if dtype == torch.bool and op in _ON_BOOLS:
+            return g.cast(g.one(_ON_BOOLS[op], [g.typed(a, dtype) for a in args]), dtype, out)
+        if dtype == torch.bool and op != "Equal":
+            dtype = torch.int32  # ONNX Runtime's order comparisons take no bools; False < True as 0 < 1
         result = g.one(op, [g.typed(a, dtype) for a in args])
         return g.cast(result, dtype if op not in _BOOL_RESULT else torch.bool, out)
 
@@ -411,6 +421,8 @@ def _elementwise(op: str, compute: str = "promoted") -> Translation:
 
 
 _BOOL_RESULT = {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor"}
+# PyTorch's arithmetic on two bools is logic, and ONNX's arithmetic ops take no bools
+_ON_BOOLS = {"Mul": "And", "Max": "Or", "Min": "And", "Add": "Or"}
 
 
 def _with_alpha(op: str) -> Translation:
@@ -421,6 +433,8 @@ def _with_alpha(op: str) -> Translation:
         alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
         out = _meta(node).dtype
         dtype = g.promoted(a, b)
+        if dtype == torch.bool and op in _ON_BOOLS:  # sub refuses bools in PyTorch; alpha is 1 or True
+            return g.cast(g.one(_ON_BOOLS[op], [g.typed(a, dtype), g.typed(b, dtype)]), dtype, out)
         right = g.typed(b, dtype)
         if alpha != 1:
             right = g.one("Mul", [right, g.scalar(alpha, dtype)])
@@ -455,6 +469,57 @@ def _unary(op: str, floating: bool = True) -> Translation:
         return g.one(op, [g.typed(x, out)])
 
     return translate_node
+
+
+def _log1p(g: _Graph, node: torch.fx.Node) -> Value:
+    """`log(1 + x)`, as torch.onnx writes it (ONNX has no log1p; the sum rounds 1 + x for |x| below float32's
+    epsilon, where PyTorch's kernel keeps x)."""
+    out = _meta(node).dtype
+    if len(node.args) != 1 or node.kwargs or not out.is_floating_point:
+        return None  # type: ignore[return-value]
+    return g.one("Log", [g.one("Add", [g.typed(node.args[0], out), g.scalar(1.0, out)])])
+
+
+def _isnan(g: _Graph, node: torch.fx.Node) -> Value:
+    x = node.args[0]
+    if not g.meta(x).dtype.is_floating_point:  # type: ignore[arg-type]
+        return g.one("Not", [g.one("Equal", [g.tensor(x), g.tensor(x)])])  # an integer is never NaN: all false
+    return g.one("IsNaN", [g.tensor(x)])
+
+
+def _elu(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.elu(x, alpha, scale, input_scale)` with both scales 1 (nn.ELU, F.elu): ONNX Elu."""
+    x, *rest = node.args
+    alpha, scale, input_scale = [*rest, 1.0, 1.0, 1.0][:3]
+    out = _meta(node).dtype
+    if node.kwargs or not isinstance(alpha, (int, float)) or scale != 1 or input_scale != 1:
+        return None  # type: ignore[return-value]
+    if not out.is_floating_point:
+        return None  # type: ignore[return-value]
+    return g.one("Elu", [g.typed(x, out)], alpha=float(alpha))
+
+
+def _leaky_relu(g: _Graph, node: torch.fx.Node) -> Value:
+    x = node.args[0]
+    slope = node.args[1] if len(node.args) > 1 else node.kwargs.get("negative_slope", 0.01)
+    out = _meta(node).dtype
+    if not isinstance(slope, (int, float)) or not out.is_floating_point:
+        return None  # type: ignore[return-value]
+    return g.one("LeakyRelu", [g.typed(x, out)], alpha=float(slope))
+
+
+def _vector_norm(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.linalg_vector_norm(x, ord, dim, keepdim)` for ord 1 and 2: ReduceL1, ReduceL2."""
+    x = node.args[0]
+    ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
+    dims: Any = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    keepdim = bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("keepdim", False))
+    out = _meta(node).dtype
+    if ord_ not in (1, 2) or node.kwargs.get("dtype") is not None or not out.is_floating_point:
+        return None  # type: ignore[return-value]
+    rank = _rank(g, x)  # type: ignore[arg-type]
+    axes = [_axis(d, rank) for d in ([dims] if isinstance(dims, int) else (dims or []))]
+    return _reduce_node(g, "ReduceL1" if ord_ == 1 else "ReduceL2", g.typed(x, out), axes, keepdim)
 
 
 def _rsqrt(g: _Graph, node: torch.fx.Node) -> Value:
@@ -520,9 +585,14 @@ def _gelu(g: _Graph, node: torch.fx.Node) -> Value:
     x = node.args[0]
     approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
     out = _meta(node).dtype
-    if approximate != "none" or not out.is_floating_point:
+    if approximate not in ("none", "tanh") or not out.is_floating_point:
         return None  # type: ignore[return-value]
     value = g.tensor(x)
+    if approximate == "tanh":  # x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), PyTorch's formula
+        cube = g.one("Mul", [g.one("Mul", [value, value]), value])
+        inner = g.one("Add", [value, g.one("Mul", [cube, g.scalar(0.044715, out)])])
+        tanh = g.one("Tanh", [g.one("Mul", [inner, g.scalar(math.sqrt(2.0 / math.pi), out)])])
+        return g.one("Mul", [g.one("Mul", [value, g.scalar(0.5, out)]), g.one("Add", [tanh, g.scalar(1.0, out)])])
     # x * 0.5 * (1 + erf(x / sqrt(2))): the form ONNX Runtime's GeluFusion recognises
     erf = g.one("Erf", [g.one("Div", [value, g.scalar(math.sqrt(2.0), out)])])
     return g.one("Mul", [g.one("Mul", [value, g.one("Add", [erf, g.scalar(1.0, out)])]), g.scalar(0.5, out)])
@@ -532,7 +602,7 @@ def _reduce(op: str) -> Translation:
     def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
         x = node.args[0]
         out = _meta(node)
-        if node.target in (aten.sum.default, aten.any.default):
+        if node.target in (aten.sum.default, aten.mean.default, aten.any.default):
             dims: Any = []
             keepdim = False
         else:
@@ -1013,7 +1083,9 @@ def _activation_mark(g: _Graph, node: torch.fx.Node) -> Value:
     (`orttrainer.debug::ActivationMark`, attributes `activation` and `direction`)."""
     x, name, backward = node.args
     direction = "backward" if backward else "forward"
-    return g.one(MARK_OP, [g.tensor(x)], domain=MARK_DOMAIN, activation=name, direction=direction)
+    marked = g.one(MARK_OP, [g.tensor(x)], domain=MARK_DOMAIN, activation=name, direction=direction)
+    g.stated_types[marked] = _meta(node)  # the statistics report the activation's dtype (float16 under mixed precision)
+    return marked
 
 
 def _custom_op_name(target: Any) -> str | None:
@@ -1090,6 +1162,11 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.relu.default: _unary("Relu", floating=False),
     aten.sign.default: _unary("Sign", floating=False),
     aten.rsqrt.default: _rsqrt,
+    aten.log1p.default: _log1p,
+    aten.isnan.default: _isnan,
+    aten.elu.default: _elu,
+    aten.leaky_relu.default: _leaky_relu,
+    aten.linalg_vector_norm.default: _vector_norm,
     aten.logical_not.default: _logical("Not"),
     aten.bitwise_not.default: _logical("Not"),
     aten.logical_and.default: _logical("And"),
@@ -1103,11 +1180,13 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.clamp.default: _clamp,
     aten.clamp_min.default: _clamp,
     aten.clamp_max.default: _clamp,
+    aten.clamp.Tensor: _clamp,
     aten.pow.Tensor_Scalar: _pow,
     aten.gelu.default: _gelu,
     aten.sum.dim_IntList: _reduce("ReduceSum"),
     aten.sum.default: _reduce("ReduceSum"),
     aten.mean.dim: _reduce("ReduceMean"),
+    aten.mean.default: _reduce("ReduceMean"),
     aten.var_mean.correction: _var_mean,
     aten.amax.default: _reduce("ReduceMax"),
     aten.amin.default: _reduce("ReduceMin"),
