@@ -40,6 +40,7 @@ VARIANT_ENV = {
     "no-conv-per-offset": ("ORTTRAINER_DISABLE_REWRITES", "conv_weight_gradient_per_offset"),
     "no-recurrence-op": ("ORTTRAINER_DISABLE_REWRITES", "recurrences_as_one_op"),
     "no-relu-product": ("ORTTRAINER_DISABLE_REWRITES", "threshold_backward_as_product"),
+    "no-safe-softmax-product": ("ORTTRAINER_DISABLE_REWRITES", "safe_softmax_as_product"),
 }
 VARIANTS = tuple(f"{r}+{v}" for r in ("orttrainer[ort]", "orttrainer[torch]") for v in VARIANT_ENV)
 DEFAULT_VARIANTS = ("orttrainer[ort]+graph-update", "orttrainer[ort]+fused-update", "orttrainer[ort]+no-rewrites")

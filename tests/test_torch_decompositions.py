@@ -132,6 +132,28 @@ def test_threshold_backward_as_product_differs_only_for_a_non_finite_gradient_at
     assert torch.equal(kept[:3], aten.threshold_backward(grad, self, 0.0)[:3]) and torch.isnan(kept[3])
 
 
+@pytest.mark.parametrize("product", [True, False], ids=["product", "where"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [-1, 1])
+def test_safe_softmax_is_the_op(product, dtype, dim, monkeypatch):
+    """The softmax times its rows' mask (`safe_softmax_as_product`) and the kept select both give the op's values
+    bit for bit: rows of -inf only (zeros), partly masked rows, a +inf score, NaN with finite scores and NaN among
+    -inf only (NaN rows either way); with a `dtype` to compute in, and over an empty dim."""
+    if not product:
+        monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "safe_softmax_as_product")
+    torch.manual_seed(0)
+    inf, nan = float("inf"), float("nan")
+    x = torch.randn(4, 5, 6)
+    x[0, 0], x[0, 1, :3], x[1, 2, 4], x[2, 3, 1] = -inf, -inf, inf, nan
+    x[:, 4] = torch.tensor([-inf, -inf, nan, -inf, -inf, -inf])
+    x = x.to(dtype)
+    for args in ((x, dim), (x, dim, torch.float32), (x[:, :, :0], dim)):
+        got, want = D.safe_softmax(*args), aten._safe_softmax(*args)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert (D.safe_softmax(x, -1)[0, 0] == 0).all()
+
+
 # pooling --------------------------------------------------------------------------------------------------------------
 AVG = [
     # (dims, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, size)

@@ -551,3 +551,36 @@ def test_relu_backward_is_a_product_with_its_mask_unless_switched_off(product, m
     readers = [node.op_type for node in nodes if masks & set(node.input)]
     # one mask per activation's backward; nn.Threshold's forward is a select of its own
     assert sorted(readers) == (["Not", "Not", "Where"] if product else ["Where", "Where", "Where"])
+
+
+class SafeSoftmaxNet(nn.Module):
+    """Scores over 4 keys per query, some masked: query 0 of each sample sees no key (a row of -inf only, which
+    `_safe_softmax`, the attention's softmax, turns into zeros), query 1 sees two."""
+
+    def __init__(self):
+        super().__init__()
+        self.scores, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+        masked = torch.zeros(4, 4, dtype=torch.bool)
+        masked[0], masked[1, :2] = True, True
+        self.register_buffer("masked", masked, persistent=False)
+
+    def forward(self, x):
+        scores = self.scores(x).view(-1, 4, 4).masked_fill(self.masked, float("-inf"))
+        return self.head(torch.ops.aten._safe_softmax(scores, -1).reshape(-1, 16) * x)
+
+
+@pytest.mark.parametrize("product", [True, False], ids=["product", "where"])
+def test_the_attention_softmax_zeroes_dead_rows_by_a_product_unless_switched_off(product, monkeypatch, tmp_path):
+    """`_safe_softmax`: its softmax times the rows' mask (docs/engine.md §28), or with `safe_softmax_as_product`
+    switched off the select over the scores PyTorch's decomposition writes; the weights follow PyTorch's either
+    way, with a row of -inf only in every sample."""
+    if not product:
+        monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "safe_softmax_as_product")
+    path = str(tmp_path / "gradient.onnx")
+    saved = {"debug": {"graph_save_paths": {"model_with_gradient_graph_path": path}}}
+    train_and_compare(SafeSoftmaxNet(), batches(), {**TORCH, **saved})
+    nodes = onnx.load(path).graph.node
+    softmax = {out for node in nodes if node.op_type == "Softmax" for out in node.output}
+    readers = sorted(node.op_type for node in nodes if softmax & set(node.input))
+    assert readers == (["Mul"] if product else ["Where"])  # what zeroes the dead rows
+    assert ("Max" in {node.op_type for node in nodes}) == product

@@ -189,6 +189,32 @@ def threshold_backward(grad_output: torch.Tensor, self: torch.Tensor, threshold:
     return aten.mul(grad_output, keep.to(grad_output.dtype))
 
 
+def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`aten._safe_softmax` (scaled dot-product attention's softmax, where a row of -inf only, a query that may see
+    no key, gives zeros instead of NaN) as `softmax(maximum(x, floor)) * live`: `live` is 1 on the rows whose
+    maximum is not -inf and 0 on the others, and `floor` is -inf on the live rows and 0 on the others. In ONNX a
+    ReduceMax, a Max and a Mul over the scores, against PyTorch's decomposition `where(all(x == -inf), 0,
+    softmax(x))`: an Equal, Not, Cast and ReduceMax over the scores and a `Where`, which ONNX Runtime's CPU kernel
+    runs at a tenth of an elementwise op's speed (docs/engine.md §28).
+
+    Rule: the same values. On a live row `maximum(x, -inf)` is x and the product is by 1; a row of -inf only becomes
+    zeros, whose uniform softmax the product zeroes. NaN propagates through the maximum, the softmax and the product
+    as through the select: a row with a NaN gives NaN either way, also where ONNX Runtime's ReduceMax, which can skip
+    a NaN, calls a row of NaN and -inf dead. Autograd's derivative of the op is unchanged (the softmax's backward on
+    this output). An empty dim, and `ORTTRAINER_DISABLE_REWRITES=safe_softmax_as_product`, keep PyTorch's form."""
+    size = input.shape[dim]
+    if not rewrite_enabled("safe_softmax_as_product") or (isinstance(size, int) and size == 0):
+        out = torch.softmax(input, dim, dtype=dtype)
+        masked_rows = torch.all(input.eq(float("-inf")), dim, keepdim=True)
+        return torch.where(masked_rows, torch.zeros_like(out), out)
+    if dtype is not None:
+        input = input.to(dtype)
+    dead = aten.amax(input, [dim], True).eq(float("-inf"))  # symbolic sizes are >= 2 (0 and 1 are specialised)
+    floor = torch.log(dead.to(input.dtype))  # log 1 = 0, log 0 = -inf: no select, even one this small
+    out = torch.softmax(torch.maximum(input, floor), dim)
+    return out * dead.logical_not().to(out.dtype)
+
+
 # ------------------------------------------------------------------------------------------------------- pooling
 def avg_pool2d_backward(
     grad_output: torch.Tensor,

@@ -39,7 +39,9 @@ CPU, convolutions run in ONNX Runtime's blocked channel layout, applied when a s
 kernel position instead of one convolution) and `threshold_backward_as_product` (gradient/torch_decompositions.py: the
 torch builder writes ReLU's backward as the gradient times its mask instead of a `Where`) and
 `recurrences_as_one_op` (gradient/recurrent_layers.py: the torch builder traces each LSTM or GRU layer's recurrence as
-one op, which its direct translation unrolls, instead of step by step). None of them changes what is computed beyond
+one op, which its direct translation unrolls, instead of step by step) and `safe_softmax_as_product`
+(gradient/torch_decompositions.py: the torch builder writes the attention's softmax that zeroes rows of -inf only as
+a product instead of a `Where`). None of them changes what is computed beyond
 float32 rounding, but for `threshold_backward_as_product`'s non-finite gradients at masked positions (NaN where the
 `Where` gives 0, its docstring); each is tested both ways.
 """
@@ -184,6 +186,7 @@ REWRITES = (
     "conv_weight_gradient_per_offset",
     "threshold_backward_as_product",
     "recurrences_as_one_op",
+    "safe_softmax_as_product",
 )
 
 

@@ -107,6 +107,15 @@ TABLE: tuple[Entry, ...] = (
         own.threshold_backward,
     ),
     Entry(
+        ("aten._safe_softmax.default",),
+        "trace",
+        "orttrainer",
+        "the attention's softmax, for speed: PyTorch's decomposition tests every score for -inf and selects with a "
+        "Where over the scores; written as a row maximum, a Max and a product (the same values; switch: "
+        "safe_softmax_as_product)",
+        own.safe_softmax,
+    ),
+    Entry(
         ("aten.avg_pool2d_backward.default",),
         "trace",
         "orttrainer",
