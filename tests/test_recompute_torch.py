@@ -134,6 +134,25 @@ def test_a_gelu_before_a_dropout_is_not_recomputed_with_a_warning():
     assert _recomputed(trainer) > 0  # nn.MultiheadAttention's dropout is
 
 
+@pytest.mark.parametrize("product", [True, False], ids=["product", "where"])
+def test_the_dropout_after_nn_multihead_attentions_softmax_is_found_through_either_mask(product, monkeypatch):
+    """nn.MultiheadAttention's softmax is `_safe_softmax`, which zeroes its dead rows by a product with the rows'
+    mask (gradient/torch_decompositions.safe_softmax) or, switched off, by PyTorch's select: the walk from the
+    dropout back to the softmax passes either."""
+    from models import TinyTransformer, transformer_desc, transformer_loss
+
+    if not product:
+        monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "safe_softmax_as_product")
+    torch.manual_seed(0)
+    options = {"graph_transformer": {"attn_dropout_recompute": True}, **TORCH}
+    trainer = make_trainer(
+        TinyTransformer(dropout=0.1), transformer_desc(), optim.AdamConfig(), transformer_loss, options
+    )
+    tokens = torch.randint(0, 50, (4, 16))
+    trainer.train_step(tokens, tokens)
+    assert _recomputed(trainer) > 0
+
+
 def test_a_new_batch_shape_gets_a_recomputing_graph_with_the_same_results():
     """A batch the first graph's guards reject (size 1) is traced again, with recompute. There the results agree to
     float32 rounding, not bit for bit (ONNX Runtime optimises the size-1 graphs differently once the backward no

@@ -11,7 +11,8 @@ graph for ONNX. Rules:
   - `gelu_recompute`: each `aten.gelu`, with the views and copies of its output: the GELU output is recomputed from
     the GELU input, which GELU's gradient keeps anyway;
   - `attn_dropout_recompute`: each dropout (`aten.native_dropout` in training mode) whose input comes from a
-    softmax (through views, copies and the masking `where` of PyTorch's attention) and whose output feeds a matmul:
+    softmax (through views, copies, the masking `where` of PyTorch's attention and the product by a row mask of
+    the builder's own `_safe_softmax`, gradient/torch_decompositions.py) and whose output feeds a matmul:
     the attention probabilities after dropout;
   - `transformer_layer_recompute`: every node inside a layer of the model's transformer layers (`layer_nodes`: the
     nodes between the layer's input and its output, marked while tracing by `layer_boundaries`); the layer's output
@@ -55,7 +56,7 @@ aten = torch.ops.aten
 _PASSTHROUGH = (aten.clone.default, aten._unsafe_view.default, aten.alias.default, custom_ops.ACTIVATION_MARK)
 _SOFTMAX = (aten._softmax.default, aten._safe_softmax.default)
 _MATMUL = (aten.bmm.default, aten.mm.default, aten.matmul.default, aten.addmm.default)
-_ATTENTION_PATH = (aten.where.self, aten._to_copy.default, aten.masked_fill.Scalar)
+_ATTENTION_PATH = (aten.where.self, aten._to_copy.default, aten.masked_fill.Scalar, aten.mul.Tensor)
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,9 @@ def _is_attention_dropout(node: fx.Node) -> bool:
     while isinstance(source, fx.Node) and source.target not in _SOFTMAX and steps < 8:
         if not (is_view(source) or source.target in _PASSTHROUGH or source.target in _ATTENTION_PATH):
             return False
-        floats = [a for a in source.all_input_nodes if _floating(a) and a.target is not aten.full_like.default]
+        floats = [a for a in source.all_input_nodes if _floating(a) and not _mask_like(a)]
+        if source.target is aten.mul.Tensor and len(floats) != 1:
+            return False  # a product on the path only by a mask, as `_safe_softmax`'s
         source, steps = (floats[-1] if floats else None), steps + 1
     if not (isinstance(source, fx.Node) and source.target in _SOFTMAX):
         return False
@@ -258,6 +261,15 @@ def _recomputable(node: fx.Node) -> bool:
     if isinstance(value, (tuple, list)):  # a multi-output op (layer norm): its outputs are read through getitems
         return all(isinstance(v, torch.Tensor) for v in value)
     return isinstance(value, torch.Tensor)
+
+
+def _mask_like(node: fx.Node) -> bool:
+    """A constant fill, or a bool tensor cast to a float: a select's or a product's mask, not the value it masks."""
+    if node.target is aten.full_like.default:
+        return True
+    source = node.args[0] if node.target is aten._to_copy.default and node.args else None
+    value = source.meta.get("val") if isinstance(source, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
 
 
 def _floating(node: fx.Node) -> bool:
