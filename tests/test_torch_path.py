@@ -527,6 +527,17 @@ def test_the_dry_run_runs_a_forward_that_takes_a_gradient_of_its_own():
         assert run.custom_functions == []
 
 
+def _trained_gradient_graph(model: nn.Module, switched_off: str | None, monkeypatch, tmp_path) -> list:
+    """The nodes of the gradient graph `model` trained with (`train_and_compare`: like PyTorch), with the rewrite
+    `switched_off` (if any) disabled."""
+    if switched_off:
+        monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", switched_off)
+    path = str(tmp_path / "gradient.onnx")
+    saved = {"debug": {"graph_save_paths": {"model_with_gradient_graph_path": path}}}
+    train_and_compare(model, batches(), {**TORCH, **saved})
+    return list(onnx.load(path).graph.node)
+
+
 class ReluNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -541,12 +552,9 @@ def test_relu_backward_is_a_product_with_its_mask_unless_switched_off(product, m
     """ReLU's and Threshold's backward: the gradient times its mask (ONNX Runtime's CPU Where is about ten times
     slower, docs/engine.md §3.3), or with `threshold_backward_as_product` switched off the select PyTorch's
     decomposition writes; the weights follow PyTorch's either way."""
-    if not product:
-        monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "threshold_backward_as_product")
-    path = str(tmp_path / "gradient.onnx")
-    saved = {"debug": {"graph_save_paths": {"model_with_gradient_graph_path": path}}}
-    train_and_compare(ReluNet(), batches(), {**TORCH, **saved})
-    nodes = onnx.load(path).graph.node
+    nodes = _trained_gradient_graph(
+        ReluNet(), None if product else "threshold_backward_as_product", monkeypatch, tmp_path
+    )
     masks = {out for node in nodes if node.op_type == "LessOrEqual" for out in node.output}
     readers = [node.op_type for node in nodes if masks & set(node.input)]
     # one mask per activation's backward; nn.Threshold's forward is a select of its own
@@ -574,12 +582,9 @@ def test_the_attention_softmax_zeroes_dead_rows_by_a_product_unless_switched_off
     """`_safe_softmax`: its softmax times the rows' mask (docs/engine.md §28), or with `safe_softmax_as_product`
     switched off the select over the scores PyTorch's decomposition writes; the weights follow PyTorch's either
     way, with a row of -inf only in every sample."""
-    if not product:
-        monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "safe_softmax_as_product")
-    path = str(tmp_path / "gradient.onnx")
-    saved = {"debug": {"graph_save_paths": {"model_with_gradient_graph_path": path}}}
-    train_and_compare(SafeSoftmaxNet(), batches(), {**TORCH, **saved})
-    nodes = onnx.load(path).graph.node
+    nodes = _trained_gradient_graph(
+        SafeSoftmaxNet(), None if product else "safe_softmax_as_product", monkeypatch, tmp_path
+    )
     softmax = {out for node in nodes if node.op_type == "Softmax" for out in node.output}
     readers = sorted(node.op_type for node in nodes if softmax & set(node.input))
     assert readers == (["Mul"] if product else ["Where"])  # what zeroes the dead rows

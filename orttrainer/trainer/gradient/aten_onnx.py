@@ -433,7 +433,9 @@ def _with_alpha(op: str) -> Translation:
         alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
         out = _meta(node).dtype
         dtype = g.promoted(a, b)
-        if dtype == torch.bool and op in _ON_BOOLS:  # sub refuses bools in PyTorch; alpha is 1 or True
+        if dtype == torch.bool:  # PyTorch refuses sub of bools; add's alpha is True (1) or False
+            if op not in _ON_BOOLS or alpha != 1:
+                return None  # type: ignore[return-value]
             return g.cast(g.one(_ON_BOOLS[op], [g.typed(a, dtype), g.typed(b, dtype)]), dtype, out)
         right = g.typed(b, dtype)
         if alpha != 1:
