@@ -243,6 +243,25 @@ def test_var_mean_and_constant_pads():
     assert "Pad" in _ops(model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("affine", [True, False])
+def test_batch_norm_on_running_statistics_is_onnx_batch_normalization(dtype, affine):
+    """The op PyTorch's eval-mode BatchNorm calls, with float16 input on float32 statistics as under mixed
+    precision (PyTorch computes it in float32)."""
+    x = (torch.randn(4, 3, 5, 5) * 2 + 1).to(dtype)
+    stats = torch.float64 if dtype == torch.float64 else torch.float32
+    mean, var = torch.randn(3, dtype=stats), torch.rand(3, dtype=stats) + 0.5
+    weight, bias = (torch.randn(3, dtype=stats), torch.randn(3, dtype=stats)) if affine else (None, None)
+
+    def f(x, mean, var, *affine):
+        w, b = affine or (None, None)
+        return (aten._native_batch_norm_legit_no_training.default(x, w, b, mean, var, 0.1, 1e-5)[0],)
+
+    inputs = [x, mean, var, *([weight, bias] if affine else [])]
+    model = _check(make_fx(f)(*inputs), inputs, atol=2e-3 if dtype == torch.float16 else 1e-5)
+    assert "BatchNormalization" in _ops(model)
+
+
 def test_cropping_pads_and_a_correction_of_every_element_are_left_to_torch_onnx():
     x = torch.randn(3, 4)
     with pytest.raises(UntranslatableGraph, match="constant_pad_nd"):

@@ -122,13 +122,63 @@ def test_save_as_onnx_after_a_cached_build(builder, cache_dir, caplog, tmp_path)
 
 
 def test_the_torch_builders_graphs_for_other_shapes_are_cached_too(cache_dir, caplog):
-    data = [*_batches(1, size=8), *_batches(1, size=5), *_batches(1, size=3, seed=2)]
+    sizes = (8, 5, 3, 6, 4)  # 8, 5 and 3 traced for their shapes, 6 with dynamic dims, which serve 4
+    data = [batch for seed, size in enumerate(sizes) for batch in _batches(1, size=size, seed=seed)]
     _, losses, _ = _train(MLP, "torch", caplog, data)
     trainer, cached_losses, hit = _train(MLP, "torch", caplog, data)
     assert hit and cached_losses == losses
     assert "tracing and compiling" not in caplog.text
-    assert caplog.text.count("the training graph comes from the compile cache") == 2
-    assert trainer._training_session.training_graph_count == 2  # 5 and 3: one dynamic-dims graph, one session
+    assert caplog.text.count("the training graph comes from the compile cache") == 4
+    assert trainer._training_session.training_graph_count == 4  # 6 and 4: one dynamic-dims graph, one session
+
+
+EVAL_HIT = "the eval graph comes from the compile cache"
+
+
+def _evaluated(trainer, caplog, monkeypatch) -> tuple[list[np.ndarray], int]:
+    """The logits of eval steps on batches of 8 and 5, and how many eval graphs were traced for them."""
+    from orttrainer.trainer.build import torch_route
+
+    traces = []
+    trace = torch_route.build_torch_forward_graph
+    monkeypatch.setattr(torch_route, "build_torch_forward_graph", lambda *a: traces.append(a) or trace(*a))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        logits = [trainer.eval_step(x, y)[1].numpy() for x, y in [*_batches(1, size=8), *_batches(1, size=5)]]
+    return logits, len(traces)
+
+
+def test_the_torch_routes_traced_eval_graphs_are_cached(cache_dir, caplog, monkeypatch):
+    first, _, _ = _train(Normalised, "torch", caplog)
+    want, traced = _evaluated(first, caplog, monkeypatch)
+    assert traced == 2 and EVAL_HIT not in caplog.text
+    second, _, hit = _train(Normalised, "torch", caplog)
+    got, traced = _evaluated(second, caplog, monkeypatch)
+    assert hit and traced == 0 and caplog.text.count(EVAL_HIT) == 2
+    for ours, theirs in zip(got, want, strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+class EvalScaled(MLP):
+    """MLP whose output is scaled in eval mode only: the training graph and its digest do not see the scale."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits if self.training else logits * self.scale
+
+
+def test_an_eval_graph_is_keyed_by_the_eval_mode_forward(cache_dir, caplog, monkeypatch):
+    first, _, _ = _train(lambda: EvalScaled(1.0), "torch", caplog)
+    want, _ = _evaluated(first, caplog, monkeypatch)
+    second, _, hit = _train(lambda: EvalScaled(2.0), "torch", caplog)
+    got, traced = _evaluated(second, caplog, monkeypatch)
+    assert hit and traced == 2 and EVAL_HIT not in caplog.text  # the training graph is the same, not the eval graph
+    for ours, theirs in zip(got, want, strict=True):
+        np.testing.assert_allclose(ours, 2 * theirs, rtol=1e-6)
 
 
 @needs_training_build

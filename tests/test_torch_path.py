@@ -430,14 +430,16 @@ class GroupMean(nn.Module):
 
 
 def test_new_batch_sizes_reuse_the_dynamic_graph(caplog):
-    """The first graph has the first batch's shapes; the second batch size traces the dynamic-dims graph, which
-    serves every later size."""
-    data = batches(sizes=(8, 5, 3, 8, 6))
+    """The first STATIC_SIGNATURES batch sizes get graphs with their shapes; the next one traces the dynamic-dims
+    graph, which serves every later size."""
+    data = batches(sizes=(8, 5, 3, 8, 6, 4, 6))
     with caplog.at_level(logging.INFO, logger="orttrainer"):
         trainer, _ = train_and_compare(GroupMean(), data, TORCH)
-    assert trainer._training_session.training_graph_count == 2
+    assert trainer._training_session.training_graph_count == 4  # 8, 5, 3, then the dynamic one
+    assert "the new input shapes [[5, 16], [5]] (torch gradient builder)" in caplog.text
+    assert "the new input shapes [[3, 16], [3]] (torch gradient builder)" in caplog.text
     assert "the training graph is traced with dynamic dims [[0], [0]]" in caplog.text
-    assert "input shapes [[3, 16], [3]]: an earlier training graph serves them" in caplog.text
+    assert "input shapes [[4, 16], [4]]: an earlier training graph serves them" in caplog.text
     first = [i for i in trainer._built.compiled.training.model.graph.input if i.name == "x"]
     assert first[0].type.tensor_type.shape.dim[0].dim_value == 8  # the first batch's shapes
     dynamic = trainer._built.compiled.graph_for([x for x in batches(sizes=(6,))[0]]).model
@@ -457,9 +459,10 @@ def test_shapes_outside_the_dynamic_graphs_guards_get_their_own_graph_on_the_sam
     """Batch 1 is outside every dynamic trace (PyTorch's tracer specialises sizes 0 and 1): it gets its own graph,
     sharing the weights with the first one."""
     with caplog.at_level(logging.INFO, logger="orttrainer"):
-        trainer, _ = train_and_compare(GroupMean(), batches(sizes=(8, 1, 8, 1, 5)), TORCH)
-    assert trainer._training_session.training_graph_count == 3  # 8, 1 (its own), 5 (dynamic)
+        trainer, _ = train_and_compare(GroupMean(), batches(sizes=(8, 5, 3, 6, 1, 8, 1, 4)), TORCH)
+    assert trainer._training_session.training_graph_count == 5  # 8, 5, 3, 6 (dynamic), 1 (its own)
     assert "tracing and compiling a training graph for the new input shapes [[1, 16], [1]]" in caplog.text
+    assert "input shapes [[4, 16], [4]]: an earlier training graph serves them" in caplog.text
 
 
 class Specialising(GroupMean):
@@ -469,17 +472,155 @@ class Specialising(GroupMean):
         return super().forward(x)
 
 
-def test_a_model_whose_trace_specialises_the_batch_gets_one_graph_per_batch_size(caplog):
+def test_a_model_whose_trace_specialises_the_batch_gets_one_graph_per_batch_size(caplog, monkeypatch):
+    monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "traced_eval_graphs")  # the exported eval graphs specialise too
     with caplog.at_level(logging.INFO, logger="orttrainer"):
-        trainer, ref = train_and_compare(Specialising(), batches(sizes=(8, 5, 8, 5, 3)), TORCH)
+        trainer, ref = train_and_compare(Specialising(), batches(sizes=(8, 5, 8, 5, 3, 6, 4)), TORCH)
         x, y = batches(sizes=(5,))[0]  # the eval graph is static in the batch too: another one is exported
         _, logits = trainer.eval_step(x, y)
-    # 8: the first graph; 5: the dynamic trace, whose guard (size != 8) also admits 3
-    assert trainer._training_session.training_graph_count == 2
+    # 8: the first graph; 5 and 3 their own; 6: the dynamic trace, whose guard (size != 8) also admits 4
+    assert trainer._training_session.training_graph_count == 4
+    assert "input shapes [[4, 16], [4]]: an earlier training graph serves them" in caplog.text
     with torch.no_grad():
         np.testing.assert_allclose(logits.numpy(), ref(x).numpy(), atol=1e-5)
     assert "exporting an eval graph for the input shapes [[5, 16], [5]]" in caplog.text
     trainer, _ = train_and_compare(GeluMLP(), batches(sizes=(8, 5, 8, 5)))  # TorchScript code: either way, exact
+
+
+class DropoutNorm(nn.Module):
+    """Eval mode turns the dropout off and runs the BatchNorm on its running statistics; a plain tensor attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4)
+        self.drop = nn.Dropout(0.5)
+        self.offset = torch.tensor([0.5, -1.0, 2.0, 0.25])
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.norm(self.fc1(x))))) + self.offset
+
+
+def _counted_exports(monkeypatch) -> list[int]:
+    """The batch size of each torch.export of the eval-mode forward, from now on."""
+    from orttrainer.trainer.build import torch_route
+
+    sizes: list[int] = []
+    export = torch_route.export_forward
+
+    def counted(source, inputs, *args, **kwargs):
+        sizes.append(inputs[0].shape[0])
+        return export(source, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch_route, "export_forward", counted)
+    return sizes
+
+
+def _eval_like_pytorch(trainer, loss_fn, sizes: tuple[int, ...]) -> None:
+    """eval_step on batches of `sizes` against the module's eval forward on the trainer's state."""
+    from orttrainer.trainer.build.torch_route import eval_mode
+
+    ref = DropoutNorm()
+    ref.load_state_dict(trainer.state_dict(pytorch_format=True))
+    for x, y in batches(sizes=sizes, seed=2):
+        loss, logits = trainer.eval_step(x, y)
+        with eval_mode(ref), torch.no_grad():
+            want = ref(x)
+        np.testing.assert_allclose(logits.numpy(), want.numpy(), atol=1e-5)
+        np.testing.assert_allclose(loss.item(), loss_fn(want, y).item(), atol=1e-5)
+
+
+def test_eval_graphs_are_traced_for_the_first_shapes_then_one_is_exported(monkeypatch, caplog):
+    """The first STATIC_SIGNATURES batch shapes each get a traced eval graph, without torch.export; the next one
+    gets the exported graph, whose dynamic batch then serves the others. All compute PyTorch's eval forward: no
+    dropout, BatchNorm on the running statistics training left, the loss's class weights. save_as_onnx writes
+    the exported forward model."""
+    from orttrainer.trainer.gradient.torch_graphs import STATIC_SIGNATURES
+
+    assert STATIC_SIGNATURES == 3  # the sizes below
+    torch.manual_seed(0)
+    loss_fn = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5, 1.5]))
+    trainer = make_trainer(DropoutNorm(), DESC, optim.SGDConfig(lr=0.1), loss_fn, TORCH)
+    for x, y in batches(sizes=(8, 8)):
+        trainer.train_step(x, y)
+    exports = _counted_exports(monkeypatch)
+    _eval_like_pytorch(trainer, loss_fn, (8, 5, 3, 8))
+    assert exports == []
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        _eval_like_pytorch(trainer, loss_fn, (6, 7, 2))
+    assert exports == [6]  # one dynamic export serves 6, 7 and 2
+
+
+def test_a_failed_eval_trace_exports_that_graph_and_every_later_one(monkeypatch, caplog):
+    from orttrainer.trainer.build import torch_route
+    from orttrainer.trainer.gradient.aten_onnx import UntranslatableGraph
+
+    traces = []
+
+    def untranslatable(*args, **kwargs):
+        traces.append(args[3][0].shape[0])
+        raise UntranslatableGraph("no direct translation of aten.some_op")
+
+    torch.manual_seed(0)
+    loss_fn = nn.CrossEntropyLoss()
+    trainer = make_trainer(DropoutNorm(), DESC, optim.SGDConfig(lr=0.1), loss_fn, TORCH)
+    trainer.train_step(*batches(sizes=(8,))[0])
+    monkeypatch.setattr(torch_route, "build_torch_forward_graph", untranslatable)
+    exports = _counted_exports(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        _eval_like_pytorch(trainer, loss_fn, (8, 5))
+    assert "the eval graph for the input shapes [[8, 16], [8]] is exported, as every later one" in caplog.text
+    assert "UntranslatableGraph: no direct translation of aten.some_op" in caplog.text
+    assert traces == [8] and exports == [8]  # the dynamic export serves batch 5 too
+
+
+def test_eval_graphs_are_exported_with_the_traced_eval_graphs_rewrite_off(monkeypatch):
+    monkeypatch.setenv("ORTTRAINER_DISABLE_REWRITES", "traced_eval_graphs")
+    torch.manual_seed(0)
+    loss_fn = nn.CrossEntropyLoss()
+    trainer = make_trainer(DropoutNorm(), DESC, optim.SGDConfig(lr=0.1), loss_fn, TORCH)
+    trainer.train_step(*batches(sizes=(8,))[0])
+    exports = _counted_exports(monkeypatch)
+    _eval_like_pytorch(trainer, loss_fn, (8, 5))
+    assert exports == [8]
+
+
+def test_two_threads_making_eval_graphs_at_once_get_what_one_thread_gets():
+    """Tracing and exporting hold the process-wide lock (build/export.TRACING): two trainers' first eval steps in two
+    threads, traced (batch sizes 8, 5, 3) and exported (6), give what each gives alone."""
+    import threading
+
+    loss_fn = nn.CrossEntropyLoss()
+    sizes = (8, 5, 3, 6)
+
+    def trainer():
+        torch.manual_seed(0)
+        made = make_trainer(DropoutNorm(), DESC, optim.SGDConfig(lr=0.1), loss_fn, TORCH)
+        made.train_step(*batches(sizes=(8,))[0])
+        return made
+
+    def logits(made) -> list[np.ndarray]:
+        return [made.eval_step(x, y)[1].numpy() for x, y in batches(sizes=sizes, seed=2)]
+
+    alone = logits(trainer())
+    trainers = [trainer(), trainer()]
+    results: dict[int, list[np.ndarray]] = {}
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            results[k] = logits(trainers[k])
+        except BaseException as err:  # reported below: a thread's exception would otherwise vanish
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    for k in range(2):
+        for got, want in zip(results[k], alone, strict=True):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_a_model_saved_from_the_torch_route_trains_again_as_an_onnx_model_on_it(tmp_path):

@@ -77,6 +77,25 @@ def test_aot_export_joint_signature_and_values():
         np.testing.assert_allclose(got.detach(), param.grad, atol=1e-6)
 
 
+def test_aot_export_forward_signature_values_and_eval_batch_norm():
+    """Forward only: no gradient outputs, nothing needs grad, and an eval-mode BatchNorm stays the op the direct
+    translation writes as ONNX BatchNormalization (`forward_decompositions`)."""
+    torch.manual_seed(0)
+    model, x = Small().eval(), torch.randn(5, 3)
+    model.bn.running_mean.uniform_(-1, 1)
+    graph, sig = torch_private.aot_export_forward(model, [x])
+    assert [kind for kind, _ in sig.inputs] == ["parameter"] * 4 + ["buffer"] * 3 + ["user"]
+    assert sig.outputs == (("user", sig.outputs[0][1]), ("user", sig.outputs[1][1]))
+    targets = {n.target for n in graph.graph.nodes}
+    assert aten._native_batch_norm_legit_no_training.default in targets
+    assert aten._native_batch_norm_legit_no_training.default in torch_private.training_decompositions()
+    state = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+    with torch.no_grad():
+        got, want = graph(*state, x), model(x)
+    for ours, theirs in zip(got, want, strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-6)
+
+
 def test_aot_export_joint_keeps_custom_function_backward():
     class Model(nn.Module):
         def __init__(self) -> None:

@@ -43,6 +43,7 @@ from .compile.compiler import (
     CompiledModel,
     CompileRequest,
     DataParallelPlan,
+    GraphCache,
     compile_model,
     output_elem_types,
     restore_compiled,
@@ -153,7 +154,9 @@ def _build_torch(
                 raise
             _logger.info("%s; building with the torch gradient builder", reason)
             try:
-                forward = torch_route_forward(config, module, sample_inputs, plan.falling_back(reason), activations)
+                forward = torch_route_forward(
+                    config, module, sample_inputs, plan.falling_back(reason), activations, None, _eval_cache(cached)
+                )
                 return _compile_and_open(config, state, forward, cached)
             except Exception as torch_err:
                 if type(torch_err) is type(err) and str(torch_err) == str(err):
@@ -162,8 +165,12 @@ def _build_torch(
                     f"neither gradient builder can train {type(module).__name__}: the 'ort' builder: "
                     f"{reason.removeprefix('auto: ')}; the torch builder: {type(torch_err).__name__}: {torch_err}"
                 ) from torch_err
-    forward = torch_route_forward(config, module, sample_inputs, plan, activations)
+    forward = torch_route_forward(config, module, sample_inputs, plan, activations, None, _eval_cache(cached))
     return _compile_and_open(config, state, forward, cached)
+
+
+def _eval_cache(cached: build_cache.CachedBuild | None) -> GraphCache | None:
+    return cached.eval_graphs() if cached is not None else None
 
 
 def reexport_for_shapes(
@@ -232,7 +239,7 @@ def _build_from_cache(
     split = (list(meta["trainable"]), list(meta["frozen"]))
     source: onnx.ModelProto | Callable[[], onnx.ModelProto]
     if meta["route"] == "torch":
-        forward = torch_route_forward(config, module, sample_inputs, plan, activations, split)
+        forward = torch_route_forward(config, module, sample_inputs, plan, activations, split, cached.eval_graphs())
         assert forward.eval_graphs is not None  # the torch route exports its forward model when first asked
         source = forward.eval_graphs.forward_model
     else:

@@ -9,7 +9,10 @@ the dataflow digest and shape signature of that batch):
   dynamic-dims graph under each signature it served: a cached graph serves the signature it is stored under,
   never others (the shape guards that said which shapes it serves are not stored);
 - `specialised`: the 'ort' builder's graph specialised to a signature (runtime/static_graphs.py), under the first
-  graph's key and the signature (it is a function of those).
+  graph's key and the signature (it is a function of those);
+- `eval`: the torch route's eval graph traced for a batch's shapes (build/torch_route.TorchEvalGraphs), under the
+  dataflow digest of the module's eval-mode forward on that batch and its signature (the training digest cannot
+  see what the module computes only in eval mode).
 
 A lookup runs the dataflow digest (one forward of the model in PyTorch, and its backward too when Python code can run
 in it) for every new batch signature the cache is asked about; a hit then skips export, tracing and compilation.
@@ -17,6 +20,7 @@ in it) for every new batch signature the cache is asked about; a hit then skips 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -31,10 +35,11 @@ from ..compile.cache import CompileCache, TrainerKey, Uncacheable, cache_directo
 from ..config import TrainerConfig
 from ..gradient.torch_trace import tracing_context
 from ..runtime.session import shape_signature
+from .torch_route import eval_mode
 
 _logger = logging.getLogger(__name__)
 
-FIRST, TORCH_GRAPH, SPECIALISED = "first", "torch", "specialised"
+FIRST, TORCH_GRAPH, SPECIALISED, EVAL = "first", "torch", "specialised", "eval"
 
 
 def not_cacheable(config: TrainerConfig, activations: ActivationStatistics) -> str | None:
@@ -92,8 +97,12 @@ class CachedBuild:
         self.cache.store(self.first_key, meta, blobs)
 
     def graphs(self) -> _ShapeGraphs:
-        """The torch builder's graphs for other shapes (compile/compiler.GraphCache)."""
-        return _ShapeGraphs(self)
+        """The torch builder's graphs for other shapes (a compile/compiler.GraphCache)."""
+        return _ShapeGraphs(self, TORCH_GRAPH, "training", contextlib.nullcontext)
+
+    def eval_graphs(self) -> _ShapeGraphs:
+        """The torch route's traced eval graphs (a compile/compiler.GraphCache; build/torch_route.py)."""
+        return _ShapeGraphs(self, EVAL, "eval", lambda: eval_mode(self.module))
 
     def specialisations(self) -> Callable[[Specialize], Specialize]:
         """Wraps the 'ort' builder's specialiser (runtime/session.py) with the cache."""
@@ -123,30 +132,59 @@ def lookup(
 
 
 class _ShapeGraphs:
-    def __init__(self, build: CachedBuild) -> None:
-        self._build = build
+    """Graphs of `kind` for a batch, stored as the blob `blob` under the dataflow digest of the model in `mode()`
+    on that batch and the batch's signature."""
+
+    def __init__(
+        self, build: CachedBuild, kind: str, blob: str, mode: Callable[[], contextlib.AbstractContextManager]
+    ) -> None:
+        self._build, self._kind, self._blob, self._mode = build, kind, blob, mode
 
     def _key(self, inputs: Sequence[torch.Tensor]) -> str | None:
         """The key for `inputs`, or None when the model does not run on them in PyTorch: then the cache is not
         used for them, and tracing reports the error as it would without the cache."""
         try:
-            batch = self._build.digest(inputs)
+            with self._mode():
+                batch = self._build.digest(inputs)
         except Exception as err:
             _logger.info(
                 "compile cache not used for input shapes %s (%s: %s)", _shapes(inputs), type(err).__name__, err
             )
             return None
-        return self._build.key.for_batch(TORCH_GRAPH, batch, shape_signature(inputs))
+        return self._build.key.for_batch(self._kind, batch, shape_signature(inputs))
 
-    def load(self, inputs: Sequence[torch.Tensor]) -> onnx.ModelProto | None:
-        key = self._key(inputs)
+    def slot(self, inputs: Sequence[torch.Tensor]) -> _Slot:
+        return _Slot(self, inputs)
+
+    def load(self, key: str | None) -> onnx.ModelProto | None:
         entry = self._build.cache.load(key) if key is not None else None
-        return onnx.load_from_string(entry.blobs["training"]) if entry is not None else None
+        return onnx.load_from_string(entry.blobs[self._blob]) if entry is not None else None
 
-    def store(self, inputs: Sequence[torch.Tensor], model: onnx.ModelProto) -> None:
-        key = self._key(inputs)
+    def store(self, key: str | None, model: onnx.ModelProto) -> None:
         if key is not None:
-            self._build.cache.store(key, {}, {"training": model.SerializeToString()})
+            self._build.cache.store(key, {}, {self._blob: model.SerializeToString()})
+
+
+class _Slot:
+    """A batch's place among `_ShapeGraphs` (compile/compiler.GraphSlot): its key is computed when first used
+    (a dataflow digest runs the model), then kept."""
+
+    def __init__(self, graphs: _ShapeGraphs, inputs: Sequence[torch.Tensor]) -> None:
+        self._graphs, self._inputs = graphs, list(inputs)
+        self._key: str | None = None
+        self._computed = False
+
+    def _key_once(self) -> str | None:
+        if not self._computed:
+            self._key, self._computed = self._graphs._key(self._inputs), True
+            self._inputs = []  # keeps no batch alive
+        return self._key
+
+    def load(self) -> onnx.ModelProto | None:
+        return self._graphs.load(self._key_once())
+
+    def store(self, model: onnx.ModelProto) -> None:
+        self._graphs.store(self._key_once(), model)
 
 
 def _shapes(inputs: Sequence[torch.Tensor]) -> list[list[int]]:

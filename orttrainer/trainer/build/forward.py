@@ -29,6 +29,7 @@ from ...debug.subscriber import no_increase_global_step
 from ...dtypes import FLOAT_ONNX_TYPES
 from ...schema.model_desc import _ORTTrainerModelDesc
 from ..activations import ActivationStatistics
+from ..compile.compiler import GraphCache
 from ..config import TrainerConfig, recompute_plan
 from ..gradient.choice import BuilderChoice, choose_builder
 from ..gradient.errors import GradientBuildError
@@ -277,12 +278,14 @@ def torch_route_forward(
     plan: TorchPlan,
     activations: ActivationStatistics | None = None,
     split: tuple[list[str], list[str]] | None = None,
+    eval_cache: GraphCache | None = None,
 ) -> Forward:
     """The torch route (build/torch_route.py): state from the module, the training graph from AOTAutograd with
     model_desc's string dims dynamic, the forward model from torch.export when first needed. With a subscribed
     model (`activations`), the trace marks its activations (trainer/activations.py). With
     `_internal_use.extra_postprocess`, the edited forward instead (`edited_torch_forward`). `split`: the
-    (trainable, frozen) lists an earlier build found (the compile cache), instead of the dry run's reads."""
+    (trainable, frozen) lists an earlier build found (the compile cache), instead of the dry run's reads;
+    `eval_cache`: where the compile cache keeps the traced eval graphs."""
     desc, options, dry = plan.model_desc, config.options, plan.dry
     if dry.read_state is None and split is None:  # 'auto' came from the TorchScript route: the reads are recorded now
         with no_increase_global_step():
@@ -296,8 +299,15 @@ def torch_route_forward(
     source = TorchSource(module, config.loss_fn, names, opset, dry.was_training, dims, groups, features=features)
     forward = ForwardSource(module, config.loss_fn, names, outputs, dims, opset, bool(amp), marking)
     instrument = activations.instrument if activations is not None and marking is not None else None
+    traced = options._internal_use.extra_postprocess is None  # the function edits exported forward models
     evals = TorchEvalGraphs(
-        forward, shape_signature(sample_inputs), lambda m: postprocess(config, m), trainable + frozen, instrument
+        forward,
+        shape_signature(sample_inputs),
+        lambda m: postprocess(config, m),
+        trainable + frozen,
+        instrument,
+        traced,
+        eval_cache,
     )
     if options._internal_use.extra_postprocess is not None:
         return edited_torch_forward(config, module, sample_inputs, replace(plan, dry=dry), evals)

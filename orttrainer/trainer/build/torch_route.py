@@ -6,9 +6,12 @@ Rules:
   weights and the other state_dict entries its eval-mode dry run reads (`export.dry_run`); the other state_dict
   entries are aliases (a tied tensor's other names) or unused state. A trainable parameter that gets no gradient
   is frozen with a warning when the training graph is traced (`gradient/differentiate.py`): never silently.
-- The forward model (`TorchEvalGraphs`): the module (+ loss) in eval mode, traced with torch.export and written by
-  torch.onnx (`dynamo=True`) when first needed — the first `eval_step`, `debug.check_model_export` or
-  `save_as_onnx` — so training never waits for it. Data inputs are named as model_desc, outputs are the
+- The eval graphs (`TorchEvalGraphs`): the module (+ loss) in eval mode, made when the first `eval_step` needs them
+  (training never waits for them): traced for each input-shape signature and translated directly, as the training
+  graphs are, for the first few signatures; else the forward model's.
+- The forward model (`TorchEvalGraphs.forward_model`): the module (+ loss) in eval mode, traced with torch.export
+  and written by torch.onnx (`dynamo=True`) when first needed — an `eval_step` past the traced signatures,
+  `debug.check_model_export` or `save_as_onnx`. Data inputs are named as model_desc, outputs are the
   model_desc outputs (loss first), the trainer's state tensors are initializers named like the module's
   parameters and buffers (no `model.` prefix); other tensors (plain tensor attributes, the loss function's
   state, state the trainer does not hold) are constants. model_desc's string dims are dynamic where the trace
@@ -36,16 +39,19 @@ import torch
 from onnx import numpy_helper
 
 from ...debug.subscriber import no_increase_global_step
+from ..compile.compiler import GraphCache, GraphSlot
 from ..gradient import torch_private
 from ..gradient.eager_fallback import with_eager_translations
-from ..gradient.torch_builder import MAX_ORT_OPSET
+from ..gradient.torch_builder import MAX_ORT_OPSET, build_torch_forward_graph
+from ..gradient.torch_graphs import STATIC_SIGNATURES, bind_foreign_state
 from ..gradient.torch_private import DimSpec
 from ..gradient.torch_trace import attributes_restored, flatten_tensors
 from ..graph.class_labels import guard_pytorch_indices
+from ..graph.passes import rewrite_enabled
 from ..graph.pipeline import build_eval_model
 from ..graph.statistics import marks_to_identity
-from ..runtime.session import EvalGraph, ShapeKeyedCache, ShapeSignature
-from .export import MODEL_PREFIX, DryRun, _ModelWithLoss, set_initializers, strip_prefix
+from ..runtime.session import EvalGraph, ShapeKeyedCache, ShapeSignature, shape_signature
+from .export import MODEL_PREFIX, TRACING, DryRun, _ModelWithLoss, set_initializers, strip_prefix
 
 _logger = logging.getLogger(__name__)
 
@@ -135,9 +141,9 @@ def export_forward(
     unless `dynamic`), with the module's current state values in its initializers, and its data inputs' dims (a
     size, or a dynamic dim's range). Raises RuntimeError naming the model when torch.export cannot trace it."""
     module = source.module
-    opset = min(max(source.opset_version, torch_private.MIN_DYNAMO_OPSET), MAX_ORT_OPSET)
+    opset = _opset(source)
     dims = source.dynamic_dims if dynamic else [[] for _ in inputs]
-    mode = contextlib.nullcontext() if own_mode else _eval_mode(module)
+    mode = contextlib.nullcontext() if own_mode else eval_mode(module)
     marking = source.marking() if source.marking is not None else contextlib.nullcontext()
     try:  # orttrainer.debug hooks pass values through while tracing: no step counted, no file written
         with mode, no_increase_global_step(), torch_private.causal_mask_detection_off(), marking:
@@ -167,6 +173,16 @@ def export_forward(
     return set_initializers(model, state), specs
 
 
+def _opset(source: ForwardSource) -> int:
+    """The opset the forward is written in: the requested one within what torch.onnx writes and ONNX Runtime runs."""
+    return min(max(source.opset_version, torch_private.MIN_DYNAMO_OPSET), MAX_ORT_OPSET)
+
+
+def _tracing_switched_on() -> bool:
+    """The rewrite switches of traced eval graphs (graph/passes.py): theirs, and the direct translation's."""
+    return rewrite_enabled("traced_eval_graphs") and rewrite_enabled("aten_translation")
+
+
 def first_names(model: onnx.ModelProto, module: torch.nn.Module) -> onnx.ModelProto:
     """Rule: an initializer named after another name of a tied tensor (torch.export names it as the forward reads
     it, `decoder.bias`) takes the tensor's first name (`bias`), under which the trainer holds it; two of them
@@ -194,7 +210,7 @@ def first_names(model: onnx.ModelProto, module: torch.nn.Module) -> onnx.ModelPr
 
 
 @contextlib.contextmanager
-def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
     was_training = module.training
     module.eval()
     try:
@@ -218,11 +234,25 @@ def accepts(dims: Sequence[Sequence[DimSpec]], dtypes: Sequence[torch.dtype], in
 
 
 class TorchEvalGraphs:
-    """The torch route's forward model and eval graphs (`runtime.session.EvalGraphs`), exported when first needed.
+    """The torch route's forward model and eval graphs (`runtime.session.EvalGraphs`), made when first needed.
 
-    `forward_model()` is the post-processed forward model (`save_as_onnx`), exported for the first batch's shapes
-    unless an eval graph exists already; `self(inputs)` is the eval graph for `inputs`: the first one exported
-    (dynamic) for every input it accepts, else one exported for their shapes (logged at INFO, kept)."""
+    `self(inputs)` is the eval graph for `inputs`:
+    - Traced: each of the first STATIC_SIGNATURES input-shape signatures gets a graph traced for its shapes by
+      AOTAutograd and translated directly (gradient/torch_builder.build_torch_forward_graph), as the training
+      graphs are. Not post-processed, as the training graphs are not (the legacy post-processing options act on
+      exports). Off with `traced=False` (`_internal_use.extra_postprocess`, which edits the exported forward; an
+      `orttrainer.debug` subscriber, whose statistics instrument exports) or the rewrite switches
+      `traced_eval_graphs` and `aten_translation` (graph/passes.py). A trace that fails (an op the direct
+      translation lacks) is logged at INFO, and every later graph is exported.
+    - Exported, for inputs of any other signature: the first one exported (dynamic) serves every input it accepts,
+      else one is exported for their shapes (logged at INFO, kept).
+    Traced graphs are kept in the compile cache (`cache`, build/cached.py) for the next process.
+    Why both: on the benchmark transformer a trace takes 0.45 s and an export 2.5 s (docs/engine.md §29), but the
+    exported graph's dynamic dims serve the shapes to come (STATIC_SIGNATURES: gradient/torch_graphs.py).
+
+    `forward_model()` is the post-processed forward model (`save_as_onnx`): the first exported one, exported for
+    the first batch's shapes unless one exists. Traces and exports hold `TRACING` (build/export.py): one thread at
+    a time."""
 
     def __init__(
         self,
@@ -231,39 +261,48 @@ class TorchEvalGraphs:
         postprocess: Callable[[onnx.ModelProto], onnx.ModelProto],
         state: list[str],
         instrument: Callable[[onnx.ModelProto, str], onnx.ModelProto] | None = None,
+        traced: bool = True,
+        cache: GraphCache | None = None,
     ) -> None:
         self.data_inputs = list(source.input_names)
         self._source, self._sample, self._postprocess, self._state = source, sample, postprocess, list(state)
         self._instrument = instrument  # orttrainer.debug: the eval graphs' statistics (module docstring)
         self._dtypes = [_torch_dtype(dtype) for _, dtype in sample]
         self._forward: onnx.ModelProto | None = None
-        self._first: tuple[EvalGraph, list[list[DimSpec]]] | None = None
+        self._tracing = traced and instrument is None
+        self._traced: dict[ShapeSignature, EvalGraph] = {}
+        self._cache = cache  # the compile cache's traced eval graphs (build/cached.py)
+        self._first: tuple[EvalGraph, list[list[DimSpec]]] | None = None  # the first exported graph
         self._others: ShapeKeyedCache[EvalGraph] = ShapeKeyedCache(16)
 
     def forward_model(self) -> onnx.ModelProto:
         if self._forward is None:
-            self(self._sample_inputs())
+            self._export_first(self._sample_inputs())
         assert self._forward is not None  # set by the first export
         return self._forward
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph:
-        if self._first is None:
-            model, dims = export_forward(self._source, inputs)
-            marked = self._postprocess(model)
-            self._forward = marks_to_identity(marked)[0]
-            self._first = (self._eval_graph(marked), dims)
+        signature = shape_signature(inputs)
+        if signature in self._traced:
+            return self._traced[signature]
+        if self._first is not None and accepts(self._first[1], self._dtypes, inputs):
             return self._first[0]
-        first, dims = self._first
-        if accepts(dims, self._dtypes, inputs):
-            return first
+        if self._tracing and len(self._traced) < STATIC_SIGNATURES and _tracing_switched_on():
+            slot = self._cache.slot(inputs) if self._cache is not None else None
+            traced = self._load(slot, inputs) or self._trace(inputs, slot)
+            if traced is not None:
+                self._traced[signature] = traced
+                return traced
+        if self._first is None:
+            return self._export_first(inputs)
         return self._others.get_or_build(inputs, lambda: self._build(inputs))
 
     def serving(self, given: dict[str, torch.Tensor]) -> EvalGraph:
-        """The eval graph for data that lacks some inputs (an eval step with the inputs alone): the first one,
-        exported for the first batch's shapes if no eval graph exists yet, when it accepts the given inputs; else
+        """The eval graph for data that lacks some inputs (an eval step with the inputs alone): the first exported
+        one, exported for the first batch's shapes if none exists yet, when it accepts the given inputs; else
         ValueError (another graph would be exported with every input)."""
         if self._first is None:
-            self(self._sample_inputs())
+            self._export_first(self._sample_inputs())
         assert self._first is not None  # set by the first export
         first, dims = self._first
         positions = [k for k, name in enumerate(self.data_inputs) if name in given]
@@ -277,12 +316,60 @@ class TorchEvalGraphs:
             )
         return first
 
+    def _load(self, slot: GraphSlot | None, inputs: Sequence[torch.Tensor]) -> EvalGraph | None:
+        """The traced eval graph for `inputs` from the compile cache (their `slot`), or None."""
+        stored = slot.load() if slot is not None else None
+        if stored is None:
+            return None
+        _logger.info("input shapes %s: the eval graph comes from the compile cache", [list(t.shape) for t in inputs])
+        return EvalGraph(stored, self.data_inputs)
+
+    def _trace(self, inputs: Sequence[torch.Tensor], slot: GraphSlot | None) -> EvalGraph | None:
+        """The traced eval graph for `inputs`' shapes (kept in the compile cache: their `slot`), or None when the
+        trace or its translation fails (tracing then stops: the class docstring)."""
+        source = self._source
+        try:
+            with TRACING, eval_mode(source.module), no_increase_global_step():
+                model = build_torch_forward_graph(
+                    _EvalForward(source),
+                    source.module,
+                    source.input_names,
+                    inputs,
+                    source.output_names,
+                    _opset(source),
+                    source.mixed_precision,
+                )
+        except Exception as err:
+            self._tracing = False
+            reason = str(err).strip().split("\n")[0]
+            _logger.info(
+                "the eval graph for the input shapes %s is exported, as every later one: its trace failed (%s: %s)",
+                [list(t.shape) for t in inputs],
+                type(err).__name__,
+                reason,
+            )
+            return None
+        values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
+        graph = self._eval_graph(bind_foreign_state(model, len(inputs), self._state, values))
+        if slot is not None:
+            slot.store(graph.model)
+        return graph
+
+    def _export_first(self, inputs: Sequence[torch.Tensor]) -> EvalGraph:
+        with TRACING:
+            model, dims = export_forward(self._source, inputs)
+        marked = self._postprocess(model)
+        self._forward = marks_to_identity(marked)[0]
+        self._first = (self._eval_graph(marked), dims)
+        return self._first[0]
+
     def _build(self, inputs: Sequence[torch.Tensor]) -> EvalGraph:
         _logger.info(
             "exporting an eval graph for the input shapes %s (the first one's trace specialised a dim of model_desc)",
             [list(t.shape) for t in inputs],
         )
-        model, _ = export_forward(self._source, inputs, dynamic=False)
+        with TRACING:
+            model, _ = export_forward(self._source, inputs, dynamic=False)
         return self._eval_graph(self._postprocess(model))
 
     def _eval_graph(self, forward: onnx.ModelProto) -> EvalGraph:

@@ -9,7 +9,8 @@ The key (`TrainerKey`) covers everything a compiled graph depends on; any change
 - the model: the aten-level dataflow of one training-mode forward and backward of the model and its loss on the
   batch (`torch_private.dataflow_digest`: every op, its arguments wired by role — input, named state tensor,
   earlier result, constant by value — so the architecture, its hyper-parameters, the loss and constants such as a
-  loss's class weights all count; the backward by its autograd graph, or by its ops when Python can run in it),
+  loss's class weights all count; the backward by its autograd graph, or by its ops when Python can run in it; an
+  eval graph's: the eval-mode forward's, build/cached.py),
   the source of the model's and loss function's own classes and functions, every parameter's and buffer's name,
   shape, dtype and `requires_grad`, and the modules' train/eval modes;
 - the input shapes and dtypes (in the dataflow, and in each graph's key);

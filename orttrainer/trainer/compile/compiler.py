@@ -25,12 +25,12 @@ from ..build.export import TRACING
 from ..gradient.choice import BuilderChoice
 from ..gradient.differentiate import GradientRequest, differentiate
 from ..gradient.ort_options import GradientOptions
-from ..gradient.torch_graphs import Accepts, TorchSource, torch_gradient_model
+from ..gradient.torch_graphs import STATIC_SIGNATURES, Accepts, TorchSource, torch_gradient_model
 from ..gradient.torch_graphs import loss_scale_names as loss_scale_names_torch
 from ..graph.batch_norm_statistics import BatchNormStatistics
 from ..graph.data_parallel import build_optimizer_graph
 from ..graph.mixed_precision import loss_scale_names
-from ..graph.passes import record_stage, run_passes
+from ..graph.passes import record_stage, rewrite_enabled, run_passes
 from ..graph.pipeline import (
     StatisticsInstrument,
     eval_forward_passes,
@@ -71,13 +71,19 @@ class DataParallelPlan:
     owned: list[str] | None  # None: every rank updates every tensor
 
 
+class GraphSlot(Protocol):
+    """One batch's place in a `GraphCache`: `load` gives the graph stored for it or None; `store` keeps one."""
+
+    def load(self) -> onnx.ModelProto | None: ...
+
+    def store(self, model: onnx.ModelProto) -> None: ...
+
+
 class GraphCache(Protocol):
-    """Where compiled training graphs for a batch's shapes are kept across processes (compile/cache.py): `load`
-    gives the graph stored for `inputs` (the data, model_desc order) or None; `store` keeps one."""
+    """Where compiled graphs for a batch's shapes are kept across processes (compile/cache.py): `slot(inputs)` is
+    the place of the batch `inputs` (the data, model_desc order), whose key is computed once, when first used."""
 
-    def load(self, inputs: Sequence[torch.Tensor]) -> onnx.ModelProto | None: ...
-
-    def store(self, inputs: Sequence[torch.Tensor], model: onnx.ModelProto) -> None: ...
+    def slot(self, inputs: Sequence[torch.Tensor]) -> GraphSlot: ...
 
 
 @dataclass(frozen=True)
@@ -362,12 +368,14 @@ class TorchShapeGraphs:
     Why: a traced graph is valid only for the inputs it accepts (gradient/torch_builder.py): with model_desc's
     string dims traced dynamic, every size the trace's guards allow; else its own shapes. `first` was compiled
     for the first batch and is returned for every input `accepts` takes (logged once per signature). Other
-    inputs: the first time a batch of another signature arrives (and its dynamic dims are all >= 2, the sizes
-    PyTorch's tracer does not specialise), the graph is traced with model_desc's string dims dynamic and then
-    serves every later batch its guards accept (the first graph is traced for the first batch's shapes:
-    `graph/passes.rewrite_enabled("static_shapes")`, gradient/differentiate.py); any other batch gets a graph
-    traced for its shapes. Each runs through stages 2-4 (graph/pipeline.py) and must have `first`'s state
-    contract (checked). The session caches the results per signature."""
+    inputs, with the rewrite `static_shapes` on (graph/passes.py; the first graph is then traced for the first
+    batch's shapes too, gradient/differentiate.py): the signatures up to the `STATIC_SIGNATURES`th
+    (gradient/torch_graphs.py, which says why) get a graph traced for their shapes; the first batch of a later
+    signature whose dynamic dims are all >= 2 (the sizes PyTorch's tracer does not specialise) gets the graph
+    traced with model_desc's string dims dynamic, which then serves every later batch its guards accept. With it
+    off, that dynamic graph comes at the first new signature. Any other batch gets a graph traced for its shapes.
+    Each runs through stages 2-4 (graph/pipeline.py) and must have `first`'s state contract (checked). The
+    session caches the results per signature."""
 
     def __init__(self, request: CompileRequest, first: StepGraph, accepts: Accepts | None) -> None:
         if request.torch_source is None or request.sample_inputs is None:
@@ -378,6 +386,7 @@ class TorchShapeGraphs:
         self._source = request.torch_source
         self._dynamic: tuple[StepGraph, Accepts] | None = None  # the dynamic-dims graph, once traced
         self._dynamic_tried = not any(self._source.dynamic_dims)  # nothing to trace dynamic
+        self._static_signatures = 1  # traced for their shapes: the first (`static_shapes`), then those below
         self._cache = request.graph_cache
         self._loaded: dict[str, StepGraph] = {}  # graphs loaded from the cache, by content: one session each
         # keeps no batch and no forward model alive
@@ -387,18 +396,23 @@ class TorchShapeGraphs:
         shapes = [list(t.shape) for t in inputs]
         if shape_signature(inputs) == self._signature:
             return self.first
+        slot = self._cache.slot(inputs) if self._cache is not None else None
         for graph, accepts in [(self.first, self._accepts), *([self._dynamic] if self._dynamic else [])]:
             if accepts is not None and accepts(inputs):
                 _logger.info("input shapes %s: an earlier training graph serves them (dynamic dims)", shapes)
-                if self._cache is not None:
-                    self._cache.store(inputs, graph.model)
+                if slot is not None:
+                    slot.store(graph.model)
                 return graph
-        stored = self._cache.load(inputs) if self._cache is not None else None
+        stored = slot.load() if slot is not None else None
         if stored is not None:
             _logger.info("input shapes %s: the training graph comes from the compile cache", shapes)
+            self._static_signatures += 1  # served for its own signature only (build/cached.py)
             return self._from_cache(stored)
-        dynamic = not self._dynamic_tried and all(
-            t.shape[d] >= 2 for t, dims in zip(inputs, self._source.dynamic_dims, strict=False) for d in dims
+        static_first = rewrite_enabled("static_shapes") and self._static_signatures < STATIC_SIGNATURES
+        dynamic = (
+            not static_first
+            and not self._dynamic_tried
+            and all(t.shape[d] >= 2 for t, dims in zip(inputs, self._source.dynamic_dims, strict=False) for d in dims)
         )
         request = self._request
         _logger.info(
@@ -424,8 +438,10 @@ class TorchShapeGraphs:
         if dynamic:
             self._dynamic_tried = True
             self._dynamic = (graph, accepts)
-        if self._cache is not None:
-            self._cache.store(inputs, graph.model)
+        else:
+            self._static_signatures += 1
+        if slot is not None:
+            slot.store(graph.model)
         return graph
 
     def _from_cache(self, model: onnx.ModelProto) -> StepGraph:

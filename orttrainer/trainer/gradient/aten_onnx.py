@@ -24,6 +24,9 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   forward also computes, per step, the factors the backward multiplies by, so that the backward's step is 8 ops (7
   for a GRU); these ops are looked up by name (`_CUSTOM_TRANSLATIONS`), so that importing this module does not
   register them;
+- BatchNorm on its running statistics (`_native_batch_norm_legit_no_training`, which only an eval-mode forward traced
+  without a backward keeps) is ONNX BatchNormalization in inference mode, which ONNX Runtime folds into the Conv
+  before it;
 - a convolution's weight gradient traced as one op (`orttrainer::conv_weight_gradient`, gradient/conv_ops.py) is
   the per-position products its decomposition translates to;
 - orttrainer's ordering gate `after(x, dep)` (recompute and `utils.memory_efficient_gradient`) and activation marker
@@ -727,6 +730,25 @@ def _layer_norm(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     return tuple(outs)
 
 
+def _batch_norm_inference(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    """`aten._native_batch_norm_legit_no_training` (BatchNorm on its running statistics; only an eval-mode forward
+    traced without a backward keeps it: torch_private.forward_decompositions): ONNX BatchNormalization in
+    inference mode, which ONNX Runtime folds into a Conv before it, computing in float32 (float64 for float64
+    input) as PyTorch does for float16 input; the op's other two outputs are empty."""
+    x, weight, bias, mean, var, _momentum, eps = node.args
+    source, out = g.meta(x), node.meta["val"][0]  # type: ignore[arg-type]
+    if not source.dtype.is_floating_point or source.dim() < 2:
+        return None  # type: ignore[return-value]
+    compute = torch.float64 if source.dtype == torch.float64 else torch.float32
+    channels = source.shape[1]
+    scale = g.typed(weight, compute) if weight is not None else g.const(torch.ones(channels, dtype=compute))
+    shift = g.typed(bias, compute) if bias is not None else g.const(torch.zeros(channels, dtype=compute))
+    inputs = [g.typed(x, compute), scale, shift, g.typed(mean, compute), g.typed(var, compute)]
+    result = g.cast(g.one("BatchNormalization", inputs, epsilon=float(eps)), compute, out.dtype)  # type: ignore[arg-type]
+    empty = g.const(torch.empty(0, dtype=node.meta["val"][1].dtype))
+    return result, empty, empty
+
+
 def _softmax(op: str) -> Translation:
     def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
         x, dim, half_to_float = node.args
@@ -1200,6 +1222,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.addmm.default: _addmm,
     aten.convolution.default: _convolution,
     aten.native_layer_norm.default: _layer_norm,
+    aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,
     aten._softmax.default: _softmax("Softmax"),
     aten._log_softmax.default: _softmax("LogSoftmax"),
     aten.embedding.default: _embedding,

@@ -80,7 +80,7 @@ def _torch_builder(request: GradientRequest, trainable: list[str], frozen: list[
     if request.torch_source is None or request.sample_inputs is None:
         raise ValueError("the torch gradient builder needs the PyTorch module and a first batch")
     # the first graph is traced for the first batch's shapes (faster to trace and to run); the compiler traces
-    # the dynamic-dims graph when a batch of another shape arrives (compile/compiler.TorchShapeGraphs)
+    # the graphs of other shapes, the dynamic-dims one among them (compile/compiler.TorchShapeGraphs)
     dynamic = not rewrite_enabled("static_shapes")
     return torch_gradient_model(
         request.torch_source, request.sample_inputs, request.outputs, trainable, trainable + frozen, dynamic=dynamic

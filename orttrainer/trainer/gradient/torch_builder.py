@@ -62,12 +62,19 @@ from .torch_trace import (
     JointWrapper,
     UntraceableFunctionError,
     tensor_attributes_as_buffers,
+    trace_forward,
     trace_joint,
 )
 
 _logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_ORT_OPSET", "TorchGradientGraph", "UntraceableFunctionError", "build_torch_gradient_graph"]
+__all__ = [
+    "MAX_ORT_OPSET",
+    "TorchGradientGraph",
+    "UntraceableFunctionError",
+    "build_torch_forward_graph",
+    "build_torch_gradient_graph",
+]
 
 MAX_ORT_OPSET = 21  # the newest ONNX opset ONNX Runtime 1.19 runs
 RECOMPUTED_KEY = "orttrainer.recomputed_nodes"  # model metadata: how many nodes the backward recomputes
@@ -183,6 +190,36 @@ def build_torch_gradient_graph(
         except Exception as err:  # the concrete-shape build names real errors
             _log_dynamic_failure(module, inputs, err)
     return _build(request, None)
+
+
+def build_torch_forward_graph(
+    wrapper: torch.nn.Module,
+    module: torch.nn.Module,
+    input_names: Sequence[str],
+    inputs: Sequence[torch.Tensor],
+    output_names: Sequence[str],
+    opset_version: int = torch_private.MIN_DYNAMO_OPSET,
+    float16: bool = False,
+) -> onnx.ModelProto:
+    """The forward-only ONNX model of `wrapper` (a module around `module` returning its outputs as a flat tuple,
+    loss first: build/torch_route._EvalForward) for the shapes of `inputs`, translated directly
+    (gradient/aten_onnx.py): graph inputs are the data (`input_names`) then every state tensor of `module` under
+    its first name, as in the builder's contract (module docstring); graph outputs are the first
+    len(output_names) outputs, so named, then the new value of each buffer the forward updates in place
+    (`<buffer>__updated`). State of `wrapper` outside `module` (a loss module's weight) and tensor attributes are
+    constants. Traced in the mode the module is in; `float16`: the wrapper computes in float16 (mixed precision).
+    Raises UntranslatableGraph for an op the direct translation lacks, PyTorch's error when the trace fails."""
+    opset = _effective_opset(opset_version)
+    canonical = _canonical_names(module)  # before tracing: tensor attributes are buffers only while it runs
+    state = {name: tensor.detach() for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
+    graph, sig = trace_forward(wrapper, inputs, float16)
+    state_inputs, mutated = _rewrite_joint(
+        graph, sig, _traced_state(wrapper), canonical, [], len(output_names), type(module).__name__
+    )
+    outputs = [*output_names, *map(buffer_update_name, mutated)]
+    model = translate(graph, [*state_inputs, *input_names], outputs, opset)
+    del graph  # the traced graph and its fake tensors are not needed any more
+    return _order_inputs(model, list(input_names), {n: state[n] for n in canonical.values()})
 
 
 def _log_dynamic_failure(module: torch.nn.Module, inputs: Sequence[torch.Tensor], err: Exception) -> None:

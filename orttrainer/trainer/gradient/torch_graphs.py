@@ -4,9 +4,11 @@ input shapes, with the trainer's state as its only state inputs.
 Rules:
 - State: the traced graph takes every parameter and buffer of the module; the session feeds the trainer's state
   (the tensors the forward uses). Other state inputs become constants or disappear (`bind_foreign_state`).
-- Shapes: the first graph is traced with the dims of `TorchSource.dynamic_dims` dynamic where the trace allows it,
-  and is valid for the inputs its `accepts` takes; a graph traced for other inputs keeps their concrete shapes
-  (see `torch_builder.py`). The compiler keeps the graph for each shape signature it has seen.
+- Shapes: a graph traced with the dims of `TorchSource.dynamic_dims` dynamic (where the trace allows it) is valid
+  for the inputs its `accepts` takes; a graph traced for other inputs keeps their concrete shapes (see
+  `torch_builder.py`). The compiler keeps the graph for each shape signature it has seen: the first
+  `STATIC_SIGNATURES` signatures get graphs traced for their shapes, a later one the dynamic graph
+  (compile/compiler.TorchShapeGraphs; the eval graphs likewise, build/torch_route.TorchEvalGraphs).
 - Mode: the module is traced in the train/eval mode it had when the trainer first saw it.
 - Names: with `state_names` (module name -> trainer name; an ONNX model's `OnnxModule`), `trainable` and `state`
   are given in trainer names and the gradient model is renamed to them (`graph/state_names.rename_state_pass`).
@@ -38,6 +40,16 @@ from .errors import GradientBuildError
 from .torch_builder import TraceFeatures, build_torch_gradient_graph
 
 _logger = logging.getLogger(__name__)
+
+
+# Input-shape signatures that get a graph traced for their shapes before one is traced with dynamic dims. Why: a
+# trace for the batch's shapes goes through the direct translation (gradient/aten_onnx.py) and a dynamic one through
+# torch.export and torch.onnx, which cost more: the first step of a new batch size took 8.0 against about 1 s on the
+# benchmark transformer, 5.3 on the CNN and 364 s on the LSTM, whose unrolled steps torch.onnx optimises
+# (docs/engine.md §29). Three keep an epoch's full and last partial batch, and a second data set's, on the fast
+# traces, and cost no more than one dynamic trace of the transformer; the dynamic graph then serves the shapes to
+# come (sequence lengths that change with every batch).
+STATIC_SIGNATURES = 3
 
 
 @dataclass(frozen=True)

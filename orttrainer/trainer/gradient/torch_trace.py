@@ -163,6 +163,22 @@ def trace_joint(
             raise _explain_trace_error(err, wrapper, inputs, trainable) from err
 
 
+def trace_forward(
+    module: torch.nn.Module, inputs: Sequence[torch.Tensor], float16: bool = False
+) -> tuple[torch.fx.GraphModule, torch_private.JointSignature]:
+    """The forward-only graph of `module` (returning a tuple of tensors) on `inputs`, for their shapes, without
+    gradients, for the direct translation (an eval graph: build/torch_route.py). The module is traced as it is,
+    in its mode, under the rules of `trace_joint` (state kept, tensor attributes as constants, the same tracing
+    context); PyTorch's error propagates unexplained (the caller falls back to torch.export)."""
+    with (
+        translated_directly(True),
+        torch_private.module_state_kept(module),
+        tensor_attributes_as_buffers(module),
+        tracing_context(),
+    ):
+        return torch_private.aot_export_forward(module, [t.detach() for t in inputs], float16=float16)
+
+
 _trace = threading.local()
 
 

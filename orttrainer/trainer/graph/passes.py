@@ -26,10 +26,11 @@ ones several passes share are here (`not_among`, `dynamic_shape`, `repeated_outp
 Switches for the speed-only rewrites (`rewrite_enabled`): each can be turned off, so that its effect can be
 measured and a suspected difference ruled out. `ORTTRAINER_DISABLE_REWRITES` is a comma-separated list of rewrite
 names (`all` turns every one off): `cross_entropy_as_plain_ops` (graph/cross_entropy.py), `static_shapes`
-(graph/static_shapes.py: the 'ort' builder's graph specialised per input-shape signature; the torch builder's first
-graph traced for the first batch's shapes, gradient/differentiate.py), `aten_translation` (the torch builder's static
-graphs translated to ONNX directly, gradient/aten_onnx.py, instead of by torch.onnx), `where_sum_to_concat`
-(graph/static_shapes.py: slice gradients placed by one-hot `Where`s and added become one `Concat`),
+(graph/static_shapes.py: the 'ort' builder's graph specialised per input-shape signature; the torch builder's
+graphs for the first input-shape signatures traced for their shapes, gradient/torch_graphs.STATIC_SIGNATURES),
+`aten_translation` (the torch builder's static graphs translated to ONNX directly, gradient/aten_onnx.py, instead
+of by torch.onnx), `where_sum_to_concat` (graph/static_shapes.py: slice gradients placed by one-hot `Where`s and
+added become one `Concat`),
 `summed_uses_to_one` (graph/summed_uses.py: a weight gradient summed over the weight's uses, one matrix product
 per use, becomes one product of the concatenated operands), `noop_reductions` (graph/static_shapes.py: on every
 gradient graph, a reduction over axes of size 1 becomes its input), `blocked_convolutions` (graph/nchwc.py: on the
@@ -41,9 +42,10 @@ torch builder writes ReLU's backward as the gradient times its mask instead of a
 `recurrences_as_one_op` (gradient/recurrent_layers.py: the torch builder traces each LSTM or GRU layer's recurrence as
 one op, which its direct translation unrolls, instead of step by step) and `safe_softmax_as_product`
 (gradient/torch_decompositions.py: the torch builder writes the attention's softmax that zeroes rows of -inf only as
-a product instead of a `Where`). None of them changes what is computed beyond
-float32 rounding, but for `threshold_backward_as_product`'s non-finite gradients at masked positions (NaN where the
-`Where` gives 0, its docstring); each is tested both ways.
+a product instead of a `Where`) and `traced_eval_graphs` (build/torch_route.py: the torch route's eval graphs traced
+per input-shape signature and translated directly instead of exported by torch.export and torch.onnx). None of
+them changes what is computed beyond float32 rounding, but for `threshold_backward_as_product`'s non-finite
+gradients at masked positions (NaN where the `Where` gives 0, its docstring); each is tested both ways.
 """
 
 from __future__ import annotations
@@ -187,6 +189,7 @@ REWRITES = (
     "threshold_backward_as_product",
     "recurrences_as_one_op",
     "safe_softmax_as_product",
+    "traced_eval_graphs",
 )
 
 

@@ -486,6 +486,19 @@ def trace_decompositions(float16: bool = False, for_torch_onnx: bool = True) -> 
     return table
 
 
+def forward_decompositions(float16: bool = False) -> dict:
+    """What a forward traced without a backward for the direct translation is traced with (an eval graph,
+    `tracing.aot_export_forward`): `trace_decompositions(float16, for_torch_onnx=False)` less BatchNorm on its
+    running statistics (`_native_batch_norm_legit_no_training`), which the direct translation writes as ONNX
+    BatchNormalization in inference mode; ONNX Runtime folds that into the Conv before it, where the lowered form
+    (a reshape, subtraction, square root, reciprocal and two products per BatchNorm) stays elementwise ops.
+    TABLE's reason for lowering it, onnxscript's translation in training mode, concerns neither this op nor the
+    direct translation."""
+    table = trace_decompositions(float16, for_torch_onnx=False)
+    table.pop(aten._native_batch_norm_legit_no_training.default, None)
+    return table
+
+
 def pytorch_decomposition(op: torch._ops.OpOverload) -> Callable:
     """PyTorch's own decomposition of `op` (`torch._decomp`), for an own entry that declines."""
     from torch._decomp import decomposition_table

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .decompositions import trace_decompositions
+from .decompositions import forward_decompositions, trace_decompositions
 
 
 @contextlib.contextmanager
@@ -274,6 +274,25 @@ def aot_export_joint(
     return graph, _joint_signature(graph, sig)
 
 
+def aot_export_forward(
+    module: torch.nn.Module, args: Sequence[Any], float16: bool = False
+) -> tuple[torch.fx.GraphModule, JointSignature]:
+    """Trace `module(*args)` without a backward into one functional aten graph for the input shapes of `args`,
+    decomposed for the direct translation (`forward_decompositions(float16)`). Placeholders
+    are (parameters, buffers, user inputs); outputs are (mutated inputs, user outputs): a `JointSignature` without
+    gradients. `module` must return a tuple of tensors."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # as in `aot_export_joint`
+        graph, sig = aot_export_module(
+            module, list(args), trace_joint=False, decompositions=forward_decompositions(float16)
+        )
+    if not isinstance(graph, torch.fx.GraphModule):
+        raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
+    return graph, _joint_signature(graph, sig)
+
+
 @dataclass(frozen=True)
 class ShapeGuards:
     """The input shapes a graph traced with dynamic dims is valid for: `accepts(inputs)` evaluates every guard
@@ -418,9 +437,10 @@ def _joint_signature(graph: torch.fx.GraphModule, sig: Any) -> JointSignature:
             inputs.append(("buffer", sig.inputs_to_buffers[name]))
         else:
             inputs.append(("user", name))
-    # outputs are positional: (mutated inputs, user outputs, gradients of the parameters that require grad)
+    # outputs are positional: (mutated inputs, user outputs, gradients of the parameters that require grad; none in
+    # a forward-only trace)
     mutations = {**sig.buffers_to_mutate, **sig.user_inputs_to_mutate, **sig.parameters_to_mutate}
-    gradients = sig.backward_signature.gradients_to_parameters
+    gradients = sig.backward_signature.gradients_to_parameters if sig.backward_signature is not None else {}
     names = [n.name if isinstance(n, torch.fx.Node) else str(n) for n in output_values(graph.graph)]
     n_mut, n_user = len(mutations), len(sig.user_outputs)
     outputs = [("mutation", mutations[n]) for n in names[:n_mut]]
