@@ -585,10 +585,14 @@ def test_eval_graphs_are_exported_with_the_traced_eval_graphs_rewrite_off(monkey
 
 
 def test_two_threads_making_eval_graphs_at_once_get_what_one_thread_gets():
-    """Tracing and exporting hold the process-wide lock (build/export.TRACING): two trainers' first eval steps in two
-    threads, traced (batch sizes 8, 5, 3) and exported (6), give what each gives alone."""
+    """Tracing, exporting and the compile cache's digests hold the process-wide lock (build/export.TRACING): two
+    trainers' first eval steps in two threads, traced (batch sizes 8, 5, 3) and exported (6), give what each gives
+    alone, and torch's functions the tracers patch are restored."""
     import threading
 
+    from torch.nn.modules import transformer
+
+    detect = transformer._detect_is_causal_mask  # torch_private.causal_mask_detection_off patches it
     loss_fn = nn.CrossEntropyLoss()
     sizes = (8, 5, 3, 6)
 
@@ -618,6 +622,7 @@ def test_two_threads_making_eval_graphs_at_once_get_what_one_thread_gets():
     for thread in threads:
         thread.join(timeout=300)
     assert not errors, errors
+    assert transformer._detect_is_causal_mask is detect
     for k in range(2):
         for got, want in zip(results[k], alone, strict=True):
             np.testing.assert_array_equal(got, want)

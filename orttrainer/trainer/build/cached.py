@@ -35,6 +35,7 @@ from ..compile.cache import CompileCache, TrainerKey, Uncacheable, cache_directo
 from ..config import TrainerConfig
 from ..gradient.torch_trace import tracing_context
 from ..runtime.session import shape_signature
+from .export import TRACING
 from .torch_route import eval_mode
 
 _logger = logging.getLogger(__name__)
@@ -143,8 +144,8 @@ class _ShapeGraphs:
     def _key(self, inputs: Sequence[torch.Tensor]) -> str | None:
         """The key for `inputs`, or None when the model does not run on them in PyTorch: then the cache is not
         used for them, and tracing reports the error as it would without the cache."""
-        try:
-            with self._mode():
+        try:  # the digest runs the model under the tracers' context, which patches torch: one thread at a time
+            with TRACING, self._mode():
                 batch = self._build.digest(inputs)
         except Exception as err:
             _logger.info(
