@@ -488,7 +488,8 @@ def test_a_model_whose_trace_specialises_the_batch_gets_one_graph_per_batch_size
 
 
 class DropoutNorm(nn.Module):
-    """Eval mode turns the dropout off and runs the BatchNorm on its running statistics; a plain tensor attribute."""
+    """Eval mode turns the dropout off and runs the BatchNorm on its running statistics; a plain tensor attribute;
+    a cast (`Tensor.float`, which the eval trace records with a check of the tensor's metadata)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -497,7 +498,7 @@ class DropoutNorm(nn.Module):
         self.offset = torch.tensor([0.5, -1.0, 2.0, 0.25])
 
     def forward(self, x):
-        return self.fc2(self.drop(torch.relu(self.norm(self.fc1(x))))) + self.offset
+        return (self.fc2(self.drop(torch.relu(self.norm(self.fc1(x))))) + self.offset).float()
 
 
 def _counted_exports(monkeypatch) -> list[int]:

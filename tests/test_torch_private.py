@@ -95,6 +95,14 @@ def test_aot_export_forward_signature_values_and_eval_batch_norm():
     for ours, theirs in zip(got, want, strict=True):
         np.testing.assert_allclose(ours, theirs, atol=1e-6)
 
+    class Casts(nn.Module):
+        def forward(self, x):
+            return (x.float() * 2).to(torch.float64), x.to(torch.int64)
+
+    graph, _ = torch_private.aot_export_forward(Casts(), [x])
+    assert aten._assert_tensor_metadata.default not in {n.target for n in graph.graph.nodes}  # the shapes are fixed
+    assert [t.dtype for t in graph(x)] == [torch.float64, torch.int64]
+
 
 def test_aot_export_joint_keeps_custom_function_backward():
     class Model(nn.Module):

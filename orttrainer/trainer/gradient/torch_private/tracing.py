@@ -280,7 +280,9 @@ def aot_export_forward(
     """Trace `module(*args)` without a backward into one functional aten graph for the input shapes of `args`,
     decomposed for the direct translation (`forward_decompositions(float16)`). Placeholders
     are (parameters, buffers, user inputs); outputs are (mutated inputs, user outputs): a `JointSignature` without
-    gradients. `module` must return a tuple of tensors."""
+    gradients. `module` must return a tuple of tensors. The trace's checks of a tensor's dtype, shape and device
+    (`aten._assert_tensor_metadata`, which `Tensor.to` records here but not in the joint traces) are removed: the
+    trace is for those shapes and dtypes."""
     from torch._functorch.aot_autograd import aot_export_module
 
     with torch.no_grad(), warnings.catch_warnings():
@@ -290,6 +292,9 @@ def aot_export_forward(
         )
     if not isinstance(graph, torch.fx.GraphModule):
         raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
+    for node in list(graph.graph.nodes):
+        if node.op == "call_function" and node.target == torch.ops.aten._assert_tensor_metadata.default:
+            graph.graph.erase_node(node)
     return graph, _joint_signature(graph, sig)
 
 
