@@ -5,12 +5,20 @@ gives (tests/torch_coverage_known.py, generated with docs/torch_builder_coverage
 entry in three and the buffer-mutating ones (`torch_coverage.sampled`); `make coverage` runs them all.
 
 Buffers a module's forward mutates (BatchNorm's running statistics and batch counter) are updated by the step and
-compared at their new values; `test_buffer_mutations_are_reported` pins which they are."""
+compared at their new values; `test_buffer_mutations_are_reported` pins which they are. After the step, an eval step
+of each entry that trains matches the module's eval-mode forward (`torch_coverage.run_module_eval_sample`)."""
 
 from __future__ import annotations
 
 import pytest
-from torch_coverage import error_key, module_infos, module_samples, run_module_sample, sampled
+from torch_coverage import (
+    error_key,
+    module_infos,
+    module_samples,
+    run_module_eval_sample,
+    run_module_sample,
+    sampled,
+)
 from torch_coverage_known import MODULE_DB_UNSUPPORTED
 
 INFOS = {info.name: info for info in module_infos()}
@@ -46,6 +54,29 @@ def test_one_training_step_like_eager(name):
     mutated = check(name)
     if name not in MODULE_DB_UNSUPPORTED:
         assert mutated <= MUTATING.get(name, set()), f"{name} mutates {sorted(mutated)}: add it to MUTATING"
+
+
+# modules whose eval graph is traced (build/torch_route.TorchEvalGraphs); the others are exported (an op the direct
+# translation lacks) and must match just the same
+TRACED_EVAL = (
+    "nn.Linear",
+    "nn.Conv2d",
+    "nn.BatchNorm2d",
+    "nn.LayerNorm",
+    "nn.Embedding",
+    "nn.LSTM",
+    "nn.TransformerEncoderLayer",
+)
+
+
+@pytest.mark.parametrize("name", sampled(sorted(set(INFOS) - set(MODULE_DB_UNSUPPORTED)), every=3, always=TRACED_EVAL))
+def test_eval_step_like_eager_eval(name):
+    """After the step, an eval step of each entry that trains gives the module's eval-mode forward on the trainer's
+    state (dropout off, BatchNorm on its running statistics), whether its eval graph is traced or exported."""
+    outcome, traced = run_module_eval_sample(INFOS[name], module_samples(INFOS[name])[0])
+    assert outcome.status == "pass", f"{name}: {outcome.status}: {outcome.detail}"
+    if name in TRACED_EVAL:
+        assert traced, f"{name}: the eval graph was exported (logged at INFO why the trace failed)"
 
 
 def test_buffer_mutations_are_reported():

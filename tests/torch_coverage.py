@@ -208,6 +208,38 @@ def run_module_sample(info, sample) -> Outcome:
     return Outcome("mismatch", "; ".join(problems), mutated) if problems else Outcome("pass", "", mutated)
 
 
+def run_module_eval_sample(info, sample) -> tuple[Outcome, bool]:
+    """`run_module_sample`'s trainer after its step, then one `eval_step` on the sample, against the module's eval-mode
+    forward on the trainer's state (`state_dict(pytorch_format=True)`); and whether the eval graph was traced
+    (build/torch_route.TorchEvalGraphs) rather than exported."""
+    torch.manual_seed(0)
+    module = info.module_cls(*sample.constructor_input.args, **sample.constructor_input.kwargs).to(torch.float32)
+    module.train(True)
+    args, kwargs = sample.forward_input.args, sample.forward_input.kwargs
+    if info.is_lazy:
+        with torch.no_grad():
+            module(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    harness = ModuleHarness(module, args, kwargs)
+    desc = {"inputs": [(f"in{k}", list(t.shape)) for k, t in enumerate(harness.data)], "outputs": [("loss", [], True)]}
+    try:
+        trainer = ORTTrainer(harness, desc, optim.SGDConfig(lr=1.0), options=ORTTrainerOptions(TORCH_BUILDER))
+        trainer.train_step(*harness.data)
+        got = trainer.eval_step(*harness.data)
+        state = trainer.state_dict(pytorch_format=True)
+    except Exception as err:
+        return Outcome("error", _short(err)), False
+    evals = trainer._training_session._evals._graph_for  # the trainer's TorchEvalGraphs
+    traced = evals is not None and evals._first is None  # no eval-mode forward was exported
+    reference = copy.deepcopy(harness)
+    reference.load_state_dict(state, strict=False)
+    reference.eval()
+    with torch.no_grad():
+        want = reference(*reference.data)
+    if not _close(got, want):
+        return Outcome("mismatch", f"eval loss {float(got):.6g}, eager {float(want):.6g}"), traced
+    return Outcome("pass"), traced
+
+
 # op_db ----------------------------------------------------------------------------------------------------------------
 class OpHarness(nn.Module):
     """An OpInfo sample as a module: the sample's tensors that require grad and receive a gradient are parameters,
