@@ -10,8 +10,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -115,6 +117,27 @@ def run_ranks(directory, world_size: int, steps: int, global_batch: int, **scena
         with open(out) as f:
             results.append(json.load(f))
     return results
+
+
+def in_threads(work: Callable[[Any], Any], items: Sequence) -> list:
+    """`work(item)` for each of `items`, each in its own thread, all started before any is joined; the results in
+    order. A thread's exception, which would otherwise vanish, fails the caller's test."""
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            results[k] = work(items[k])
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(items))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    return [results[k] for k in range(len(items))]
 
 
 def _free_port() -> int:

@@ -8,13 +8,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import make_trainer, needs_training_build, onnx_model
+from helpers import in_threads, make_trainer, needs_training_build, onnx_model
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer import optim
@@ -125,21 +124,7 @@ def test_two_threads_each_training_a_trainer_match_training_alone():
     batches = _batches(4)
     alone = _losses(_trainer(), batches)
     trainers = [_trainer(), _trainer()]  # built from the same seed: the same stream
-    results: dict[int, list[float]] = {}
-    errors: list[BaseException] = []
-
-    def work(k: int) -> None:
-        try:
-            results[k] = _losses(trainers[k], batches)
-        except BaseException as err:  # reported below: a thread's exception would otherwise vanish
-            errors.append(err)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert not errors, errors
+    results = in_threads(lambda trainer: _losses(trainer, batches), trainers)
     assert results[0] == alone == results[1]
 
 

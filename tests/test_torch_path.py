@@ -11,7 +11,15 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import clone, make_trainer, max_difference, needs_training_build, torch_weights, trainer_weights
+from helpers import (
+    clone,
+    in_threads,
+    make_trainer,
+    max_difference,
+    needs_training_build,
+    torch_weights,
+    trainer_weights,
+)
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -589,8 +597,6 @@ def test_two_threads_making_eval_graphs_at_once_get_what_one_thread_gets():
     """Tracing, exporting and the compile cache's digests hold the process-wide lock (build/export.TRACING): two
     trainers' first eval steps in two threads, traced (batch sizes 8, 5, 3) and exported (6), give what each gives
     alone, and torch's functions the tracers patch are restored."""
-    import threading
-
     from torch.nn.modules import transformer
 
     detect = transformer._detect_is_causal_mask  # torch_private.causal_mask_detection_off patches it
@@ -607,22 +613,7 @@ def test_two_threads_making_eval_graphs_at_once_get_what_one_thread_gets():
         return [made.eval_step(x, y)[1].numpy() for x, y in batches(sizes=sizes, seed=2)]
 
     alone = logits(trainer())
-    trainers = [trainer(), trainer()]
-    results: dict[int, list[np.ndarray]] = {}
-    errors: list[BaseException] = []
-
-    def work(k: int) -> None:
-        try:
-            results[k] = logits(trainers[k])
-        except BaseException as err:  # reported below: a thread's exception would otherwise vanish
-            errors.append(err)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert not errors, errors
+    results = in_threads(logits, [trainer(), trainer()])
     assert transformer._detect_is_causal_mask is detect
     for k in range(2):
         for got, want in zip(results[k], alone, strict=True):
