@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -172,20 +173,18 @@ class _Slot:
 
     def __init__(self, graphs: _ShapeGraphs, inputs: Sequence[torch.Tensor]) -> None:
         self._graphs, self._inputs = graphs, list(inputs)
-        self._key: str | None = None
-        self._computed = False
 
-    def _key_once(self) -> str | None:
-        if not self._computed:
-            self._key, self._computed = self._graphs._key(self._inputs), True
-            self._inputs = []  # keeps no batch alive
-        return self._key
+    @functools.cached_property
+    def key(self) -> str | None:
+        key = self._graphs._key(self._inputs)
+        self._inputs = []  # keeps no batch alive
+        return key
 
     def load(self) -> onnx.ModelProto | None:
-        return self._graphs.load(self._key_once())
+        return self._graphs.load(self.key)
 
     def store(self, model: onnx.ModelProto) -> None:
-        self._graphs.store(self._key_once(), model)
+        self._graphs.store(self.key, model)
 
 
 def _shapes(inputs: Sequence[torch.Tensor]) -> list[list[int]]:
