@@ -49,7 +49,8 @@ class BenchTransformer(nn.Module):
 class BenchResNet(nn.Module):
     """A ResNet-style CNN for 32x32 RGB images (CIFAR size): a 3x3 stem, three stages of two basic blocks (3x3
     convolutions, BatchNorm, ReLU, identity or strided 1x1 shortcuts) at 32/64/128 channels, global average pooling,
-    a linear head over 10 classes."""
+    a linear head over 10 classes. With `pooling`, torchvision's ResNet's stem and head for larger images: a 7x7
+    stride-2 convolution and 3x3 stride-2 max pooling, `nn.AdaptiveAvgPool2d(1)` before the head."""
 
     class Block(nn.Module):
         def __init__(self, inputs: int, outputs: int, stride: int) -> None:
@@ -68,9 +69,14 @@ class BenchResNet(nn.Module):
             y = torch.relu(self.bn1(self.conv1(x)))
             return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
 
-    def __init__(self) -> None:
+    def __init__(self, pooling: bool = False) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        if pooling:
+            convolution, max_pool = nn.Conv2d(3, 32, 7, 2, 3, bias=False), nn.MaxPool2d(3, 2, 1)
+            self.stem = nn.Sequential(convolution, nn.BatchNorm2d(32), nn.ReLU(), max_pool)
+        else:
+            self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        self.pool = nn.AdaptiveAvgPool2d(1) if pooling else None
         blocks, channels = [], 32
         for width, stride in ((32, 1), (64, 2), (128, 2)):
             blocks += [self.Block(channels, width, stride), self.Block(width, width, 1)]
@@ -79,7 +85,8 @@ class BenchResNet(nn.Module):
         self.head = nn.Linear(128, 10)
 
     def forward(self, images):
-        return self.head(self.blocks(self.stem(images)).mean(dim=(2, 3)))
+        features = self.blocks(self.stem(images))
+        return self.head(self.pool(features).flatten(1) if self.pool is not None else features.mean(dim=(2, 3)))
 
 
 class BenchLSTM(nn.Module):
@@ -131,6 +138,13 @@ WORKLOADS = {
         {"inputs": [("images", ["batch", 3, 32, 32]), ("target", ["batch"])], "outputs": [("loss", [], True)]},
         lambda: (torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))),
     ),
+    "pooled-cnn": Workload(
+        "ResNet-style CNN with max and adaptive average pooling (torchvision's stem), 64x64x3, batch 16",
+        lambda: BenchResNet(pooling=True),
+        nn.functional.cross_entropy,
+        {"inputs": [("images", ["batch", 3, 64, 64]), ("target", ["batch"])], "outputs": [("loss", [], True)]},
+        lambda: (torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))),
+    ),
     "lstm": Workload(
         "LSTM language model 2x256, seq 64, batch 16",
         BenchLSTM,
@@ -146,7 +160,8 @@ WORKLOADS = {
         lambda: (torch.randint(0, 1000, (16, 64)), torch.randint(0, 1000, (16, 64))),
     ),
 }
-DEFAULT_WORKLOADS = ["mlp", "transformer", "cnn", "lstm"]  # what runs unless named; the GRU measures a builder rule
+# what runs unless named; the GRU and the pooled CNN measure builder rules
+DEFAULT_WORKLOADS = ["mlp", "transformer", "cnn", "lstm"]
 
 
 def run_worker(script: str, args: list[str], timeout: float = 900, env: dict[str, str] | None = None) -> dict:

@@ -232,15 +232,19 @@ def test_convolutions_are_conv_and_conv_transpose(dims, transposed, groups, stri
 
 
 def test_var_mean_and_constant_pads():
+    """Pads widen; negative pads crop (LocalResponseNorm's backward has them), alone or with widening."""
+
     def f(x):
         var, mean = torch.ops.aten.var_mean.correction(x, [0, 2], correction=1, keepdim=True)
         var0, mean0 = torch.ops.aten.var_mean.correction(x, [1], correction=0)
         padded = torch.ops.aten.constant_pad_nd(x, [1, 2, 0, 1], 0.5)
-        return var, mean, var0, mean0, padded
+        cropped = torch.ops.aten.constant_pad_nd(x, [0, 0, -1, -2])
+        both = torch.ops.aten.constant_pad_nd(x, [-1, 2, 1, -1], -3.0)
+        return var, mean, var0, mean0, padded, cropped, both
 
     x = torch.randn(3, 4, 5)
     model = _check(make_fx(f)(x), [x], atol=1e-5)
-    assert "Pad" in _ops(model)
+    assert _ops(model).count("Pad") == 2 and _ops(model).count("Slice") == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
@@ -262,10 +266,91 @@ def test_batch_norm_on_running_statistics_is_onnx_batch_normalization(dtype, aff
     assert "BatchNormalization" in _ops(model)
 
 
-def test_cropping_pads_and_a_correction_of_every_element_are_left_to_torch_onnx():
+def test_pooling_is_onnx_pooling_with_aten_indices_and_divisors():
+    """Max pooling's indices count within each (batch, channel) plane as aten's do; average pooling divides as aten
+    does with and without the padding counted, in ceil mode too, on both runtimes (onnxruntime 1.19's AveragePool
+    counts a ceil-mode window's overhang); unbatched input gets a batch dim and loses it."""
+    F = nn.functional
+
+    def f(x, x3, unbatched):
+        most, index = F.max_pool2d(x, 3, 2, 1, return_indices=True)
+        dilated, dilated_index = F.max_pool2d(x, 2, 1, 0, dilation=2, return_indices=True)
+        most3, index3 = F.max_pool3d(x3, 2, 2, 1, return_indices=True)
+        single, single_index = F.max_pool2d(unbatched, 2, return_indices=True)
+        return (
+            *(most, index, dilated, dilated_index, most3, index3, single, single_index),
+            F.max_pool2d(x, 3, 2, 0, ceil_mode=True),
+            F.avg_pool2d(x, 3, 2, 1),
+            F.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
+            F.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
+            F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+            F.avg_pool2d(x, (2, 3), (1, 2)),
+            F.avg_pool3d(x3, 2, 1, 1),
+            F.avg_pool2d(unbatched, 2),
+        )
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(2, 3, 9, 8), torch.randn(1, 2, 5, 6, 4), torch.randn(3, 6, 6)]
+    ops = _ops(_check(make_fx(f)(*inputs), inputs, atol=1e-5))
+    assert ops.count("MaxPool") == 5 and ops.count("AveragePool") == 7 and ops.count("Mod") == 4
+    assert ops.count("Mul") == 1  # aten's divisors of the ceil-mode windows past the padding, counting the padding
+
+
+def test_a_divisor_override_is_left_to_torch_onnx():
+    x = torch.randn(1, 2, 4, 4)
+    graph = make_fx(lambda x: nn.functional.avg_pool2d(x, 2, divisor_override=3))(x)
+    with pytest.raises(UntranslatableGraph, match="avg_pool2d"):
+        translate(graph, ["x"], ["y"], 18)
+
+
+def test_group_norm_and_batch_statistics_norm_give_aten_statistics():
+    """`native_group_norm` (nn.GroupNorm) and `_native_batch_norm_legit.no_stats` (nn.InstanceNorm): the result,
+    the mean and the reciprocal standard deviation, with and without weight and bias."""
+
+    def f(x, weight, bias, sequence):
+        return (
+            *aten.native_group_norm(x, weight, bias, 2, 6, 20, 3, 1e-5),
+            *aten.native_group_norm(x, None, None, 2, 6, 20, 2, 1e-3),
+            *aten._native_batch_norm_legit.no_stats(sequence, weight, bias, True, 0.1, 1e-5),
+            *aten._native_batch_norm_legit.no_stats(sequence, None, None, True, 0.1, 1e-5),
+        )
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(2, 6, 4, 5) * 3 + 1, torch.randn(6), torch.randn(6), torch.randn(3, 6, 7)]
+    _check(make_fx(f)(*inputs), inputs, atol=1e-5)
+
+
+def test_indexing_repeats_rounded_division_and_activations():
+    """index.Tensor with one index (Gather), several adjacent or apart (GatherND), negative indices; repeat with more
+    repeats than dims; integer and float division rounded down and toward zero (negative operands included);
+    expm1, hardtanh, ReLU6, SELU; an `empty` whose every element is overwritten."""
+
+    def f(x, rows, columns, a, b):
+        return (
+            *(x[rows], x[:, rows], x[rows, columns], x[:, rows, columns], x[rows, :, columns], x[..., columns]),
+            *(x.repeat(2, 1, 3), x.repeat(2, 1, 1, 2)),
+            torch.div(a, b, rounding_mode="floor"),
+            torch.div(a, b, rounding_mode="trunc"),
+            torch.div(a.float(), b.float(), rounding_mode="floor"),
+            torch.div(a.float(), b.float(), rounding_mode="trunc"),
+            torch.div(a, 3, rounding_mode="floor"),
+            *(torch.expm1(x), nn.functional.hardtanh(x, -0.5, 0.7), nn.functional.relu6(x * 4), nn.functional.selu(x)),
+            aten.slice_scatter(torch.empty(4, 5, 6), x, 0),
+        )
+
+    inputs = [
+        torch.randn(4, 5, 6),
+        torch.tensor([[0, -1], [2, 3]]),
+        torch.tensor([1, -2]),
+        torch.tensor([7, -7, 7, -7, 0, 9]),
+        torch.tensor([2, 2, -2, -2, 3, -4]),
+    ]
+    ops = _ops(_check(make_fx(f)(*inputs), inputs))
+    assert {"Gather", "GatherND", "Tile", "Floor", "Selu"} <= set(ops)
+
+
+def test_a_correction_of_every_element_is_left_to_torch_onnx():
     x = torch.randn(3, 4)
-    with pytest.raises(UntranslatableGraph, match="constant_pad_nd"):
-        translate(make_fx(lambda x: torch.ops.aten.constant_pad_nd(x, [-1, 1]))(x), ["x"], ["y"], 18)
     graph = make_fx(lambda x: torch.ops.aten.var_mean.correction(x, [1], correction=4))(x)
     with pytest.raises(UntranslatableGraph, match="var_mean"):
         translate(graph, ["x"], ["v", "m"], 18)
@@ -329,6 +414,54 @@ def test_the_trainer_trains_the_same_with_either_translation(switch, monkeypatch
     assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
     ops = {n.op_type for n in trainer._built.compiled.training.model.graph.node}
     assert ("Squeeze" in ops) == (switch == "off")  # torch.onnx writes squeezes; the direct translation reshapes
+
+
+class PoolingNet(nn.Module):
+    """A small image classifier of the usual shape: reflection padding, convolutions, GroupNorm, ReLU6, max pooling
+    and adaptive average pooling; each of these once sent the whole graph to torch.onnx."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pad = nn.ReflectionPad2d(1)
+        self.conv1, self.norm = nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = nn.functional.max_pool2d(nn.functional.relu6(self.norm(self.conv1(self.pad(x)))), 2)
+        h = nn.functional.adaptive_avg_pool2d(torch.relu(self.conv2(h)), 1)
+        return self.head(h.flatten(1))
+
+
+def test_a_pooling_cnn_trains_like_pytorch_on_the_direct_translation(caplog):
+    """Three SGD steps of `PoolingNet` give PyTorch's weights, without torch.onnx, and an eval step PyTorch's
+    eval-mode loss, from a traced eval graph."""
+    import logging
+
+    from helpers import clone, make_trainer, max_difference, torch_weights, trainer_weights
+
+    from orttrainer import optim
+
+    torch.manual_seed(0)
+    model = PoolingNet()
+    reference = clone(model)
+    desc = {"inputs": [("x", [4, 3, 10, 10]), ("label", [4])], "outputs": [("loss", [], True)]}
+    extra = {"_internal_use": {"gradient_builder": "torch"}, "utils": {"grad_norm_clip": False}}
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), nn.functional.cross_entropy, extra)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        for _ in range(3):
+            x, label = torch.randn(4, 3, 10, 10, generator=generator), torch.randint(0, 4, (4,), generator=generator)
+            trainer.train_step(x, label)
+            sgd.zero_grad()
+            nn.functional.cross_entropy(reference(x), label).backward()
+            sgd.step()
+        assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
+        loss = trainer.eval_step(x, label)
+    assert "does not cover" not in caplog.text and "is exported" not in caplog.text
+    with torch.no_grad():
+        assert abs(float(loss) - float(nn.functional.cross_entropy(reference.eval()(x), label))) < 1e-5
 
 
 # orttrainer's own ops: the ordering gate and the activation marker -----------------------------------------------

@@ -357,6 +357,7 @@ def _op_by_builder(harness: OpHarness, scale: torch.Tensor) -> tuple[torch.Tenso
     prepare_options(graph.model, options)  # ops the builder runs eagerly in PyTorch
     session = ort.InferenceSession(graph.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in graph.model.graph.output]
+    ort.set_seed(0)  # random ops draw from ONNX Runtime's global generator: the same draws whatever ran before
     out = dict(zip(names, session.run(None, feeds), strict=True))
     return torch.from_numpy(out["loss"]), {n: torch.from_numpy(out[f"{n}_grad"]) for n in trainable}
 

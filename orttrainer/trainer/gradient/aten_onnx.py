@@ -32,6 +32,10 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
 - orttrainer's ordering gate `after(x, dep)` (recompute and `utils.memory_efficient_gradient`) and activation marker
   (`orttrainer.debug` statistics) are the nodes their torch.onnx translations write (gradient/torch_private/
   custom_ops.py), so those options keep the direct translation;
+- pooling is ONNX pooling: `avg_pool{2,3}d` AveragePool with aten's divisors, `max_pool{2,3}d_with_indices`
+  MaxPool with aten's per-plane indices; GroupNorm (`native_group_norm`) and InstanceNorm
+  (`_native_batch_norm_legit.no_stats`) are reductions, advanced indexing (`index.Tensor`) Gather or GatherND,
+  `repeat` Tile, `div` with a rounding mode Div and Floor, `empty` zeros (docs/engine.md §30);
 - a view to its input's own shape is that input's value (no node).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
@@ -232,7 +236,7 @@ class _Graph:
 
     def _fold(self, node: torch.fx.Node) -> bool:
         """Compute a node whose tensor arguments are all known constants (module docstring)."""
-        if node.target not in _TRANSLATIONS or node.target in _RANDOM:
+        if node.target not in _TRANSLATIONS or node.target in _RANDOM or node.target in _UNSPECIFIED:
             return False
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor) or value.numel() > FOLD_LIMIT:
@@ -331,6 +335,20 @@ def _expand(g: _Graph, node: torch.fx.Node) -> Value:
     if list(g.meta(x).shape) == shape:  # type: ignore[arg-type]
         return g.tensor(x)
     return g.one("Expand", [g.tensor(x), g.ints(shape)])
+
+
+def _repeat(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.repeat(x, repeats)`: ONNX Tile, after a Reshape that prepends the 1s aten prepends when `repeats` is
+    longer than x's rank; x itself where every repeat is 1."""
+    x, repeats = node.args[:2]
+    source = list(g.meta(x).shape)  # type: ignore[arg-type]
+    times: list[int] = list(repeats)  # type: ignore[arg-type]
+    value = g.tensor(x)
+    if len(times) == len(source) and all(t == 1 for t in times):
+        return value  # a 0-d x repeated (): onnxruntime 1.19's Tile takes no 0-d tensor
+    if len(times) > len(source):
+        value = g.one("Reshape", [value, g.ints([1] * (len(times) - len(source)) + source)], allowzero=1)
+    return g.one("Tile", [value, g.ints(times)])
 
 
 def _select(g: _Graph, node: torch.fx.Node) -> Value:
@@ -485,6 +503,15 @@ def _log1p(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("Log", [g.one("Add", [g.typed(node.args[0], out), g.scalar(1.0, out)])])
 
 
+def _expm1(g: _Graph, node: torch.fx.Node) -> Value:
+    """`exp(x) - 1`, as torch.onnx writes it (ONNX has no expm1; for |x| near float32's epsilon the difference
+    keeps fewer digits than PyTorch's kernel)."""
+    out = _meta(node).dtype
+    if len(node.args) != 1 or node.kwargs or not out.is_floating_point:
+        return None  # type: ignore[return-value]
+    return g.one("Sub", [g.one("Exp", [g.typed(node.args[0], out)]), g.scalar(1.0, out)])
+
+
 def _isnan(g: _Graph, node: torch.fx.Node) -> Value:
     x = node.args[0]
     if not g.meta(x).dtype.is_floating_point:  # type: ignore[arg-type]
@@ -493,15 +520,18 @@ def _isnan(g: _Graph, node: torch.fx.Node) -> Value:
 
 
 def _elu(g: _Graph, node: torch.fx.Node) -> Value:
-    """`aten.elu(x, alpha, scale, input_scale)` with both scales 1 (nn.ELU, F.elu): ONNX Elu."""
+    """`aten.elu(x, alpha, scale, input_scale)` with `input_scale` 1: ONNX Elu when `scale` is 1 too (nn.ELU,
+    F.elu), else ONNX Selu, which is `scale` times it (nn.SELU: Selu's gamma is the scale)."""
     x, *rest = node.args
     alpha, scale, input_scale = [*rest, 1.0, 1.0, 1.0][:3]
     out = _meta(node).dtype
-    if node.kwargs or not isinstance(alpha, (int, float)) or scale != 1 or input_scale != 1:
+    if node.kwargs or not all(isinstance(v, (int, float)) for v in (alpha, scale)) or input_scale != 1:
         return None  # type: ignore[return-value]
     if not out.is_floating_point:
         return None  # type: ignore[return-value]
-    return g.one("Elu", [g.typed(x, out)], alpha=float(alpha))
+    if scale == 1:
+        return g.one("Elu", [g.typed(x, out)], alpha=float(alpha))  # type: ignore[arg-type]
+    return g.one("Selu", [g.typed(x, out)], alpha=float(alpha), gamma=float(scale))  # type: ignore[arg-type]
 
 
 def _leaky_relu(g: _Graph, node: torch.fx.Node) -> Value:
@@ -575,6 +605,40 @@ def _clamp(g: _Graph, node: torch.fx.Node) -> Value:
     return result
 
 
+def _hardtanh(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.hardtanh(x, min_val=-1, max_val=1)` (nn.Hardtanh, nn.ReLU6): a clamp, as `_clamp` writes one."""
+    x = node.args[0]
+    low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min_val", -1.0)
+    high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max_val", 1.0)
+    out = _meta(node).dtype
+    if not all(isinstance(v, (int, float)) for v in (low, high)):
+        return None  # type: ignore[return-value]
+    return g.one("Min", [g.one("Max", [g.typed(x, out), g.typed(low, out)]), g.typed(high, out)])
+
+
+def _div_mode(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.div.Tensor_mode(a, b, rounding_mode)`. Integers: "trunc" is ONNX's integer Div (it truncates);
+    "floor" is (a - Mod(a, b)) / b, exact, as Mod (fmod=0) takes the divisor's sign. Floats: Div, then Floor, or
+    for "trunc" the magnitude's Floor with the quotient's sign (ONNX has no Trunc). PyTorch's float floor division
+    corrects the rounding of a / b (1 // 0.1 is 9); Floor(Div) is 10 there, as torch.onnx writes it too."""
+    a, b = node.args[:2]
+    mode = node.kwargs.get("rounding_mode", node.args[2] if len(node.args) > 2 else None)
+    out = _meta(node).dtype
+    if mode is None:
+        return g.one("Div", [g.typed(a, out), g.typed(b, out)]) if out.is_floating_point else None  # type: ignore[return-value]
+    if mode not in ("trunc", "floor") or out == torch.bool:
+        return None  # type: ignore[return-value]
+    left, right = g.typed(a, out), g.typed(b, out)
+    if not out.is_floating_point:
+        if mode == "trunc":
+            return g.one("Div", [left, right])
+        return g.one("Div", [g.one("Sub", [left, g.one("Mod", [left, right])]), right])
+    quotient = g.one("Div", [left, right])
+    if mode == "floor":
+        return g.one("Floor", [quotient])
+    return g.one("Mul", [g.one("Sign", [quotient]), g.one("Floor", [g.one("Abs", [quotient])])])
+
+
 def _pow(g: _Graph, node: torch.fx.Node) -> Value:
     x, exponent = node.args
     out = _meta(node).dtype
@@ -633,6 +697,24 @@ def _reduce_node(g: _Graph, op: str, source: Value, axes: list[int], keepdim: bo
     return g.one(op, inputs, keepdims=int(keepdim))
 
 
+def _extreme(op: str) -> Translation:
+    """`aten.max.dim` / `aten.min.dim(x, dim, keepdim)`: ReduceMax/ReduceMin and, where read, ArgMax/ArgMin, which
+    name the first extreme along the dim as PyTorch's CPU kernels do."""
+
+    def translate_node(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+        x, dim = node.args[:2]
+        keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+        if g.meta(x).dtype == torch.bool:  # type: ignore[arg-type]
+            return None  # type: ignore[return-value]
+        axis = _axis(dim, _rank(g, x))  # type: ignore[arg-type]
+        values = _reduce_node(g, f"Reduce{op}", g.tensor(x), [axis], keepdim)
+        if not _readers(node, 1):
+            return values, g.fresh("unread_indices")
+        return values, g.one(f"Arg{op}", [g.tensor(x)], axis=axis, keepdims=int(keepdim))
+
+    return translate_node
+
+
 def _var_mean(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     """`aten.var_mean.correction`: the mean, and the mean of the squared deviations from it scaled by
     n / (n - correction) (n: the elements reduced), as (var, mean)."""
@@ -659,20 +741,29 @@ def _var_mean(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
 
 
 def _constant_pad(g: _Graph, node: torch.fx.Node) -> Value:
-    """`aten.constant_pad_nd` with pads >= 0: ONNX Pad (aten lists (begin, end) pairs from the last dim back; ONNX
-    all begins, then all ends, from the first dim)."""
+    """`aten.constant_pad_nd`: a Slice for the negative pads (they crop; LocalResponseNorm's backward has them),
+    then ONNX Pad for the positive ones (aten lists (begin, end) pairs from the last dim back; ONNX all begins,
+    then all ends, from the first dim)."""
     x = node.args[0]
     pad: Any = node.args[1]
     value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
-    out = _meta(node)
-    pairs = [list(pad[i : i + 2]) for i in range(0, len(pad), 2)]
-    if any(p < 0 for pair in pairs for p in pair) or not isinstance(value, (bool, int, float)):
+    out, source = _meta(node), g.meta(x)  # type: ignore[arg-type]
+    if not isinstance(value, (bool, int, float)):
         return None  # type: ignore[return-value]
     rank = out.dim()
     begins, ends = [0] * rank, [0] * rank
-    for i, (begin, end) in enumerate(pairs):
-        begins[rank - 1 - i], ends[rank - 1 - i] = begin, end
-    return g.one("Pad", [g.tensor(x), g.ints(begins + ends), g.scalar(value, out.dtype)], mode="constant")
+    for i in range(0, len(pad), 2):
+        begins[rank - 1 - i // 2], ends[rank - 1 - i // 2] = pad[i], pad[i + 1]
+    result = g.tensor(x)
+    cropped = [d for d in range(rank) if begins[d] < 0 or ends[d] < 0]
+    if cropped:
+        starts = [max(-begins[d], 0) for d in cropped]
+        stops = [source.shape[d] - max(-ends[d], 0) for d in cropped]
+        result = g.one("Slice", [result, g.ints(starts), g.ints(stops), g.ints(cropped)])
+    widened = [max(p, 0) for p in begins + ends]
+    if not any(widened):
+        return result
+    return g.one("Pad", [result, g.ints(widened), g.scalar(value, out.dtype)], mode="constant")
 
 
 def _mm(g: _Graph, node: torch.fx.Node) -> Value:
@@ -716,6 +807,116 @@ def _convolution(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("Conv", inputs, **attrs)
 
 
+def _pool_attributes(
+    g: _Graph,
+    node: torch.fx.Node,
+    n: int,
+    window: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    dilation: Sequence[int] | None = None,
+) -> dict[str, Any] | None:
+    """ONNX pooling attributes of an aten pooling over the last `n` dims, or None where ONNX's output size is not
+    aten's: aten drops a ceil_mode window that starts in the right padding, ONNX keeps it."""
+    source, out = g.meta(node.args[0]), node.meta["val"]  # type: ignore[arg-type]
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    kernel = _expanded(window, n)
+    strides = _expanded(stride, n) if len(stride) else kernel
+    pads, dilations = _expanded(padding, n), _expanded(dilation or [1], n)
+    rounding = math.ceil if ceil_mode else math.floor
+    for i in range(n):
+        size, extent = source.shape[-n + i], dilations[i] * (kernel[i] - 1) + 1
+        if rounding((size + 2 * pads[i] - extent) / strides[i]) + 1 != out.shape[-n + i]:
+            return None
+    attrs: dict[str, Any] = {"kernel_shape": kernel, "strides": strides, "pads": pads * 2, "ceil_mode": int(ceil_mode)}
+    if dilation is not None:
+        attrs["dilations"] = dilations
+    return attrs
+
+
+def _expanded(values: Sequence[int], n: int) -> list[int]:
+    values = [int(v) for v in values]
+    return values * n if len(values) == 1 else values
+
+
+def _batched(g: _Graph, x: Any, n: int) -> tuple[Value, bool]:
+    """x with a batch dim of 1 prepended when it has none (aten's pooling takes [C, *spatial]; ONNX's needs N)."""
+    if _rank(g, x) == n + 1:
+        return g.one("Unsqueeze", [g.tensor(x), g.ints([0])]), True
+    return g.tensor(x), False
+
+
+def _avg_pool(n: int) -> Translation:
+    """`aten.avg_pool{n}d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)`: ONNX
+    AveragePool with aten's divisor: the window clipped to the padded input (count_include_pad), or to the input.
+    A ceil_mode window that runs past the padded input is where runtimes differ: aten and onnxruntime 1.32 clip it
+    to the padded input, onnxruntime 1.19 counts the overhang too (and its pad fusion would fold an explicit Pad
+    into a pooling that counts no padding). There the pooling counts no padding, which both runtimes do as aten
+    does, times a constant per output: aten's divisor over that count. A `divisor_override` is left to
+    torch.onnx's route (gradient/torch_decompositions.avg_pool2d)."""
+
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
+        x, kernel, *rest = node.args
+        defaults: list[Any] = [[], [0], False, True, None]
+        arguments: list[Any] = [*rest, *defaults[len(rest) :]]
+        stride, padding, ceil_mode, count_include_pad, divisor = arguments
+        out = _meta(node)
+        if node.kwargs or divisor or not out.dtype.is_floating_point:
+            return None  # type: ignore[return-value]
+        attrs = _pool_attributes(g, node, n, kernel, stride, padding, bool(ceil_mode))  # type: ignore[arg-type]
+        if attrs is None:
+            return None  # type: ignore[return-value]
+        value, added = _batched(g, x, n)
+        sizes = g.meta(x).shape[-n:]  # type: ignore[arg-type]
+        kernels = attrs["kernel_shape"]
+        windows = zip(out.shape[-n:], attrs["strides"], kernels, sizes, attrs["pads"][:n], strict=True)
+        # per dim, each output's window [start, end) in the input's coordinates, clipped to the padded input
+        spans = [[(o * s - p, min(o * s - p + k, size + p)) for o in range(outs)] for outs, s, k, size, p in windows]
+        overhang = any(end - start < k for dim, k in zip(spans, kernels, strict=True) for start, end in dim)
+        counted = bool(count_include_pad) and not (ceil_mode and overhang)
+        pooled = g.one("AveragePool", [value], count_include_pad=int(counted), **attrs)
+        pooled = g.one("Squeeze", [pooled, g.ints([0])]) if added else pooled
+        if counted or not count_include_pad:
+            return pooled
+        factor = np.ones([1] * (out.dim() - n) + [len(dim) for dim in spans], dtype=_np(out.dtype))
+        for i, (dim, size) in enumerate(zip(spans, sizes, strict=True)):  # inputs in the window / aten's divisor
+            ratio = np.asarray([(min(end, size) - max(start, 0)) / (end - start) for start, end in dim])
+            factor = factor * ratio.astype(factor.dtype).reshape(
+                [-1 if d == out.dim() - n + i else 1 for d in range(out.dim())]
+            )
+        return g.one("Mul", [pooled, g.const(factor)])
+
+    return translate_node
+
+
+def _max_pool(n: int) -> Translation:
+    """`aten.max_pool{n}d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)`: ONNX MaxPool. Its
+    Indices count over the whole NCHW tensor, aten's within each (batch, channel) plane: Mod by the plane's size
+    turns one into the other (both name the first maximum in scanning order). Written only where read."""
+
+    def translate_node(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+        x, kernel, *rest = node.args
+        defaults: list[Any] = [[], [0], [1], False]
+        stride, padding, dilation, ceil_mode = [*rest, *defaults[len(rest) :]][:4]
+        if node.kwargs or not g.meta(x).dtype.is_floating_point:  # type: ignore[arg-type]
+            return None  # type: ignore[return-value]
+        attrs = _pool_attributes(g, node, n, kernel, stride, padding, bool(ceil_mode), dilation)  # type: ignore[arg-type]
+        if attrs is None:
+            return None  # type: ignore[return-value]
+        value, added = _batched(g, x, n)
+        indexed = bool(_readers(node, 1))
+        outs = g.emit("MaxPool", [value], outputs=2 if indexed else 1, **attrs)
+        if indexed:
+            plane = math.prod(g.meta(x).shape[-n:])  # type: ignore[arg-type]
+            outs[1] = g.one("Mod", [outs[1], g.const(np.asarray(plane, dtype=np.int64))])
+        if added:
+            outs = [g.one("Squeeze", [o, g.ints([0])]) for o in outs]
+        return (outs[0], outs[1] if indexed else g.fresh("unread_indices"))
+
+    return translate_node
+
+
 def _layer_norm(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     x, shape, weight, bias, eps = node.args
     values = node.meta["val"]
@@ -728,6 +929,56 @@ def _layer_norm(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     inputs = [g.tensor(x), scale] + ([g.tensor(bias)] if bias is not None else [])
     outs = g.emit("LayerNormalization", inputs, outputs=3, axis=rank - len(normalized), epsilon=float(eps))  # type: ignore[arg-type]
     return tuple(outs)
+
+
+def _normalized(g: _Graph, x: Value, axes: list[int], eps: float, dtype: torch.dtype) -> tuple[Value, Value, Value]:
+    """(x - mean) * rstd over `axes`, the mean and rstd = 1 / sqrt(biased var + eps), both kept [.., 1, ..]."""
+    mean = _reduce_node(g, "ReduceMean", x, axes, True)
+    deviation = g.one("Sub", [x, mean])
+    var = _reduce_node(g, "ReduceMean", g.one("Mul", [deviation, deviation]), axes, True)
+    rstd = g.one("Reciprocal", [g.one("Sqrt", [g.one("Add", [var, g.scalar(eps, dtype)])])])
+    return g.one("Mul", [deviation, rstd]), mean, rstd
+
+
+def _affine(g: _Graph, value: Value, weight: Any, bias: Any, channels: int, rank: int, dtype: torch.dtype) -> Value:
+    """value * weight + bias, both [C] over dim 1 of a rank-`rank` value (None: left out)."""
+    shape = g.ints([channels] + [1] * (rank - 2))
+    if weight is not None:
+        value = g.one("Mul", [value, g.one("Reshape", [g.typed(weight, dtype), shape])])
+    if bias is not None:
+        value = g.one("Add", [value, g.one("Reshape", [g.typed(bias, dtype), shape])])
+    return value
+
+
+def _group_norm(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    """`aten.native_group_norm(x, weight, bias, N, C, HxW, group, eps)`: x viewed as [N, group, rest], normalized
+    over rest (`_normalized`), viewed back, then weight and bias per channel; mean and rstd are [N, group].
+    float32 and float64 only (PyTorch computes float16's statistics in float32; torch.onnx writes that)."""
+    arguments: Any = node.args
+    x, weight, bias, batch, channels, _spatial, group, eps = arguments
+    source = g.meta(x)
+    if source.dtype not in (torch.float32, torch.float64) or not isinstance(group, int):
+        return None  # type: ignore[return-value]
+    grouped = g.one("Reshape", [g.tensor(x), g.ints([int(batch), group, -1])])
+    normalized, mean, rstd = _normalized(g, grouped, [2], float(eps), source.dtype)
+    value = g.one("Reshape", [normalized, g.ints(list(source.shape))])
+    value = _affine(g, value, weight, bias, int(channels), source.dim(), source.dtype)
+    statistics = g.ints([int(batch), group])
+    return value, g.one("Reshape", [mean, statistics]), g.one("Reshape", [rstd, statistics])
+
+
+def _batch_norm_batch_statistics(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    """`aten._native_batch_norm_legit.no_stats(x, weight, bias, training, momentum, eps)` (BatchNorm without
+    running statistics; InstanceNorm calls it on x viewed as [1, N*C, ...]): normalized over every dim but the
+    channels' (`_normalized`), then weight and bias; the saved mean and rstd are [C]. float32 and float64 only."""
+    x, weight, bias, _training, _momentum, eps = node.args
+    source = g.meta(x)  # type: ignore[arg-type]
+    if source.dtype not in (torch.float32, torch.float64) or source.dim() < 2:
+        return None  # type: ignore[return-value]
+    axes = [0, *range(2, source.dim())]
+    normalized, mean, rstd = _normalized(g, g.tensor(x), axes, float(eps), source.dtype)  # type: ignore[arg-type]
+    value = _affine(g, normalized, weight, bias, source.shape[1], source.dim(), source.dtype)
+    return value, g.one("Reshape", [mean, g.ints([-1])]), g.one("Reshape", [rstd, g.ints([-1])])
 
 
 def _batch_norm_inference(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
@@ -771,6 +1022,53 @@ def _gather(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("GatherElements", [g.tensor(x), g.tensor(index)], axis=_axis(dim, _rank(g, x)))  # type: ignore[arg-type]
 
 
+def _index(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.index.Tensor(x, indices)` with integer index tensors (None: a whole dim). One index: Gather on its dim.
+    Several: broadcast to one shape B and stacked as the last dim of a GatherND over x with the indexed dims moved
+    first; the result's B goes where aten puts it (in place of the indexed dims when they are adjacent, else
+    first). Indices are wrapped into [0, size) first, as aten's may be negative."""
+    x, indices = node.args[:2]
+    source, out = g.meta(x), _meta(node)  # type: ignore[arg-type]
+    given = [(d, i) for d, i in enumerate(indices) if i is not None]  # type: ignore[arg-type]
+    if not given or any(g.meta(i).dtype not in (torch.int64, torch.int32) for _, i in given):
+        return None  # type: ignore[return-value]  # a bool mask gives a shape that depends on the values
+    rank = source.dim()
+    wrapped = []
+    for d, i in given:
+        if i in g.constants:  # reflection and replication pads index by constants
+            wrapped.append(g.const(g.constants[i].to(torch.int64) % source.shape[d]))
+            continue
+        size = g.const(np.asarray(source.shape[d], dtype=np.int64))
+        index = g.cast(g.tensor(i), g.meta(i).dtype, torch.int64)
+        wrapped.append(g.one("Mod", [g.one("Add", [index, size]), size]))
+    if len(given) == 1:
+        return g.one("Gather", [g.tensor(x), wrapped[0]], axis=given[0][0])
+    dims = [d for d, _ in given]
+    others = [d for d in range(rank) if d not in dims]
+    front = g.one("Transpose", [g.tensor(x)], perm=dims + others)
+    shape = list(torch.broadcast_shapes(*[tuple(g.meta(i).shape) for _, i in given]))
+    stacked = [g.one("Unsqueeze", [g.one("Expand", [w, g.ints(shape)]), g.ints([-1])]) for w in wrapped]
+    gathered = g.one("GatherND", [front, g.one("Concat", stacked, axis=-1)])  # B + the other dims, in order
+    if dims != list(range(dims[0], dims[0] + len(dims))):
+        return gathered  # not adjacent: B first, as aten
+    b, before = len(shape), dims[0]
+    perm = [*range(b, b + before), *range(b), *range(b + before, b + len(others))]
+    result = g.one("Transpose", [gathered], perm=perm) if perm != list(range(len(perm))) else gathered
+    assert len(perm) == out.dim()
+    return result
+
+
+def _index_select(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.index_select(x, dim, index)`: ONNX Gather (aten refuses negative indices); a 0-d x is read as [1] and
+    the result has the node's shape (aten's is 0-d or [1] there, ONNX Gather takes no 0-d data)."""
+    x, dim, index = node.args
+    if _rank(g, x) == 0:  # type: ignore[arg-type]
+        column = g.one("Reshape", [g.tensor(x), g.ints([1])])
+        gathered = g.one("Gather", [column, g.tensor(index)], axis=0)
+        return g.one("Reshape", [gathered, g.ints(list(_meta(node).shape))])
+    return g.one("Gather", [g.tensor(x), g.tensor(index)], axis=_axis(dim, _rank(g, x)))  # type: ignore[arg-type]
+
+
 def _scatter(g: _Graph, node: torch.fx.Node) -> Value:
     x, dim, index, source = node.args[:4]
     if node.kwargs.get("reduce") or len(node.args) > 4:
@@ -809,8 +1107,8 @@ def _fill(g: _Graph, node: torch.fx.Node) -> Value:
     target = node.target
     if target in (aten.full.default, aten.full_like.default):
         value = node.args[1]
-    elif target in (aten.zeros.default, aten.zeros_like.default):
-        value = 0
+    elif target in (aten.zeros.default, aten.zeros_like.default, aten.empty.memory_format, aten.empty_like.default):
+        value = 0  # empty's contents are unspecified: zeros, so that the graph is the same every time
     elif target in (aten.ones.default, aten.ones_like.default):
         value = 1
     elif target == aten.scalar_tensor.default:
@@ -1120,6 +1418,7 @@ def _custom_op_name(target: Any) -> str | None:
 
 
 _RANDOM = {aten.native_dropout.default}
+_UNSPECIFIED = {aten.empty.memory_format, aten.empty_like.default}  # not folded: their values are whatever memory held
 
 _VIEWS = (
     aten.view.default,
@@ -1141,6 +1440,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.t.default: _transpose,
     aten.transpose.int: _transpose,
     aten.expand.default: _expand,
+    aten.repeat.default: _repeat,
     aten.select.int: _select,
     aten.slice.Tensor: _slice,
     aten.cat.default: _cat,
@@ -1158,6 +1458,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.mul.Scalar: _elementwise("Mul"),
     aten.div.Tensor: _elementwise("Div", "float"),
     aten.div.Scalar: _elementwise("Div", "float"),
+    aten.div.Tensor_mode: _div_mode,
+    aten.div.Scalar_mode: _div_mode,
     aten.maximum.default: _elementwise("Max"),
     aten.minimum.default: _elementwise("Min"),
     aten.eq.Tensor: _elementwise("Equal"),
@@ -1187,6 +1489,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.sign.default: _unary("Sign", floating=False),
     aten.rsqrt.default: _rsqrt,
     aten.log1p.default: _log1p,
+    aten.expm1.default: _expm1,
     aten.isnan.default: _isnan,
     aten.elu.default: _elu,
     aten.leaky_relu.default: _leaky_relu,
@@ -1205,6 +1508,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.clamp_min.default: _clamp,
     aten.clamp_max.default: _clamp,
     aten.clamp.Tensor: _clamp,
+    aten.hardtanh.default: _hardtanh,
     aten.pow.Tensor_Scalar: _pow,
     aten.gelu.default: _gelu,
     aten.sum.dim_IntList: _reduce("ReduceSum"),
@@ -1213,6 +1517,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.mean.default: _reduce("ReduceMean"),
     aten.var_mean.correction: _var_mean,
     aten.amax.default: _reduce("ReduceMax"),
+    aten.max.dim: _extreme("Max"),
+    aten.min.dim: _extreme("Min"),
     aten.amin.default: _reduce("ReduceMin"),
     aten.any.dim: _reduce("any"),
     aten.any.dims: _reduce("any"),
@@ -1223,10 +1529,18 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.convolution.default: _convolution,
     aten.native_layer_norm.default: _layer_norm,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,
+    aten._native_batch_norm_legit.no_stats: _batch_norm_batch_statistics,
+    aten.native_group_norm.default: _group_norm,
+    aten.avg_pool2d.default: _avg_pool(2),
+    aten.avg_pool3d.default: _avg_pool(3),
+    aten.max_pool2d_with_indices.default: _max_pool(2),
+    aten.max_pool3d_with_indices.default: _max_pool(3),
     aten._softmax.default: _softmax("Softmax"),
     aten._log_softmax.default: _softmax("LogSoftmax"),
     aten.embedding.default: _embedding,
     aten.gather.default: _gather,
+    aten.index.Tensor: _index,
+    aten.index_select.default: _index_select,
     aten.scatter.value: _scatter,
     aten.scatter.src: _scatter,
     aten.scatter_add.default: _scatter,
@@ -1239,6 +1553,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
             aten.full_like.default,
             aten.zeros.default,
             aten.zeros_like.default,
+            aten.empty.memory_format,
+            aten.empty_like.default,
             aten.ones.default,
             aten.ones_like.default,
             aten.scalar_tensor.default,

@@ -130,6 +130,13 @@ TABLE: tuple[Entry, ...] = (
         own.avg_pool3d_backward,
     ),
     Entry(
+        ("aten.max_pool2d_with_indices_backward.default",),
+        "trace",
+        "torch._decomp",
+        "MaxPool1d/2d's backward: PyTorch's decomposition, a scatter_add of each plane's gradient at the indices; "
+        "torch.onnx's table has it too, but the direct translation traces without that table",
+    ),
+    Entry(
         ("aten.max_pool3d_with_indices_backward.default",),
         "trace",
         "orttrainer",
