@@ -34,8 +34,9 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   custom_ops.py), so those options keep the direct translation;
 - pooling is ONNX pooling: `avg_pool{2,3}d` AveragePool with aten's divisors, `max_pool{2,3}d_with_indices`
   MaxPool with aten's per-plane indices; GroupNorm (`native_group_norm`) and InstanceNorm
-  (`_native_batch_norm_legit.no_stats`) are reductions, advanced indexing (`index.Tensor`) Gather or GatherND,
-  `repeat` Tile, `div` with a rounding mode Div and Floor, `empty` zeros (docs/engine.md §30);
+  (`_native_batch_norm_legit.no_stats`) are reductions, advanced indexing (`index.Tensor`, and `index_put` with
+  several indices, its backward) Gather, GatherND or ScatterND, `repeat` Tile, `div` with a rounding mode Div and
+  Floor, `remainder`/`fmod` Mod, `flip` a backwards Slice, `empty` zeros (docs/engine.md §30);
 - a view to its input's own shape is that input's value (no node).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
@@ -512,6 +513,63 @@ def _expm1(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("Sub", [g.one("Exp", [g.typed(node.args[0], out)]), g.scalar(1.0, out)])
 
 
+def _rounding(op: str) -> Translation:
+    """floor, ceil, round (half to even, as ONNX Round) and trunc (the magnitude's Floor with the sign; ONNX has no
+    Trunc) of floats; of integers they are the value itself. `round.decimals` scales by 10^decimals around it."""
+
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
+        x, out = node.args[0], _meta(node).dtype
+        decimals = node.kwargs.get("decimals", node.args[1] if len(node.args) > 1 else 0)
+        if not out.is_floating_point:
+            return g.typed(x, out) if not decimals else None  # type: ignore[return-value]
+        value = g.typed(x, out)
+        if decimals:
+            value = g.one("Mul", [value, g.scalar(10.0**decimals, out)])  # type: ignore[operator]
+        if op == "Trunc":
+            rounded = g.one("Mul", [g.one("Sign", [value]), g.one("Floor", [g.one("Abs", [value])])])
+        else:
+            rounded = g.one(op, [value])
+        return g.one("Div", [rounded, g.scalar(10.0**decimals, out)]) if decimals else rounded  # type: ignore[operator]
+
+    return translate_node
+
+
+def _remainder(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.remainder` (the divisor's sign, as Python's %) and `aten.fmod` (the dividend's, as C's fmod): ONNX Mod
+    with fmod 0 or 1 on integers; floats take fmod 1 only (ONNX), so remainder is a - Floor(a / b) * b there."""
+    a, b = node.args[:2]
+    out = _meta(node).dtype
+    if out == torch.bool:
+        return None  # type: ignore[return-value]
+    left, right = g.typed(a, out), g.typed(b, out)
+    python = node.target in (aten.remainder.Tensor, aten.remainder.Scalar)
+    if python and out.is_floating_point:
+        quotient = g.one("Floor", [g.one("Div", [left, right])])
+        return g.one("Sub", [left, g.one("Mul", [quotient, right])])
+    return g.one("Mod", [left, right], fmod=0 if python else 1)
+
+
+def _flip(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.flip(x, dims)`: a Slice with step -1 along each dim."""
+    x, dims = node.args[:2]
+    rank = _rank(g, x)  # type: ignore[arg-type]
+    axes = [_axis(d, rank) for d in dims]  # type: ignore[union-attr, arg-type]
+    if not axes:
+        return g.tensor(x)
+    ends = [-(2**63)] * len(axes)  # past the start, backwards
+    return g.one("Slice", [g.tensor(x), g.ints([-1] * len(axes)), g.ints(ends), g.ints(axes), g.ints([-1] * len(axes))])
+
+
+def _cumsum(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.cumsum(x, dim, dtype=None)`: ONNX CumSum in the result's dtype."""
+    x, dim = node.args[:2]
+    out = _meta(node).dtype
+    if out in (torch.bool, torch.float16, torch.bfloat16):  # PyTorch sums halves in float32, ONNX Runtime in float16
+        return None  # type: ignore[return-value]
+    axis = g.const(np.asarray(_axis(dim, _rank(g, x)), dtype=np.int64))  # type: ignore[arg-type]
+    return g.one("CumSum", [g.typed(x, out), axis])
+
+
 def _isnan(g: _Graph, node: torch.fx.Node) -> Value:
     x = node.args[0]
     if not g.meta(x).dtype.is_floating_point:  # type: ignore[arg-type]
@@ -640,6 +698,8 @@ def _div_mode(g: _Graph, node: torch.fx.Node) -> Value:
 
 
 def _pow(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.pow` of floats (a tensor exponent included): a product for the square, else ONNX Pow in the result's
+    dtype."""
     x, exponent = node.args
     out = _meta(node).dtype
     if not out.is_floating_point:
@@ -1022,17 +1082,44 @@ def _gather(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("GatherElements", [g.tensor(x), g.tensor(index)], axis=_axis(dim, _rank(g, x)))  # type: ignore[arg-type]
 
 
-def _index(g: _Graph, node: torch.fx.Node) -> Value:
-    """`aten.index.Tensor(x, indices)` with integer index tensors (None: a whole dim). One index: Gather on its dim.
-    Several: broadcast to one shape B and stacked as the last dim of a GatherND over x with the indexed dims moved
-    first; the result's B goes where aten puts it (in place of the indexed dims when they are adjacent, else
-    first). Indices are wrapped into [0, size) first, as aten's may be negative."""
-    x, indices = node.args[:2]
-    source, out = g.meta(x), _meta(node)  # type: ignore[arg-type]
-    given = [(d, i) for d, i in enumerate(indices) if i is not None]  # type: ignore[arg-type]
+@dataclass(frozen=True)
+class _Indexing:
+    """aten's advanced indexing of x by integer tensors at some of its dims: x with those dims moved first (`perm`),
+    the indices wrapped into [0, size) (`wrapped`), broadcast to one shape B and stacked as the last dim of one
+    GatherND / ScatterND index [*B, k] (`index`); aten's result puts B at `at` among x's other dims (`others`): in
+    place of the indexed dims when they are adjacent, else first."""
+
+    perm: list[int]
+    wrapped: list[tuple[Value, list[int]]]  # each index wrapped, with its shape
+    batch: list[int]
+    others: list[int]  # the sizes of x's dims that are not indexed, in order
+    at: int
+
+    def index(self, g: _Graph) -> Value:
+        """The stacked index [*B, k]."""
+        stacked = []
+        for value, shape in self.wrapped:
+            broadcast = value if shape == self.batch else g.one("Expand", [value, g.ints(self.batch)])
+            stacked.append(g.one("Unsqueeze", [broadcast, g.ints([-1])]))
+        return stacked[0] if len(stacked) == 1 else g.one("Concat", stacked, axis=-1)
+
+    def front(self, g: _Graph, x: Value) -> Value:
+        """x with the indexed dims first."""
+        return x if self.perm == sorted(self.perm) else g.one("Transpose", [x], perm=self.perm)
+
+    def aten_layout(self) -> list[int]:
+        """The permutation from B + others (GatherND's result) to aten's result."""
+        b = len(self.batch)
+        return [*range(b, b + self.at), *range(b), *range(b + self.at, b + len(self.others))]
+
+
+def _indexing(g: _Graph, x: Any, indices: Sequence[Any]) -> _Indexing | None:
+    """`_Indexing` of x by aten's `indices` (None: a whole dim), or None for bool masks (their result's shape
+    depends on the values)."""
+    source = g.meta(x)
+    given = [(d, i) for d, i in enumerate(indices) if i is not None]
     if not given or any(g.meta(i).dtype not in (torch.int64, torch.int32) for _, i in given):
-        return None  # type: ignore[return-value]  # a bool mask gives a shape that depends on the values
-    rank = source.dim()
+        return None
     wrapped = []
     for d, i in given:
         if i in g.constants:  # reflection and replication pads index by constants
@@ -1041,21 +1128,28 @@ def _index(g: _Graph, node: torch.fx.Node) -> Value:
         size = g.const(np.asarray(source.shape[d], dtype=np.int64))
         index = g.cast(g.tensor(i), g.meta(i).dtype, torch.int64)
         wrapped.append(g.one("Mod", [g.one("Add", [index, size]), size]))
-    if len(given) == 1:
-        return g.one("Gather", [g.tensor(x), wrapped[0]], axis=given[0][0])
     dims = [d for d, _ in given]
-    others = [d for d in range(rank) if d not in dims]
-    front = g.one("Transpose", [g.tensor(x)], perm=dims + others)
-    shape = list(torch.broadcast_shapes(*[tuple(g.meta(i).shape) for _, i in given]))
-    stacked = [g.one("Unsqueeze", [g.one("Expand", [w, g.ints(shape)]), g.ints([-1])]) for w in wrapped]
-    gathered = g.one("GatherND", [front, g.one("Concat", stacked, axis=-1)])  # B + the other dims, in order
-    if dims != list(range(dims[0], dims[0] + len(dims))):
-        return gathered  # not adjacent: B first, as aten
-    b, before = len(shape), dims[0]
-    perm = [*range(b, b + before), *range(b), *range(b + before, b + len(others))]
-    result = g.one("Transpose", [gathered], perm=perm) if perm != list(range(len(perm))) else gathered
-    assert len(perm) == out.dim()
-    return result
+    others = [d for d in range(source.dim()) if d not in dims]
+    shapes = [list(g.meta(i).shape) for _, i in given]
+    batch = list(torch.broadcast_shapes(*[tuple(shape) for shape in shapes]))
+    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
+    sizes = [source.shape[d] for d in others]
+    return _Indexing(dims + others, list(zip(wrapped, shapes, strict=True)), batch, sizes, dims[0] if adjacent else 0)
+
+
+def _index(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.index.Tensor(x, indices)` with integer index tensors: one index is Gather on its dim; several are a
+    GatherND over x with the indexed dims first, its result moved to aten's layout (`_Indexing`)."""
+    x, indices = node.args[:2]
+    given = [(d, i) for d, i in enumerate(indices) if i is not None]  # type: ignore[arg-type]
+    indexing = _indexing(g, x, indices)  # type: ignore[arg-type]
+    if indexing is None:
+        return None  # type: ignore[return-value]
+    if len(given) == 1:
+        return g.one("Gather", [g.tensor(x), indexing.wrapped[0][0]], axis=given[0][0])
+    gathered = g.one("GatherND", [indexing.front(g, g.tensor(x)), indexing.index(g)])  # B + the other dims
+    layout = indexing.aten_layout()
+    return gathered if layout == sorted(layout) else g.one("Transpose", [gathered], perm=layout)
 
 
 def _index_select(g: _Graph, node: torch.fx.Node) -> Value:
@@ -1086,19 +1180,26 @@ def _scatter(g: _Graph, node: torch.fx.Node) -> Value:
 
 
 def _index_put(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.index_put(x, indices, values, accumulate)` with integer index tensors (the backward of `x[i, j]` has
+    several): ScatterND (reduction add when accumulating) into x with the indexed dims first, of the values broadcast
+    to aten's `x[indices]` layout and moved to ScatterND's (`_Indexing`); x's dims are then put back."""
     x, indices, values = node.args[:3]
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-    indices = list(indices)  # type: ignore[arg-type]
-    if len(indices) != 1 or indices[0] is None or g.meta(indices[0]).dtype != torch.int64:  # type: ignore[arg-type]
+    indexing = _indexing(g, x, list(indices))  # type: ignore[arg-type]
+    if indexing is None:
         return None  # type: ignore[return-value]
-    out, index = _meta(node), indices[0]
-    target = list(g.meta(index).shape) + list(out.shape[1:])  # type: ignore[arg-type]
-    updates = g.one("Expand", [g.typed(values, out.dtype), g.ints(target)])
-    size = g.const(np.asarray(out.shape[0], dtype=np.int64))
-    wrapped = g.one("Mod", [g.one("Add", [g.tensor(index), size]), size])  # negative indices count from the end
-    position = g.one("Unsqueeze", [wrapped, g.ints([-1])])
+    out = _meta(node)
+    layout = indexing.aten_layout()
+    aten_shape = [[*indexing.batch, *indexing.others][p] for p in layout]
+    updates = g.one("Expand", [g.typed(values, out.dtype), g.ints(aten_shape)])
+    if layout != sorted(layout):  # aten's layout -> B + the other dims
+        updates = g.one("Transpose", [updates], perm=[layout.index(i) for i in range(len(layout))])
     reduction = "add" if accumulate else "none"
-    return g.one("ScatterND", [g.tensor(x), position, updates], reduction=reduction)
+    front = indexing.front(g, g.typed(x, out.dtype))
+    scattered = g.one("ScatterND", [front, indexing.index(g), updates], reduction=reduction)
+    if indexing.perm == sorted(indexing.perm):
+        return scattered
+    return g.one("Transpose", [scattered], perm=[indexing.perm.index(i) for i in range(len(indexing.perm))])
 
 
 def _fill(g: _Graph, node: torch.fx.Node) -> Value:
@@ -1487,6 +1588,26 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.cos.default: _unary("Cos"),
     aten.relu.default: _unary("Relu", floating=False),
     aten.sign.default: _unary("Sign", floating=False),
+    aten.tan.default: _unary("Tan"),
+    aten.asin.default: _unary("Asin"),
+    aten.acos.default: _unary("Acos"),
+    aten.atan.default: _unary("Atan"),
+    aten.sinh.default: _unary("Sinh"),
+    aten.cosh.default: _unary("Cosh"),
+    aten.asinh.default: _unary("Asinh"),
+    aten.acosh.default: _unary("Acosh"),
+    aten.atanh.default: _unary("Atanh"),
+    aten.floor.default: _rounding("Floor"),
+    aten.ceil.default: _rounding("Ceil"),
+    aten.round.default: _rounding("Round"),
+    aten.round.decimals: _rounding("Round"),
+    aten.trunc.default: _rounding("Trunc"),
+    aten.remainder.Tensor: _remainder,
+    aten.remainder.Scalar: _remainder,
+    aten.fmod.Tensor: _remainder,
+    aten.fmod.Scalar: _remainder,
+    aten.flip.default: _flip,
+    aten.cumsum.default: _cumsum,
     aten.rsqrt.default: _rsqrt,
     aten.log1p.default: _log1p,
     aten.expm1.default: _expm1,
@@ -1510,6 +1631,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.clamp.Tensor: _clamp,
     aten.hardtanh.default: _hardtanh,
     aten.pow.Tensor_Scalar: _pow,
+    aten.pow.Tensor_Tensor: _pow,
     aten.gelu.default: _gelu,
     aten.sum.dim_IntList: _reduce("ReduceSum"),
     aten.sum.default: _reduce("ReduceSum"),
