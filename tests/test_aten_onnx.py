@@ -231,16 +231,19 @@ def test_convolutions_are_conv_and_conv_transpose(dims, transposed, groups, stri
     assert _ops(model) == ["ConvTranspose" if transposed else "Conv"]
 
 
-def test_var_mean_and_constant_pads():
-    """Pads widen; negative pads crop (LocalResponseNorm's backward has them), alone or with widening."""
+def test_variances_and_constant_pads():
+    """var_mean, var and std (a hand-written LayerNorm's `x.std(-1)`) with and without a correction; pads widen,
+    negative pads crop (LocalResponseNorm's backward has them), alone or with widening."""
 
     def f(x):
         var, mean = torch.ops.aten.var_mean.correction(x, [0, 2], correction=1, keepdim=True)
         var0, mean0 = torch.ops.aten.var_mean.correction(x, [1], correction=0)
+        variance, std = torch.ops.aten.var.correction(x, [0, 2], correction=1), x.std(-1, keepdim=True)
+        std0, var_all = torch.std(x, 0, unbiased=False), x.var()
         padded = torch.ops.aten.constant_pad_nd(x, [1, 2, 0, 1], 0.5)
         cropped = torch.ops.aten.constant_pad_nd(x, [0, 0, -1, -2])
         both = torch.ops.aten.constant_pad_nd(x, [-1, 2, 1, -1], -3.0)
-        return var, mean, var0, mean0, padded, cropped, both
+        return var, mean, var0, mean0, variance, std, std0, var_all, padded, cropped, both
 
     x = torch.randn(3, 4, 5)
     model = _check(make_fx(f)(x), [x], atol=1e-5)
@@ -389,6 +392,29 @@ def test_rounding_remainders_flips_and_cumulative_sums():
     inputs = [x, torch.tensor([7, -7, 7, -7, 0, 9]), torch.tensor([2, 2, -2, -2, 3, -4]), torch.rand(2, 6) - 0.5]
     ops = _ops(_check(make_fx(f)(*inputs), inputs, atol=1e-5))
     assert {"Floor", "Ceil", "Round", "Mod", "CumSum", "Slice", "Pow"} <= set(ops)
+
+
+def test_random_tensors_are_onnx_random_ops_never_folded():
+    """rand/randn and their -like forms are ONNX Runtime's random ops (its generator, as torch.onnx writes them): the
+    shapes and dtypes PyTorch gives, uniform values in [0, 1), normal ones around 0, new numbers every run."""
+
+    def f(x):
+        return (
+            *(torch.rand(300, 40) + 0.0, torch.randn_like(x), torch.rand_like(x, dtype=torch.float64)),
+            *(torch.randn(7), torch.rand(())),
+        )
+
+    x = torch.zeros(200, 60)
+    model = translate(make_fx(f)(x), ["x"], ["u", "n", "u64", "n7", "u0"], 18)
+    assert {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike"} <= set(_ops(model))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    uniform, normal, uniform64, normal7, scalar = session.run(None, {"x": x.numpy()})
+    again = session.run(None, {"x": x.numpy()})[0]
+    assert uniform.shape == (300, 40) and normal.shape == (200, 60) and normal7.shape == (7,) and scalar.shape == ()
+    assert uniform64.dtype == np.float64 and normal.dtype == np.float32
+    assert 0.0 <= uniform.min() and uniform.max() < 1.0 and abs(uniform.mean() - 0.5) < 0.02
+    assert abs(normal.mean()) < 0.03 and abs(normal.std() - 1.0) < 0.03
+    assert not np.array_equal(uniform, again)
 
 
 def test_a_correction_of_every_element_is_left_to_torch_onnx():
@@ -605,8 +631,20 @@ def test_a_convolution_weight_gradient_is_one_traced_op_translated_as_its_decomp
     torch.testing.assert_close(eager, want, atol=1e-4, rtol=1e-5)
 
 
+class StdLayerNorm(nn.Module):
+    """The LayerNorm of older transformer code: a learned scale and shift around `(x - mean) / (std + eps)`."""
+
+    def __init__(self, features: int = 4) -> None:
+        super().__init__()
+        self.scale, self.shift = nn.Parameter(torch.ones(features) * 1.5), nn.Parameter(torch.zeros(features) + 0.1)
+
+    def forward(self, x):
+        return self.scale * (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + 1e-6) + self.shift
+
+
 LOSSES = {
     "mse": (None, nn.functional.mse_loss, "regression"),
+    "std_layer_norm": (StdLayerNorm(), None, "regression"),
     "l1": (None, nn.functional.l1_loss, "regression"),
     "smooth_l1": (None, nn.functional.smooth_l1_loss, "regression"),
     "bce_with_logits": (None, nn.functional.binary_cross_entropy_with_logits, "probabilities"),

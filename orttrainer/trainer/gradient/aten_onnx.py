@@ -36,7 +36,8 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   MaxPool with aten's per-plane indices; GroupNorm (`native_group_norm`) and InstanceNorm
   (`_native_batch_norm_legit.no_stats`) are reductions, advanced indexing (`index.Tensor`, and `index_put` with
   several indices, its backward) Gather, GatherND or ScatterND, `repeat` Tile, `div` with a rounding mode Div and
-  Floor, `remainder`/`fmod` Mod, `flip` a backwards Slice, `empty` zeros (docs/engine.md §30);
+  Floor, `remainder`/`fmod` Mod, `flip` a backwards Slice, `empty` zeros, `rand`/`randn` ONNX's random ops, as
+  torch.onnx writes them (docs/engine.md §30);
 - a view to its input's own shape is that input's value (no node).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
@@ -775,29 +776,37 @@ def _extreme(op: str) -> Translation:
     return translate_node
 
 
-def _var_mean(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
-    """`aten.var_mean.correction`: the mean, and the mean of the squared deviations from it scaled by
-    n / (n - correction) (n: the elements reduced), as (var, mean)."""
-    x = node.args[0]
-    dims: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    correction = node.kwargs.get("correction", 1)
-    keepdim = bool(node.kwargs.get("keepdim", False))
-    source = g.meta(x)  # type: ignore[arg-type]
-    if source.dtype not in (torch.float32, torch.float64) or not isinstance(correction, (int, float)):
-        return None  # type: ignore[return-value]  # float16 sums: PyTorch accumulates wider, torch.onnx matches it
-    rank = source.dim()
-    axes = [_axis(d, rank) for d in ([dims] if isinstance(dims, int) else (dims or range(rank)))]
-    count = math.prod(source.shape[a] for a in axes)
-    x_value = g.tensor(x)
-    kept = _reduce_node(g, "ReduceMean", x_value, axes, True)
-    deviation = g.one("Sub", [x_value, kept])
-    var = _reduce_node(g, "ReduceMean", g.one("Mul", [deviation, deviation]), axes, keepdim)
-    if correction and count <= correction:
-        return None  # type: ignore[return-value]  # PyTorch's inf or nan: torch.onnx writes it
-    if correction:
-        var = g.one("Mul", [var, g.scalar(count / (count - correction), source.dtype)])
-    mean = kept if keepdim else g.one("Squeeze", [kept, g.ints(axes)])
-    return var, mean
+def _variance(result: str) -> Translation:
+    """`aten.var_mean.correction` ("var_mean": (var, mean)), `aten.var.correction` ("var") and
+    `aten.std.correction` ("std": its square root): the mean, and the mean of the squared deviations from it scaled
+    by n / (n - correction) (n: the elements reduced)."""
+
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Any:
+        x = node.args[0]
+        dims: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        correction = node.kwargs.get("correction", 1)
+        keepdim = bool(node.kwargs.get("keepdim", False))
+        source = g.meta(x)  # type: ignore[arg-type]
+        if source.dtype not in (torch.float32, torch.float64) or not isinstance(correction, (int, float)):
+            return None  # float16 sums: PyTorch accumulates wider, torch.onnx matches it
+        rank = source.dim()
+        axes = [_axis(d, rank) for d in ([dims] if isinstance(dims, int) else (dims or range(rank)))]
+        count = math.prod(source.shape[a] for a in axes)
+        if correction and count <= correction:
+            return None  # PyTorch's inf or nan: torch.onnx writes it
+        x_value = g.tensor(x)
+        kept = _reduce_node(g, "ReduceMean", x_value, axes, True)
+        deviation = g.one("Sub", [x_value, kept])
+        var = _reduce_node(g, "ReduceMean", g.one("Mul", [deviation, deviation]), axes, keepdim)
+        if correction:
+            var = g.one("Mul", [var, g.scalar(count / (count - correction), source.dtype)])
+        if result == "var":
+            return var
+        if result == "std":
+            return g.one("Sqrt", [var])
+        return var, kept if keepdim else g.one("Squeeze", [kept, g.ints(axes)])
+
+    return translate_node
 
 
 def _constant_pad(g: _Graph, node: torch.fx.Node) -> Value:
@@ -1222,6 +1231,25 @@ def _fill(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("ConstantOfShape", [g.ints(list(out.shape))], value=fill)
 
 
+def _random(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.rand`/`randn` (a static size) and `rand_like`/`randn_like`: ONNX RandomUniform/RandomNormal(Like) in
+    [0, 1) or N(0, 1), as torch.onnx writes them. They draw from ONNX Runtime's generator, which the trainer seeds
+    (trainer/model.py), not torch's: the same distribution, other numbers. Never folded (`_RANDOM`)."""
+    out = _meta(node)
+    if out.dtype not in (torch.float16, torch.float32, torch.float64) or node.kwargs.get("generator") is not None:
+        return None  # type: ignore[return-value]
+    normal = node.target in (aten.randn.default, aten.randn_like.default)
+    like = node.target in (aten.rand_like.default, aten.randn_like.default)
+    attrs: dict[str, Any] = {"dtype": torch_to_onnx(out.dtype)}
+    attrs.update({"mean": 0.0, "scale": 1.0} if normal else {"low": 0.0, "high": 1.0})
+    if like:
+        return g.one("RandomNormalLike" if normal else "RandomUniformLike", [g.tensor(node.args[0])], **attrs)
+    if out.dim() == 0:  # ONNX's attribute cannot be an empty list: draw [1], view it as 0-d
+        drawn = g.one("RandomNormal" if normal else "RandomUniform", [], shape=[1], **attrs)
+        return g.one("Reshape", [drawn, g.ints([])])
+    return g.one("RandomNormal" if normal else "RandomUniform", [], shape=list(out.shape), **attrs)
+
+
 def _dropout(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     x, p, train = node.args
     out = g.meta(x)  # type: ignore[arg-type]
@@ -1518,7 +1546,13 @@ def _custom_op_name(target: Any) -> str | None:
     return schema.name if schema is not None else None
 
 
-_RANDOM = {aten.native_dropout.default}
+_RANDOM = {
+    aten.native_dropout.default,
+    aten.rand.default,
+    aten.randn.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+}
 _UNSPECIFIED = {aten.empty.memory_format, aten.empty_like.default}  # not folded: their values are whatever memory held
 
 _VIEWS = (
@@ -1637,7 +1671,9 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.sum.default: _reduce("ReduceSum"),
     aten.mean.dim: _reduce("ReduceMean"),
     aten.mean.default: _reduce("ReduceMean"),
-    aten.var_mean.correction: _var_mean,
+    aten.var_mean.correction: _variance("var_mean"),
+    aten.var.correction: _variance("var"),
+    aten.std.correction: _variance("std"),
     aten.amax.default: _reduce("ReduceMax"),
     aten.max.dim: _extreme("Max"),
     aten.min.dim: _extreme("Min"),
@@ -1668,6 +1704,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.scatter_add.default: _scatter,
     aten.index_put.default: _index_put,
     aten.native_dropout.default: _dropout,
+    **{op: _random for op in (aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default)},
     **{
         op: _fill
         for op in (
