@@ -784,7 +784,8 @@ def _variance(result: str) -> Translation:
     def translate_node(g: _Graph, node: torch.fx.Node) -> Any:
         x = node.args[0]
         dims: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        correction = node.kwargs.get("correction", 1)
+        correction = node.kwargs.get("correction")
+        correction = 1 if correction is None else correction  # aten's default: Bessel's correction
         keepdim = bool(node.kwargs.get("keepdim", False))
         source = g.meta(x)  # type: ignore[arg-type]
         if source.dtype not in (torch.float32, torch.float64) or not isinstance(correction, (int, float)):
