@@ -921,10 +921,10 @@ def _avg_pool(n: int) -> Translation:
     """`aten.avg_pool{n}d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)`: ONNX
     AveragePool with aten's divisor: the window clipped to the padded input (count_include_pad), or to the input.
     A ceil_mode window that runs past the padded input is where runtimes differ: aten and onnxruntime 1.32 clip it
-    to the padded input, onnxruntime 1.19 counts the overhang too (and its pad fusion would fold an explicit Pad
-    into a pooling that counts no padding). There the pooling counts no padding, which both runtimes do as aten
-    does, times a constant per output: aten's divisor over that count. A `divisor_override` is left to
-    torch.onnx's route (gradient/torch_decompositions.avg_pool2d)."""
+    to the padded input, onnxruntime 1.19 counts the overhang too (and an explicit zero Pad before a pooling that
+    counts no padding gave a wrong divisor there as well: docs/engine.md §30). There the pooling counts no padding,
+    which both runtimes do as aten does, times a constant per output: aten's divisor over that count. A
+    `divisor_override` is left to torch.onnx's route (gradient/torch_decompositions.avg_pool2d)."""
 
     def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
         x, kernel, *rest = node.args
