@@ -1151,12 +1151,11 @@ def _index(g: _Graph, node: torch.fx.Node) -> Value:
     """`aten.index.Tensor(x, indices)` with integer index tensors: one index is Gather on its dim; several are a
     GatherND over x with the indexed dims first, its result moved to aten's layout (`_Indexing`)."""
     x, indices = node.args[:2]
-    given = [(d, i) for d, i in enumerate(indices) if i is not None]  # type: ignore[arg-type]
     indexing = _indexing(g, x, indices)  # type: ignore[arg-type]
     if indexing is None:
         return None  # type: ignore[return-value]
-    if len(given) == 1:
-        return g.one("Gather", [g.tensor(x), indexing.wrapped[0][0]], axis=given[0][0])
+    if len(indexing.wrapped) == 1:  # perm starts with the indexed dim
+        return g.one("Gather", [g.tensor(x), indexing.wrapped[0][0]], axis=indexing.perm[0])
     gathered = g.one("GatherND", [indexing.front(g, g.tensor(x)), indexing.index(g)])  # B + the other dims
     layout = indexing.aten_layout()
     return gathered if layout == sorted(layout) else g.one("Transpose", [gathered], perm=layout)
@@ -1547,13 +1546,8 @@ def _custom_op_name(target: Any) -> str | None:
     return schema.name if schema is not None else None
 
 
-_RANDOM = {
-    aten.native_dropout.default,
-    aten.rand.default,
-    aten.randn.default,
-    aten.rand_like.default,
-    aten.randn_like.default,
-}
+_RANDOM_DRAWS = (aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default)
+_RANDOM = {aten.native_dropout.default, *_RANDOM_DRAWS}
 _UNSPECIFIED = {aten.empty.memory_format, aten.empty_like.default}  # not folded: their values are whatever memory held
 
 _VIEWS = (
@@ -1705,7 +1699,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.scatter_add.default: _scatter,
     aten.index_put.default: _index_put,
     aten.native_dropout.default: _dropout,
-    **{op: _random for op in (aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default)},
+    **{op: _random for op in _RANDOM_DRAWS},
     **{
         op: _fill
         for op in (
