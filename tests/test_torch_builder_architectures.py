@@ -141,6 +141,31 @@ def test_t5_conditional_generation(builder):
 
 
 @pytest.mark.parametrize("builder", BUILDERS)
+def test_bart_conditional_generation_in_training_mode(builder):
+    """BART (like mBART, Marian, Pegasus, Whisper and OPT) runs LayerDrop in training mode: before every layer
+    `if torch.rand([]) < self.layerdrop`, a branch on a random draw, with layerdrop 0 by default."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    )
+    model = TokensLoss(transformers.BartForConditionalGeneration(config))
+    assert model.training and config.encoder_layerdrop == config.decoder_layerdrop == 0.0
+    trainer = assert_step_matches(model, list(lm_batch(64)), ["input_ids", "labels"], builder)
+    assert trainer.eval_step(*lm_batch(64, seed=1)).isfinite()
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
 def test_vit_image_classification(builder):
     """ViT's patch embedding is a strided convolution (issue 23: it failed on convolution_backward)."""
     torch.manual_seed(0)
@@ -193,21 +218,32 @@ def audio_batch() -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("builder", BUILDERS)
 def test_wav2vec2_convolutional_front_end(builder):
-    """wav2vec2's feature encoder (strided Conv1d with GroupNorm) and its grouped positional convolution. Handed
-    over in eval mode, as a model without dropout trains: in train mode its LayerDrop draws a random number and
-    branches on it in Python (next test)."""
+    """wav2vec2's feature encoder (strided Conv1d with GroupNorm) and its grouped positional convolution, handed
+    over in eval mode, as a model without dropout trains (train mode: the next tests)."""
     torch.manual_seed(0)
     model = AudioLoss(transformers.Wav2Vec2ForSequenceClassification(wav2vec2_config())).eval()
     assert_step_matches(model, audio_batch(), ["input_values", "labels"], builder)
 
 
-def test_wav2vec2_in_train_mode_names_its_python_branch():
-    """LayerDrop (`if not skip_the_layer`, a tensor drawn with torch.rand) cannot be traced: the error names the
-    line, as torch.export would refuse it too."""
+def test_wav2vec2_in_train_mode_trains_without_layer_drop():
+    """In train mode wav2vec2's LayerDrop branches on `torch.rand([]) < layerdrop` before every layer; with
+    layerdrop 0 every draw keeps the layer, and the trace records that."""
     torch.manual_seed(0)
     model = AudioLoss(transformers.Wav2Vec2ForSequenceClassification(wav2vec2_config()))
-    with pytest.raises(GradientBuildError, match=r"modeling_wav2vec2\.py:\d+ \(`if not skip_the_layer"):
+    assert model.training
+    assert_step_matches(model, audio_batch(), ["input_values", "labels"], "torch")
+
+
+def test_wav2vec2_in_train_mode_with_layer_drop_names_its_python_branch():
+    """With a layerdrop between 0 and 1 the branch differs from step to step, which one training graph cannot
+    hold: the error names the line, the comparison and what to do."""
+    torch.manual_seed(0)
+    config = wav2vec2_config()
+    config.layerdrop = 0.1
+    model = AudioLoss(transformers.Wav2Vec2ForSequenceClassification(config))
+    with pytest.raises(GradientBuildError, match=r"modeling_wav2vec2\.py:\d+ \(`if not skip_the_layer") as raised:
         one_step(model, audio_batch(), ["input_values", "labels"], "torch")
+    assert "torch.rand(...) < 0.1" in str(raised.value) and "layerdrop" in str(raised.value)
 
 
 # hand-written models ------------------------------------------------------------------------------------------------

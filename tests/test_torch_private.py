@@ -452,6 +452,62 @@ def test_causal_mask_detection_off_takes_is_causal_as_given_and_restores():
     assert transformer._detect_is_causal_mask(causal, None, 4)
 
 
+class LayerDrop(nn.Module):
+    """transformers' LayerDrop: in training mode, skip the layer when a draw falls below `probability`."""
+
+    def __init__(self, probability: float, compare=lambda draw, p: draw < p) -> None:
+        super().__init__()
+        self.layer, self.probability, self.compare = nn.Linear(3, 3), probability, compare
+
+    def forward(self, x):
+        skip = self.training and self.compare(torch.rand([]), self.probability)
+        return ((x if skip else self.layer(x)).sum(),)
+
+
+@pytest.mark.parametrize(
+    ("compare", "probability", "skipped"),
+    [
+        (lambda draw, p: draw < p, 0.0, False),  # transformers' default layerdrop
+        (lambda draw, p: draw < p, 1.0, True),
+        (lambda draw, p: draw <= p, -0.5, False),
+        (lambda draw, p: p > draw, 2, True),  # a number on the left: Python calls draw.__lt__
+        (lambda draw, p: draw > p, 1.0, False),
+        (lambda draw, p: (draw >= p).item(), 0.0, True),
+    ],
+)
+def test_random_branches_decided_traces_a_branch_every_draw_takes_alike(compare, probability, skipped):
+    model = LayerDrop(probability, compare)
+    with pytest.raises(Exception, match="data-dependent|_local_scalar_dense"):  # PyTorch alone refuses the branch
+        torch_private.aot_export_forward(model, [torch.ones(2, 3)])
+    with torch_private.random_branches_decided():
+        graph, _ = torch_private.aot_export_forward(model, [torch.ones(2, 3)])
+    assert (aten.addmm.default in {n.target for n in graph.graph.nodes}) is not skipped
+    assert graph(*model.parameters(), torch.ones(2, 3))[0] == (6.0 if skipped else model(torch.ones(2, 3))[0])
+
+
+def test_random_branches_decided_names_a_branch_whose_draws_differ():
+    with torch_private.random_branches_decided(), pytest.raises(torch_private.RandomBranchError) as raised:
+        torch_private.aot_export_forward(LayerDrop(0.1), [torch.ones(2, 3)])
+    assert torch_private.random_branch(raised.value) == "torch.rand(...) < 0.1"
+    with torch_private.random_branches_decided():  # eager code keeps its values
+        model = LayerDrop(0.5)
+        outcomes = {bool(model(torch.ones(2, 3))[0] == torch.ones(2, 3).sum()) for _ in range(64)}
+    assert outcomes == {True, False}
+
+
+@pytest.mark.parametrize("op", ["<", "<=", ">", ">="])
+def test_random_branch_outcomes_hold_for_every_draw(op):
+    """What `_every_draw` decides is what 100,000 draws (and the edge values 0 and just below 1) give."""
+    from orttrainer.trainer.gradient.torch_private.tracing import _every_draw
+
+    draws = torch.cat([torch.rand(100_000), torch.tensor([0.0, 1.0 - 2.0**-24])])
+    compare = {"<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge}[op]
+    for bound in [-1.0, -1e-9, 0.0, 1e-9, 0.5, 1.0 - 1e-9, 1.0, 1.5, float("nan")]:
+        decided, given = _every_draw(op, bound), compare(draws, bound)
+        assert decided is None or bool(given.all() if decided else not given.any()), (op, bound)
+    assert _every_draw(op, 0.5) is None
+
+
 def test_unsupported_at_opset_reads_the_torchscript_exporters_refusal():
     class Unflatten(nn.Module):
         def forward(self, x):

@@ -214,6 +214,7 @@ def tracing_context() -> Iterator[None]:
         torch_private.export_tracing_flags(),  # the model sees what torch.export shows it
         torch_private.linalg_checks_untraced(),  # torch.linalg.inv, solve, cholesky...
         torch_private.causal_mask_detection_off(),
+        torch_private.random_branches_decided(),  # LayerDrop with its default probability 0
     ):
         yield
 
@@ -312,9 +313,18 @@ def _specific_error(
             "options utils.frozen_weights.",
             unreachable=unused,
         )
-    if torch_private.is_data_dependent_error(err):
+    comparison = torch_private.random_branch(err)
+    if comparison is not None or torch_private.is_data_dependent_error(err):
         where = torch_private.user_frame(err)
         place = f" at {where[0]}:{where[1]} (`{where[2]}`)" if where else ""
+        if comparison is not None:
+            return GradientBuildError(
+                f"the forward of {model_name} (or its loss_fn) branches in Python{place} on a random draw, "
+                f"{comparison}, whose outcome changes from step to step; one training graph holds one outcome. "
+                "This is LayerDrop in transformers' models: set the model config's layerdrop (encoder_layerdrop, "
+                "decoder_layerdrop) to 0, or hand the model over in eval mode. A comparison that every draw decides "
+                "the same way (a probability of 0 or 1) is traced."
+            )
         return GradientBuildError(
             f"the forward of {model_name} (or its loss_fn) reads the value of a tensor in Python{place}: an if/while "
             "on a tensor, bool(), float(), .item() or .tolist(). The torch gradient builder traces the model once "

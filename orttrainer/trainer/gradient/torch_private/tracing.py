@@ -55,6 +55,85 @@ def causal_mask_from_hint() -> Iterator[None]:
         transformer._detect_is_causal_mask = detect
 
 
+class RandomBranchError(RuntimeError):
+    """Python branched on a comparison of a uniform random draw with a bound that some draws pass and others do
+    not (`random_branches_decided`): `comparison` says which, as `torch.rand(...) < 0.1`."""
+
+    def __init__(self, comparison: str) -> None:
+        super().__init__(f"a branch on {comparison}, whose outcome changes from draw to draw")
+        self.comparison = comparison
+
+
+@contextlib.contextmanager
+def random_branches_decided() -> Iterator[None]:
+    """Within the block (this thread), Python's truth value of a comparison of a uniform random draw
+    (`torch.rand`, `torch.rand_like`) with a number is the one every draw gives, where every draw gives the same:
+    a draw is in [0, 1), so `draw < p` is False for p <= 0 and True for p >= 1, and likewise for <=, > and >=. The
+    comparison is still traced as it is; only `bool()` / `.item()` of its one-element result is answered without
+    its value. Where draws differ (0 < p < 1), such a read fails, as a `RandomBranchError` naming the comparison.
+
+    Why: transformers' LayerDrop (BART, mBART, Marian, Pegasus, Whisper, OPT, wav2vec2 and more) runs, in
+    training mode, `if torch.rand([]) < self.layerdrop: skip the layer` before every layer, and its layerdrop is
+    0 by default. A traced tensor has no value (DataDependentOutputException), so every such model failed to
+    trace, though its branch never depends on the draw."""
+    from torch.overrides import TorchFunctionMode
+
+    draws: dict[int, torch.Tensor] = {}  # id -> the draw, held so that ids stay unique within the block
+    compared: dict[int, tuple[torch.Tensor, bool | None, str]] = {}  # id -> (result, outcome or None, text)
+
+    class DecidedDraws(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
+            kwargs = kwargs or {}
+            if func in _TRUTH_READS and args and id(args[0]) in compared:
+                result, outcome, text = compared[id(args[0])]
+                if result is args[0] and result.numel() == 1:
+                    if outcome is not None:
+                        return outcome
+                    try:
+                        value = func(*args, **kwargs)
+                    except Exception as err:
+                        if is_data_dependent_error(err):
+                            raise RandomBranchError(text) from err
+                        raise
+                    if not isinstance(value, (bool, int, float)):  # a symbol for the traced value: no outcome
+                        raise RandomBranchError(text)
+                    return value
+            out = func(*args, **kwargs)
+            if func in _UNIFORM_DRAWS and isinstance(out, torch.Tensor):
+                draws[id(out)] = out
+            elif func in _COMPARISONS and len(args) == 2 and isinstance(out, torch.Tensor):
+                draw, bound = args
+                if id(draw) in draws and draws[id(draw)] is draw and _is_number(bound):
+                    op = _COMPARISONS[func]
+                    text = f"torch.rand(...) {op} {bound!r}"
+                    compared[id(out)] = (out, _every_draw(op, float(bound)), text)
+            return out
+
+    with DecidedDraws():
+        yield
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _every_draw(op: str, bound: float) -> bool | None:
+    """What `draw <op> bound` gives for every draw in [0, 1), or None where draws differ."""
+    if op in ("<", "<="):
+        return True if bound >= 1 else False if bound < 0 or (op == "<" and bound == 0) else None
+    return True if bound < 0 or (op == ">=" and bound == 0) else False if bound >= 1 else None
+
+
+_UNIFORM_DRAWS = frozenset({torch.rand, torch.rand_like})
+_COMPARISONS = {
+    **dict.fromkeys((torch.lt, torch.Tensor.lt, torch.Tensor.__lt__), "<"),
+    **dict.fromkeys((torch.le, torch.Tensor.le, torch.Tensor.__le__), "<="),
+    **dict.fromkeys((torch.gt, torch.Tensor.gt, torch.Tensor.__gt__), ">"),
+    **dict.fromkeys((torch.ge, torch.Tensor.ge, torch.Tensor.__ge__), ">="),
+}
+_TRUTH_READS = frozenset({torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.is_nonzero})
+
+
 @contextlib.contextmanager
 def traceable_cumulative_batch_norm() -> Iterator[None]:
     """Within the block, a BatchNorm with `momentum=None` (the cumulative average) in training mode updates its
@@ -125,6 +204,12 @@ def is_data_dependent_error(err: BaseException) -> bool:
         "data-dependent" in str(e).lower() or "_local_scalar_dense" in str(e) or "aten.equal" in str(e)
         for e in _chain(err)
     )
+
+
+def random_branch(err: BaseException) -> str | None:
+    """The comparison of a random draw that a failed trace branched on (`RandomBranchError`), or None."""
+    found = [e for e in _chain(err) if isinstance(e, RandomBranchError)]
+    return found[0].comparison if found else None
 
 
 def user_frame(err: BaseException) -> tuple[str, int, str] | None:
