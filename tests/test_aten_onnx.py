@@ -394,6 +394,39 @@ def test_rounding_remainders_flips_and_cumulative_sums():
     assert {"Floor", "Ceil", "Round", "Mod", "CumSum", "Slice", "Pow"} <= set(ops)
 
 
+def test_stepped_slice_scatters_arg_extremes_powers_of_numbers_and_strided_views():
+    """slice_scatter with a step (the backward of `x[..., ::2]`, GPT-J's rotary embedding); argmax/argmin along a
+    dim, over every element, kept, of floats, int32 (CLIP's pooled token), int64 beyond a double's precision and
+    uint8, naming the first extreme; a number to a tensor's power (sinusoidal positions); as_strided of a
+    contiguous tensor, as a reshape (adaptive pooling) and as overlapping windows."""
+
+    def f(x, ids32, ids64, flags):
+        return (
+            *(
+                aten.slice_scatter(torch.zeros(4, 6), x[:, ::2], 1, 0, None, 2),
+                aten.slice_scatter(x, x[:, :2], 1, 1, 6, 3),
+            ),
+            *(x.argmax(1), x.argmin(0, keepdim=True), x.argmax(), torch.argmin(x, keepdim=True)),
+            *(ids32.argmax(-1), ids64.argmax(1), ids64.argmin(), flags.argmax(1), torch.pow(10000.0, x), 2**x),
+            *(aten.as_strided(x.sum(1, keepdim=True), [4, 1], [1, 4]), aten.as_strided(x.reshape(-1), [3, 4], [2, 1])),
+        )
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    x[2, 1] = x[2, 4] = x.max() + 1  # a tie: the first is named
+    ids32 = torch.tensor([[3, 9, 9, 1], [0, 0, 0, 0]], dtype=torch.int32)
+    ids64 = torch.tensor([[2**60 + 1, 2**60 + 3, 2**60 + 3, 2**60 + 2], [-5, 7, -5, 7]])
+    flags = torch.tensor([[0, 1, 1], [0, 0, 0]], dtype=torch.uint8)
+    model = _check(make_fx(f)(x, ids32, ids64, flags), [x, ids32, ids64, flags], atol=1e-4)
+    assert {"ScatterElements", "ArgMax", "ArgMin", "Pow", "Gather"} <= set(_ops(model))
+
+
+def test_as_strided_of_a_view_in_another_order_is_left_to_torch_onnx():
+    graph = make_fx(lambda x: aten.as_strided(x.t(), [2, 2], [1, 1]))(torch.randn(3, 4))
+    with pytest.raises(UntranslatableGraph, match="as_strided"):
+        translate(graph, ["x"], ["y"], 18)
+
+
 def test_random_tensors_are_onnx_random_ops_never_folded():
     """rand/randn and their -like forms are ONNX Runtime's random ops (its generator, as torch.onnx writes them): the
     shapes and dtypes PyTorch gives, uniform values in [0, 1), normal ones around 0, new numbers every run."""

@@ -187,6 +187,82 @@ def test_vit_image_classification(builder):
     assert_step_matches(model, [images, labels], ["pixel_values", "labels"], builder)
 
 
+def gptj_case():
+    config = transformers.GPTJConfig(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0
+    )
+    ids, _ = lm_batch(64)
+    return TokensLoss(transformers.GPTJForCausalLM(config)), [ids, ids.clone()], ["input_ids", "labels"]
+
+
+def clip_case():
+    config = transformers.CLIPConfig(
+        text_config={
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+            "max_position_embeddings": 16,
+        },
+        vision_config={
+            "image_size": 16,
+            "patch_size": 4,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+        },
+        projection_dim=16,
+    )
+    g = torch.Generator().manual_seed(0)
+    model = transformers.CLIPModel(config)
+    inputs = [torch.randint(2, 64, (2, 8), generator=g), torch.randn(2, 3, 16, 16, generator=g)]
+
+    class ContrastiveLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, pixel_values):
+            return self.model(input_ids=input_ids, pixel_values=pixel_values, return_loss=True).loss
+
+    return ContrastiveLoss(), inputs, ["input_ids", "pixel_values"]
+
+
+def swin_case():
+    config = transformers.SwinConfig(
+        image_size=16,
+        patch_size=2,
+        embed_dim=8,
+        depths=[1, 1],
+        num_heads=[2, 2],
+        window_size=2,
+        num_labels=3,
+        drop_path_rate=0.0,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(2, 3, 16, 16, generator=g), torch.tensor([0, 2])
+    return PixelsLoss(transformers.SwinForImageClassification(config)), [images, labels], ["pixel_values", "labels"]
+
+
+@pytest.mark.parametrize("case", [gptj_case, clip_case, swin_case], ids=["gptj", "clip", "swin"])
+def test_models_that_needed_torch_onnx_train_on_the_direct_translation(case, caplog):
+    """GPT-J's rotary embedding (the backward of `x[..., ::2]`: a slice_scatter with a step), CLIP's pooled token
+    (`argmax` of int32 ids) and Swin's pooler (adaptive pooling's `as_strided`) each sent the whole graph to
+    torch.onnx; now they train like PyTorch without it, and evaluate from a traced graph."""
+    import logging
+
+    torch.manual_seed(0)
+    model, inputs, names = case()
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer = assert_step_matches(model, inputs, names, "torch")
+        assert trainer.eval_step(*inputs).isfinite()
+    assert "does not cover" not in caplog.text and "is exported" not in caplog.text
+
+
 def wav2vec2_config():
     return transformers.Wav2Vec2Config(
         vocab_size=16,

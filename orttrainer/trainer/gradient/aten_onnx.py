@@ -301,6 +301,32 @@ def _reshape(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("Reshape", [g.tensor(node.args[0]), g.ints(shape)], **attrs)
 
 
+def _as_strided(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.as_strided(x, size, stride, offset)` of a contiguous x with no offset of its own: element i of the
+    result is x's flat element offset + sum(i_k * stride_k). A Reshape where that is x's own order (adaptive
+    pooling's decomposition writes its mean so, Swin's pooler), else a Gather of x's flat elements at those
+    positions, which static shapes make a constant (overlapping windows included). Other inputs: untranslated."""
+    x, size, stride = node.args[:3]
+    offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset", 0)
+    source = g.meta(x)  # type: ignore[arg-type]
+    if not source.is_contiguous() or source.storage_offset() != 0 or not isinstance(offset, int):
+        return None  # type: ignore[return-value]
+    shape: list[int] = list(size)  # type: ignore[arg-type]
+    steps: list[int] = list(stride)  # type: ignore[arg-type]
+    positions = np.full(shape, offset, dtype=np.int64)
+    for dim, (length, step) in enumerate(zip(shape, steps, strict=True)):
+        positions += (np.arange(length, dtype=np.int64) * step).reshape(
+            [-1 if d == dim else 1 for d in range(len(shape))]
+        )
+    if positions.size and (positions.min() < 0 or positions.max() >= source.numel()):
+        return None  # type: ignore[return-value]
+    flat = np.arange(positions.size, dtype=np.int64).reshape(shape)
+    if positions.size == source.numel() and np.array_equal(positions, flat):
+        return g.one("Reshape", [g.tensor(x), g.ints(shape)], allowzero=1)
+    flattened = g.one("Reshape", [g.tensor(x), g.ints([-1])])
+    return g.one("Gather", [flattened, g.const(positions)], axis=0)
+
+
 def _same(g: _Graph, node: torch.fx.Node) -> Value:
     return g.tensor(node.args[0])
 
@@ -377,8 +403,9 @@ def _slice(g: _Graph, node: torch.fx.Node) -> Value:
 
 
 def _slice_scatter(g: _Graph, node: torch.fx.Node) -> Value:
-    """`base` with `src` written into `base[start:end:step]` along `dim` (step 1 only): base's parts before and
-    after the slice, concatenated around `src`."""
+    """`base` with `src` written into `base[start:end:step]` along `dim`: with step 1, base's parts before and
+    after the slice concatenated around `src`; with a larger step (the backward of `x[..., ::2]`, GPT-J's rotary
+    embedding), ScatterElements of `src` along `dim` at start, start + step, ..."""
     base, src = node.args[:2]
     dim, start, end, step = (list(node.args[2:]) + [0, None, None, 1][len(node.args) - 2 :])[:4]
     if node.kwargs:
@@ -388,7 +415,10 @@ def _slice_scatter(g: _Graph, node: torch.fx.Node) -> Value:
     size = out.shape[axis]
     s, e, st = slice(start, end, step).indices(size)
     if st != 1:
-        return None  # type: ignore[return-value]
+        shape = list(g.meta(src).shape)  # type: ignore[arg-type]
+        positions = np.arange(s, e, st, dtype=np.int64).reshape([-1 if d == axis else 1 for d in range(out.dim())])
+        index = g.one("Expand", [g.const(positions), g.ints(shape)])
+        return g.one("ScatterElements", [g.typed(base, out.dtype), index, g.typed(src, out.dtype)], axis=axis)
     parts = []
     if s > 0:
         parts.append(g.one("Slice", [g.typed(base, out.dtype), g.ints([0]), g.ints([s]), g.ints([axis])]))
@@ -699,8 +729,8 @@ def _div_mode(g: _Graph, node: torch.fx.Node) -> Value:
 
 
 def _pow(g: _Graph, node: torch.fx.Node) -> Value:
-    """`aten.pow` of floats (a tensor exponent included): a product for the square, else ONNX Pow in the result's
-    dtype."""
+    """`aten.pow` of floats (a tensor exponent, and a number's power `pow.Scalar` as in sinusoidal position
+    embeddings, included): a product for the square, else ONNX Pow in the result's dtype."""
     x, exponent = node.args
     out = _meta(node).dtype
     if not out.is_floating_point:
@@ -772,6 +802,39 @@ def _extreme(op: str) -> Translation:
         if not _readers(node, 1):
             return values, g.fresh("unread_indices")
         return values, g.one(f"Arg{op}", [g.tensor(x)], axis=axis, keepdims=int(keepdim))
+
+    return translate_node
+
+
+def _arg_extreme(op: str) -> Translation:
+    """`aten.argmax` / `aten.argmin(x, dim=None, keepdim=False)`: ArgMax/ArgMin, which name the first extreme as
+    PyTorch does; over x's flattened elements where dim is None (and, with keepdim, shaped [1] * rank). ONNX
+    Runtime's kernels take floats and int32: the narrow integers are cast to int32; int64 (onnxruntime
+    1.19 has no such kernel, and a float cannot hold it exactly) becomes the first position equal to the extreme,
+    an ArgMax of the Equal's 0/1."""
+
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
+        x = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+        source = g.meta(x)  # type: ignore[arg-type]
+        value, rank, arg = g.tensor(x), source.dim(), f"Arg{op}"
+        if dim is None or rank == 0:
+            value, axis = g.one("Reshape", [value, g.ints([-1])]), 0
+        else:
+            axis = _axis(dim, rank)  # type: ignore[arg-type]
+        if source.dtype in (torch.uint8, torch.int8, torch.int16):
+            value = g.one("Cast", [value], to=TensorProto.INT32)
+        elif source.dtype == torch.int64:
+            extreme = _reduce_node(g, f"Reduce{op}", value, [axis], True)
+            value, arg = g.one("Cast", [g.one("Equal", [value, extreme])], to=TensorProto.INT32), "ArgMax"
+        elif source.dtype not in (torch.float16, torch.float32, torch.float64, torch.int32):
+            return None  # type: ignore[return-value]
+        flat = dim is None or rank == 0
+        found = g.one(arg, [value], axis=axis, keepdims=int(keepdim and not flat))
+        if flat and keepdim:
+            return g.one("Reshape", [found, g.ints([1] * rank)], allowzero=1)
+        return found
 
     return translate_node
 
@@ -1576,6 +1639,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.cat.default: _cat,
     aten.constant_pad_nd.default: _constant_pad,
     aten.slice_scatter.default: _slice_scatter,
+    aten.as_strided.default: _as_strided,
     aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split,
     aten.add.Tensor: _with_alpha("Add"),
@@ -1661,6 +1725,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.hardtanh.default: _hardtanh,
     aten.pow.Tensor_Scalar: _pow,
     aten.pow.Tensor_Tensor: _pow,
+    aten.pow.Scalar: _pow,
     aten.gelu.default: _gelu,
     aten.sum.dim_IntList: _reduce("ReduceSum"),
     aten.sum.default: _reduce("ReduceSum"),
@@ -1672,6 +1737,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.amax.default: _reduce("ReduceMax"),
     aten.max.dim: _extreme("Max"),
     aten.min.dim: _extreme("Min"),
+    aten.argmax.default: _arg_extreme("Max"),
+    aten.argmin.default: _arg_extreme("Min"),
     aten.amin.default: _reduce("ReduceMin"),
     aten.any.dim: _reduce("any"),
     aten.any.dims: _reduce("any"),

@@ -33,12 +33,15 @@ import copy
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 
 from ..build.export import _ModelWithLoss
 from . import torch_private
 from .errors import GradientBuildError
+
+_T = TypeVar("_T")
 
 
 class UntraceableFunctionError(GradientBuildError):
@@ -137,11 +140,12 @@ def trace_joint(
         tensor_attributes_as_buffers(wrapper),
     ):
         try:
-            with tracing_context():
-                groups = same_sizes if dynamic else ()
-                graph, sig, guards = torch_private.aot_export_joint_dynamic(
+            groups = same_sizes if dynamic else ()
+            graph, sig, guards = traced(
+                lambda: torch_private.aot_export_joint_dynamic(
                     wrapper, inputs, dims, groups, float16=wrapper.mixed_precision, for_torch_onnx=for_torch_onnx
                 )
+            )
             return graph, sig, guards if dynamic else None
         except GradientBuildError:
             raise  # the model's own (OnnxModule names its node); with dynamic dims the builder then tries concrete ones
@@ -152,10 +156,11 @@ def trace_joint(
             if dynamic:
                 raise
         try:  # what the descriptor-based trace does not map: AOTAutograd's positional joint export
-            with tracing_context():
-                graph, sig = torch_private.aot_export_joint(
+            graph, sig = traced(
+                lambda: torch_private.aot_export_joint(
                     wrapper, inputs, 0, float16=wrapper.mixed_precision, for_torch_onnx=for_torch_onnx
                 )
+            )
             return graph, sig, None
         except GradientBuildError:
             raise
@@ -170,13 +175,8 @@ def trace_forward(
     gradients, for the direct translation (an eval graph: build/torch_route.py). The module is traced as it is,
     in its mode, under the rules of `trace_joint` (state kept, tensor attributes as constants, the same tracing
     context); PyTorch's error propagates unexplained (the caller falls back to torch.export)."""
-    with (
-        translated_directly(True),
-        torch_private.module_state_kept(module),
-        tensor_attributes_as_buffers(module),
-        tracing_context(),
-    ):
-        return torch_private.aot_export_forward(module, [t.detach() for t in inputs], float16=float16)
+    with translated_directly(True), torch_private.module_state_kept(module), tensor_attributes_as_buffers(module):
+        return traced(lambda: torch_private.aot_export_forward(module, [t.detach() for t in inputs], float16=float16))
 
 
 _trace = threading.local()
@@ -214,9 +214,23 @@ def tracing_context() -> Iterator[None]:
         torch_private.export_tracing_flags(),  # the model sees what torch.export shows it
         torch_private.linalg_checks_untraced(),  # torch.linalg.inv, solve, cholesky...
         torch_private.causal_mask_detection_off(),
-        torch_private.random_branches_decided(),  # LayerDrop with its default probability 0
     ):
         yield
+
+
+def traced(trace: Callable[[], _T]) -> _T:
+    """`trace()` under `tracing_context`; where it fails on reading a traced tensor's value, once more with the
+    branches on random draws that every draw takes alike decided (`torch_private.random_branches_decided`:
+    transformers' LayerDrop with its default probability 0). The retry's error is the one raised. Only the models
+    that branch on a value pay for the mode, which sees every torch call of the trace (about a tenth more time)."""
+    try:
+        with tracing_context():
+            return trace()
+    except Exception as err:
+        if not torch_private.is_data_dependent_error(err):
+            raise
+    with tracing_context(), torch_private.random_branches_decided():
+        return trace()
 
 
 @contextlib.contextmanager
