@@ -450,6 +450,18 @@ def test_random_tensors_are_onnx_random_ops_never_folded():
     assert not np.array_equal(uniform, again)
 
 
+def test_bernoulli_draws_are_ones_with_the_probability_in_the_input_s_dtype():
+    """`aten.bernoulli.p` (an in-place dropout's mask): zeros and ones, a fraction p of ones, x's shape and dtype,
+    new numbers every run."""
+    x = torch.zeros(400, 50, dtype=torch.float64)
+    model = translate(make_fx(lambda x: (torch.bernoulli(x, 0.3),))(x), ["x"], ["mask"], 18)
+    assert "RandomUniformLike" in _ops(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    mask, again = (session.run(None, {"x": x.numpy()})[0] for _ in range(2))
+    assert mask.dtype == np.float64 and mask.shape == (400, 50) and set(np.unique(mask)) <= {0.0, 1.0}
+    assert abs(mask.mean() - 0.3) < 0.02 and not np.array_equal(mask, again)
+
+
 def test_a_correction_of_every_element_is_left_to_torch_onnx():
     x = torch.randn(3, 4)
     graph = make_fx(lambda x: torch.ops.aten.var_mean.correction(x, [1], correction=4))(x)

@@ -1313,6 +1313,19 @@ def _random(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("RandomNormal" if normal else "RandomUniform", [], shape=list(out.shape), **attrs)
 
 
+def _bernoulli(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.bernoulli.p(x, p)`: ones with probability p, zeros else, in x's shape and dtype (an in-place dropout,
+    `nn.Dropout(inplace=True)` as MobileNetV2's head has it, draws its mask so): a uniform draw below p, from ONNX
+    Runtime's generator as `_random`'s. Never folded (`_RANDOM`)."""
+    x, probability = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    out = _meta(node)
+    if not out.dtype.is_floating_point or not isinstance(probability, (int, float)) or node.kwargs.get("generator"):
+        return None  # type: ignore[return-value]
+    drawn = g.one("RandomUniformLike", [g.tensor(x)], dtype=TensorProto.FLOAT, low=0.0, high=1.0)
+    below = g.one("Less", [drawn, g.scalar(float(probability), torch.float32)])
+    return g.one("Cast", [below], to=torch_to_onnx(out.dtype))
+
+
 def _dropout(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     x, p, train = node.args
     out = g.meta(x)  # type: ignore[arg-type]
@@ -1610,7 +1623,7 @@ def _custom_op_name(target: Any) -> str | None:
 
 
 _RANDOM_DRAWS = (aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default)
-_RANDOM = {aten.native_dropout.default, *_RANDOM_DRAWS}
+_RANDOM = {aten.native_dropout.default, aten.bernoulli.p, *_RANDOM_DRAWS}
 _UNSPECIFIED = {aten.empty.memory_format, aten.empty_like.default}  # not folded: their values are whatever memory held
 
 _VIEWS = (
@@ -1767,6 +1780,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.index_put.default: _index_put,
     aten.native_dropout.default: _dropout,
     **{op: _random for op in _RANDOM_DRAWS},
+    aten.bernoulli.p: _bernoulli,
     **{
         op: _fill
         for op in (

@@ -1,0 +1,497 @@
+"""Model classes of transformers through ORTTrainer's torch builder: tiny configs, random init, nothing downloaded.
+
+    python benchmarks/model_zoo.py [--models llama bart ...] [--jobs 2]
+
+Each model runs in a fresh process with the compile cache off: one SGD step (lr 1) in training mode, dropout off,
+against eager PyTorch's gradients, then an eval step. Reported per model: whether it trains and matches (every
+gradient within 2e-5 + 1e-3 of its largest value), the route of its training graph (`direct`: the direct ONNX
+translation; else the op that sent it to torch.onnx), whether its eval graph was traced or exported, and the time
+of the first `train_step` (construction excluded). Prints a table and writes benchmarks/results/model_zoo.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+V, H, L, NH, FF = 99, 32, 2, 4, 64  # vocabulary, width, layers, heads, feed-forward width
+SEQ2SEQ = dict(
+    vocab_size=V,
+    d_model=H,
+    encoder_layers=L,
+    decoder_layers=L,
+    encoder_attention_heads=NH,
+    decoder_attention_heads=NH,
+    encoder_ffn_dim=FF,
+    decoder_ffn_dim=FF,
+    max_position_embeddings=64,
+)
+IMAGE = dict(
+    image_size=16,
+    patch_size=4,
+    hidden_size=H,
+    num_hidden_layers=L,
+    num_attention_heads=NH,
+    intermediate_size=FF,
+    num_labels=3,
+)
+
+
+def _lm(**extra: Any) -> dict[str, Any]:
+    return (
+        dict(
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            intermediate_size=FF,
+            max_position_embeddings=64,
+            pad_token_id=0,
+        )
+        | extra
+    )
+
+
+# name -> (config class, its keyword arguments, model class, input kind)
+MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
+    "llama": ("LlamaConfig", _lm(num_key_value_heads=2), "LlamaForCausalLM", "tokens"),
+    "mistral": ("MistralConfig", _lm(num_key_value_heads=2), "MistralForCausalLM", "tokens"),
+    "mixtral": (
+        "MixtralConfig",
+        _lm(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        "MixtralForCausalLM",
+        "tokens",
+    ),
+    "qwen2": ("Qwen2Config", _lm(num_key_value_heads=2), "Qwen2ForCausalLM", "tokens"),
+    "phi": ("PhiConfig", _lm(), "PhiForCausalLM", "tokens"),
+    "phi3": ("Phi3Config", _lm(num_key_value_heads=2), "Phi3ForCausalLM", "tokens"),
+    "gemma": ("GemmaConfig", _lm(num_key_value_heads=2, head_dim=8), "GemmaForCausalLM", "tokens"),
+    "gemma2": ("Gemma2Config", _lm(num_key_value_heads=2, head_dim=8), "Gemma2ForCausalLM", "tokens"),
+    "gpt_neox": ("GPTNeoXConfig", _lm(), "GPTNeoXForCausalLM", "tokens"),
+    "opt": (
+        "OPTConfig",
+        dict(
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            ffn_dim=FF,
+            max_position_embeddings=64,
+            word_embed_proj_dim=H,
+        ),
+        "OPTForCausalLM",
+        "tokens",
+    ),
+    "bloom": ("BloomConfig", dict(vocab_size=V, hidden_size=H, n_layer=L, n_head=NH), "BloomForCausalLM", "tokens"),
+    "falcon": (
+        "FalconConfig",
+        dict(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH),
+        "FalconForCausalLM",
+        "tokens",
+    ),
+    "gptj": (
+        "GPTJConfig",
+        dict(vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=64, rotary_dim=4),
+        "GPTJForCausalLM",
+        "tokens",
+    ),
+    "codegen": (
+        "CodeGenConfig",
+        dict(
+            vocab_size=V,
+            n_embd=H,
+            n_layer=L,
+            n_head=NH,
+            n_positions=64,
+            n_ctx=64,
+            rotary_dim=4,
+        ),
+        "CodeGenForCausalLM",
+        "tokens",
+    ),
+    "gpt_neo": (
+        "GPTNeoConfig",
+        dict(
+            vocab_size=V,
+            hidden_size=H,
+            num_layers=L,
+            num_heads=NH,
+            attention_types=[[["global", "local"], 1]],
+            max_position_embeddings=64,
+            window_size=4,
+        ),
+        "GPTNeoForCausalLM",
+        "tokens",
+    ),
+    "distilbert": (
+        "DistilBertConfig",
+        dict(
+            vocab_size=V,
+            dim=H,
+            n_layers=L,
+            n_heads=NH,
+            hidden_dim=FF,
+            max_position_embeddings=64,
+        ),
+        "DistilBertForMaskedLM",
+        "tokens",
+    ),
+    "roberta": ("RobertaConfig", _lm(pad_token_id=1), "RobertaForMaskedLM", "tokens"),
+    "albert": ("AlbertConfig", _lm(embedding_size=16), "AlbertForMaskedLM", "tokens"),
+    "electra": ("ElectraConfig", _lm(embedding_size=16), "ElectraForMaskedLM", "tokens"),
+    "deberta": (
+        "DebertaConfig",
+        _lm(relative_attention=True, pos_att_type=["p2c", "c2p"], max_relative_positions=16),
+        "DebertaForMaskedLM",
+        "tokens",
+    ),
+    "deberta_v2": (
+        "DebertaV2Config",
+        _lm(relative_attention=True, pos_att_type=["p2c", "c2p"], max_relative_positions=16),
+        "DebertaV2ForMaskedLM",
+        "tokens",
+    ),
+    "xlm_roberta": ("XLMRobertaConfig", _lm(pad_token_id=1), "XLMRobertaForMaskedLM", "tokens"),
+    "mpnet": ("MPNetConfig", _lm(pad_token_id=1), "MPNetForMaskedLM", "tokens"),
+    "funnel": (
+        "FunnelConfig",
+        dict(
+            vocab_size=V,
+            d_model=H,
+            n_head=NH,
+            d_head=8,
+            d_inner=FF,
+            block_sizes=[1, 1],
+            num_decoder_layers=1,
+        ),
+        "FunnelForMaskedLM",
+        "tokens",
+    ),
+    "xlnet": (
+        "XLNetConfig",
+        dict(vocab_size=V, d_model=H, n_layer=L, n_head=NH, d_inner=FF),
+        "XLNetLMHeadModel",
+        "tokens",
+    ),
+    "longformer": (
+        "LongformerConfig",
+        _lm(max_position_embeddings=80, attention_window=4, pad_token_id=1),
+        "LongformerForMaskedLM",
+        "tokens",
+    ),
+    "big_bird": ("BigBirdConfig", _lm(attention_type="original_full"), "BigBirdForMaskedLM", "tokens"),
+    "squeezebert": ("SqueezeBertConfig", _lm(embedding_size=H), "SqueezeBertForMaskedLM", "tokens"),
+    "layoutlm": ("LayoutLMConfig", _lm(), "LayoutLMForMaskedLM", "tokens"),
+    "bart": ("BartConfig", SEQ2SEQ, "BartForConditionalGeneration", "tokens"),
+    "mbart": ("MBartConfig", SEQ2SEQ, "MBartForConditionalGeneration", "tokens"),
+    "pegasus": ("PegasusConfig", SEQ2SEQ, "PegasusForConditionalGeneration", "tokens"),
+    "marian": ("MarianConfig", SEQ2SEQ | dict(decoder_start_token_id=0, pad_token_id=0), "MarianMTModel", "tokens"),
+    "whisper": (
+        "WhisperConfig",
+        SEQ2SEQ
+        | dict(
+            num_mel_bins=8,
+            max_source_positions=16,
+            max_target_positions=32,
+            decoder_start_token_id=1,
+            pad_token_id=0,
+        ),
+        "WhisperForConditionalGeneration",
+        "features",
+    ),
+    "vit": ("ViTConfig", IMAGE, "ViTForImageClassification", "pixels"),
+    "deit": ("DeiTConfig", IMAGE, "DeiTForImageClassification", "pixels"),
+    "beit": (
+        "BeitConfig",
+        IMAGE | dict(use_relative_position_bias=True, drop_path_rate=0.0),
+        "BeitForImageClassification",
+        "pixels",
+    ),
+    "swin": (
+        "SwinConfig",
+        dict(
+            image_size=16,
+            patch_size=2,
+            embed_dim=8,
+            depths=[1, 1],
+            num_heads=[2, 2],
+            window_size=2,
+            num_labels=3,
+            drop_path_rate=0.0,
+        ),
+        "SwinForImageClassification",
+        "pixels",
+    ),
+    "convnext": (
+        "ConvNextConfig",
+        dict(
+            hidden_sizes=[8, 16],
+            depths=[1, 1],
+            num_stages=2,
+            num_labels=3,
+            drop_path_rate=0.0,
+        ),
+        "ConvNextForImageClassification",
+        "pixels",
+    ),
+    "resnet": (
+        "ResNetConfig",
+        dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3),
+        "ResNetForImageClassification",
+        "pixels",
+    ),
+    "regnet": (
+        "RegNetConfig",
+        dict(
+            embedding_size=8,
+            hidden_sizes=[8, 16],
+            depths=[1, 1],
+            groups_width=4,
+            num_labels=3,
+        ),
+        "RegNetForImageClassification",
+        "pixels",
+    ),
+    "mobilenet_v2": (
+        "MobileNetV2Config",
+        dict(image_size=32, depth_multiplier=0.25, num_labels=3),
+        "MobileNetV2ForImageClassification",
+        "pixels32",
+    ),
+    "efficientnet": (
+        "EfficientNetConfig",
+        dict(
+            image_size=32,
+            width_coefficient=0.1,
+            depth_coefficient=0.1,
+            hidden_dim=128,
+            num_labels=3,
+            drop_connect_rate=0.0,
+        ),
+        "EfficientNetForImageClassification",
+        "pixels32",
+    ),
+    "poolformer": (
+        "PoolFormerConfig",
+        dict(
+            image_size=16,
+            hidden_sizes=[8, 16],
+            depths=[1, 1],
+            num_labels=3,
+            num_encoder_blocks=2,
+            patch_sizes=[3, 3],
+            strides=[2, 2],
+            padding=[1, 1],
+            pool_size=3,
+        ),
+        "PoolFormerForImageClassification",
+        "pixels",
+    ),
+    "segformer": (
+        "SegformerConfig",
+        dict(
+            num_encoder_blocks=2,
+            depths=[1, 1],
+            sr_ratios=[2, 1],
+            hidden_sizes=[8, 16],
+            num_attention_heads=[1, 2],
+            patch_sizes=[3, 3],
+            strides=[2, 2],
+            mlp_ratios=[2, 2],
+            num_labels=3,
+            drop_path_rate=0.0,
+        ),
+        "SegformerForImageClassification",
+        "pixels",
+    ),
+    "mobilevit": (
+        "MobileViTConfig",
+        dict(
+            image_size=32,
+            hidden_sizes=[16, 16, 16],
+            neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32],
+            num_labels=3,
+        ),
+        "MobileViTForImageClassification",
+        "pixels32",
+    ),
+    "hubert": (
+        "HubertConfig",
+        _lm(
+            conv_dim=(8, 8),
+            conv_stride=(4, 4),
+            conv_kernel=(8, 4),
+            num_conv_pos_embeddings=8,
+            num_conv_pos_embedding_groups=2,
+            mask_time_prob=0.0,
+        ),
+        "HubertForCTC",
+        "audio",
+    ),
+    "clip": (
+        "CLIPConfig",
+        dict(
+            text_config=dict(
+                vocab_size=V,
+                hidden_size=H,
+                num_hidden_layers=L,
+                num_attention_heads=NH,
+                intermediate_size=FF,
+                max_position_embeddings=16,
+            ),
+            vision_config={k: v for k, v in IMAGE.items() if k != "num_labels"},
+            projection_dim=16,
+        ),
+        "CLIPModel",
+        "clip",
+    ),
+}
+ARGUMENTS = {  # input kind -> the model's keyword arguments for the two inputs
+    "tokens": ("input_ids", "labels"),
+    "pixels": ("pixel_values", "labels"),
+    "pixels32": ("pixel_values", "labels"),
+    "features": ("input_features", "labels"),
+    "audio": ("input_values", "labels"),
+    "clip": ("input_ids", "pixel_values"),
+}
+
+
+def _batch(kind: str) -> list[Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, V, (2, 8), generator=g)
+    labels = torch.tensor([0, 2])
+    return {
+        "tokens": lambda: [tokens, torch.randint(2, V, (2, 8), generator=g)],
+        "pixels": lambda: [torch.randn(2, 3, 16, 16, generator=g), labels],
+        "pixels32": lambda: [torch.randn(2, 3, 32, 32, generator=g), labels],
+        "features": lambda: [torch.randn(2, 8, 32, generator=g), torch.randint(2, V, (2, 6), generator=g)],
+        "audio": lambda: [torch.randn(2, 400, generator=g), torch.randint(2, V, (2, 4), generator=g)],
+        "clip": lambda: [tokens, torch.randn(2, 3, 16, 16, generator=g)],
+    }[kind]()
+
+
+def worker(name: str) -> dict[str, Any]:
+    """One model's step, in this process (see the module docstring)."""
+    import torch
+    import transformers
+
+    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    config_class, arguments, model_class, kind = MODELS[name]
+    config = getattr(transformers, config_class)(**arguments)
+    first, second = ARGUMENTS[kind]
+
+    class Loss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = getattr(transformers, model_class)._from_config(config, attn_implementation="eager")
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            extra = {"return_loss": True} if kind == "clip" else {}
+            return self.model(**{first: a, second: b}, **extra).loss
+
+    torch.manual_seed(0)
+    model = Loss().train()
+    for module in model.modules():  # dropout off: the step is compared with eager's
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for attribute in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout"):
+            if isinstance(getattr(module, attribute, None), float):
+                setattr(module, attribute, 0.0)
+    reference = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    data = _batch(kind)
+    dims = [[("batch" if d == 0 else size) for d, size in enumerate(t.shape)] for t in data]
+    desc = {"inputs": list(zip(["a", "b"], dims, strict=True)), "outputs": [("loss", [], True)]}
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger("orttrainer").addHandler(handler)
+    logging.getLogger("orttrainer").setLevel(logging.INFO)
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, "_internal_use": {"gradient_builder": "torch"}})
+    result: dict[str, Any] = {"model": name}
+    try:
+        trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=1.0), options=options)
+        start = time.perf_counter()
+        trainer.train_step(*data)
+        result["first_step_s"] = round(time.perf_counter() - start, 2)
+    except Exception as err:  # the outcome being measured: reported, not raised
+        return result | {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    found = re.search(r"does not cover this graph \((.*)\); using torch.onnx", log.getvalue())
+    result["route"] = f"torch.onnx: {found.group(1)[:120]}" if found else "direct"
+    reference(*data).backward()
+    state = trainer.state_dict(pytorch_format=True)
+    result["gradients_differ"] = [
+        n
+        for n, p in reference.named_parameters()
+        if float((before[n] - state[n] - (p.grad if p.grad is not None else 0)).abs().max())
+        > 2e-5 + 1e-3 * float(p.grad.abs().max() if p.grad is not None else 0)
+    ]
+    log.truncate(0)
+    log.seek(0)
+    trainer.eval_step(*data)
+    result["eval"] = "exported" if "is exported" in log.getvalue() else "traced"
+    return result
+
+
+def _in_process(name: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, ORTTRAINER_COMPILE_CACHE=cache, HF_HUB_OFFLINE="1")
+        done = subprocess.run(
+            [sys.executable, __file__, "--worker", name], capture_output=True, text=True, env=env, timeout=600
+        )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"model": name, "error": f"exit {done.returncode}: {done.stderr[-300:]}"}
+
+
+def main() -> None:
+    from common import save_json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker)))
+        return
+    run: Callable[[str], dict[str, Any]] = _in_process
+    with ThreadPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(run, args.models))
+    print("| model | trains like PyTorch | training graph | eval graph | first step (s) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        trains = (
+            "error: " + r["error"][:100]
+            if "error" in r
+            else ("no: " + ", ".join(r["gradients_differ"][:3]) if r["gradients_differ"] else "yes")
+        )
+        print(f"| {r['model']} | {trains} | {r.get('route', '')} | {r.get('eval', '')} | {r.get('first_step_s', '')} |")
+    good = [r for r in rows if "error" not in r and not r["gradients_differ"]]
+    direct = [r for r in good if r["route"] == "direct" and r["eval"] == "traced"]
+    print(
+        f"\n{len(good)} of {len(rows)} train like PyTorch; {len(direct)} of them on the direct translation throughout"
+    )
+    save_json("model_zoo.json", {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
