@@ -81,7 +81,7 @@ class ConvNet(nn.Module):
         self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(8)
         self.conv2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2)
-        self.conv3 = nn.Conv2d(8, 6, 1)
+        self.conv3 = nn.Conv2d(8, 6, 1, padding="valid")  # aten's one-element padding list (EfficientNet)
         self.up = nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1)
         self.head = nn.Linear(4, 3)
 
@@ -419,6 +419,16 @@ def test_stepped_slice_scatters_arg_extremes_powers_of_numbers_and_strided_views
     flags = torch.tensor([[0, 1, 1], [0, 0, 0]], dtype=torch.uint8)
     model = _check(make_fx(f)(x, ids32, ids64, flags), [x, ids32, ids64, flags], atol=1e-4)
     assert {"ScatterElements", "ArgMax", "ArgMin", "Pow", "Gather"} <= set(_ops(model))
+
+
+def test_top_k_values_and_indices():
+    """topk (a mixture of experts' router): largest and smallest, along the last dim and another, values and indices."""
+
+    def f(x):
+        return (*torch.topk(x, 2), *torch.topk(x, 3, dim=0, largest=False), torch.topk(x.double(), 1)[0])
+
+    x = torch.randperm(24).reshape(4, 6).float()  # no ties: PyTorch's order among equal values is unspecified
+    assert "TopK" in _ops(_check(make_fx(f)(x), [x]))
 
 
 def test_as_strided_of_a_view_in_another_order_is_left_to_torch_onnx():

@@ -248,11 +248,41 @@ def swin_case():
     return PixelsLoss(transformers.SwinForImageClassification(config)), [images, labels], ["pixel_values", "labels"]
 
 
-@pytest.mark.parametrize("case", [gptj_case, clip_case, swin_case], ids=["gptj", "clip", "swin"])
+def mixtral_config():
+    return transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+
+
+def mixtral_case():
+    model = transformers.MixtralForCausalLM._from_config(mixtral_config(), experts_implementation="batched_mm")
+    ids, _ = lm_batch(64)
+    return TokensLoss(model), [ids, ids.clone()], ["input_ids", "labels"]
+
+
+def test_mixtral_with_grouped_experts_is_refused_with_what_to_do():
+    """transformers' default experts group the tokens by expert, in shapes the routing decides: the error says how
+    to load the model instead."""
+    model = TokensLoss(transformers.MixtralForCausalLM(mixtral_config()))
+    with pytest.raises(GradientBuildError, match='experts_implementation="batched_mm"'):
+        one_step(model, list(lm_batch(64)), ["input_ids", "labels"], "torch")
+
+
+@pytest.mark.parametrize(
+    "case", [gptj_case, clip_case, swin_case, mixtral_case], ids=["gptj", "clip", "swin", "mixtral"]
+)
 def test_models_that_needed_torch_onnx_train_on_the_direct_translation(case, caplog):
     """GPT-J's rotary embedding (the backward of `x[..., ::2]`: a slice_scatter with a step), CLIP's pooled token
-    (`argmax` of int32 ids) and Swin's pooler (adaptive pooling's `as_strided`) each sent the whole graph to
-    torch.onnx; now they train like PyTorch without it, and evaluate from a traced graph."""
+    (`argmax` of int32 ids), Swin's pooler (adaptive pooling's `as_strided`) and Mixtral's router (`topk`) each sent
+    the whole graph to torch.onnx; now they train like PyTorch without it, and evaluate from a traced graph."""
     import logging
 
     torch.manual_seed(0)

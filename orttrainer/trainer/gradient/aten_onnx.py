@@ -806,6 +806,20 @@ def _extreme(op: str) -> Translation:
     return translate_node
 
 
+def _topk(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    """`aten.topk(x, k, dim=-1, largest=True, sorted=True)` (a mixture of experts' router): ONNX TopK, values and
+    int64 indices. Of equal elements ONNX names the lower index first; PyTorch's order among them is unspecified,
+    which matters only where a tie straddles the k-th place."""
+    x, k = node.args[:2]
+    dim, largest, ordered = (list(node.args[2:]) + [-1, True, True][len(node.args) - 2 :])[:3]
+    source = g.meta(x)  # type: ignore[arg-type]
+    if node.kwargs or not isinstance(k, int) or source.dtype == torch.bool or source.dim() == 0:
+        return None  # type: ignore[return-value]
+    axis = _axis(dim, source.dim())  # type: ignore[arg-type]
+    flags: dict[str, Any] = {"largest": int(bool(largest)), "sorted": int(bool(ordered))}
+    return tuple(g.emit("TopK", [g.tensor(x), g.ints([k])], outputs=2, axis=axis, **flags))
+
+
 def _arg_extreme(op: str) -> Translation:
     """`aten.argmax` / `aten.argmin(x, dim=None, keepdim=False)`: ArgMax/ArgMin, which name the first extreme as
     PyTorch does; over x's flattened elements where dim is None (and, with keepdim, shaped [1] * rank). ONNX
@@ -926,17 +940,17 @@ def _convolution(g: _Graph, node: torch.fx.Node) -> Value:
         return None  # type: ignore[return-value]
     n = out.dim() - 2
     inputs = [g.tensor(x), g.tensor(weight)] + ([g.tensor(bias)] if bias is not None else [])
-    attrs: dict[str, Any] = {
-        "strides": list(stride),
-        "pads": list(padding) * 2,
-        "dilations": list(dilation),
+    attrs: dict[str, Any] = {  # aten takes a one-element list for every spatial dim
+        "strides": _expanded(stride, n),
+        "pads": _expanded(padding, n) * 2,
+        "dilations": _expanded(dilation, n),
         "group": int(groups),
         "kernel_shape": list(g.meta(weight).shape[2:]),  # type: ignore[arg-type]
     }
     if any(len(attrs[k]) != n for k in ("strides", "dilations", "kernel_shape")) or len(attrs["pads"]) != 2 * n:
         return None  # type: ignore[return-value]
     if transposed:
-        return g.one("ConvTranspose", inputs, output_padding=list(output_padding), **attrs)
+        return g.one("ConvTranspose", inputs, output_padding=_expanded(output_padding, n), **attrs)
     return g.one("Conv", inputs, **attrs)
 
 
@@ -1751,6 +1765,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.max.dim: _extreme("Max"),
     aten.min.dim: _extreme("Min"),
     aten.argmax.default: _arg_extreme("Max"),
+    aten.topk.default: _topk,
     aten.argmin.default: _arg_extreme("Min"),
     aten.amin.default: _reduce("ReduceMin"),
     aten.any.dim: _reduce("any"),

@@ -58,8 +58,9 @@ def convolution_backward(
       and padding p, cut to k, the batch becoming the channels and the groups staying groups (one node for any
       `groups`, depthwise included); for a transposed convolution the two roles swap;
     - the bias's gradient is the output's gradient summed over every dim but the channels."""
-    n = len(stride)
-    stride, padding, dilation = list(stride), list(padding), list(dilation)
+    n = input.dim() - 2
+    # aten takes a one-element list for every spatial dim (`nn.Conv2d(padding="valid")` passes [0])
+    stride, padding, dilation = ([int(v) for v in p] * (n if len(p) == 1 else 1) for p in (stride, padding, dilation))
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
         if transposed:

@@ -49,15 +49,25 @@ class UntraceableFunctionError(GradientBuildError):
 
     def __init__(self, function: str, phase: str, location: str, reason: str) -> None:
         self.function, self.phase, self.location = function, phase, location
+        advice = next((text for name, text in _LIBRARY_FUNCTIONS.items() if name in function), None)
         super().__init__(
             f"The {phase} of the custom torch.autograd.Function '{function}' cannot be traced into the ONNX "
             f"training graph: {reason} (at {location}). The torch gradient builder records {function}.{phase} "
             "once, with placeholder tensors that have no values, so it must compute with tensor operations only: "
             "a value read from a tensor (.item()) may feed tensor arithmetic, but no Python if/while, float() or "
             "Python math on it (use torch.where or masks), no .numpy() or .tolist(), no outputs whose shape "
-            f"depends on values (torch.nonzero). Rewrite {function}.{phase} that way, or train this model with "
-            "plain PyTorch."
+            "depends on values (torch.nonzero). "
+            + (advice or f"Rewrite {function}.{phase} that way, or train this model with plain PyTorch.")
         )
+
+
+# Custom Functions of libraries, which their users cannot rewrite, by a part of their name: what to do instead
+_LIBRARY_FUNCTIONS = {
+    "transformers_grouped_mm": "This is transformers' mixture-of-experts layer (Mixtral, Qwen-MoE...), which "
+    "groups the tokens by expert, in shapes that depend on the routing. Load the model with "
+    'experts_implementation="batched_mm" (from_pretrained or from_config): it computes each token\'s experts in '
+    "static shapes, which the builder traces.",
+}
 
 
 class JointWrapper(torch.nn.Module):
