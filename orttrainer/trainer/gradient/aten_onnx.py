@@ -38,6 +38,9 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   several indices, its backward) Gather, GatherND or ScatterND, `repeat` Tile, `div` with a rounding mode Div and
   Floor, `remainder`/`fmod` Mod, `flip` a backwards Slice, `empty` zeros, `rand`/`randn` ONNX's random ops, as
   torch.onnx writes them (docs/engine.md §30);
+- what transformers' models meet (docs/engine.md §31): `topk` TopK, `argmax`/`argmin` ArgMax/ArgMin, `slice_scatter`
+  with a step ScatterElements, `as_strided` of a contiguous tensor a Reshape or a Gather at constant positions,
+  `bernoulli.p` a uniform draw below p;
 - a view to its input's own shape is that input's value (no node).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
