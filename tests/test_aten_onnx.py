@@ -431,10 +431,14 @@ def test_top_k_values_and_indices():
     assert "TopK" in _ops(_check(make_fx(f)(x), [x]))
 
 
-def test_as_strided_of_a_view_in_another_order_is_left_to_torch_onnx():
-    graph = make_fx(lambda x: aten.as_strided(x.t(), [2, 2], [1, 1]))(torch.randn(3, 4))
-    with pytest.raises(UntranslatableGraph, match="as_strided"):
-        translate(graph, ["x"], ["y"], 18)
+def test_as_strided_of_a_view_in_another_order_or_of_too_many_positions_is_left_to_torch_onnx():
+    from orttrainer.trainer.gradient.aten_onnx import GATHER_LIMIT
+
+    other_order = make_fx(lambda x: (aten.as_strided(x.t(), [2, 2], [1, 1]),))(torch.randn(3, 4))
+    broadcast = make_fx(lambda x: (aten.as_strided(x, [GATHER_LIMIT + 1], [0]),))(torch.randn(3))
+    for graph in (other_order, broadcast):
+        with pytest.raises(UntranslatableGraph, match="as_strided"):
+            translate(graph, ["x"], ["y"], 18)
 
 
 def test_random_tensors_are_onnx_random_ops_never_folded():

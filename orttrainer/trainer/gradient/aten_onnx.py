@@ -67,6 +67,7 @@ from ...dtypes import torch_to_onnx
 from ..graph.statistics import MARK_DOMAIN, MARK_OP
 
 FOLD_LIMIT = 1 << 16  # elements of a constant result computed at translation time
+GATHER_LIMIT = 1 << 20  # positions of an `as_strided` written as a constant (8 MB)
 # torch dtypes without a numpy dtype: a constant of one leaves the graph to torch.onnx, which writes it itself
 _NO_NUMPY_FORM = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 
@@ -308,7 +309,8 @@ def _as_strided(g: _Graph, node: torch.fx.Node) -> Value:
     """`aten.as_strided(x, size, stride, offset)` of a contiguous x with no offset of its own: element i of the
     result is x's flat element offset + sum(i_k * stride_k). A Reshape where that is x's own order (adaptive
     pooling's decomposition writes its mean so, Swin's pooler), else a Gather of x's flat elements at those
-    positions, which static shapes make a constant (overlapping windows included). Other inputs: untranslated."""
+    positions, which static shapes make a constant (overlapping windows included) of at most `GATHER_LIMIT`
+    elements. Other inputs: untranslated."""
     x, size, stride = node.args[:3]
     offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset", 0)
     source = g.meta(x)  # type: ignore[arg-type]
@@ -316,16 +318,19 @@ def _as_strided(g: _Graph, node: torch.fx.Node) -> Value:
         return None  # type: ignore[return-value]
     shape: list[int] = list(size)  # type: ignore[arg-type]
     steps: list[int] = list(stride)  # type: ignore[arg-type]
+    count = math.prod(shape)
+    own_order = all(step == math.prod(shape[d + 1 :]) for d, step in enumerate(steps) if shape[d] != 1)
+    if offset == 0 and count == source.numel() and own_order:
+        return g.one("Reshape", [g.tensor(x), g.ints(shape)], allowzero=1)
+    if count > GATHER_LIMIT:
+        return None  # type: ignore[return-value]
     positions = np.full(shape, offset, dtype=np.int64)
     for dim, (length, step) in enumerate(zip(shape, steps, strict=True)):
         positions += (np.arange(length, dtype=np.int64) * step).reshape(
             [-1 if d == dim else 1 for d in range(len(shape))]
         )
-    if positions.size and (positions.min() < 0 or positions.max() >= source.numel()):
+    if count and (positions.min() < 0 or positions.max() >= source.numel()):
         return None  # type: ignore[return-value]
-    flat = np.arange(positions.size, dtype=np.int64).reshape(shape)
-    if positions.size == source.numel() and np.array_equal(positions, flat):
-        return g.one("Reshape", [g.tensor(x), g.ints(shape)], allowzero=1)
     flattened = g.one("Reshape", [g.tensor(x), g.ints([-1])])
     return g.one("Gather", [flattened, g.const(positions)], axis=0)
 
@@ -1334,7 +1339,8 @@ def _bernoulli(g: _Graph, node: torch.fx.Node) -> Value:
     """`aten.bernoulli.p(x, p)`: ones with probability p, zeros else, in x's shape and dtype (an in-place dropout,
     `nn.Dropout(inplace=True)` as MobileNetV2's head has it, draws its mask so): a uniform draw below p, from ONNX
     Runtime's generator as `_random`'s. Never folded (`_RANDOM`)."""
-    x, probability = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    x = node.args[0]
+    probability = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
     out = _meta(node)
     if not out.dtype.is_floating_point or not isinstance(probability, (int, float)) or node.kwargs.get("generator"):
         return None  # type: ignore[return-value]
@@ -1768,8 +1774,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.max.dim: _extreme("Max"),
     aten.min.dim: _extreme("Min"),
     aten.argmax.default: _arg_extreme("Max"),
-    aten.topk.default: _topk,
     aten.argmin.default: _arg_extreme("Min"),
+    aten.topk.default: _topk,
     aten.amin.default: _reduce("ReduceMin"),
     aten.any.dim: _reduce("any"),
     aten.any.dims: _reduce("any"),
