@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -485,9 +484,8 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return
-    run: Callable[[str], dict[str, Any]] = _in_process
-    with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(run, args.models))
+    with ThreadPoolExecutor(args.jobs) as pool:  # each model in its own process
+        rows = list(pool.map(_in_process, args.models))
     print("| model | trains like PyTorch | training graph | eval graph | first step (s) |")
     print("|---|---|---|---|---|")
     for r in rows:
