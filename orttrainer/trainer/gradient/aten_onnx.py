@@ -841,7 +841,8 @@ def _arg_extreme(op: str) -> Translation:
         keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
         source = g.meta(x)  # type: ignore[arg-type]
         value, rank, arg = g.tensor(x), source.dim(), f"Arg{op}"
-        if dim is None or rank == 0:
+        flat = dim is None or rank == 0
+        if flat:
             value, axis = g.one("Reshape", [value, g.ints([-1])]), 0
         else:
             axis = _axis(dim, rank)  # type: ignore[arg-type]
@@ -852,7 +853,6 @@ def _arg_extreme(op: str) -> Translation:
             value, arg = g.one("Cast", [g.one("Equal", [value, extreme])], to=TensorProto.INT32), "ArgMax"
         elif source.dtype not in (torch.float16, torch.float32, torch.float64, torch.int32):
             return None  # type: ignore[return-value]
-        flat = dim is None or rank == 0
         found = g.one(arg, [value], axis=axis, keepdims=int(keepdim and not flat))
         if flat and keepdim:
             return g.one("Reshape", [found, g.ints([1] * rank)], allowzero=1)
