@@ -231,7 +231,7 @@ def tracing_context() -> Iterator[None]:
 def traced(trace: Callable[[], _T]) -> _T:
     """`trace()` under `tracing_context`; where it fails on reading a traced tensor's value, once more with the
     branches on random draws that every draw takes alike decided (`torch_private.random_branches_decided`:
-    transformers' LayerDrop with its default probability 0). The retry's error is the one raised. Only the models
+    transformers' LayerDrop at probability 0, BART's default). The retry's error is the one raised. Only the models
     that branch on a value pay for the mode, which sees every torch call of the trace (about a tenth more time)."""
     try:
         with tracing_context():

@@ -73,9 +73,9 @@ def random_branches_decided() -> Iterator[None]:
     its value. Where draws differ (0 < p < 1), such a read fails, as a `RandomBranchError` naming the comparison.
 
     Why: transformers' LayerDrop (BART, mBART, Marian, Pegasus, Whisper, OPT, wav2vec2 and more) runs, in
-    training mode, `if torch.rand([]) < self.layerdrop: skip the layer` before every layer, and its layerdrop is
-    0 by default. A traced tensor has no value (DataDependentOutputException), so every such model failed to
-    trace, though its branch never depends on the draw."""
+    training mode, `if torch.rand([]) < self.layerdrop: skip the layer` before every layer, and most of these
+    models' layerdrop is 0 by default. A traced tensor has no value (DataDependentOutputException), so every such
+    model failed to trace, though at 0 its branch never depends on the draw."""
     from torch.overrides import TorchFunctionMode
 
     draws: dict[int, torch.Tensor] = {}  # id -> the draw, held so that ids stay unique within the block
