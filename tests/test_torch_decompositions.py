@@ -281,6 +281,22 @@ def test_as_strided_and_diagonal_scatter_are_the_ops():
         close(D.diagonal_scatter(y, src, offset, dim1, dim2), aten.diagonal_scatter(y, src, offset, dim1, dim2))
 
 
+@pytest.mark.parametrize(
+    "destination, source",
+    [
+        (torch.zeros(2, 3, 4), torch.randn(2, 4, 3).transpose(1, 2)),  # a transposed source
+        (torch.zeros(2, 4, 5, 3).permute(0, 3, 1, 2), torch.randn(2, 3, 4, 5)),  # a channels-last destination
+        (torch.zeros(2, 3, 4, dtype=torch.float64), torch.randn(4)),  # broadcast, another dtype
+    ],
+    ids=["transposed_source", "permuted_destination", "broadcast"],
+)
+def test_copy_has_the_destination_s_values_dtype_and_layout(destination, source):
+    want = aten.copy(destination, source)
+    got = D.copy(destination, source)
+    close(got, want)
+    assert got.stride() == want.stride() == destination.stride()
+
+
 def test_empty_permuted_has_the_size_and_dtype():
     out = D.empty_permuted([2, 3, 4], [0, 2, 1], dtype=torch.float64)
     assert out.shape == (2, 3, 4) and out.dtype == torch.float64

@@ -286,6 +286,34 @@ def test_interleaved_batch_sizes_share_one_state_and_match_pytorch():
     assert logits.shape == (5, 10) and trainer._training_session.training_graph_count == 2
 
 
+class CopyIntoContiguous(nn.Module):
+    """An in-place copy of a transposed tensor into a contiguous one, then a view of it (transformers' DeBERTa)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 20)
+
+    def forward(self, x):
+        h = self.fc(x).view(x.shape[0], 10, 2).transpose(1, 2)
+        out = torch.zeros(x.shape[0], 2, 10)
+        out.copy_(h)
+        return out.view(x.shape[0], 20)[:, :10]
+
+
+def test_a_view_of_a_tensor_copied_into_in_place_trains_like_pytorch():
+    torch.manual_seed(0)
+    trainer, ref = train_with_reference(
+        CopyIntoContiguous(),
+        mlp_desc(),
+        optim.SGDConfig(lr=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        CE,
+        batches(3),
+        TORCH,
+    )
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-6
+
+
 class SmallBatchesOnly(torch.autograd.Function):
     """Traceable for batches of up to 8 rows only: the dynamic-shape trace records the guard `batch <= 8`."""
 

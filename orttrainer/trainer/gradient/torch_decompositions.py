@@ -524,10 +524,19 @@ def embedding_bag(
 
 def copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """`aten.copy` (the functional form of `t.copy_(src)` and of `t[...] = value`): `src` in `self`'s dtype,
-    broadcast to `self`'s shape. Why: torchlib's translation returns `src` unbroadcast, so `x[..., 0] = 0`
-    (transformers' T5 shifts its labels so) left a 0-d value where a row was expected and ONNX Runtime refused
-    the graph ("Unsqueeze ... Unexpected axis value")."""
-    return src.to(dtype=self.dtype, device=self.device).expand(self.shape).clone()
+    broadcast to `self`'s shape, laid out in memory as `self` is. Why: torchlib's translation returns `src`
+    unbroadcast, so `x[..., 0] = 0` (transformers' T5 shifts its labels so) left a 0-d value where a row was
+    expected and ONNX Runtime refused the graph ("Unsqueeze ... Unexpected axis value"). The layout: the model's
+    later reads of `t` read this result, and a `view` of it needs `t`'s strides. A copy into a contiguous `t` of a
+    transposed `src` (transformers' DeBERTa) kept `src`'s strides and the trace failed ("Cannot view a tensor
+    with shape [1, 16, 4, 8] and strides (512, 8, 128, 1)"). In ONNX the permutes are Transposes that cancel."""
+    value = src.to(dtype=self.dtype, device=self.device).expand(self.shape)
+    if self.is_contiguous():
+        return value.clone(memory_format=torch.contiguous_format)
+    strides = self.stride()
+    order = sorted(range(self.dim()), key=lambda d: -strides[d])  # outermost dim first: self's layout
+    inverse = sorted(range(self.dim()), key=order.__getitem__)
+    return value.permute(order).clone(memory_format=torch.contiguous_format).permute(inverse)
 
 
 def empty_permuted(
