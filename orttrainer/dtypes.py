@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from onnx import TensorProto
+from onnx import TensorProto, helper, numpy_helper
 
 
 @dataclass(frozen=True)
@@ -74,3 +74,13 @@ def ort_to_numpy(type_string: str) -> type:
     if entry is None or entry.numpy is None:
         raise ValueError(f"ONNX Runtime type {type_string!r} has no numpy equivalent")
     return entry.numpy
+
+
+def tensor_proto(value: torch.Tensor, name: str) -> TensorProto:
+    """`value` as an ONNX tensor named `name` (an initializer), in its own element type. numpy has no bfloat16, so a
+    bfloat16 tensor's bits are written as they are (`raw_data` holds each value's two bytes, as ONNX stores them)."""
+    value = value.detach().cpu().contiguous()
+    if value.dtype == torch.bfloat16:
+        raw = value.view(torch.int16).numpy().tobytes()
+        return helper.make_tensor(name, TensorProto.BFLOAT16, list(value.shape), raw, raw=True)
+    return numpy_helper.from_array(value.numpy(), name)

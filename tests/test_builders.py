@@ -80,6 +80,22 @@ def test_state_the_trainer_does_not_hold_becomes_a_constant_or_disappears():
         bind_foreign_state(copy.deepcopy(model), 1, ["w"], {})
 
 
+def test_a_bfloat16_constant_keeps_its_element_type_and_bits():
+    bf16 = onnx.TensorProto.BFLOAT16
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Identity", ["scale"], ["y"])],
+            "g",
+            [onnx.helper.make_tensor_value_info(n, bf16, [2]) for n in ("x", "scale")],
+            [onnx.helper.make_tensor_value_info("y", bf16, [2])],
+        )
+    )
+    value = torch.tensor([2.5, -3.0078125], dtype=torch.bfloat16)  # the second needs bfloat16's last mantissa bit
+    (constant,) = bind_foreign_state(model, 1, [], {"scale": value}).graph.initializer
+    assert constant.data_type == bf16 and list(constant.dims) == [2]
+    assert constant.raw_data == value.view(torch.int16).numpy().tobytes()
+
+
 @needs_training_build
 def test_auto_trains_recurrent_layers_with_the_torch_builder_on_the_cpu():
     """On the training runtime 'auto' would try the 'ort' builder, whose LSTM gradient kernels train ~3x slower on

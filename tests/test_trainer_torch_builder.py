@@ -314,6 +314,33 @@ def test_a_view_of_a_tensor_copied_into_in_place_trains_like_pytorch():
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-6
 
 
+class WithBFloat16Buffer(nn.Module):
+    """A bfloat16 buffer that the forward casts to the activations' type (transformers' RecurrentGemma keeps its
+    embedding scale so); not in the state_dict, so the graph holds it as a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 10)
+        self.register_buffer("scale", torch.tensor(1.5078125, dtype=torch.bfloat16), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) * self.scale.type(x.dtype)
+
+
+def test_a_bfloat16_buffer_trains_like_pytorch():
+    torch.manual_seed(0)
+    trainer, ref = train_with_reference(
+        WithBFloat16Buffer(),
+        mlp_desc(),
+        optim.SGDConfig(lr=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        CE,
+        batches(3),
+        TORCH,
+    )
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-6
+
+
 class SmallBatchesOnly(torch.autograd.Function):
     """Traceable for batches of up to 8 rows only: the dynamic-shape trace records the guard `batch <= 8`."""
 

@@ -26,7 +26,7 @@ import torch
 
 from ..._require import require
 from ...debug.subscriber import no_increase_global_step
-from ...dtypes import FLOAT_ONNX_TYPES
+from ...dtypes import FLOAT_ONNX_TYPES, tensor_proto
 from ...schema.model_desc import _ORTTrainerModelDesc
 from ..activations import ActivationStatistics
 from ..compile.compiler import GraphCache
@@ -266,7 +266,7 @@ def _with_initializers(model: onnx.ModelProto, values: dict[str, torch.Tensor]) 
     result = onnx.ModelProto()
     result.CopyFrom(model)
     result.graph.initializer.extend(
-        onnx.numpy_helper.from_array(value.detach().cpu().numpy(), name) for name, value in values.items()
+        tensor_proto(value, name) for name, value in values.items()
     )
     return result
 

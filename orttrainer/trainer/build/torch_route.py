@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import torch
-from onnx import numpy_helper
 
 from ...debug.subscriber import no_increase_global_step
+from ...dtypes import tensor_proto
 from ..compile.compiler import GraphCache, GraphSlot
 from ..gradient import torch_private
 from ..gradient.eager_fallback import with_eager_translations
@@ -95,7 +95,7 @@ def state_model(module: torch.nn.Module, names: list[str]) -> onnx.ModelProto:
     from (the torch route has no forward graph before its first eval)."""
     state = {n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()]}
     graph = onnx.helper.make_graph(
-        [], "state", [], [], [numpy_helper.from_array(state[n].cpu().numpy(), n) for n in names]
+        [], "state", [], [], [tensor_proto(state[n], n) for n in names]
     )
     return onnx.helper.make_model(graph)
 

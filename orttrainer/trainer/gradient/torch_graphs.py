@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import onnx
 import torch
-from onnx import numpy_helper
 
 from ...debug.subscriber import no_increase_global_step
+from ...dtypes import tensor_proto
 from ..graph.class_labels import GUARD_PYTORCH_INDICES
 from ..graph.editor import fresh_name
 from ..graph.mixed_precision import LOSS_SCALE_INPUT
@@ -178,5 +178,5 @@ def bind_foreign_state(
     for value in foreign:
         model.graph.input.remove(value)
         if value.name in read:
-            model.graph.initializer.append(numpy_helper.from_array(values[value.name].cpu().numpy(), value.name))
+            model.graph.initializer.append(tensor_proto(values[value.name], value.name))
     return model

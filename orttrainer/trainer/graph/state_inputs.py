@@ -23,7 +23,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from ...dtypes import torch_to_onnx
+from ...dtypes import tensor_proto, torch_to_onnx
 from .editor import copy_model, graph_value_names
 from .passes import FunctionPass, Problem, first_problem, repeated_initializer, require
 
@@ -154,7 +154,12 @@ def bind_foreign_state(
     for value in foreign:
         result.graph.input.remove(value)
         if value.name in read:
-            result.graph.initializer.append(numpy_helper.from_array(_as_array(values[value.name]), value.name))
+            given = values[value.name]
+            result.graph.initializer.append(
+                tensor_proto(given, value.name)
+                if isinstance(given, torch.Tensor)
+                else numpy_helper.from_array(np.asarray(given), value.name)
+            )
     return result
 
 
