@@ -194,6 +194,19 @@ def test_arithmetic_and_order_comparisons_of_bools():
     assert {"And", "Or"} <= set(_ops(model)) and not {"Mul", "Max", "Min", "Add"} & set(_ops(model))
 
 
+def test_logical_ops_of_numbers_read_nonzero_as_true():
+    def f(a, b, c):
+        return torch.logical_and(a, b), torch.logical_or(a, c), torch.logical_xor(b, c), torch.logical_not(b)
+
+    inputs = [
+        torch.tensor([0, 1, 2, 0, 3]),
+        torch.tensor([0.0, float("nan"), 0.5, -1.0, 0.0]),
+        torch.tensor([True, False, False, True, False]),
+    ]
+    model = _check(make_fx(f)(*inputs), inputs)
+    assert {"And", "Or", "Xor", "Not", "Cast"} <= set(_ops(model))
+
+
 def test_constants_are_folded_and_large_fills_are_constant_of_shape():
     def f(x):
         masks = torch.arange(3).view(3, 1) == torch.tensor([0, 1, 2])  # constant: folded into one initializer

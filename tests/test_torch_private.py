@@ -77,6 +77,33 @@ def test_aot_export_joint_signature_and_values():
         np.testing.assert_allclose(got.detach(), param.grad, atol=1e-6)
 
 
+class Asserting(nn.Module):
+    """Checks a tensor's value in its forward (`torch._assert_async`, as transformers' LongT5 does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        torch._assert_async((x.abs() < 100).all(), "inputs are small")
+        h = self.fc(x)
+        return (h.sum(), h.detach())
+
+
+@pytest.mark.parametrize("trace", ["joint", "joint_dynamic", "forward"])
+def test_the_traces_leave_out_the_checks_a_forward_runs(trace):
+    model, x = Asserting(), torch.randn(3, 4)
+    if trace == "joint":
+        graph, _ = torch_private.aot_export_joint(model, [x])
+    elif trace == "joint_dynamic":
+        graph, _, _ = torch_private.aot_export_joint_dynamic(model, [x], [[]])
+    else:
+        graph, _ = torch_private.aot_export_forward(model, [x])
+    targets = {n.target for n in graph.graph.nodes}
+    assert not {aten._assert_async.msg, aten._assert_async.default} & targets
+    assert aten.addmm.default in targets or aten.mm.default in targets  # the rest of the forward is there
+
+
 def test_aot_export_forward_signature_values_and_eval_batch_norm():
     """Forward only: no gradient outputs, nothing needs grad, and an eval-mode BatchNorm stays the op the direct
     translation writes as ONNX BatchNormalization (`forward_decompositions`)."""

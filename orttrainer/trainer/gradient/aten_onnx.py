@@ -662,10 +662,13 @@ def _rsqrt(g: _Graph, node: torch.fx.Node) -> Value:
 
 
 def _logical(op: str) -> Translation:
+    """`aten.logical_*` as ONNX's `op` on bool tensors; a tensor of another real type counts as true where it is
+    nonzero (NaN included), which a Cast to bool gives (LongT5's block masks are integer tensors)."""
+
     def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
-        if any(not isinstance(a, torch.fx.Node) or g.meta(a).dtype != torch.bool for a in node.args):
+        if any(not isinstance(a, torch.fx.Node) or g.meta(a).dtype.is_complex for a in node.args):
             return None  # type: ignore[return-value]
-        return g.one(op, [g.tensor(a) for a in node.args])
+        return g.one(op, [g.typed(a, torch.bool) for a in node.args])
 
     return translate_node
 

@@ -356,7 +356,7 @@ def aot_export_joint(
         )
     if not isinstance(graph, torch.fx.GraphModule):  # the joint trace always returns one
         raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
-    return graph, _joint_signature(graph, sig)
+    return _assertions_removed(graph), _joint_signature(graph, sig)
 
 
 def aot_export_forward(
@@ -365,9 +365,7 @@ def aot_export_forward(
     """Trace `module(*args)` without a backward into one functional aten graph for the input shapes of `args`,
     decomposed for the direct translation (`forward_decompositions(float16)`). Placeholders
     are (parameters, buffers, user inputs); outputs are (mutated inputs, user outputs): a `JointSignature` without
-    gradients. `module` must return a tuple of tensors. The trace's checks of a tensor's dtype, shape and device
-    (`aten._assert_tensor_metadata`, which `Tensor.to` records here but not in the joint traces) are removed: the
-    trace is for those shapes and dtypes."""
+    gradients. `module` must return a tuple of tensors. The trace's checks are removed (`_assertions_removed`)."""
     from torch._functorch.aot_autograd import aot_export_module
 
     with torch.no_grad(), warnings.catch_warnings():
@@ -377,10 +375,27 @@ def aot_export_forward(
         )
     if not isinstance(graph, torch.fx.GraphModule):
         raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
+    return _assertions_removed(graph), _joint_signature(graph, sig)
+
+
+def _assertions_removed(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Rule: the checks a trace records are removed from `graph` (edited in place, returned): a tensor's dtype,
+    shape and device (`aten._assert_tensor_metadata`, which `Tensor.to` records in forward traces), a tensor's
+    truth (`torch._assert_async`, in transformers' LongT5) and a traced size's range. They return nothing and
+    ONNX has no assertion op; torch.onnx drops the same ops. The trace is for the checked shapes and dtypes; a
+    value check does not run in the graph, as it would not in a model exported to ONNX."""
+    aten = torch.ops.aten
+    checks = {
+        aten._assert_tensor_metadata.default,
+        aten._assert_async.default,
+        aten._assert_async.msg,
+        aten._assert_scalar.default,
+        aten.sym_constrain_range_for_size.default,
+    }
     for node in list(graph.graph.nodes):
-        if node.op == "call_function" and node.target == torch.ops.aten._assert_tensor_metadata.default:
+        if node.op == "call_function" and node.target in checks and not node.users:
             graph.graph.erase_node(node)
-    return graph, _joint_signature(graph, sig)
+    return graph
 
 
 @dataclass(frozen=True)
@@ -447,7 +462,7 @@ def aot_export_joint_dynamic(
         warnings.simplefilter("ignore")
         table = trace_decompositions(float16, for_torch_onnx)
         joint = aot_export_joint_with_descriptors(stack, module, tuple(fakes), decompositions=table)
-    graph = joint.graph_module
+    graph = _assertions_removed(joint.graph_module)
     tied: dict[int, list[str]] = {}  # a parameter's names (several when tied), in module order
     for name, param in module.named_parameters(remove_duplicate=False):
         if param.requires_grad:
