@@ -831,6 +831,23 @@ def _topk(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     return tuple(g.emit("TopK", [g.tensor(x), g.ints([k])], outputs=2, axis=axis, **flags))
 
 
+def _sort(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
+    """`aten.sort(x, dim=-1, descending=False)` and `aten.sort.stable(x, *, stable, dim, descending)` (`argsort`:
+    ViT-MAE's random masking): ONNX TopK of every element along dim, values and int64 indices. TopK names the lower
+    index first among equal elements, which is PyTorch's stable order in either direction."""
+    x = node.args[0]
+    if node.target == aten.sort.stable:
+        dim, descending = node.kwargs.get("dim", -1), node.kwargs.get("descending", False)
+    else:
+        dim, descending = (list(node.args[1:]) + [-1, False][len(node.args) - 1 :])[:2]
+    source = g.meta(x)  # type: ignore[arg-type]
+    if source.dtype == torch.bool or source.dim() == 0:
+        return None  # type: ignore[return-value]
+    axis = _axis(dim, source.dim())  # type: ignore[arg-type]
+    size = g.ints([source.shape[axis]])
+    return tuple(g.emit("TopK", [g.tensor(x), size], outputs=2, axis=axis, largest=int(bool(descending)), sorted=1))
+
+
 def _arg_extreme(op: str) -> Translation:
     """`aten.argmax` / `aten.argmin(x, dim=None, keepdim=False)`: ArgMax/ArgMin, which name the first extreme as
     PyTorch does; over x's flattened elements where dim is None (and, with keepdim, shaped [1] * rank). ONNX
@@ -1779,6 +1796,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.argmax.default: _arg_extreme("Max"),
     aten.argmin.default: _arg_extreme("Min"),
     aten.topk.default: _topk,
+    aten.sort.default: _sort,
+    aten.sort.stable: _sort,
     aten.amin.default: _reduce("ReduceMin"),
     aten.any.dim: _reduce("any"),
     aten.any.dims: _reduce("any"),
