@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from orttrainer import optim
+from orttrainer.trainer.gradient.errors import GradientBuildError
 from orttrainer.trainer.gradient.torch_builder import UntraceableFunctionError
 from orttrainer.trainer.runtime import ort_private
 
@@ -127,6 +128,29 @@ def test_a_function_whose_backward_cannot_be_traced_is_named():
         match="The backward of the custom torch.autograd.Function '.*BranchBackward' cannot be traced",
     ):
         trainer.train_step(*batches(1)[0])
+
+
+class BrokenWhenCompiling(nn.Module):
+    """Takes a path that fails under torch.compile's flags, as transformers' LongT5 does without an attention_mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if torch.compiler.is_compiling():
+            h = h + torch.ones(3)  # shapes that do not broadcast
+        return h
+
+
+def test_a_model_that_fails_eagerly_under_torch_compile_s_flags_is_told_so():
+    trainer = make_trainer(BrokenWhenCompiling(), mlp_desc(), optim.SGDConfig(), CE, TORCH)
+    with pytest.raises(
+        GradientBuildError, match=r"BrokenWhenCompiling raises RuntimeError in eager PyTorch too when torch.compiler"
+    ) as raised:
+        trainer.train_step(*batches(1)[0])
+    assert "attention_mask" in str(raised.value)
 
 
 class IgnoredBias(torch.autograd.Function):

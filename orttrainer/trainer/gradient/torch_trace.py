@@ -316,9 +316,36 @@ def _explain_trace_error(
     if explained is not None:
         return explained
     model_name = type(wrapper.inner.model).__name__
-    return GradientBuildError(
+    message = (
         f"PyTorch could not trace the forward and backward of {model_name} into a graph: {type(err).__name__}: {err}"
     )
+    if _fails_eagerly_when_compiling(wrapper, inputs, type(err)):
+        message += (
+            f". {model_name} raises {type(err).__name__} in eager PyTorch too when torch.compiler.is_compiling() is "
+            "True, as it is under torch.compile and torch.export and in this trace: its code takes another path "
+            "then (transformers' models, for one, then leave a missing attention_mask missing). Give the model the "
+            "inputs that path needs (an attention_mask, in model_desc and each step's inputs), or the model's "
+            "maintainers the failure"
+        )
+    return GradientBuildError(message)
+
+
+def _fails_eagerly_when_compiling(
+    wrapper: JointWrapper, inputs: Sequence[torch.Tensor], error: type[Exception]
+) -> bool:
+    """Whether a copy of the model (+ loss_fn), run eagerly on `inputs` with the flags torch.export sets
+    (`torch_private.export_tracing_flags`), raises `error`. The trainer's dry run ran the model without the flags,
+    so such a failure is the model's path under those flags, not the trace's. The copy, `no_grad` and a forked
+    random generator leave the model's buffers, the autograd graph and the user's random stream as they were."""
+    model = copy.deepcopy(wrapper.inner)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), torch_private.export_tracing_flags():
+            model(*inputs)
+    except error:
+        return True
+    except Exception:  # another failure: nothing to say about the flags
+        return False
+    return False
 
 
 def _specific_error(
