@@ -463,6 +463,22 @@ def test_sorts_are_stable_in_either_direction():
     assert set(_ops(_check(graph, [x, n]))) >= {"TopK"}
 
 
+def test_diagonals_of_any_two_dims_and_offset():
+    def f(x, m):
+        return (
+            torch.diagonal(m),
+            torch.diagonal(m, 2),
+            torch.diagonal(m, -1),
+            torch.diagonal(x, 1, 2, 0),
+            torch.diagonal(x, -2, -1, 1),
+        )
+
+    x, m = torch.randn(3, 4, 5), torch.randn(4, 6)
+    graph = make_fx(f)(x, m)
+    assert aten.diagonal.default in {node.target for node in graph.graph.nodes}
+    assert "Gather" in _ops(_check(graph, [x, m]))
+
+
 def test_as_strided_of_a_view_in_another_order_or_of_too_many_positions_is_left_to_torch_onnx():
     from orttrainer.trainer.gradient.aten_onnx import GATHER_LIMIT
 

@@ -40,7 +40,8 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   torch.onnx writes them (docs/engine.md §30);
 - what transformers' models meet (docs/engine.md §31): `topk` TopK, `argmax`/`argmin` ArgMax/ArgMin, `slice_scatter`
   with a step ScatterElements, `as_strided` of a contiguous tensor a Reshape or a Gather at constant positions,
-  `bernoulli.p` a uniform draw below p;
+  `bernoulli.p` a uniform draw below p; and (§32) `sort` TopK of every element, `diagonal` a Gather at constant
+  positions, logical ops of numbers a Cast to bool first;
 - a view to its input's own shape is that input's value (no node).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
@@ -333,6 +334,29 @@ def _as_strided(g: _Graph, node: torch.fx.Node) -> Value:
         return None  # type: ignore[return-value]
     flattened = g.one("Reshape", [g.tensor(x), g.ints([-1])])
     return g.one("Gather", [flattened, g.const(positions)], axis=0)
+
+
+def _diagonal(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.diagonal(x, offset=0, dim1=0, dim2=1)` (`torch.diagonal`; `trace` and `diag` decompose to it): the
+    other dims, then the diagonal's elements x[..., i + max(-offset, 0), ..., i + max(offset, 0), ...] as the last
+    dim. dim1 and dim2 move last (a Transpose), flatten to one dim of n1 * n2 (a Reshape), and a Gather at the
+    constant positions of the diagonal's elements reads them. An empty diagonal is left to torch.onnx."""
+    x = node.args[0]
+    given: list[Any] = [*node.args[1:], *[0, 0, 1][len(node.args) - 1 :]]
+    offset, dim1, dim2 = (int(a) for a in given[:3])
+    source = g.meta(x)  # type: ignore[arg-type]
+    rank = source.dim()
+    first, second = _axis(dim1, rank), _axis(dim2, rank)
+    rows, columns = int(source.shape[first]), int(source.shape[second])
+    start_row, start_column = max(-offset, 0), max(offset, 0)
+    length = max(0, min(rows - start_row, columns - start_column))
+    if first == second or length == 0:
+        return None  # type: ignore[return-value]
+    others = [d for d in range(rank) if d not in (first, second)]
+    moved = g.one("Transpose", [g.tensor(x)], perm=[*others, first, second])
+    flat = g.one("Reshape", [moved, g.ints([*(source.shape[d] for d in others), rows * columns])])
+    positions = (np.arange(length, dtype=np.int64) + start_row) * columns + np.arange(length) + start_column
+    return g.one("Gather", [flat, g.const(positions)], axis=len(others))
 
 
 def _same(g: _Graph, node: torch.fx.Node) -> Value:
@@ -1797,6 +1821,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.argmin.default: _arg_extreme("Min"),
     aten.topk.default: _topk,
     aten.sort.default: _sort,
+    aten.diagonal.default: _diagonal,
     aten.sort.stable: _sort,
     aten.amin.default: _reduce("ReduceMin"),
     aten.any.dim: _reduce("any"),
