@@ -333,18 +333,26 @@ def _explain_trace_error(
 def _fails_eagerly_when_compiling(
     wrapper: JointWrapper, inputs: Sequence[torch.Tensor], error: type[Exception]
 ) -> bool:
-    """Whether a copy of the model (+ loss_fn), run eagerly on `inputs` with the flags torch.export sets
+    """Whether the model (+ loss_fn), run eagerly on `inputs` with the flags torch.export sets
     (`torch_private.export_tracing_flags`), raises `error`. The trainer's dry run ran the model without the flags,
-    so such a failure is the model's path under those flags, not the trace's. The copy, `no_grad` and a forked
-    random generator leave the model's buffers, the autograd graph and the user's random stream as they were."""
-    model = copy.deepcopy(wrapper.inner)
+    so such a failure is the model's path under those flags, not the trace's. The run leaves the model as it was:
+    no autograd graph (`no_grad`), its buffers' values put back (a BatchNorm in training mode updates its
+    statistics), the user's random stream forked, and its attributes restored by the caller's
+    `torch_private.module_state_kept`. No copy of the model: a large model that fails to trace must not need twice
+    its memory to say why."""
+    buffers = [(buffer, buffer.detach().clone()) for buffer in wrapper.inner.buffers()]
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), torch_private.export_tracing_flags():
-            model(*inputs)
+            wrapper.inner(*inputs)
     except error:
         return True
     except Exception:  # another failure: nothing to say about the flags
         return False
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+    return False
     return False
 
 
