@@ -29,6 +29,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 
 V, H, L, NH, FF = 99, 32, 2, 4, 64  # vocabulary, width, layers, heads, feed-forward width
+SIZES = dict(hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, intermediate_size=FF)
 SEQ2SEQ = dict(
     vocab_size=V,
     d_model=H,
@@ -40,33 +41,36 @@ SEQ2SEQ = dict(
     decoder_ffn_dim=FF,
     max_position_embeddings=64,
 )
+SWIN = dict(
+    image_size=16,
+    patch_size=2,
+    embed_dim=8,
+    depths=[1, 1],
+    num_heads=[2, 2],
+    window_size=2,
+    num_labels=3,
+    drop_path_rate=0.0,
+)
+HIERARCHICAL = dict(  # SegFormer's and PVTv2's stages
+    num_encoder_blocks=2,
+    depths=[1, 1],
+    sr_ratios=[2, 1],
+    hidden_sizes=[8, 16],
+    num_attention_heads=[1, 2],
+    patch_sizes=[3, 3],
+    strides=[2, 2],
+    mlp_ratios=[2, 2],
+    num_labels=3,
+    drop_path_rate=0.0,
+)
 T5 = dict(
     vocab_size=V, d_model=H, d_kv=8, d_ff=FF, num_layers=L, num_heads=NH, decoder_start_token_id=0, pad_token_id=0
 )
-IMAGE = dict(
-    image_size=16,
-    patch_size=4,
-    hidden_size=H,
-    num_hidden_layers=L,
-    num_attention_heads=NH,
-    intermediate_size=FF,
-    num_labels=3,
-)
+IMAGE = SIZES | dict(image_size=16, patch_size=4, num_labels=3)
 
 
 def _lm(**extra: Any) -> dict[str, Any]:
-    return (
-        dict(
-            vocab_size=V,
-            hidden_size=H,
-            num_hidden_layers=L,
-            num_attention_heads=NH,
-            intermediate_size=FF,
-            max_position_embeddings=64,
-            pad_token_id=0,
-        )
-        | extra
-    )
+    return SIZES | dict(vocab_size=V, max_position_embeddings=64, pad_token_id=0) | extra
 
 
 AUDIO = _lm(
@@ -238,16 +242,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     ),
     "swin": (
         "SwinConfig",
-        dict(
-            image_size=16,
-            patch_size=2,
-            embed_dim=8,
-            depths=[1, 1],
-            num_heads=[2, 2],
-            window_size=2,
-            num_labels=3,
-            drop_path_rate=0.0,
-        ),
+        SWIN,
         "SwinForImageClassification",
         "pixels",
     ),
@@ -318,18 +313,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     ),
     "segformer": (
         "SegformerConfig",
-        dict(
-            num_encoder_blocks=2,
-            depths=[1, 1],
-            sr_ratios=[2, 1],
-            hidden_sizes=[8, 16],
-            num_attention_heads=[1, 2],
-            patch_sizes=[3, 3],
-            strides=[2, 2],
-            mlp_ratios=[2, 2],
-            num_labels=3,
-            drop_path_rate=0.0,
-        ),
+        HIERARCHICAL,
         "SegformerForImageClassification",
         "pixels",
     ),
@@ -482,11 +466,8 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     ),
     "canine": (
         "CanineConfig",
-        dict(
-            hidden_size=H,
-            num_hidden_layers=L,
-            num_attention_heads=NH,
-            intermediate_size=FF,
+        SIZES
+        | dict(
             downsampling_rate=2,
             num_hash_buckets=64,
             num_hash_functions=2,
@@ -498,16 +479,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     ),
     "swinv2": (
         "Swinv2Config",
-        dict(
-            image_size=16,
-            patch_size=2,
-            embed_dim=8,
-            depths=[1, 1],
-            num_heads=[2, 2],
-            window_size=2,
-            num_labels=3,
-            drop_path_rate=0.0,
-        ),
+        SWIN,
         "Swinv2ForImageClassification",
         "pixels",
     ),
@@ -531,19 +503,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     ),
     "pvt_v2": (
         "PvtV2Config",
-        dict(
-            image_size=16,
-            hidden_sizes=[8, 16],
-            depths=[1, 1],
-            num_encoder_blocks=2,
-            num_attention_heads=[1, 2],
-            sr_ratios=[2, 1],
-            patch_sizes=[3, 3],
-            strides=[2, 2],
-            mlp_ratios=[2, 2],
-            num_labels=3,
-            drop_path_rate=0.0,
-        ),
+        HIERARCHICAL | dict(image_size=16),
         "PvtV2ForImageClassification",
         "pixels",
     ),
@@ -627,11 +587,8 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     ),
     "ast": (
         "ASTConfig",
-        dict(
-            hidden_size=H,
-            num_hidden_layers=L,
-            num_attention_heads=NH,
-            intermediate_size=FF,
+        SIZES
+        | dict(
             patch_size=4,
             frequency_stride=4,
             time_stride=4,
