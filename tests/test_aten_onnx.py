@@ -479,6 +479,39 @@ def test_diagonals_of_any_two_dims_and_offset():
     assert "Gather" in _ops(_check(graph, [x, m]))
 
 
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+def test_scatter_reduce_combines_every_value_sent_to_a_position(reduce, include_self):
+    """Index 1 gets three values, 2 one, 0 none (it keeps x's value whatever include_self is)."""
+
+    def f(x, src, index, ints, int_src):
+        out = (x.scatter_reduce(1, index, src, reduce, include_self=include_self),)
+        if reduce != "mean":  # aten rounds an integer mean down: left to torch.onnx
+            out += (ints.scatter_reduce(0, index[0], int_src, reduce, include_self=include_self),)
+        return out
+
+    x, src = torch.randn(2, 3), torch.randn(2, 5)
+    index = torch.tensor([[1, 2, 1, 1], [2, 2, 1, 2]])
+    ints, int_src = torch.tensor([4, -3, 7]), torch.tensor([2, 5, -1, 6])
+    inputs = [x, src, index, ints, int_src]
+    graph = make_fx(f)(*inputs)
+    assert aten.scatter_reduce.two in {node.target for node in graph.graph.nodes}
+    assert "ScatterElements" in _ops(_check(graph, inputs))
+
+
+def test_logarithms_to_other_bases_infinities_and_extremes_of_every_element():
+    def f(x, n):
+        return torch.log2(x.abs()), torch.log10(x.abs()), torch.isinf(x), torch.isinf(n), x.max(), n.min()
+
+    x = torch.tensor([[0.5, -8.0, float("inf")], [1e-3, 100.0, -float("inf")]])
+    n = torch.tensor([3, -7, 2])
+    graph = make_fx(f)(x, n)
+    assert {aten.log2.default, aten.log10.default, aten.isinf.default, aten.max.default, aten.min.default} <= {
+        node.target for node in graph.graph.nodes
+    }
+    assert {"IsInf", "ReduceMax", "ReduceMin"} <= set(_ops(_check(graph, [x, n])))
+
+
 def test_as_strided_of_a_view_in_another_order_or_of_too_many_positions_is_left_to_torch_onnx():
     from orttrainer.trainer.gradient.aten_onnx import GATHER_LIMIT
 

@@ -41,7 +41,8 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
 - what transformers' models meet (docs/engine.md §31): `topk` TopK, `argmax`/`argmin` ArgMax/ArgMin, `slice_scatter`
   with a step ScatterElements, `as_strided` of a contiguous tensor a Reshape or a Gather at constant positions,
   `bernoulli.p` a uniform draw below p; and (§32) `sort` TopK of every element, `diagonal` a Gather at constant
-  positions, logical ops of numbers a Cast to bool first;
+  positions, logical ops of numbers a Cast to bool first, `scatter_reduce` ScatterElements with ONNX's reductions,
+  `log2`/`log10` a Log divided by the base's, `isinf` IsInf, `max`/`min` of every element a reduction;
 - a view to its input's own shape is that input's value (no node).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
@@ -640,6 +641,25 @@ def _isnan(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("IsNaN", [g.tensor(x)])
 
 
+def _isinf(g: _Graph, node: torch.fx.Node) -> Value:
+    x = node.args[0]
+    if not g.meta(x).dtype.is_floating_point:  # type: ignore[arg-type]
+        return g.one("Not", [g.one("Equal", [g.tensor(x), g.tensor(x)])])  # an integer is never infinite
+    return g.one("IsInf", [g.tensor(x)])
+
+
+def _log_base(base: float) -> Translation:
+    """`aten.log2` / `aten.log10`: the natural log divided by ln(base) (ONNX has only the natural log)."""
+
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
+        out = _meta(node).dtype
+        if not out.is_floating_point:
+            return None  # type: ignore[return-value]
+        return g.one("Div", [g.one("Log", [g.typed(node.args[0], out)]), g.scalar(math.log(base), out)])
+
+    return translate_node
+
+
 def _elu(g: _Graph, node: torch.fx.Node) -> Value:
     """`aten.elu(x, alpha, scale, input_scale)` with `input_scale` 1: ONNX Elu when `scale` is 1 too (nn.ELU,
     F.elu), else ONNX Selu, which is `scale` times it (nn.SELU: Selu's gamma is the scale)."""
@@ -797,7 +817,7 @@ def _reduce(op: str) -> Translation:
     def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
         x = node.args[0]
         out = _meta(node)
-        if node.target in (aten.sum.default, aten.mean.default, aten.any.default):
+        if node.target in (aten.sum.default, aten.mean.default, aten.any.default, aten.max.default, aten.min.default):
             dims: Any = []
             keepdim = False
         else:
@@ -812,6 +832,8 @@ def _reduce(op: str) -> Translation:
             source = g.one("Cast", [flag], to=TensorProto.INT32)
             reduced = _reduce_node(g, "ReduceMax", source, axes, keepdim)
             return g.one("Cast", [reduced], to=TensorProto.BOOL)
+        if out.dtype == torch.bool and op in ("ReduceMax", "ReduceMin"):
+            return None  # type: ignore[return-value]
         source = g.typed(x, out.dtype)
         return _reduce_node(g, op, source, axes, keepdim)
 
@@ -1303,18 +1325,57 @@ def _index_select(g: _Graph, node: torch.fx.Node) -> Value:
 
 def _scatter(g: _Graph, node: torch.fx.Node) -> Value:
     x, dim, index, source = node.args[:4]
-    if node.kwargs.get("reduce") or len(node.args) > 4:
+    out = _meta(node)
+    if node.kwargs.get("reduce") or len(node.args) > 4 or out.dim() == 0:  # ONNX scatters into rank >= 1
         return None  # type: ignore[return-value]
-    out, shape = _meta(node), list(g.meta(index).shape)  # type: ignore[arg-type]
     axis = _axis(dim, out.dim())  # type: ignore[arg-type]
-    if isinstance(source, torch.fx.Node):
-        updates = g.typed(source, out.dtype)
-        if list(g.meta(source).shape) != shape:  # aten reads the source at the index's positions only
-            updates = g.one("Slice", [updates, g.ints([0] * len(shape)), g.ints(shape), g.ints(range(len(shape)))])
-    else:
-        updates = g.one("Expand", [g.scalar(source, out.dtype), g.ints(shape)])
+    updates = _scatter_updates(g, source, list(g.meta(index).shape), out.dtype)  # type: ignore[arg-type]
     reduction = "add" if node.target == aten.scatter_add.default else "none"
     return g.one("ScatterElements", [g.tensor(x), g.tensor(index), updates], axis=axis, reduction=reduction)
+
+
+def _scatter_updates(g: _Graph, source: Any, shape: list[int], dtype: torch.dtype) -> Value:
+    """A scatter's values, of the index's `shape`: aten reads a source tensor at the index's positions only (a
+    Slice when it is larger), and a number everywhere (an Expand)."""
+    if not isinstance(source, torch.fx.Node):
+        return g.one("Expand", [g.scalar(source, dtype), g.ints(shape)])
+    updates = g.typed(source, dtype)
+    if list(g.meta(source).shape) != shape:
+        updates = g.one("Slice", [updates, g.ints([0] * len(shape)), g.ints(shape), g.ints(range(len(shape)))])
+    return updates
+
+
+_SCATTER_REDUCTIONS = {"sum": "add", "mean": "add", "prod": "mul", "amax": "max", "amin": "min"}
+
+
+def _scatter_reduce(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.scatter_reduce.two(x, dim, index, src, reduce, include_self=True)` (graph networks' `scatter_max`,
+    `scatter_mean`): ScatterElements with ONNX's reduction, which combines every value sent to one position (sum add,
+    prod mul, amax max, amin min; mean a sum divided by the number of values at each position, at least 1). Without
+    include_self, the positions the index names first take a value the reduction keeps: 0 for sum and mean, 1 for
+    prod, and for amax/amin src's own values (the one written among duplicates is one of them, which the reduction
+    then meets again). An integer mean (aten rounds it down) and a 0-d x (ONNX scatters into rank >= 1) are left
+    to torch.onnx."""
+    x, dim, index, source, reduce = node.args[:5]
+    include_self = node.args[5] if len(node.args) > 5 else node.kwargs.get("include_self", True)
+    out = _meta(node)
+    if reduce not in _SCATTER_REDUCTIONS or (reduce == "mean" and not out.dtype.is_floating_point) or out.dim() == 0:
+        return None  # type: ignore[return-value]
+    shape = list(g.meta(index).shape)  # type: ignore[arg-type]
+    axis = _axis(dim, out.dim())  # type: ignore[arg-type]
+    updates, positions, base = _scatter_updates(g, source, shape, out.dtype), g.tensor(index), g.tensor(x)
+    if not include_self:
+        neutral = (
+            updates if reduce in ("amax", "amin") else _scatter_updates(g, int(reduce == "prod"), shape, out.dtype)
+        )
+        base = g.one("ScatterElements", [base, positions, neutral], axis=axis, reduction="none")
+    total = g.one("ScatterElements", [base, positions, updates], axis=axis, reduction=_SCATTER_REDUCTIONS[str(reduce)])
+    if reduce != "mean":
+        return total
+    start = g.one("Expand", [g.scalar(int(bool(include_self)), out.dtype), g.ints(list(out.shape))])
+    ones = _scatter_updates(g, 1, shape, out.dtype)
+    counts = g.one("ScatterElements", [start, positions, ones], axis=axis, reduction="add")
+    return g.one("Div", [total, g.one("Max", [counts, g.scalar(1, out.dtype)])])
 
 
 def _index_put(g: _Graph, node: torch.fx.Node) -> Value:
@@ -1785,6 +1846,9 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.log1p.default: _log1p,
     aten.expm1.default: _expm1,
     aten.isnan.default: _isnan,
+    aten.isinf.default: _isinf,
+    aten.log2.default: _log_base(2.0),
+    aten.log10.default: _log_base(10.0),
     aten.elu.default: _elu,
     aten.leaky_relu.default: _leaky_relu,
     aten.linalg_vector_norm.default: _vector_norm,
@@ -1815,6 +1879,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.var.correction: _variance("var"),
     aten.std.correction: _variance("std"),
     aten.amax.default: _reduce("ReduceMax"),
+    aten.max.default: _reduce("ReduceMax"),
+    aten.min.default: _reduce("ReduceMin"),
     aten.max.dim: _extreme("Max"),
     aten.min.dim: _extreme("Min"),
     aten.argmax.default: _arg_extreme("Max"),
@@ -1848,6 +1914,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.scatter.value: _scatter,
     aten.scatter.src: _scatter,
     aten.scatter_add.default: _scatter,
+    aten.scatter_reduce.two: _scatter_reduce,
     aten.index_put.default: _index_put,
     aten.native_dropout.default: _dropout,
     **{op: _random for op in _RANDOM_DRAWS},
