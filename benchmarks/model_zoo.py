@@ -63,6 +63,9 @@ HIERARCHICAL = dict(  # SegFormer's and PVTv2's stages
     num_labels=3,
     drop_path_rate=0.0,
 )
+SERIES = dict(  # time series: two channels, 32 steps in patches of 8, 8 steps predicted
+    num_input_channels=2, context_length=32, patch_length=8, patch_stride=8, d_model=16, prediction_length=8
+)
 T5 = dict(
     vocab_size=V, d_model=H, d_kv=8, d_ff=FF, num_layers=L, num_heads=NH, decoder_start_token_id=0, pad_token_id=0
 )
@@ -585,6 +588,13 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
         "Speech2TextForConditionalGeneration",
         "frames",
     ),
+    "patchtst": (
+        "PatchTSTConfig",
+        SERIES | dict(num_attention_heads=2, num_hidden_layers=1, ffn_dim=32),
+        "PatchTSTForPrediction",
+        "series",
+    ),
+    "patchtsmixer": ("PatchTSMixerConfig", SERIES | dict(num_layers=1), "PatchTSMixerForPrediction", "series"),
     "ast": (
         "ASTConfig",
         SIZES
@@ -613,6 +623,7 @@ ARGUMENTS = {  # input kind -> the model's keyword arguments for its inputs
     "frames": ("input_features", "labels"),
     "spectrogram": ("input_values", "labels"),
     "mae": ("pixel_values", "noise"),
+    "series": ("past_values", "future_values"),
 }
 
 
@@ -635,6 +646,7 @@ def _batch(kind: str) -> list[Any]:
         "frames": lambda: [torch.randn(2, 32, 8, generator=g), torch.randint(2, V, (2, 6), generator=g)],
         "spectrogram": lambda: [torch.randn(2, 16, 16, generator=g), labels],
         "mae": lambda: [torch.randn(2, 3, 16, 16, generator=g), torch.rand(2, 16, generator=g)],
+        "series": lambda: [torch.randn(2, 32, 2, generator=g), torch.randn(2, 8, 2, generator=g)],
     }[kind]()
 
 

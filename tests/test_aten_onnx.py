@@ -512,6 +512,21 @@ def test_logarithms_to_other_bases_infinities_and_extremes_of_every_element():
     assert {"IsInf", "ReduceMax", "ReduceMin"} <= set(_ops(_check(graph, [x, n])))
 
 
+@pytest.mark.parametrize("dim, size, step", [(1, 3, 1), (1, 2, 3), (-1, 4, 2), (0, 2, 2)])
+def test_unfold_and_its_backward_read_and_add_at_the_windows(dim, size, step):
+    """Tensor.unfold (PatchTST's patches): overlapping windows (step < size), gaps (step > size), the last dim and
+    another; the backward adds each window's gradient where the window read."""
+    x = torch.randn(3, 7, 9)
+
+    def f(x, grad):
+        return x.unfold(dim, size, step), aten.unfold_backward(grad, list(x.shape), dim, size, step)
+
+    grad = torch.randn(x.unfold(dim, size, step).shape)
+    graph = make_fx(f)(x, grad)
+    assert {aten.unfold.default, aten.unfold_backward.default} <= {node.target for node in graph.graph.nodes}
+    assert "ScatterElements" in _ops(_check(graph, [x, grad], atol=1e-5))
+
+
 def test_as_strided_of_a_view_in_another_order_or_of_too_many_positions_is_left_to_torch_onnx():
     from orttrainer.trainer.gradient.aten_onnx import GATHER_LIMIT
 

@@ -42,7 +42,8 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   with a step ScatterElements, `as_strided` of a contiguous tensor a Reshape or a Gather at constant positions,
   `bernoulli.p` a uniform draw below p; and (§32) `sort` TopK of every element, `diagonal` a Gather at constant
   positions, logical ops of numbers a Cast to bool first, `scatter_reduce` ScatterElements with ONNX's reductions,
-  `log2`/`log10` a Log divided by the base's, `isinf` IsInf, `max`/`min` of every element a reduction;
+  `log2`/`log10` a Log divided by the base's, `isinf` IsInf, `max`/`min` of every element a reduction, `unfold`
+  a Gather of the windows and its backward a ScatterElements adding them;
 - a view to its input's own shape is that input's value (no node).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
@@ -358,6 +359,56 @@ def _diagonal(g: _Graph, node: torch.fx.Node) -> Value:
     flat = g.one("Reshape", [moved, g.ints([*(source.shape[d] for d in others), rows * columns])])
     positions = (np.arange(length, dtype=np.int64) + start_row) * columns + np.arange(length) + start_column
     return g.one("Gather", [flat, g.const(positions)], axis=len(others))
+
+
+def _window_positions(length: int, size: int, step: int) -> np.ndarray:
+    """[windows, size]: the positions along a dim of `length` that `Tensor.unfold(dim, size, step)`'s windows read."""
+    windows = (length - size) // step + 1
+    return np.arange(windows, dtype=np.int64)[:, None] * step + np.arange(size, dtype=np.int64)[None, :]
+
+
+def _unfold(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.unfold(x, dim, size, step)` (`Tensor.unfold`: PatchTST's patches): dim becomes the windows and a last
+    dim of `size` is added. A Gather along dim at the windows' constant positions gives [..., windows, size, ...];
+    a Transpose moves `size` last."""
+    given: list[Any] = list(node.args[:4])
+    x, dim, size, step = given
+    source = g.meta(x)
+    if source.dim() == 0:
+        return None  # type: ignore[return-value]
+    axis = _axis(dim, source.dim())
+    positions = _window_positions(int(source.shape[axis]), size, step)
+    gathered = g.one("Gather", [g.tensor(x), g.const(positions)], axis=axis)
+    if axis == source.dim() - 1:
+        return gathered
+    rank = source.dim() + 1
+    return g.one("Transpose", [gathered], perm=[d for d in range(rank) if d != axis + 1] + [axis + 1])
+
+
+def _unfold_backward(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.unfold_backward(grad, input_sizes, dim, size, step)`: zeros of the input's size, and each window's
+    gradient added at the positions it read (ScatterElements with reduction add: windows overlap when step <
+    size). The gradient's last dim moves back next to the windows and both flatten into one dim, whose positions
+    are `_window_positions` flattened, the same along every other dim (an Expand)."""
+    given: list[Any] = list(node.args[:5])
+    grad, _, dim, size, step = given
+    out = _meta(node)
+    if out.dim() == 0:
+        return None  # type: ignore[return-value]
+    axis = _axis(dim, out.dim())
+    positions = _window_positions(int(out.shape[axis]), size, step).reshape(-1)
+    rank = out.dim() + 1
+    moved = g.tensor(grad)
+    if axis != out.dim() - 1:
+        moved = g.one("Transpose", [moved], perm=[*range(axis + 1), rank - 1, *range(axis + 1, rank - 1)])
+    flat_shape = [*out.shape[:axis], len(positions), *out.shape[axis + 1 :]]
+    updates = g.one("Reshape", [moved, g.ints(flat_shape)])
+    along = positions.reshape([-1 if d == axis else 1 for d in range(out.dim())])
+    index = g.one("Expand", [g.const(along), g.ints(flat_shape)])
+    zeros = g.one(
+        "ConstantOfShape", [g.ints(list(out.shape))], value=numpy_helper.from_array(np.zeros([1], _np(out.dtype)))
+    )
+    return g.one("ScatterElements", [zeros, index, updates], axis=axis, reduction="add")
 
 
 def _same(g: _Graph, node: torch.fx.Node) -> Value:
@@ -1888,6 +1939,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.topk.default: _topk,
     aten.sort.default: _sort,
     aten.diagonal.default: _diagonal,
+    aten.unfold.default: _unfold,
+    aten.unfold_backward.default: _unfold_backward,
     aten.sort.stable: _sort,
     aten.amin.default: _reduce("ReduceMin"),
     aten.any.dim: _reduce("any"),
