@@ -265,9 +265,7 @@ def _with_initializers(model: onnx.ModelProto, values: dict[str, torch.Tensor]) 
         return model
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    result.graph.initializer.extend(
-        tensor_proto(value, name) for name, value in values.items()
-    )
+    result.graph.initializer.extend(tensor_proto(value, name) for name, value in values.items())
     return result
 
 

@@ -94,9 +94,7 @@ def state_model(module: torch.nn.Module, names: list[str]) -> onnx.ModelProto:
     """A model holding only the named state tensors, as initializers: what the compiler reads the initial state
     from (the torch route has no forward graph before its first eval)."""
     state = {n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()]}
-    graph = onnx.helper.make_graph(
-        [], "state", [], [], [tensor_proto(state[n], n) for n in names]
-    )
+    graph = onnx.helper.make_graph([], "state", [], [], [tensor_proto(state[n], n) for n in names])
     return onnx.helper.make_model(graph)
 
 

@@ -353,7 +353,6 @@ def _fails_eagerly_when_compiling(
             for buffer, value in buffers:
                 buffer.copy_(value)
     return False
-    return False
 
 
 def _specific_error(
