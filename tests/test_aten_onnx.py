@@ -499,6 +499,22 @@ def test_scatter_reduce_combines_every_value_sent_to_a_position(reduce, include_
     assert "ScatterElements" in _ops(_check(graph, inputs))
 
 
+def test_vector_norms_of_every_order():
+    def f(x):
+        return (
+            torch.linalg.vector_norm(x, float("inf"), dim=1),
+            torch.linalg.vector_norm(x, -float("inf"), dim=(0, 2), keepdim=True),
+            torch.linalg.vector_norm(x, 0, dim=2),
+            torch.linalg.vector_norm(x, 3),
+            torch.linalg.vector_norm(x, 0.5, dim=0),
+        )
+
+    x = torch.randn(3, 4, 5)
+    x[1, 2] = 0.0  # zeros, which order 0 does not count
+    graph = make_fx(f)(x)
+    assert {"ReduceMax", "ReduceMin", "ReduceSum", "Pow"} <= set(_ops(_check(graph, [x], atol=1e-5)))
+
+
 def test_logarithms_to_other_bases_infinities_and_extremes_of_every_element():
     def f(x, n):
         return torch.log2(x.abs()), torch.log10(x.abs()), torch.isinf(x), torch.isinf(n), x.max(), n.min()

@@ -43,7 +43,7 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   `bernoulli.p` a uniform draw below p; and (§32) `sort` TopK of every element, `diagonal` a Gather at constant
   positions, logical ops of numbers a Cast to bool first, `scatter_reduce` ScatterElements with ONNX's reductions,
   `log2`/`log10` a Log divided by the base's, `isinf` IsInf, `max`/`min` of every element a reduction, `unfold`
-  a Gather of the windows and its backward a ScatterElements adding them;
+  a Gather of the windows and its backward a ScatterElements adding them, `linalg_vector_norm` of every order;
 - a view to its input's own shape is that input's value (no node).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
@@ -736,17 +736,28 @@ def _leaky_relu(g: _Graph, node: torch.fx.Node) -> Value:
 
 
 def _vector_norm(g: _Graph, node: torch.fx.Node) -> Value:
-    """`aten.linalg_vector_norm(x, ord, dim, keepdim)` for ord 1 and 2: ReduceL1, ReduceL2."""
+    """`aten.linalg_vector_norm(x, ord, dim, keepdim)`: ord 1 and 2 ReduceL1 and ReduceL2; inf and -inf the largest
+    and smallest |x| (ReduceMax, ReduceMin of Abs); 0 the count of nonzero elements; any other p
+    (sum |x|^p)^(1/p), as PyTorch computes it."""
     x = node.args[0]
     ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
     dims: Any = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
     keepdim = bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("keepdim", False))
     out = _meta(node).dtype
-    if ord_ not in (1, 2) or node.kwargs.get("dtype") is not None or not out.is_floating_point:
+    if not isinstance(ord_, (int, float)) or node.kwargs.get("dtype") is not None or not out.is_floating_point:
         return None  # type: ignore[return-value]
     rank = _rank(g, x)  # type: ignore[arg-type]
     axes = [_axis(d, rank) for d in ([dims] if isinstance(dims, int) else (dims or []))]
-    return _reduce_node(g, "ReduceL1" if ord_ == 1 else "ReduceL2", g.typed(x, out), axes, keepdim)
+    value = g.typed(x, out)
+    if ord_ in (1, 2):
+        return _reduce_node(g, "ReduceL1" if ord_ == 1 else "ReduceL2", value, axes, keepdim)
+    if math.isinf(ord_):
+        return _reduce_node(g, "ReduceMax" if ord_ > 0 else "ReduceMin", g.one("Abs", [value]), axes, keepdim)
+    if ord_ == 0:
+        nonzero = g.cast(g.one("Not", [g.one("Equal", [value, g.scalar(0, out)])]), torch.bool, out)
+        return _reduce_node(g, "ReduceSum", nonzero, axes, keepdim)
+    powered = g.one("Pow", [g.one("Abs", [value]), g.scalar(float(ord_), out)])
+    return g.one("Pow", [_reduce_node(g, "ReduceSum", powered, axes, keepdim), g.scalar(1.0 / ord_, out)])
 
 
 def _rsqrt(g: _Graph, node: torch.fx.Node) -> Value:
