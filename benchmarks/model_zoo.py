@@ -76,16 +76,15 @@ def _lm(**extra: Any) -> dict[str, Any]:
     return SIZES | dict(vocab_size=V, max_position_embeddings=64, pad_token_id=0) | extra
 
 
-AUDIO = _lm(
+SPEECH = _lm(  # wav2vec2-style models: a convolutional front end, no time masking
     conv_dim=(8, 8),
     conv_stride=(4, 4),
     conv_kernel=(8, 4),
     num_conv_pos_embeddings=8,
     num_conv_pos_embedding_groups=2,
     mask_time_prob=0.0,
-    layerdrop=0.0,
-    num_labels=3,
 )
+AUDIO = SPEECH | dict(layerdrop=0.0, num_labels=3)  # classifiers, LayerDrop off
 
 
 # name -> (config class, its keyword arguments, model class, input kind)
@@ -333,14 +332,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     ),
     "hubert": (
         "HubertConfig",
-        _lm(
-            conv_dim=(8, 8),
-            conv_stride=(4, 4),
-            conv_kernel=(8, 4),
-            num_conv_pos_embeddings=8,
-            num_conv_pos_embedding_groups=2,
-            mask_time_prob=0.0,
-        ),
+        SPEECH,  # its defaults (LayerDrop 0.1) and CTC head: refused, the error naming the line
         "HubertForCTC",
         "audio",
     ),
