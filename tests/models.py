@@ -129,3 +129,29 @@ class LSTMTagger(torch.nn.Module):
     def forward(self, tokens, labels):
         out, _ = self.lstm(self.embed(tokens))
         return torch.nn.functional.cross_entropy(self.head(out).reshape(-1, 5), labels.reshape(-1))
+
+
+# Python assert statements on values (here, not in a test module: pytest rewrites a test module's asserts into ifs)
+
+
+class CheckedInputs(nn.Module):
+    """A linear classifier that checks its labels the way transformers' XLM (`assert lengths.max().item() <= slen`)
+    and ProphetNet (`assert torch.all(ids >= 0).item(), "..."`) check their inputs."""
+
+    def __init__(self, d_in: int = 3, classes: int = 2) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, classes)
+        self.classes = classes
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert labels.max().item() < self.classes
+        assert torch.all(labels >= 0).item(), "labels must not be negative"
+        return self.fc(x)
+
+
+def assert_plain(flag: bool) -> None:
+    assert flag
+
+
+def assert_with_message(flag: bool) -> None:
+    assert flag, f"flag was {flag}"

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
-from models import DoubledGradient, StraightThrough
+from models import CheckedInputs, DoubledGradient, StraightThrough, assert_plain, assert_with_message
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -533,6 +533,73 @@ def test_random_branch_outcomes_hold_for_every_draw(op):
         decided, given = _every_draw(op, bound), compare(draws, bound)
         assert decided is None or bool(given.all() if decided else not given.any()), (op, bound)
     assert _every_draw(op, 0.5) is None
+
+
+def _at_first_jump(function, rule):
+    """`rule(frame)` for a frame of `function` standing at its first conditional jump, where Python asks for a truth
+    value (evaluated there, under a tracer that stops at each opcode)."""
+    import dis
+    import sys
+
+    jump = next(i.offset for i in dis.get_instructions(function) if i.opname.startswith("POP_JUMP"))
+    results = []
+
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode" and frame.f_code is function.__code__ and frame.f_lasti == jump and not results:
+            results.append(rule(frame))
+        return trace
+
+    sys.settrace(trace)
+    try:
+        function(True)
+    finally:
+        sys.settrace(None)
+    return results[0]
+
+
+def _plain_if(flag):
+    if not flag:
+        raise AssertionError("an if, not an assert statement")
+
+
+@pytest.mark.parametrize(
+    ("function", "is_assert"), [(assert_plain, True), (assert_with_message, True), (_plain_if, False)]
+)
+def test_in_assert_statement_recognises_an_assert_with_or_without_a_message(function, is_assert):
+    from orttrainer.trainer.gradient.torch_private.tracing import _in_assert_statement
+
+    assert _at_first_jump(function, _in_assert_statement) is is_assert
+
+
+class _Loss(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, labels):
+        return (F.cross_entropy(self.model(x, labels), labels),)
+
+
+def test_traces_assume_an_assert_on_a_value_holds_and_leave_its_check_out():
+    model, x, labels = _Loss(CheckedInputs()), torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    joint, _, _ = torch_private.aot_export_joint_dynamic(model, [x, labels], [[], []], for_torch_onnx=False)
+    forward, _ = torch_private.aot_export_forward(model, [x, labels])
+    for graph in (joint, forward):
+        targets = {n.target for n in graph.graph.nodes}
+        assert torch.ops.aten._assert_scalar.default not in targets and torch.ops.aten.addmm.default in targets
+    torch.testing.assert_close(forward(*model.parameters(), x, labels)[0], model(x, labels)[0])
+
+
+def test_a_branch_on_a_value_that_is_not_an_assert_still_fails_the_trace():
+    class Branches(nn.Module):
+        def forward(self, labels):
+            if labels.max().item() >= 2:
+                raise ValueError("a label out of range")
+            return (labels * 2,)
+
+    with pytest.raises(Exception, match="data-dependent|_local_scalar_dense"):
+        torch_private.aot_export_forward(Branches(), [torch.tensor([0, 1, 1, 0])])
 
 
 def test_unsupported_at_opset_reads_the_torchscript_exporters_refusal():

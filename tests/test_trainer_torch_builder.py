@@ -18,7 +18,7 @@ from helpers import (
     torch_weights,
     trainer_weights,
 )
-from models import MLP, ScalarAndTupleFunction, StraightThrough, mlp_desc
+from models import MLP, CheckedInputs, ScalarAndTupleFunction, StraightThrough, mlp_desc
 from torch import nn
 from torch.nn import functional as F
 
@@ -155,6 +155,38 @@ def test_a_model_that_fails_eagerly_under_torch_compile_s_flags_is_told_so_and_l
     assert "attention_mask" in str(raised.value)
     # the eager run that found it left the BatchNorm's statistics as they were
     assert model.norm.running_mean.eq(0).all() and model.norm.num_batches_tracked.item() == 0
+
+
+class CheckedLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = CheckedInputs(d_in=32, classes=10)
+
+    def forward(self, x, labels):
+        return CE(self.model(x, labels), labels)
+
+
+def test_asserts_on_input_values_train_and_evaluate_like_pytorch(caplog):
+    """transformers' XLM, FlauBERT and ProphetNet check their inputs with Python asserts on values: the trace assumes
+    they hold (the first batch's dry run checks them eagerly), and the graphs stay on the direct translation."""
+    model, data = CheckedLoss(), batches(3)
+    reference = clone(model)
+    desc = {"inputs": [("x", ["batch", 32]), ("labels", ["batch"])], "outputs": [("loss", [], True)]}
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), None, TORCH)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        for x, y in data:
+            trainer.train_step(x, y)
+            sgd.zero_grad()
+            reference(x, y).backward()
+            sgd.step()
+        loss = trainer.eval_step(*data[0])
+    assert (
+        max_difference(trainer_weights(trainer), {f"model.{k}": v for k, v in torch_weights(reference.model).items()})
+        < 1e-6
+    )
+    torch.testing.assert_close(torch.as_tensor(loss), reference(*data[0]).detach(), rtol=1e-5, atol=1e-6)
+    assert "torch.onnx" not in caplog.text and "is exported" not in caplog.text
 
 
 class IgnoredBias(torch.autograd.Function):

@@ -22,7 +22,8 @@ Rules:
 - Tracing leaves the model as it was, also when it fails: attributes, parameters, buffers and submodules a
   forward rebinds while traced are put back (`torch_private.module_state_kept`).
 - Data-dependent Python (an `if` on a tensor, `.item()` feeding Python) cannot be traced, as with torch.export: the
-  error names the file and line and how to rewrite it. nn.Transformer* masks are taken as causal only by their
+  error names the file and line and how to rewrite it. A Python `assert` on a value is assumed to hold
+  (`torch_private.asserting_shape_env`). nn.Transformer* masks are taken as causal only by their
   `is_causal` hint (`torch_private.causal_mask_from_hint`), which computes the same attention.
 """
 

@@ -5,8 +5,13 @@ Part of `torch_private` (see its docstring for the rule); verified on torch 2.13
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import dis
+import functools
 import os
+import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -365,14 +370,16 @@ def aot_export_forward(
     """Trace `module(*args)` without a backward into one functional aten graph for the input shapes of `args`,
     decomposed for the direct translation (`forward_decompositions(float16)`). Placeholders
     are (parameters, buffers, user inputs); outputs are (mutated inputs, user outputs): a `JointSignature` without
-    gradients. `module` must return a tuple of tensors. The trace's checks are removed (`_assertions_removed`)."""
+    gradients. `module` must return a tuple of tensors. The inputs are fake tensors of their own shapes in an
+    `asserting_shape_env`, as the joint trace's are; the trace's checks are removed (`_assertions_removed`)."""
     from torch._functorch.aot_autograd import aot_export_module
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
+    mode = FakeTensorMode(shape_env=asserting_shape_env(), allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in args]
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # as in `aot_export_joint`
-        graph, sig = aot_export_module(
-            module, list(args), trace_joint=False, decompositions=forward_decompositions(float16)
-        )
+        graph, sig = aot_export_module(module, fakes, trace_joint=False, decompositions=forward_decompositions(float16))
     if not isinstance(graph, torch.fx.GraphModule):
         raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
     return _assertions_removed(graph), _joint_signature(graph, sig)
@@ -381,7 +388,8 @@ def aot_export_forward(
 def _assertions_removed(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Rule: the checks a trace records are removed from `graph` (edited in place, returned): a tensor's dtype,
     shape and device (`aten._assert_tensor_metadata`, which `Tensor.to` records in forward traces), a tensor's
-    truth (`torch._assert_async`, in transformers' LongT5) and a traced size's range. They return nothing and
+    truth (`torch._assert_async`, in transformers' LongT5), a Python `assert` on a traced value
+    (`aten._assert_scalar`: `asserting_shape_env`) and a traced size's range. They return nothing and
     ONNX has no assertion op; torch.onnx drops the same ops. The trace is for the checked shapes and dtypes; a
     value check does not run in the graph, as it would not in a model exported to ONNX."""
     aten = torch.ops.aten
@@ -417,6 +425,51 @@ class ShapeGuards:
         return bool(self.shape_env.evaluate_guards_expression(self.code, proxies))
 
 
+def asserting_shape_env() -> Any:
+    """A ShapeEnv in which a Python `assert` on a traced value is assumed to hold: PyTorch's own rule for an assert
+    statement (`trace_asserts`: the condition becomes a runtime check in the graph, which `_assertions_removed`
+    takes out, as torch.onnx does), here also for an assert with a message, which PyTorch's test of the bytecode
+    does not recognise (`_in_assert_statement`). Values read from tensors (`.item()`) become unbacked symbols.
+
+    Why: models check their inputs so (transformers' XLM and FlauBERT: `assert lengths.max().item() <= slen`;
+    ProphetNet: `assert torch.all(ids >= 0).item(), "..."`), and a traced tensor has no value to check. The
+    trainer's dry run runs the forward eagerly on the first batch, so an assert that fails there still raises;
+    later batches are not checked, as in a model exported to ONNX. Any other branch on a value still fails."""
+    return _asserting_shape_env_class()(trace_asserts=True)
+
+
+@functools.cache
+def _asserting_shape_env_class() -> type:
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv, uninteresting_files
+
+    class AssertingShapeEnv(ShapeEnv):
+        def _is_python_assert(self) -> bool:
+            # the frame that asked for the value: the first outside PyTorch's own files, above this method (which
+            # PyTorch's `_get_user_frame` would take for it)
+            frame: types.FrameType | None = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename in uninteresting_files():
+                frame = frame.f_back
+            return frame is not None and _in_assert_statement(frame)
+
+    return AssertingShapeEnv
+
+
+def _in_assert_statement(frame: types.FrameType) -> bool:
+    """Rule: `frame` stands at the jump of an `assert` statement — a POP_JUMP..._IF_TRUE (after Python 3.13's
+    TO_BOOL or COMPARE_OP) followed by LOAD_ASSERTION_ERROR, which only `assert` emits — with or without a
+    message."""
+    instructions = list(dis.get_instructions(frame.f_code))
+    at = bisect.bisect_left([i.offset for i in instructions], frame.f_lasti)
+    while at < len(instructions) and instructions[at].opname in ("TO_BOOL", "COMPARE_OP"):
+        at += 1
+    return (
+        at + 1 < len(instructions)
+        and instructions[at].opname.startswith("POP_JUMP")
+        and instructions[at].opname.endswith("IF_TRUE")
+        and instructions[at + 1].opname == "LOAD_ASSERTION_ERROR"
+    )
+
+
 def aot_export_joint_dynamic(
     module: torch.nn.Module,
     args: Sequence[torch.Tensor],
@@ -442,9 +495,9 @@ def aot_export_joint_dynamic(
     from torch._dynamo.source import ConstantSource
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
-    shape_env = ShapeEnv()
+    shape_env = asserting_shape_env()
     mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     fakes = []
     for i, (tensor, dims) in enumerate(zip(args, dynamic_dims, strict=True)):
