@@ -189,6 +189,47 @@ def test_asserts_on_input_values_train_and_evaluate_like_pytorch(caplog):
     assert "torch.onnx" not in caplog.text and "is exported" not in caplog.text
 
 
+class CachedBias(nn.Module):
+    """In eval mode, caches a tensor computed from a parameter in a plain dict, as transformers' LeViT caches its
+    attention biases (`self.attention_bias_cache[device]`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 10)
+        self.bias_table = nn.Parameter(torch.randn(4, 10))
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x):
+        if self.training:
+            bias = self.bias_table.sum(0)
+        else:
+            if "cpu" not in self.cache:
+                self.cache["cpu"] = self.bias_table.sum(0)
+            bias = self.cache["cpu"]
+        return self.fc(x) + bias
+
+    def train(self, mode: bool = True):
+        self.cache = {}  # the cache holds the parameter's value: gone when it may change
+        return super().train(mode)
+
+
+def test_a_tensor_a_forward_caches_in_a_dict_is_computed_in_the_eval_graph(caplog):
+    model, data = CachedBias(), batches(3)
+    reference = clone(model)
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, reference = train_with_reference(
+            model, mlp_desc(), optim.SGDConfig(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1), CE, data, TORCH
+        )
+        loss, logits = trainer.eval_step(*data[0])
+    assert "is exported" not in caplog.text  # the eval graph was traced, the tensor computed in it
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(data[0][0])
+    torch.testing.assert_close(torch.as_tensor(logits), expected)
+    torch.testing.assert_close(torch.as_tensor(loss), CE(expected, data[0][1]))
+    assert model.cache == {}  # the trace left the model's dict as it found it
+
+
 class IgnoredBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, b):

@@ -247,20 +247,30 @@ def traced(trace: Callable[[], _T]) -> _T:
 @contextlib.contextmanager
 def attributes_restored(root: torch.nn.Module) -> Iterator[None]:
     """Within the block the forward may set plain attributes of `root`'s submodules; on exit every submodule's
-    plain attributes are what they were (added ones removed, changed ones set back). Parameters, buffers and
-    submodules are not plain attributes and are left alone."""
+    plain attributes are what they were (added ones removed, changed ones set back), and so are the entries of a
+    plain dict attribute the forward filled in place (transformers' LeViT caches its attention biases in eval mode
+    in `self.attention_bias_cache[device]`: a later run of the tracer would read the earlier run's traced tensor as
+    a constant). Parameters, buffers and submodules are not plain attributes and are left alone."""
     registries = ("_parameters", "_buffers", "_modules")
-    saved = [(module, dict(vars(module))) for module in root.modules()]
+    saved = [
+        (module, dict(vars(module)), {n: dict(v) for n, v in vars(module).items() if type(v) is dict})
+        for module in root.modules()
+    ]
     try:
         yield
     finally:
-        for module, before in saved:
+        for module, before, entries in saved:
             now = vars(module)
             for name in [n for n in now if n not in before and n not in registries]:
                 del now[name]
             for name, value in before.items():
                 if name not in registries and now.get(name, _ABSENT) is not value:
                     now[name] = value
+            for name, content in entries.items():
+                table = now[name]
+                if table.keys() != content.keys() or any(table[k] is not v for k, v in content.items()):
+                    table.clear()
+                    table.update(content)
 
 
 _ABSENT = object()
