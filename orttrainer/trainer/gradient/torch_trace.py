@@ -13,10 +13,11 @@ Rules:
   tensors read from a global or a closure; only the positional fallback refuses those, with an error asking to
   register them as buffers.
 - A forward that stores a tensor on its module (a causal mask cached in `self.mask` the first time a length is
-  seen, as ONNX Runtime's transformer sample does) leaves the module as it found it after each of the tracer's
-  runs (`attributes_restored`, in `JointWrapper.forward`): every run computes what the forward computes from its
-  inputs (AOTAutograd runs the forward more than once; a tensor kept from an earlier run would be a stray
-  placeholder, "Unexpected fake buffer"), and no placeholder stays on the module afterwards.
+  seen, as ONNX Runtime's transformer sample does; or in a dict, as transformers' LeViT does) leaves the module as
+  it found it after each of the tracer's runs (`attributes_restored`, in `JointWrapper.forward`): every run
+  computes what the forward computes from its inputs (AOTAutograd runs the forward more than once; a tensor kept
+  from an earlier run would be a stray placeholder, "Unexpected fake buffer", or a constant), and no placeholder
+  stays on the module afterwards.
 - `torch.utils.checkpoint` traces with either implementation (`torch_private.reentrant_checkpoint_traceable`).
 - Exactly the `trainable` parameters require grad while tracing; the flags are restored afterwards.
 - Tracing leaves the model as it was, also when it fails: attributes, parameters, buffers and submodules a
