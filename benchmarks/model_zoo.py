@@ -658,6 +658,30 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
         "GraniteMoeForCausalLM",
         "tokens",
     ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        _lm(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
+        "Qwen2MoeForCausalLM",
+        "tokens",
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        _lm(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+        "Qwen3MoeForCausalLM",
+        "tokens",
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        _lm(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
+        "OlmoeForCausalLM",
+        "tokens",
+    ),
     "gpt_neox_japanese": (
         "GPTNeoXJapaneseConfig",
         dict(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, intermediate_multiple_size=2),

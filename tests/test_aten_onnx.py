@@ -588,6 +588,35 @@ def test_bernoulli_draws_are_ones_with_the_probability_in_the_input_s_dtype():
     assert abs(mask.mean() - 0.3) < 0.02 and not np.array_equal(mask, again)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exponential_draws_have_the_rate_s_distribution_in_the_input_s_dtype(dtype):
+    """`aten.exponential` (`Tensor.exponential_`, the Gumbel noise of `F.gumbel_softmax`): non-negative, finite,
+    mean and standard deviation 1 / lambd, x's shape and dtype, new numbers every run."""
+    x = torch.zeros(400, 50, dtype=dtype)
+    draw = torch.func.functionalize(lambda x: (torch.empty_like(x).exponential_(2.0),))  # as the trainer traces it
+    model = translate(make_fx(draw)(x), ["x"], ["e"], 18)
+    assert "RandomUniformLike" in _ops(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    drawn, again = (session.run(None, {"x": x.numpy()})[0] for _ in range(2))
+    assert drawn.dtype == x.numpy().dtype and drawn.shape == (400, 50)
+    assert np.isfinite(drawn).all() and drawn.min() >= 0.0
+    assert abs(drawn.mean() - 0.5) < 0.02 and abs(drawn.std() - 0.5) < 0.02 and not np.array_equal(drawn, again)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_uniform_draws_fill_the_interval_in_the_input_s_dtype(dtype):
+    """`aten.uniform` (`Tensor.uniform_`, a router's jitter noise): values in [from, to), spread over it, x's shape
+    and dtype, new numbers every run."""
+    x = torch.zeros(400, 50, dtype=dtype)
+    draw = torch.func.functionalize(lambda x: (torch.empty_like(x).uniform_(0.9, 1.1),))
+    model = translate(make_fx(draw)(x), ["x"], ["u"], 18)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    drawn, again = (session.run(None, {"x": x.numpy()})[0] for _ in range(2))
+    assert drawn.dtype == x.numpy().dtype and drawn.shape == (400, 50)
+    assert 0.9 <= drawn.min() < 0.901 and 1.099 < drawn.max() < 1.1 and abs(drawn.mean() - 1.0) < 0.002
+    assert not np.array_equal(drawn, again)
+
+
 def test_a_correction_of_every_element_is_left_to_torch_onnx():
     x = torch.randn(3, 4)
     graph = make_fx(lambda x: torch.ops.aten.var_mean.correction(x, [1], correction=4))(x)

@@ -45,7 +45,7 @@ from ..gradient.eager_fallback import with_eager_translations
 from ..gradient.torch_builder import MAX_ORT_OPSET, build_torch_forward_graph
 from ..gradient.torch_graphs import STATIC_SIGNATURES, bind_foreign_state
 from ..gradient.torch_private import DimSpec
-from ..gradient.torch_trace import attributes_restored, flatten_tensors
+from ..gradient.torch_trace import attributes_restored, experts_in_static_shapes, flatten_tensors
 from ..graph.class_labels import guard_pytorch_indices
 from ..graph.passes import rewrite_enabled
 from ..graph.pipeline import build_eval_model
@@ -144,7 +144,13 @@ def export_forward(
     mode = contextlib.nullcontext() if own_mode else eval_mode(module)
     marking = source.marking() if source.marking is not None else contextlib.nullcontext()
     try:  # orttrainer.debug hooks pass values through while tracing: no step counted, no file written
-        with mode, no_increase_global_step(), torch_private.causal_mask_detection_off(), marking:
+        with (
+            mode,
+            no_increase_global_step(),
+            torch_private.causal_mask_detection_off(),
+            experts_in_static_shapes(module),
+            marking,
+        ):
             model, specs = with_eager_translations(  # ops without an ONNX translation run in PyTorch (see there)
                 lambda translations: torch_private.export_module_to_onnx(
                     _EvalForward(source),

@@ -1516,6 +1516,38 @@ def _bernoulli(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("Cast", [below], to=torch_to_onnx(out.dtype))
 
 
+def _uniform(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.uniform(x, from, to)` (`Tensor.uniform_`: PhiMoE's and Switch Transformers' router jitter): uniform draws
+    in [from, to) in x's shape and dtype, from ONNX Runtime's generator as `_random`'s. Never folded (`_RANDOM`)."""
+    x = node.args[0]
+    low = node.args[1] if len(node.args) > 1 else node.kwargs.get("from", 0.0)
+    high = node.args[2] if len(node.args) > 2 else node.kwargs.get("to", 1.0)
+    out = _meta(node)
+    if out.dtype not in (torch.float16, torch.float32, torch.float64) or node.kwargs.get("generator") is not None:
+        return None  # type: ignore[return-value]
+    if not isinstance(low, (int, float)) or not isinstance(high, (int, float)):
+        return None  # type: ignore[return-value]
+    attrs = {"dtype": torch_to_onnx(out.dtype), "low": float(low), "high": float(high)}
+    return g.one("RandomUniformLike", [g.tensor(x)], **attrs)
+
+
+def _exponential(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.exponential(x, lambd)` (`Tensor.exponential_`: the Gumbel noise of `F.gumbel_softmax`, PhiMoE's router):
+    draws from the exponential distribution of rate lambd in x's shape and dtype, as -log(1 - u) / lambd of a
+    uniform draw u in [0, 1) (finite: 1 - u > 0), from ONNX Runtime's generator as `_random`'s. Never folded
+    (`_RANDOM`)."""
+    x = node.args[0]
+    rate = node.args[1] if len(node.args) > 1 else node.kwargs.get("lambd", 1.0)
+    out = _meta(node)
+    if out.dtype not in (torch.float16, torch.float32, torch.float64) or node.kwargs.get("generator") is not None:
+        return None  # type: ignore[return-value]
+    if not isinstance(rate, (int, float)) or rate <= 0:
+        return None  # type: ignore[return-value]
+    drawn = g.one("RandomUniformLike", [g.tensor(x)], dtype=torch_to_onnx(out.dtype), low=0.0, high=1.0)
+    left = g.one("Sub", [g.scalar(1.0, out.dtype), drawn])
+    return g.one("Div", [g.one("Neg", [g.one("Log", [left])]), g.scalar(float(rate), out.dtype)])
+
+
 def _dropout(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
     x, p, train = node.args
     out = g.meta(x)  # type: ignore[arg-type]
@@ -1813,7 +1845,13 @@ def _custom_op_name(target: Any) -> str | None:
 
 
 _RANDOM_DRAWS = (aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default)
-_RANDOM = {aten.native_dropout.default, aten.bernoulli.p, *_RANDOM_DRAWS}
+_RANDOM = {
+    aten.native_dropout.default,
+    aten.bernoulli.p,
+    aten.exponential.default,
+    aten.uniform.default,
+    *_RANDOM_DRAWS,
+}
 _UNSPECIFIED = {aten.empty.memory_format, aten.empty_like.default}  # not folded: their values are whatever memory held
 
 _VIEWS = (
@@ -1983,6 +2021,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.native_dropout.default: _dropout,
     **{op: _random for op in _RANDOM_DRAWS},
     aten.bernoulli.p: _bernoulli,
+    aten.exponential.default: _exponential,
+    aten.uniform.default: _uniform,
     **{
         op: _fill
         for op in (

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +45,7 @@ from . import torch_private
 from .errors import GradientBuildError
 
 _T = TypeVar("_T")
+_logger = logging.getLogger(__name__)
 
 
 class UntraceableFunctionError(GradientBuildError):
@@ -70,6 +72,38 @@ _LIBRARY_FUNCTIONS = {
     'experts_implementation="batched_mm" (from_pretrained or from_config): it computes each token\'s experts in '
     "static shapes, which the builder traces.",
 }
+
+
+@contextlib.contextmanager
+def experts_in_static_shapes(root: torch.nn.Module) -> Iterator[None]:
+    """Within the block, the mixture-of-experts layers of transformers' models under `root` compute with the
+    experts implementation 'batched_mm' where they had 'grouped_mm' (their default); on exit each model has the
+    implementation it had.
+
+    Why: 'grouped_mm' groups the tokens by expert in shapes the routing decides, in a custom Function whose backward
+    no trace records (`_LIBRARY_FUNCTIONS`); 'batched_mm' computes the same values in static shapes. transformers
+    switches between the two itself (its `generate` does, for decoding), through the models'
+    `set_experts_implementation`, which this uses."""
+    switched: list[tuple[torch.nn.Module, dict]] = []
+    configs: set[int] = set()
+    for module in root.modules():
+        config = getattr(module, "config", None)
+        if not hasattr(module, "set_experts_implementation") or id(config) in configs:
+            continue
+        configs.add(id(config))
+        original = module.get_experts_implementation()
+        if "grouped_mm" in original.values():
+            module.set_experts_implementation(
+                {k: "batched_mm" if v == "grouped_mm" else v for k, v in original.items()}
+            )
+            switched.append((module, original))
+    if switched:
+        _logger.info("transformers' experts are traced with experts_implementation 'batched_mm' (for 'grouped_mm')")
+    try:
+        yield
+    finally:
+        for module, original in reversed(switched):
+            module.set_experts_implementation(original)
 
 
 class JointWrapper(torch.nn.Module):
@@ -148,6 +182,7 @@ def trace_joint(
     with (
         translated_directly(not for_torch_onnx),
         torch_private.module_state_kept(wrapper),  # a failed (or any) trace leaves no traced tensor in the model
+        experts_in_static_shapes(wrapper),
         _requires_grad_only(wrapper, wrapper.inner.model, set(trainable)),
         tensor_attributes_as_buffers(wrapper),
     ):
@@ -187,7 +222,12 @@ def trace_forward(
     gradients, for the direct translation (an eval graph: build/torch_route.py). The module is traced as it is,
     in its mode, under the rules of `trace_joint` (state kept, tensor attributes as constants, the same tracing
     context); PyTorch's error propagates unexplained (the caller falls back to torch.export)."""
-    with translated_directly(True), torch_private.module_state_kept(module), tensor_attributes_as_buffers(module):
+    with (
+        translated_directly(True),
+        torch_private.module_state_kept(module),
+        tensor_attributes_as_buffers(module),
+        experts_in_static_shapes(module),
+    ):
         return traced(lambda: torch_private.aot_export_forward(module, [t.detach() for t in inputs], float16=float16))
 
 
