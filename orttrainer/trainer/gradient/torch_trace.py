@@ -84,26 +84,25 @@ def experts_in_static_shapes(root: torch.nn.Module) -> Iterator[None]:
     no trace records (`_LIBRARY_FUNCTIONS`); 'batched_mm' computes the same values in static shapes. transformers
     switches between the two itself (its `generate` does, for decoding), through the models'
     `set_experts_implementation`, which this uses."""
-    switched: list[tuple[torch.nn.Module, dict]] = []
+    switched: list[tuple[Callable[[dict], None], dict]] = []
     configs: set[int] = set()
     for module in root.modules():
         config = getattr(module, "config", None)
-        if not hasattr(module, "set_experts_implementation") or id(config) in configs:
+        current, choose = (getattr(module, f"{verb}_experts_implementation", None) for verb in ("get", "set"))
+        if not callable(current) or not callable(choose) or id(config) in configs:
             continue
         configs.add(id(config))
-        original = module.get_experts_implementation()
+        original = current()
         if "grouped_mm" in original.values():
-            module.set_experts_implementation(
-                {k: "batched_mm" if v == "grouped_mm" else v for k, v in original.items()}
-            )
-            switched.append((module, original))
+            choose({k: "batched_mm" if v == "grouped_mm" else v for k, v in original.items()})
+            switched.append((choose, original))
     if switched:
         _logger.info("transformers' experts are traced with experts_implementation 'batched_mm' (for 'grouped_mm')")
     try:
         yield
     finally:
-        for module, original in reversed(switched):
-            module.set_experts_implementation(original)
+        for choose, original in reversed(switched):
+            choose(original)
 
 
 class JointWrapper(torch.nn.Module):
