@@ -600,20 +600,21 @@ def test_exponential_draws_have_the_rate_s_distribution_in_the_input_s_dtype(dty
     drawn, again = (session.run(None, {"x": x.numpy()})[0] for _ in range(2))
     assert drawn.dtype == x.numpy().dtype and drawn.shape == (400, 50)
     assert np.isfinite(drawn).all() and drawn.min() >= 0.0
-    assert abs(drawn.mean() - 0.5) < 0.02 and abs(drawn.std() - 0.5) < 0.02 and not np.array_equal(drawn, again)
+    assert abs(drawn.mean() - 0.5) < 0.02 and abs(drawn.std() - 0.5) < 0.03 and not np.array_equal(drawn, again)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_uniform_draws_fill_the_interval_in_the_input_s_dtype(dtype):
-    """`aten.uniform` (`Tensor.uniform_`, a router's jitter noise): values in [from, to), spread over it, x's shape
-    and dtype, new numbers every run."""
+    """`aten.uniform` (`Tensor.uniform_`, a router's jitter noise): values from `from` to `to` (as x's dtype rounds
+    them), spread over the interval, x's shape and dtype, new numbers every run."""
     x = torch.zeros(400, 50, dtype=dtype)
     draw = torch.func.functionalize(lambda x: (torch.empty_like(x).uniform_(0.9, 1.1),))
     model = translate(make_fx(draw)(x), ["x"], ["u"], 18)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     drawn, again = (session.run(None, {"x": x.numpy()})[0] for _ in range(2))
     assert drawn.dtype == x.numpy().dtype and drawn.shape == (400, 50)
-    assert 0.9 <= drawn.min() < 0.901 and 1.099 < drawn.max() < 1.1 and abs(drawn.mean() - 1.0) < 0.002
+    low, high = np.asarray(0.9, drawn.dtype), np.asarray(1.1, drawn.dtype)  # float32 rounds into the bounds too
+    assert low <= drawn.min() < low + 0.001 and high - 0.001 < drawn.max() <= high and abs(drawn.mean() - 1.0) < 0.002
     assert not np.array_equal(drawn, again)
 
 
