@@ -1051,20 +1051,17 @@ def _gradients_differ(reference: Any, data: list[Any], before: dict[str, Any], s
     largest, and from float64 autograd's by more than 4x eager's own difference: a deep network with BatchNorm over
     a batch of 2 (MobileNetV2) is that sensitive to float32 rounding in eager PyTorch too. float64 runs only when
     needed: some models fail in float64 (XGLM fills a float32 tensor with float64's smallest value)."""
+    from orttrainer.trainer.gradient.torch_trace import experts_in_static_shapes
+
     exact = copy.deepcopy(reference).double()
-    for module in exact.modules():  # transformers' default experts ('grouped_mm') have no float64 kernel
-        if callable(getattr(module, "set_experts_implementation", None)):
-            implementations = module.get_experts_implementation()
-            module.set_experts_implementation(
-                {k: "batched_mm" if v == "grouped_mm" else v for k, v in implementations.items()}
-            )
     reference(*data).backward()
     grads = {name: p.grad if p.grad is not None else 0 * p for name, p in reference.named_parameters()}
     steps = {name: before[name] - state[name] for name in grads}
     far = [n for n, g in grads.items() if float((steps[n] - g).abs().max()) > 2e-5 + 1e-3 * float(g.abs().max())]
     if not far:
         return []
-    exact(*(t.double() if t.is_floating_point() else t for t in data)).backward()
+    with experts_in_static_shapes(exact):  # transformers' default experts ('grouped_mm') have no float64 kernel
+        exact(*(t.double() if t.is_floating_point() else t for t in data)).backward()
     exact_grads = dict(exact.named_parameters())
     differ = []
     for name in far:
