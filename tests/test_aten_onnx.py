@@ -52,7 +52,7 @@ def _joint(
 ) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
     wrapper = JointWrapper(module, loss_fn, [first, "target"])  # forward's argument, then the label
     with torch_private.math_sdpa():
-        graph, sig, _ = torch_private.aot_export_joint_dynamic(
+        graph, sig, _, _ = torch_private.aot_export_joint_dynamic(
             wrapper, inputs, [[] for _ in inputs], for_torch_onnx=False
         )
     state = {**dict(wrapper.named_parameters()), **dict(wrapper.named_buffers())}
@@ -543,12 +543,27 @@ def test_unfold_and_its_backward_read_and_add_at_the_windows(dim, size, step):
     assert "ScatterElements" in _ops(_check(graph, [x, grad], atol=1e-5))
 
 
-def test_as_strided_of_a_view_in_another_order_or_of_too_many_positions_is_left_to_torch_onnx():
+def test_as_strided_of_a_view_in_another_order_reads_its_storage():
+    """as_strided addresses the storage: of a transposed view (Longformer chunks its transposed queries so), the
+    positions count in the order of the view's strides, not in the view's own order."""
+
+    def f(x):
+        chunks = x.transpose(0, 1)  # [6, 4] with strides (1, 6)
+        return aten.as_strided(chunks, [2, 2], [1, 1]), aten.as_strided(chunks, [3, 8], [4, 1])  # overlapping
+
+    x = torch.randn(4, 6)
+    model = _check(make_fx(f)(x), [x])
+    assert {"Transpose", "Gather"} <= set(_ops(model))
+    cube = torch.randn(2, 3, 4)
+    _check(make_fx(lambda t: (aten.as_strided(t.permute(2, 0, 1), [4, 6], [1, 4]),))(cube), [cube])
+
+
+def test_as_strided_of_a_view_with_gaps_or_of_too_many_positions_is_left_to_torch_onnx():
     from orttrainer.trainer.gradient.aten_onnx import GATHER_LIMIT
 
-    other_order = make_fx(lambda x: (aten.as_strided(x.t(), [2, 2], [1, 1]),))(torch.randn(3, 4))
+    with_gaps = make_fx(lambda x: (aten.as_strided(x[:, ::2], [2, 2], [1, 1]),))(torch.randn(3, 4))
     broadcast = make_fx(lambda x: (aten.as_strided(x, [GATHER_LIMIT + 1], [0]),))(torch.randn(3))
-    for graph in (other_order, broadcast):
+    for graph in (with_gaps, broadcast):
         with pytest.raises(UntranslatableGraph, match="as_strided"):
             translate(graph, ["x"], ["y"], 18)
 

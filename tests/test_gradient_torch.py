@@ -392,6 +392,17 @@ def test_shape_keyed_cache_evicts_least_recently_used():
     assert shape_signature([torch.zeros(2, dtype=torch.int64)]) != shape_signature([torch.zeros(2)])
 
 
+def test_shape_keyed_cache_keys_by_the_key_it_is_given():
+    """The torch builder's graphs for a forward that branches on values: inputs of one shape, two keys."""
+    cache: ShapeKeyedCache[str] = ShapeKeyedCache(
+        4, key=lambda inputs: (shape_signature(inputs), bool(inputs[0].any()))
+    )
+    zeros, ones = [torch.zeros(3)], [torch.ones(3)]
+    assert cache.get_or_build(zeros, lambda: "none") == "none" and cache.get_or_build(ones, lambda: "some") == "some"
+    assert cache.get_or_build([torch.zeros(3)], lambda: "again") == "none" and len(cache) == 2
+    assert ones in cache and [torch.full((3,), 2.0)] in cache and [torch.ones(4)] not in cache
+
+
 # (h) frozen parameters, buffers, tied weights -------------------------------------------------------------------------
 
 

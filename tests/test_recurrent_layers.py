@@ -104,7 +104,7 @@ def _joint(model: nn.Module, steps: int, for_torch_onnx: bool = False):
     inputs = [torch.randint(0, 30, (3, steps), generator=g), torch.randint(0, 5, (3, steps), generator=g)]
     wrapper = JointWrapper(model, None, ["tokens", "labels"])
     trainable = [n for n, _ in model.named_parameters()]
-    graph, sig, _ = trace_joint(wrapper, inputs, trainable, for_torch_onnx=for_torch_onnx)
+    graph, sig, _, _ = trace_joint(wrapper, inputs, trainable, for_torch_onnx=for_torch_onnx)
     return graph, sig, wrapper, inputs
 
 

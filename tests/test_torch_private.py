@@ -96,9 +96,9 @@ def test_the_traces_leave_out_the_checks_a_forward_runs(trace):
     if trace == "joint":
         graph, _ = torch_private.aot_export_joint(model, [x])
     elif trace == "joint_dynamic":
-        graph, _, _ = torch_private.aot_export_joint_dynamic(model, [x], [[]])
+        graph, _, _, _ = torch_private.aot_export_joint_dynamic(model, [x], [[]])
     else:
-        graph, _ = torch_private.aot_export_forward(model, [x])
+        graph, _, _ = torch_private.aot_export_forward(model, [x])
     targets = {n.target for n in graph.graph.nodes}
     assert not {aten._assert_async.msg, aten._assert_async.default} & targets
     assert aten.addmm.default in targets or aten.mm.default in targets  # the rest of the forward is there
@@ -110,7 +110,7 @@ def test_aot_export_forward_signature_values_and_eval_batch_norm():
     torch.manual_seed(0)
     model, x = Small().eval(), torch.randn(5, 3)
     model.bn.running_mean.uniform_(-1, 1)
-    graph, sig = torch_private.aot_export_forward(model, [x])
+    graph, sig, _ = torch_private.aot_export_forward(model, [x])
     assert [kind for kind, _ in sig.inputs] == ["parameter"] * 4 + ["buffer"] * 3 + ["user"]
     assert sig.outputs == (("user", sig.outputs[0][1]), ("user", sig.outputs[1][1]))
     targets = {n.target for n in graph.graph.nodes}
@@ -126,7 +126,7 @@ def test_aot_export_forward_signature_values_and_eval_batch_norm():
         def forward(self, x):
             return (x.float() * 2).to(torch.float64), x.to(torch.int64)
 
-    graph, _ = torch_private.aot_export_forward(Casts(), [x])
+    graph, _, _ = torch_private.aot_export_forward(Casts(), [x])
     assert aten._assert_tensor_metadata.default not in {n.target for n in graph.graph.nodes}  # the shapes are fixed
     assert [t.dtype for t in graph(x)] == [torch.float64, torch.int64]
 
@@ -236,7 +236,7 @@ class _Rows(nn.Module):
 def test_aot_export_joint_dynamic_signature_guards_and_values():
     torch.manual_seed(0)
     model = _Rows()
-    graph, sig, guards = torch_private.aot_export_joint_dynamic(model, [torch.randn(8, 4)[3:]], [[0]])  # a view
+    graph, sig, guards, _ = torch_private.aot_export_joint_dynamic(model, [torch.randn(8, 4)[3:]], [[0]])  # a view
     assert sig.inputs[:4] == (("parameter", "fc.weight"), ("parameter", "fc.bias"), *sig.inputs[2:4])
     assert [kind for kind, _ in sig.inputs].count("buffer") == 3 and sig.inputs[-1][0] == "user"
     assert sorted(kind for kind, _ in sig.outputs) == ["gradient"] * 4 + ["mutation"] * 3 + ["user"] * 2
@@ -262,7 +262,7 @@ def test_aot_export_joint_dynamic_reports_specialised_dims_and_missing_gradients
         def forward(self, x):
             return super().forward(x * 2 if x.shape[0] == 5 else x)
 
-    _, _, guards = torch_private.aot_export_joint_dynamic(Specialised(), [torch.randn(5, 4)], [[0]])
+    _, _, guards, _ = torch_private.aot_export_joint_dynamic(Specialised(), [torch.randn(5, 4)], [[0]])
     assert guards.dynamic_dims == [[]] and not guards.accepts([torch.randn(6, 4)])
     model = _Rows()
     model.extra = nn.Parameter(torch.ones(1))
@@ -356,8 +356,8 @@ def test_aot_export_joint_dynamic_same_sizes_share_one_symbol():
             return ((self.fc(x) - y).square().mean(),)
 
     args = [torch.randn(5, 4), torch.randn(5, 4)]
-    _, _, separate = torch_private.aot_export_joint_dynamic(Pair(), args, [[0], [0]])
-    _, _, shared = torch_private.aot_export_joint_dynamic(Pair(), args, [[0], [0]], [[(0, 0), (1, 0)]])
+    _, _, separate, _ = torch_private.aot_export_joint_dynamic(Pair(), args, [[0], [0]])
+    _, _, shared, _ = torch_private.aot_export_joint_dynamic(Pair(), args, [[0], [0]], [[(0, 0), (1, 0)]])
     assert separate.accepts([torch.randn(6, 4), torch.randn(6, 4)]) and shared.accepts([torch.randn(6, 4)] * 2)
     assert not shared.accepts([torch.randn(6, 4), torch.randn(7, 4)])  # one size: a mismatch is another graph
 
@@ -399,7 +399,7 @@ def test_aot_export_joint_dynamic_gives_a_tied_parameter_its_gradient_under_the_
         def forward(self, x):
             return (self.fc(x).pow(2).mean(),)
 
-    graph, sig, _ = torch_private.aot_export_joint_dynamic(Tied(), [torch.randn(5, 3)], [[0]])
+    graph, sig, _, _ = torch_private.aot_export_joint_dynamic(Tied(), [torch.randn(5, 3)], [[0]])
     assert ("gradient", "fc.bias") in sig.outputs and ("gradient", "fc.weight") in sig.outputs
 
 
@@ -507,7 +507,7 @@ def test_random_branches_decided_traces_a_branch_every_draw_takes_alike(compare,
     with pytest.raises(Exception, match="data-dependent|_local_scalar_dense"):  # PyTorch alone refuses the branch
         torch_private.aot_export_forward(model, [torch.ones(2, 3)])
     with torch_private.random_branches_decided():
-        graph, _ = torch_private.aot_export_forward(model, [torch.ones(2, 3)])
+        graph, _, _ = torch_private.aot_export_forward(model, [torch.ones(2, 3)])
     assert (aten.addmm.default in {n.target for n in graph.graph.nodes}) is not skipped
     assert graph(*model.parameters(), torch.ones(2, 3))[0] == (6.0 if skipped else model(torch.ones(2, 3))[0])
 
@@ -583,8 +583,8 @@ class _Loss(nn.Module):
 
 def test_traces_assume_an_assert_on_a_value_holds_and_leave_its_check_out():
     model, x, labels = _Loss(CheckedInputs()), torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
-    joint, _, _ = torch_private.aot_export_joint_dynamic(model, [x, labels], [[], []], for_torch_onnx=False)
-    forward, _ = torch_private.aot_export_forward(model, [x, labels])
+    joint, _, _, _ = torch_private.aot_export_joint_dynamic(model, [x, labels], [[], []], for_torch_onnx=False)
+    forward, _, _ = torch_private.aot_export_forward(model, [x, labels])
     for graph in (joint, forward):
         targets = {n.target for n in graph.graph.nodes}
         assert torch.ops.aten._assert_scalar.default not in targets and torch.ops.aten.addmm.default in targets
@@ -600,6 +600,97 @@ def test_a_branch_on_a_value_that_is_not_an_assert_still_fails_the_trace():
 
     with pytest.raises(Exception, match="data-dependent|_local_scalar_dense"):
         torch_private.aot_export_forward(Branches(), [torch.tensor([0, 1, 1, 0])])
+
+
+class _Padded(nn.Module):
+    """`(loss,)` of a branch on the input's values, as transformers' FSMT takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x, ids):
+        out = self.fc(x)
+        padding = ids.eq(0)
+        if padding.any():
+            out = out.masked_fill(padding.unsqueeze(-1), 0.0) * 3
+        return (out.sum(),)
+
+
+def test_a_trace_with_real_values_takes_the_batchs_branch_and_guards_it():
+    model, x = _Padded(), torch.randn(2, 3)
+    padded, unpadded = torch.tensor([0, 4]), torch.tensor([5, 4])
+    for ids, other in ((padded, unpadded), (unpadded, padded)):
+        joint, _, _, values = torch_private.aot_export_joint_dynamic(
+            model, [x, ids], [[], []], for_torch_onnx=False, real_values=True
+        )
+        forward, _, eval_values = torch_private.aot_export_forward(model, [x, ids], real_values=True)
+        for guards in (values, eval_values):
+            assert guards is not None and guards.inputs == (1,)  # the program reads `ids` only
+            assert guards.hold([x, ids]) and guards.hold([torch.randn(2, 3), ids.clone()])
+            assert not guards.hold([x, other])
+        for graph in (joint, forward):  # the reads steered Python only: not in the graph
+            assert aten._local_scalar_dense.default not in {n.target for n in graph.graph.nodes}
+        torch.testing.assert_close(forward(*model.parameters(), x, ids)[0], model(x, ids)[0])
+        torch.testing.assert_close(joint(*model.parameters(), x, ids)[0], model(x, ids)[0])
+
+
+def test_a_trace_with_real_values_and_no_branch_has_no_value_guards():
+    model = nn.Sequential(nn.Linear(3, 2))
+    _, _, _, values = torch_private.aot_export_joint_dynamic(
+        _Loss(_Ignoring(model)), [torch.randn(2, 3), torch.tensor([0, 1])], [[], []], real_values=True
+    )
+    assert values is None
+
+
+class _Ignoring(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, labels):
+        return self.model(x)
+
+
+def test_a_branch_on_a_parameter_or_a_random_draw_cannot_be_guarded_by_the_batch():
+    class OnWeight(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return (self.fc(x).sum() * 2 if self.fc.weight.sum() > 0 else self.fc(x).sum(),)
+
+    class OnDraw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return (self.fc(x).sum() if torch.rand([]) < 0.3 else x.sum() + self.fc.bias.sum(),)
+
+    x = torch.randn(2, 3)
+    with pytest.raises(torch_private.ValueBranchError, match="fc.weight") as refused:
+        torch_private.aot_export_joint_dynamic(OnWeight(), [x], [[]], real_values=True)
+    assert refused.value.state == "fc.weight"
+    with pytest.raises(torch_private.RandomBranchError, match=r"torch.rand\(...\) < 0.3"):
+        torch_private.aot_export_joint_dynamic(OnDraw(), [x], [[]], real_values=True)
+
+
+def test_a_forward_writing_into_its_input_is_a_mutation_output_of_the_joint_graph():
+    class Relabels(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 4)
+
+        def forward(self, x, labels):
+            labels.masked_fill_(labels < 0, 0)
+            return (F.cross_entropy(self.fc(x), labels),)
+
+    labels = torch.tensor([-100, 2])
+    graph, sig, _, _ = torch_private.aot_export_joint_dynamic(Relabels(), [torch.randn(2, 3), labels], [[], []])
+    user = [name for kind, name in sig.inputs if kind == "user"]
+    assert ("mutation", user[1]) in sig.outputs and labels.tolist() == [-100, 2]  # the sample is not written
 
 
 def test_unsupported_at_opset_reads_the_torchscript_exporters_refusal():

@@ -4,6 +4,7 @@ picks the builder, one graph per input-shape signature on shared state, checkpoi
 from __future__ import annotations
 
 import logging
+import warnings
 
 import numpy as np
 import onnx
@@ -229,6 +230,118 @@ def test_a_tensor_a_forward_caches_in_a_dict_is_computed_in_the_eval_graph(caplo
     torch.testing.assert_close(torch.as_tensor(loss), CE(expected, data[0][1]))
 
 
+class PaddingBranch(nn.Module):
+    """Branches on its input's values as transformers' FSMT does (`if not padding_mask.any(): padding_mask = None`)
+    and Longformer (`if is_global_attn:`): a mask is applied only when some token is padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, ids, labels):
+        hidden = self.fc(self.embedding(ids))
+        padding = ids.eq(0)
+        if padding.any():
+            hidden = hidden.masked_fill(padding.unsqueeze(-1), 0.0) * 2
+        return CE(hidden.mean(1), labels)
+
+
+TOKENS = {"inputs": [("ids", ["batch", "seq"]), ("labels", ["batch"])], "outputs": [("loss", [], True)]}
+
+
+def padded_batches():
+    """Batches of one shape whose values take either way of `PaddingBranch`'s branch, in turn."""
+    labels = torch.tensor([1, 2])
+    return [
+        (torch.tensor([[1, 2, 0], [3, 4, 5]]), labels),  # padding
+        (torch.tensor([[1, 2, 3], [3, 4, 5]]), labels),  # none: another graph
+        (torch.tensor([[0, 2, 3], [3, 4, 5]]), labels),  # padding again: the first graph
+        (torch.tensor([[7, 2, 3], [3, 4, 9]]), labels),
+    ]
+
+
+def test_a_branch_on_input_values_trains_and_evaluates_like_pytorch_either_way(caplog):
+    torch.manual_seed(0)
+    model, data = PaddingBranch(), padded_batches()
+    reference = clone(model)
+    trainer = make_trainer(model, TOKENS, optim.SGDConfig(lr=0.5), None, TORCH)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        for ids, labels in data:
+            loss = trainer.train_step(ids, labels)
+            sgd.zero_grad()
+            expected = reference(ids, labels)
+            expected.backward()
+            sgd.step()
+            torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+        assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-6
+        reference.eval()
+        for ids, labels in data:
+            with torch.no_grad():
+                torch.testing.assert_close(torch.as_tensor(trainer.eval_step(ids, labels)), reference(ids, labels))
+    assert "branches on tensor values at" in caplog.text and "`if padding.any():`" in caplog.text
+    assert caplog.text.count("a batch whose values branch another way") == 1  # two graphs for four batches
+    assert "torch.onnx" not in caplog.text and "is exported" not in caplog.text
+    assert trainer._training_session.training_graph_count == 2
+
+
+def test_a_model_that_branches_on_values_is_not_stored_in_the_compile_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORTTRAINER_COMPILE_CACHE", str(tmp_path))
+    trainer = make_trainer(PaddingBranch(), TOKENS, optim.SGDConfig(lr=0.5), None, TORCH)
+    for ids, labels in padded_batches()[:2]:
+        trainer.train_step(ids, labels)
+    trainer.eval_step(*padded_batches()[0])
+    # a later process traces again; ONNX Runtime's optimised graphs (keyed by the graph's bytes) may be kept
+    stored = [p for p in tmp_path.rglob("*") if p.is_file() and "onnxruntime" not in p.relative_to(tmp_path).parts]
+    assert stored == []
+
+
+class ParameterBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        if self.fc.bias.sum() > 0:  # on a parameter: a graph cannot be chosen by the batch
+            return self.fc(x)
+        return self.fc(x) * 2
+
+
+def test_a_branch_on_a_parameters_value_is_refused_naming_the_line():
+    trainer = make_trainer(ParameterBranch(), mlp_desc(), optim.SGDConfig(), CE, TORCH)
+    refusal = r"(?s)`if self.fc.bias.sum\(\) > 0:.*reads the model's state \(fc.bias\)"
+    with pytest.raises(GradientBuildError, match=refusal):
+        trainer.train_step(*batches(1)[0])
+
+
+class RelabelsInPlace(nn.Module):
+    """Writes into its input in place, as transformers' FSMT rewrites the labels' -100 to its padding id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x, labels):
+        labels.masked_fill_(labels == -100, 0)
+        return CE(self.fc(x), labels)
+
+
+def test_a_forward_that_writes_into_its_input_trains_like_pytorch():
+    data = [(x, torch.where(torch.arange(len(y)) % 3 == 0, -100, y)) for x, y in batches(3)]
+    model = RelabelsInPlace()
+    reference = clone(model)
+    desc = {"inputs": [("x", ["batch", 32]), ("labels", ["batch"])], "outputs": [("loss", [], True)]}
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), None, TORCH)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in data:
+        trainer.train_step(x, y.clone())
+        sgd.zero_grad()
+        reference(x, y.clone()).backward()
+        sgd.step()
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-6
+
+
 class IgnoredBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, b):
@@ -302,6 +415,35 @@ def test_auto_falls_back_to_torch_for_an_op_without_an_ort_gradient(caplog):
         in caplog.text
     )
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+
+
+@needs_training_build
+def test_the_ort_route_warns_of_a_branch_on_values_naming_the_line_and_the_torch_builder():
+    """The TorchScript export records the way the first batch takes a branch on a value for every batch: the 'ort'
+    builder's graph gives the second batch the first one's branch. The dry run saw the branch; the warning says
+    where, and which builder traces each way."""
+    warning = r"(?s)truth value of a tensor at .*`if padding.any\(\):`.*gradient_builder='torch'"
+    for builder in ("auto", "ort"):
+        trainer = make_trainer(
+            PaddingBranch(), TOKENS, optim.SGDConfig(), None, {"_internal_use": {"gradient_builder": builder}}
+        )
+        with pytest.warns(UserWarning, match=warning):
+            trainer.train_step(*padded_batches()[0])
+        assert trainer.gradient_builder == "ort"
+
+
+@needs_training_build
+def test_the_ort_route_does_not_warn_of_an_assert_on_a_value():
+    """An assert records the way every valid batch takes (the dry run checks the first): no warning."""
+    trainer = make_trainer(CheckedLoss(), mlp_desc_with_labels(), optim.SGDConfig(), None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*truth value of a tensor")
+        trainer.train_step(*batches(1)[0])
+    assert trainer.gradient_builder == "ort"
+
+
+def mlp_desc_with_labels() -> dict:
+    return {"inputs": [("x", ["batch", 32]), ("labels", ["batch"])], "outputs": [("loss", [], True)]}
 
 
 def _onnx_mlp_with_loss() -> onnx.ModelProto:

@@ -37,6 +37,7 @@ from .build.forward import (
     prepare_torch,
     torch_route_forward,
     torchscript_forward,
+    warn_of_fixed_branches,
 )
 from .build.torch_route import module_values
 from .compile.compiler import (
@@ -147,7 +148,7 @@ def _build_torch(
     if plan.choice.builder != "torch":
         try:
             forward = torchscript_forward(config, module, sample_inputs, activations, plan)
-            return _compile_and_open(config, state, forward, cached)
+            built = _compile_and_open(config, state, forward, cached)
         except Exception as err:
             reason = auto_fallback(plan.choice, err)
             if reason is None:
@@ -165,6 +166,8 @@ def _build_torch(
                     f"neither gradient builder can train {type(module).__name__}: the 'ort' builder: "
                     f"{reason.removeprefix('auto: ')}; the torch builder: {type(torch_err).__name__}: {torch_err}"
                 ) from torch_err
+        warn_of_fixed_branches(type(module).__name__, forward.fixed_branches)  # outside: a warning is no failure
+        return built
     forward = torch_route_forward(config, module, sample_inputs, plan, activations, None, _eval_cache(cached))
     return _compile_and_open(config, state, forward, cached)
 
@@ -201,7 +204,11 @@ def _compile_and_open(
     plan, owners = _data_parallel_plan(config, forward.forward, forward.trainable)
     compiled, initial = compile_model(_compile_request(config, forward, losses[0], plan, cached))
     built = _open(config, state, forward, compiled, initial, owners, cached)
-    if cached is not None:
+    if cached is not None and compiled.branches_on_values:
+        # the cache finds graphs by the first batch and its shapes, and such a graph serves only the values that
+        # branch as the first batch's did (compile/compiler.TorchShapeGraphs)
+        _logger.info("the compiled graphs are not stored in the compile cache: the forward branches on values")
+    elif cached is not None:
         meta = {
             "route": "torch" if forward.source is not None else "torchscript",
             "builder": [compiled.builder.builder, compiled.builder.reason],

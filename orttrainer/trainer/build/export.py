@@ -42,7 +42,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -104,6 +104,8 @@ class EvalRun:
 
     sample_outputs: list[torch.Tensor]  # flattened (loss, *outputs) with a loss_fn, else the model's outputs
     custom_functions: list[str]  # custom torch.autograd.Functions in the outputs' autograd graph
+    # where the forward took a tensor's truth value (`if mask.any():`), asserts left out (torch_private.truth_reads)
+    value_branches: list[str]
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,10 @@ class DryRun:
     def custom_functions(self) -> list[str]:
         return self.evaluated().custom_functions
 
+    @property
+    def value_branches(self) -> list[str]:
+        return self.evaluated().value_branches
+
 
 @dataclass
 class ExportedModel:
@@ -143,6 +149,8 @@ class ExportedModel:
     aliases: dict[str, str]  # state_dict key -> initializer holding the same (tied) tensor
     unused_state: dict[str, torch.Tensor]  # state_dict entries the graph does not use (copies; they never change)
     mutated: list[str]  # buffers the forward updates in place: the TorchScript export drops their updates
+    # branches on a tensor's value that the export fixed to the sample's way: "file:line (`source`)"
+    fixed_branches: list[str] = field(default_factory=list)
 
 
 def check_forward_accepts(model: torch.nn.Module, input_names: list[str], has_loss_fn: bool) -> None:
@@ -186,7 +194,8 @@ def dry_run(
     input_names = [d.name for d in model_desc.inputs]
     output_names = [d.name for d in model_desc.outputs]
     check_forward_accepts(model, input_names, loss_fn is not None)
-    sample_outputs, functions, read = _dry_run(_ModelWithLoss(model, loss_fn, input_names), sample_inputs, record_reads)
+    wrapper = _ModelWithLoss(model, loss_fn, input_names)
+    sample_outputs, functions, read, branches = _dry_run(wrapper, sample_inputs, record_reads)
     if len(sample_outputs) < len(output_names):
         raise ValueError(
             f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
@@ -201,7 +210,7 @@ def dry_run(
     input_dtypes = [t.dtype for t in sample_inputs]
     output_dtypes = [t.dtype for t in sample_outputs[: len(output_names)]]
     read_state = [name for name in model.state_dict() if name in read] if read is not None else None
-    evaluated = EvalRun(sample_outputs, functions)
+    evaluated = EvalRun(sample_outputs, functions, branches)
     return DryRun(lambda: evaluated, input_dtypes, output_dtypes, model.training, read_state)
 
 
@@ -217,8 +226,10 @@ def deferred_dry_run(
     @functools.cache
     def evaluated() -> EvalRun:
         with TRACING, no_increase_global_step():
-            outputs, functions, _ = _dry_run(_ModelWithLoss(model, loss_fn, input_names), sample_inputs, False)
-        return EvalRun(outputs, functions)
+            outputs, functions, _, branches = _dry_run(
+                _ModelWithLoss(model, loss_fn, input_names), sample_inputs, False
+            )
+        return EvalRun(outputs, functions, branches)
 
     input_dtypes = [t.dtype for t in sample_inputs]
     return DryRun(evaluated, input_dtypes, list(output_dtypes), model.training, None)
@@ -244,7 +255,7 @@ def export_model(
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     names = (input_names, output_names, _dynamic_axes(model_desc))
     try:
-        exported, mutated = _torchscript_export(wrapper, sample_inputs, names, opset_version)
+        exported, mutated, traced_truths = _torchscript_export(wrapper, sample_inputs, names, opset_version)
     except Exception as err:
         unsupported = torch_private.unsupported_at_opset(err)
         if unsupported is not None and unsupported[2] > opset_version:
@@ -258,7 +269,11 @@ def export_model(
     onnx_model = set_initializers(strip_prefix(onnx.load_from_string(exported), MODEL_PREFIX), buffers)
     if dry.was_training:
         onnx_model = restore_dropout_training_mode(onnx_model)
-    return replace(exported_model(onnx_model, model, dry), mutated=mutated)
+    # a value the tracer turned into a Python bool where the eager dry run took a tensor's truth value: the
+    # tracer also warns for branches on sizes (traced as tensors there), and the eager run also sees branches the
+    # exporter does not meet (library code taking another path while tracing)
+    fixed = [place for place in dry.value_branches if place.split(" ", 1)[0] in traced_truths]
+    return replace(exported_model(onnx_model, model, dry), mutated=mutated, fixed_branches=fixed)
 
 
 _DROPPED_MUTATION = re.compile(r"Removing mutation from node \S+ on block input: '([^']+)'")
@@ -280,9 +295,10 @@ def _passed_on(caught: list[warnings.WarningMessage]) -> list[str]:
 
 def _torchscript_export(
     wrapper: torch.nn.Module, sample_inputs: list[torch.Tensor], names: tuple, opset_version: int
-) -> tuple[bytes, list[str]]:
+) -> tuple[bytes, list[str], set[str]]:
     """`torch.onnx.export` as the module docstring says; `names`: (input names, output names, dynamic axes).
-    Returns the model's bytes and the buffers whose in-place updates the exporter dropped (`_passed_on`)."""
+    Returns the model's bytes, the buffers whose in-place updates the exporter dropped (`_passed_on`) and the
+    places ("file:line") where the tracer warned that it turned a traced value into a Python bool."""
     input_names, output_names, dynamic_axes = names
     buffer = io.BytesIO()
     with warnings.catch_warnings(record=True) as caught:
@@ -299,7 +315,15 @@ def _torchscript_export(
             training=torch.onnx.TrainingMode.TRAINING,
             dynamo=False,
         )
-    return buffer.getvalue(), _passed_on(caught)
+    truths = {
+        f"{w.filename}:{w.lineno}"
+        for w in caught
+        if issubclass(w.category, torch.jit.TracerWarning) and _TRUTH_VALUE in str(w.message)
+    }
+    return buffer.getvalue(), _passed_on(caught), truths
+
+
+_TRUTH_VALUE = "Converting a tensor to a Python boolean"  # the tracer's TracerWarning for bool() of a traced value
 
 
 def _first_opset_that_exports(
@@ -439,10 +463,11 @@ def strip_prefix(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
 
 def _dry_run(
     wrapper: _ModelWithLoss, inputs: list[torch.Tensor], record_reads: bool
-) -> tuple[list[torch.Tensor], list[str], set[str] | None]:
+) -> tuple[list[torch.Tensor], list[str], set[str] | None, list[str]]:
     """Run an eval-mode copy of the wrapper: its outputs give the output dtypes, its autograd graph shows the
     custom autograd Functions (which the TorchScript exporter would silently inline, dropping their backward),
-    and the state it reads is the torch route's frozen state (build/torch_route.module_state)."""
+    the state it reads is the torch route's frozen state (build/torch_route.module_state), and the places where
+    it took a tensor's truth value are branches the TorchScript export would fix (`torch_private.truth_reads`)."""
     try:
         runner = copy.deepcopy(wrapper)
     except Exception:
@@ -464,14 +489,16 @@ def _dry_run(
 
     try:
         try:  # the autograd graph is walked, never run: it need not hold the activations
-            with torch_private.saved_tensors_dropped():
+            with torch_private.saved_tensors_dropped(), torch_private.truth_reads() as branches:
                 outputs, read = run()
         except Exception:  # e.g. the forward runs a backward of its own (SavedTensorDroppedError, maybe wrapped)
-            outputs, read = run()
+            with torch_private.truth_reads() as branches:
+                outputs, read = run()
     finally:
         runner.train(was_training)
     functions = custom_autograd_functions(outputs)
-    return [t.detach() if isinstance(t, torch.Tensor) else t for t in flatten_outputs(outputs)], functions, read
+    flat = [t.detach() if isinstance(t, torch.Tensor) else t for t in flatten_outputs(outputs)]
+    return flat, functions, read, branches
 
 
 def _run_recording_reads(runner: torch.nn.Module, inputs: list[torch.Tensor], state: dict) -> tuple[object, set[str]]:

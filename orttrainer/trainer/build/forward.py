@@ -84,6 +84,7 @@ class Forward:
     activations: ActivationStatistics | None = None  # orttrainer.debug statistics, when the export marked them
     eval_graphs: TorchEvalGraphs | None = None  # the torch route: its forward model and eval graphs
     batch_norms: list[BatchNormStatistics] = field(default_factory=list)  # updated by a graph pass ('ort')
+    fixed_branches: list[str] = field(default_factory=list)  # the export fixed them (`warn_of_fixed_branches`)
 
     @property
     def state_names(self) -> list[str]:
@@ -163,6 +164,23 @@ class NoBuilderTrainsError(RuntimeError):
     """'auto' tried both gradient builders and neither built the model: the message names both reasons."""
 
 
+def warn_of_fixed_branches(model: str, branches: list[str]) -> None:
+    """Warn (UserWarning) where the TorchScript export fixed a branch on a tensor's value to the first batch's way
+    for every batch (`export.ExportedModel.fixed_branches`), once the TorchScript route trains the model. Not an
+    error: a branch every batch takes alike (a check for inf, say) trains right, and only the user knows."""
+    if branches:
+        more = f" (and {len(branches) - 1} more)" if len(branches) > 1 else ""
+        warnings.warn(
+            f"the forward of {model} takes the truth value of a tensor at {branches[0]}{more}: the TorchScript export "
+            "(the 'ort' gradient builder's route) records the way the first batch takes it for every batch, so a "
+            "batch whose values take another way trains on the first batch's branch. If yours can, use the torch "
+            "gradient builder (options _internal_use.gradient_builder='torch'), which traces each way the batches "
+            "take, or compute the branch with tensor operations (torch.where, masks).",
+            UserWarning,
+            stacklevel=5,
+        )
+
+
 def torchscript_forward(
     config: TrainerConfig,
     module: torch.nn.Module,
@@ -204,7 +222,17 @@ def torchscript_forward(
     )
     statistics = activations if activations.instrumented else None
     return Forward(
-        desc, forward, trainable, frozen, plan.choice, info, None, sample_inputs, statistics, batch_norms=batch_norms
+        desc,
+        forward,
+        trainable,
+        frozen,
+        plan.choice,
+        info,
+        None,
+        sample_inputs,
+        statistics,
+        batch_norms=batch_norms,
+        fixed_branches=exported.fixed_branches,
     )
 
 

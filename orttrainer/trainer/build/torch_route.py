@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +44,7 @@ from ..gradient import torch_private
 from ..gradient.eager_fallback import with_eager_translations
 from ..gradient.torch_builder import MAX_ORT_OPSET, build_torch_forward_graph
 from ..gradient.torch_graphs import STATIC_SIGNATURES, bind_foreign_state
-from ..gradient.torch_private import DimSpec
+from ..gradient.torch_private import DimSpec, ValueGuards
 from ..gradient.torch_trace import attributes_restored, experts_in_static_shapes, flatten_tensors
 from ..graph.class_labels import guard_pytorch_indices
 from ..graph.passes import rewrite_enabled
@@ -250,7 +250,9 @@ class TorchEvalGraphs:
       translation lacks) is logged at INFO, and every later graph is exported.
     - Exported, for inputs of any other signature: the first one exported (dynamic) serves every input it accepts,
       else one is exported for their shapes (logged at INFO, kept).
-    Traced graphs are kept in the compile cache (`cache`, build/cached.py) for the next process.
+    Traced graphs are kept in the compile cache (`cache`, build/cached.py) for the next process. A forward that
+    branches on tensor values (gradient/torch_trace.py) gets a traced graph for each way its branches go, for each
+    signature, kept in this process only; `key(inputs)` tells the session which graph serves a batch.
     Why both: on the benchmark transformer a trace takes 0.45 s and an export 2.5 s (docs/engine.md §29), but the
     exported graph's dynamic dims serve the shapes to come (STATIC_SIGNATURES: gradient/torch_graphs.py).
 
@@ -275,6 +277,8 @@ class TorchEvalGraphs:
         self._forward: onnx.ModelProto | None = None
         self._tracing = traced and instrument is None
         self._traced: dict[ShapeSignature, EvalGraph] = {}
+        # traced for the way a forward's branches on values went: the signature, the graph, its value guards
+        self._on_values: list[tuple[ShapeSignature, EvalGraph, ValueGuards]] = []
         self._cache = cache  # the compile cache's traced eval graphs (build/cached.py)
         self._first: tuple[EvalGraph, list[list[DimSpec]]] | None = None  # the first exported graph
         self._others: ShapeKeyedCache[EvalGraph] = ShapeKeyedCache(16)
@@ -285,17 +289,29 @@ class TorchEvalGraphs:
         assert self._forward is not None  # set by the first export
         return self._forward
 
+    def key(self, inputs: Sequence[torch.Tensor]) -> Hashable:
+        """Inputs with the same key get the same graph: their shape signature, and which graphs traced for
+        branches on values accept them."""
+        signature = shape_signature(inputs)
+        if not self._on_values:
+            return signature
+        return signature, tuple(s == signature and guards.hold(inputs) for s, _, guards in self._on_values)
+
     def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph:
         signature = shape_signature(inputs)
+        for traced_for, graph, guards in self._on_values:
+            if traced_for == signature and guards.hold(inputs):
+                return graph
         if signature in self._traced:
             return self._traced[signature]
         if self._first is not None and accepts(self._first[1], self._dtypes, inputs):
             return self._first[0]
         if self._tracing and len(self._traced) < STATIC_SIGNATURES and _tracing_switched_on():
-            slot = self._cache.slot(inputs) if self._cache is not None else None
+            slot = self._cache.slot(inputs) if self._cache is not None and not self._on_values else None
             traced = self._load(slot, inputs) or self._trace(inputs, slot)
             if traced is not None:
-                self._traced[signature] = traced
+                if all(graph is not traced for _, graph, _ in self._on_values):  # else it serves its values only
+                    self._traced[signature] = traced
                 return traced
         if self._first is None:
             return self._export_first(inputs)
@@ -330,11 +346,12 @@ class TorchEvalGraphs:
 
     def _trace(self, inputs: Sequence[torch.Tensor], slot: GraphSlot | None) -> EvalGraph | None:
         """The traced eval graph for `inputs`' shapes (kept in the compile cache: their `slot`), or None when the
-        trace or its translation fails (tracing then stops: the class docstring)."""
+        trace or its translation fails (tracing then stops: the class docstring). A graph traced for branches on
+        values joins `_on_values`, and stays out of the cache."""
         source = self._source
         try:
             with TRACING, eval_mode(source.module), no_increase_global_step():
-                model = build_torch_forward_graph(
+                model, guards = build_torch_forward_graph(
                     _EvalForward(source),
                     source.module,
                     source.input_names,
@@ -355,7 +372,9 @@ class TorchEvalGraphs:
             return None
         values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
         graph = self._eval_graph(bind_foreign_state(model, len(inputs), self._state, values))
-        if slot is not None:
+        if guards is not None:
+            self._on_values.append((shape_signature(inputs), graph, guards))
+        elif slot is not None:
             slot.store(graph.model)
         return graph
 

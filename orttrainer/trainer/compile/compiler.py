@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -122,7 +122,8 @@ class CompiledModel:
     gradient graph. `trainable` lists every trained tensor and `frozen` the state that is fed but not trained (the
     gradient builder may have frozen parameters that do not reach the loss); `accumulation_buffers` are the
     gradient sums kept as state. `graph_for` (torch builder): inputs -> the training graph (data parallel: the
-    gradient-step graph) for their shapes."""
+    gradient-step graph) for their shapes; `graph_key` (torch builder): the key under which a graph `graph_for`
+    gave may serve other inputs (`TorchShapeGraphs.key`)."""
 
     training: TrainingGraph
     eval_model: onnx.ModelProto
@@ -134,6 +135,8 @@ class CompiledModel:
     step: GradientStepGraph | None = None
     reduced_inputs: dict[str, str] | None = None
     graph_for: Callable[[Sequence[torch.Tensor]], StepGraph] | None = None
+    graph_key: Callable[[Sequence[torch.Tensor]], Hashable] | None = None
+    branches_on_values: bool = False  # the torch builder's first graph took branches on values (TorchShapeGraphs)
 
     @property
     def step_graph(self) -> StepGraph:
@@ -169,7 +172,9 @@ def compile_model(request: CompileRequest) -> tuple[CompiledModel, InitialState]
     # 6. the initial state: the weights, and zeros for the moments and accumulation buffers
     buffers = _accumulation_buffers(request, shapes, step_graph)
     initial = {**weights, **zero_state(training.state_shapes), **zero_state(buffers)}
-    graph_for = TorchShapeGraphs(request, step_graph, gradient.accepts) if gradient.builder.builder == "torch" else None
+    graph_for = None
+    if gradient.builder.builder == "torch":
+        graph_for = TorchShapeGraphs(request, step_graph, gradient.accepts, gradient.branches_on_values)
     step = step_graph if isinstance(step_graph, GradientStepGraph) else None
     assert isinstance(training, TrainingGraph)
     compiled = CompiledModel(
@@ -183,6 +188,8 @@ def compile_model(request: CompileRequest) -> tuple[CompiledModel, InitialState]
         step=step,
         reduced_inputs=reduced,
         graph_for=graph_for,
+        graph_key=graph_for.key if graph_for is not None else None,
+        branches_on_values=gradient.branches_on_values,
     )
     return compiled, initial
 
@@ -375,9 +382,16 @@ class TorchShapeGraphs:
     traced with model_desc's string dims dynamic, which then serves every later batch its guards accept. With it
     off, that dynamic graph comes at the first new signature. Any other batch gets a graph traced for its shapes.
     Each runs through stages 2-4 (graph/pipeline.py) and must have `first`'s state contract (checked). The
-    session caches the results per signature."""
+    session caches the results per `key`: the signature, and for a model whose forward branches on tensor values
+    (gradient/torch_trace.py), which of the graphs traced for such branches accept the batch. Those graphs are
+    traced for the values of a batch, and one of them serves a later batch of their shapes only when its values
+    branch the same way; a batch no graph accepts gets one traced for it.
 
-    def __init__(self, request: CompileRequest, first: StepGraph, accepts: Accepts | None) -> None:
+    `branches_on_values`: the first graph's forward branched on values (`accepts` checks them)."""
+
+    def __init__(
+        self, request: CompileRequest, first: StepGraph, accepts: Accepts | None, branches_on_values: bool = False
+    ) -> None:
         if request.torch_source is None or request.sample_inputs is None:
             raise ValueError("per-shape graphs need the torch builder's module and first batch")
         self.first = first
@@ -389,14 +403,27 @@ class TorchShapeGraphs:
         self._static_signatures = 1  # traced for their shapes: the first (`static_shapes`), then those below
         self._cache = request.graph_cache
         self._loaded: dict[str, StepGraph] = {}  # graphs loaded from the cache, by content: one session each
+        # the graphs traced for branches on values, each with the rule saying which inputs it serves
+        self._on_values: list[tuple[StepGraph, Accepts]] = [(first, accepts)] if branches_on_values and accepts else []
         # keeps no batch and no forward model alive
         self._request = replace(request, forward=onnx.ModelProto(), sample_inputs=None)
 
+    def key(self, inputs: Sequence[torch.Tensor]) -> Hashable:
+        """Inputs with the same key get the same graph: their shape signature, and which of the graphs traced for
+        branches on values accept them (each runs the ops its branches read, on the batch)."""
+        signature = shape_signature(inputs)
+        if not self._on_values:
+            return signature
+        return signature, tuple(accepts(inputs) for _, accepts in self._on_values)
+
     def __call__(self, inputs: Sequence[torch.Tensor]) -> StepGraph:
         shapes = [list(t.shape) for t in inputs]
-        if shape_signature(inputs) == self._signature:
+        if shape_signature(inputs) == self._signature and not self._on_values:
             return self.first
-        slot = self._cache.slot(inputs) if self._cache is not None else None
+        for graph, serves in self._on_values:
+            if serves(inputs):
+                return graph
+        slot = self._cache.slot(inputs) if self._cache is not None and not self._on_values else None
         for graph, accepts in [(self.first, self._accepts), *([self._dynamic] if self._dynamic else [])]:
             if accepts is not None and accepts(inputs):
                 _logger.info("input shapes %s: an earlier training graph serves them (dynamic dims)", shapes)
@@ -415,8 +442,10 @@ class TorchShapeGraphs:
             and all(t.shape[d] >= 2 for t, dims in zip(inputs, self._source.dynamic_dims, strict=False) for d in dims)
         )
         request = self._request
+        new = "a batch whose values branch another way, of shapes" if self._on_values else "the new input shapes"
         _logger.info(
-            "tracing and compiling a training graph for the new input shapes %s (torch gradient builder%s)",
+            "tracing and compiling a training graph for %s %s (torch gradient builder%s)",
+            new,
             shapes,
             ": with model_desc's string dims dynamic, for the shapes to come" if dynamic else "",
         )
@@ -435,6 +464,9 @@ class TorchShapeGraphs:
         loss, scale = _torch_loss_names(request)
         graph = _tail(request, run_passes(model, _gradient_passes(request, loss)), scale, {})
         check_same_state_contract(self.first, graph)
+        if traced.branches_on_values:
+            self._on_values.append((graph, accepts))
+            slot = None  # kept in this process only: the compile cache keys graphs by shapes
         if dynamic:
             self._dynamic_tried = True
             self._dynamic = (graph, accepts)

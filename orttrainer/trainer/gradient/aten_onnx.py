@@ -309,22 +309,26 @@ def _reshape(g: _Graph, node: torch.fx.Node) -> Value:
 
 
 def _as_strided(g: _Graph, node: torch.fx.Node) -> Value:
-    """`aten.as_strided(x, size, stride, offset)` of a contiguous x with no offset of its own: element i of the
-    result is x's flat element offset + sum(i_k * stride_k). A Reshape where that is x's own order (adaptive
-    pooling's decomposition writes its mean so, Swin's pooler), else a Gather of x's flat elements at those
-    positions, which static shapes make a constant (overlapping windows included) of at most `GATHER_LIMIT`
-    elements. Other inputs: untranslated."""
+    """`aten.as_strided(x, size, stride, offset)` of an x that fills its storage with no offset of its own: element
+    i of the result is the storage's element offset + sum(i_k * stride_k). The storage is x itself when x is
+    contiguous, else x transposed to the order of its strides (Longformer chunks a transposed tensor so,
+    `_storage_order`). A Reshape where the positions are the storage's own order (adaptive pooling's decomposition
+    writes its mean so, Swin's pooler), else a Gather of the storage's elements at those positions, which static
+    shapes make a constant (overlapping windows included) of at most `GATHER_LIMIT` elements. Other inputs:
+    untranslated."""
     x, size, stride = node.args[:3]
     offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset", 0)
     source = g.meta(x)  # type: ignore[arg-type]
-    if not source.is_contiguous() or source.storage_offset() != 0 or not isinstance(offset, int):
+    order = _storage_order(source)
+    if order is None or source.storage_offset() != 0 or not isinstance(offset, int):
         return None  # type: ignore[return-value]
+    storage = g.tensor(x) if order == sorted(order) else g.one("Transpose", [g.tensor(x)], perm=order)
     shape: list[int] = list(size)  # type: ignore[arg-type]
     steps: list[int] = list(stride)  # type: ignore[arg-type]
     count = math.prod(shape)
     own_order = all(step == math.prod(shape[d + 1 :]) for d, step in enumerate(steps) if shape[d] != 1)
     if offset == 0 and count == source.numel() and own_order:
-        return g.one("Reshape", [g.tensor(x), g.ints(shape)], allowzero=1)
+        return g.one("Reshape", [storage, g.ints(shape)], allowzero=1)
     if count > GATHER_LIMIT:
         return None  # type: ignore[return-value]
     positions = np.full(shape, offset, dtype=np.int64)
@@ -334,8 +338,22 @@ def _as_strided(g: _Graph, node: torch.fx.Node) -> Value:
         )
     if count and (positions.min() < 0 or positions.max() >= source.numel()):
         return None  # type: ignore[return-value]
-    flattened = g.one("Reshape", [g.tensor(x), g.ints([-1])])
+    flattened = g.one("Reshape", [storage, g.ints([-1])])
     return g.one("Gather", [flattened, g.const(positions)], axis=0)
+
+
+def _storage_order(value: torch.Tensor) -> list[int] | None:
+    """The permutation of `value`'s dims that makes it its storage's contiguous order (the dims by decreasing
+    stride), or None when `value` does not fill its storage exactly (gaps or overlaps). A contiguous value's own
+    dims, in order."""
+    strides = value.stride()
+    dims = sorted(range(value.dim()), key=lambda d: (-strides[d], d))
+    expected = 1
+    for d in reversed(dims):
+        if value.shape[d] != 1 and strides[d] != expected:
+            return None
+        expected *= value.shape[d]
+    return dims
 
 
 def _diagonal(g: _Graph, node: torch.fx.Node) -> Value:

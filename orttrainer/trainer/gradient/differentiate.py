@@ -55,6 +55,7 @@ class Differentiated:
     frozen: list[str]
     accepts: Accepts | None = None  # torch builder: which inputs the model is valid for (None: any)
     added_state: dict[str, np.ndarray] = field(default_factory=dict)  # frozen buffers the builder added
+    branches_on_values: bool = False  # torch builder: `accepts` checks values too (TorchGradientModel)
 
 
 def differentiate(request: GradientRequest) -> Differentiated:
@@ -99,7 +100,9 @@ def _freezing_unreachable(request: GradientRequest, build: Builder, choice: Buil
             if isinstance(built, onnx.ModelProto):
                 return Differentiated(built, choice, trainable, frozen)
             added = {name: value.numpy() for name, value in built.added_state.items()}
-            return Differentiated(built.model, choice, trainable, frozen + list(added), built.accepts, added)
+            return Differentiated(
+                built.model, choice, trainable, frozen + list(added), built.accepts, added, built.branches_on_values
+            )
         except GradientBuildError as err:
             if not err.unreachable or not set(err.unreachable) <= set(trainable):
                 raise

@@ -105,6 +105,7 @@ class TorchGradientGraph:
     mutated_buffers: list[str]  # buffers the forward updates in place: their new values follow the gradients
     guards: torch_private.ShapeGuards | None = None  # a dynamic-shape graph: the shapes it is valid for
     loss_scale_input: str | None = None  # mixed precision: the last graph input (module docstring)
+    values: torch_private.ValueGuards | None = None  # the forward branched on values: the inputs it is valid for
 
     @property
     def dynamic(self) -> bool:
@@ -118,10 +119,11 @@ class TorchGradientGraph:
 
     def accepts(self, inputs: Sequence[torch.Tensor]) -> bool:
         """Whether this graph computes the right result for `inputs`: their signature is the traced one, or the
-        graph is dynamic, the dtypes and ranks match and the trace's shape guards hold for their sizes."""
+        graph is dynamic, the dtypes and ranks match and the trace's shape guards hold for their sizes; and the
+        branches the forward took on values go the same way for them (`values`)."""
         got = shape_signature(inputs)
         if got == self.signature:
-            return True
+            return self.values is None or self.values.hold(inputs)
         same_types = [(len(s), t) for s, t in got] == [(len(s), t) for s, t in self.signature]
         return self.guards is not None and same_types and self.guards.accepts(inputs)
 
@@ -200,7 +202,7 @@ def build_torch_forward_graph(
     output_names: Sequence[str],
     opset_version: int = torch_private.MIN_DYNAMO_OPSET,
     float16: bool = False,
-) -> onnx.ModelProto:
+) -> tuple[onnx.ModelProto, torch_private.ValueGuards | None]:
     """The forward-only ONNX model of `wrapper` (a module around `module` returning its outputs as a flat tuple,
     loss first: build/torch_route._EvalForward) for the shapes of `inputs`, translated directly
     (gradient/aten_onnx.py): graph inputs are the data (`input_names`) then every state tensor of `module` under
@@ -208,18 +210,19 @@ def build_torch_forward_graph(
     len(output_names) outputs, so named, then the new value of each buffer the forward updates in place
     (`<buffer>__updated`). State of `wrapper` outside `module` (a loss module's weight) and tensor attributes are
     constants. Traced in the mode the module is in; `float16`: the wrapper computes in float16 (mixed precision).
-    Raises UntranslatableGraph for an op the direct translation lacks, PyTorch's error when the trace fails."""
+    With the model, the value guards of its branches on values (None: none; gradient/torch_trace.py). Raises
+    UntranslatableGraph for an op the direct translation lacks, PyTorch's error when the trace fails."""
     opset = _effective_opset(opset_version)
     canonical = _canonical_names(module)  # before tracing: tensor attributes are buffers only while it runs
     state = {name: tensor.detach() for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
-    graph, sig = trace_forward(wrapper, inputs, float16)
+    graph, sig, values = trace_forward(wrapper, inputs, float16)
     state_inputs, mutated = _rewrite_joint(
         graph, sig, _traced_state(wrapper), canonical, [], len(output_names), type(module).__name__
     )
     outputs = [*output_names, *map(buffer_update_name, mutated)]
     model = translate(graph, [*state_inputs, *input_names], outputs, opset)
     del graph  # the traced graph and its fake tensors are not needed any more
-    return _order_inputs(model, list(input_names), {n: state[n] for n in canonical.values()})
+    return _order_inputs(model, list(input_names), {n: state[n] for n in canonical.values()}), values
 
 
 def _log_dynamic_failure(module: torch.nn.Module, inputs: Sequence[torch.Tensor], err: Exception) -> None:
@@ -264,7 +267,7 @@ def _traced_and_translated(
 ) -> TorchGradientGraph:
     module, input_names, inputs, trainable = request.module, request.input_names, request.inputs, request.trainable
     wrapper, canonical, state = _wrap(request)
-    graph, sig, guards = trace_joint(
+    graph, sig, guards, values = trace_joint(
         wrapper, inputs, trainable, dynamic_dims, request.same_sizes, for_torch_onnx=not direct
     )
     if guards is not None and not any(guards.dynamic_dims):
@@ -277,7 +280,7 @@ def _traced_and_translated(
     if direct:
         model = translate(graph, [*state_inputs, *input_names], output_names, request.opset)
         del graph  # the traced graph and its fake tensors are not needed any more
-        return _gradient_graph(request, model, state, canonical, mutated, None, recomputed)
+        return _gradient_graph(request, model, state, canonical, mutated, None, recomputed, values)
     # The rewrites since the trace edited the graph only; torch.onnx runs its Python code, generated here once (on
     # the LSTM's joint graph of 9,000 nodes a generation takes 0.34 s; the direct translation reads the nodes)
     graph.recompile()
@@ -295,7 +298,7 @@ def _traced_and_translated(
             f"torch.onnx could not export the traced forward+backward graph of "
             f"{type(module).__name__} to ONNX opset {request.opset}: {err}"
         ) from err
-    return _gradient_graph(request, model, state, canonical, mutated, guards, recomputed)
+    return _gradient_graph(request, model, state, canonical, mutated, guards, recomputed, values)
 
 
 def _gradient_graph(
@@ -306,6 +309,7 @@ def _gradient_graph(
     mutated: list[str],
     guards: torch_private.ShapeGuards | None,
     recomputed: int,
+    values: torch_private.ValueGuards | None,
 ) -> TorchGradientGraph:
     """The translated `model` as the builder's result; `recomputed`: the nodes recompute copied (metadata)."""
     input_names = request.input_names
@@ -325,6 +329,7 @@ def _gradient_graph(
         mutated,
         guards,
         scale_input,
+        values,
     )
 
 

@@ -9,6 +9,9 @@ Rules:
   `torch_builder.py`). The compiler keeps the graph for each shape signature it has seen: the first
   `STATIC_SIGNATURES` signatures get graphs traced for their shapes, a later one the dynamic graph
   (compile/compiler.TorchShapeGraphs; the eval graphs likewise, build/torch_route.TorchEvalGraphs).
+- Values: a module whose forward branches on the batch's values gets a graph for the way the batch's values
+  branch; its `accepts` also checks that a batch's values branch the same way (`branches_on_values`;
+  gradient/torch_trace.py).
 - Mode: the module is traced in the train/eval mode it had when the trainer first saw it.
 - Names: with `state_names` (module name -> trainer name; an ONNX model's `OnnxModule`), `trainable` and `state`
   are given in trainer names and the gradient model is renamed to them (`graph/state_names.rename_state_pass`).
@@ -77,11 +80,14 @@ Accepts = Callable[[Sequence[torch.Tensor]], bool]
 @dataclass(frozen=True)
 class TorchGradientModel:
     """A torch-built gradient model, the rule saying which inputs it is valid for, and the buffers the forward
-    updates that were not yet the trainer's state (with their values): the trainer adds them to its frozen state."""
+    updates that were not yet the trainer's state (with their values): the trainer adds them to its frozen state.
+    `branches_on_values`: the forward branched on tensor values, so `accepts` also checks that the inputs' values
+    branch the same way (torch_private.ValueGuards); such a model is one of several for its input shapes."""
 
     model: onnx.ModelProto
     accepts: Accepts
     added_state: dict[str, torch.Tensor]
+    branches_on_values: bool = False
 
 
 def torch_gradient_model(
@@ -130,7 +136,7 @@ def torch_gradient_model(
     model = bind_foreign_state(graph.model, len(source.input_names), kept, values)
     passes = [GUARD_PYTORCH_INDICES, *([rename_state_pass(names)] if names else [])]  # graph/class_labels.py
     added_state = {names.get(b, b): values[b].clone() for b in added}
-    return TorchGradientModel(run_passes(model, passes), graph.accepts, added_state)
+    return TorchGradientModel(run_passes(model, passes), graph.accepts, added_state, graph.values is not None)
 
 
 def loss_scale_names(data_inputs: Sequence[str], outputs: Sequence[str], state: Sequence[str]) -> tuple[str, str]:

@@ -22,10 +22,15 @@ Rules:
 - Exactly the `trainable` parameters require grad while tracing; the flags are restored afterwards.
 - Tracing leaves the model as it was, also when it fails: attributes, parameters, buffers and submodules a
   forward rebinds while traced are put back (`torch_private.module_state_kept`).
-- Data-dependent Python (an `if` on a tensor, `.item()` feeding Python) cannot be traced, as with torch.export: the
-  error names the file and line and how to rewrite it. A Python `assert` on a value is assumed to hold
-  (`torch_private.asserting_shape_env`). nn.Transformer* masks are taken as causal only by their
-  `is_causal` hint (`torch_private.causal_mask_from_hint`), which computes the same attention.
+- Data-dependent Python (an `if` on a tensor's value, `.item()` feeding Python) is traced the way the batch takes
+  it: a trace with placeholder values that fails on such a branch is traced again with the batch's and the
+  state's real values (`torch_private.aot_export_joint_dynamic(real_values=True)`), for the batch's shapes, and
+  the graph comes with `ValueGuards`: the ops that compute what the branches read, from the batch, and the way
+  each went. A later batch whose values go another way gets a graph of its own (compile/compiler.py). A branch
+  on a parameter's value or on a random draw cannot be guarded so: the error names the file and line and how to
+  rewrite it. A Python `assert` on a value is assumed to hold (`torch_private.asserting_shape_env`).
+  nn.Transformer* masks are taken as causal only by their `is_causal` hint
+  (`torch_private.causal_mask_from_hint`), which computes the same attention.
 """
 
 from __future__ import annotations
@@ -160,7 +165,12 @@ def flatten_tensors(value) -> list[torch.Tensor]:
     return []
 
 
-TraceResult = tuple[torch.fx.GraphModule, torch_private.JointSignature, torch_private.ShapeGuards | None]
+TraceResult = tuple[
+    torch.fx.GraphModule,
+    torch_private.JointSignature,
+    torch_private.ShapeGuards | None,
+    torch_private.ValueGuards | None,
+]
 
 
 def trace_joint(
@@ -171,11 +181,12 @@ def trace_joint(
     same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
     for_torch_onnx: bool = True,
 ) -> TraceResult:
-    """The joint graph of `wrapper` on `inputs` (module docstring): (graph, signature, guards); guards are None
-    for a graph valid for the inputs' own shapes only (no dynamic dims). `for_torch_onnx`: also decomposed for
-    torch.onnx (`torch_private.trace_decompositions`); else for the direct translation. Raises GradientBuildError
-    naming the parameters without gradient; with dynamic dims, PyTorch's error for any other failure (the builder
-    then traces with concrete shapes); without, GradientBuildError naming what cannot be traced."""
+    """The joint graph of `wrapper` on `inputs` (module docstring): (graph, signature, guards, value guards);
+    guards are None for a graph valid for the inputs' own shapes only (no dynamic dims), value guards None for a
+    graph that took no branch on a value. `for_torch_onnx`: also decomposed for torch.onnx
+    (`torch_private.trace_decompositions`); else for the direct translation. Raises GradientBuildError naming the
+    parameters without gradient; with dynamic dims, PyTorch's error for any other failure (the builder then traces
+    with concrete shapes); without, GradientBuildError naming what cannot be traced."""
     dims = [list(d) for d in dynamic_dims] if dynamic_dims is not None else [[] for _ in inputs]
     dynamic = any(dims)
     with (
@@ -185,49 +196,121 @@ def trace_joint(
         _requires_grad_only(wrapper, wrapper.inner.model, set(trainable)),
         tensor_attributes_as_buffers(wrapper),
     ):
+        on_values: Exception | None = None  # the trace failed on a branch on a value: traced again with values
         try:
             groups = same_sizes if dynamic else ()
-            graph, sig, guards = traced(
+            graph, sig, guards, _ = traced(
                 lambda: torch_private.aot_export_joint_dynamic(
                     wrapper, inputs, dims, groups, float16=wrapper.mixed_precision, for_torch_onnx=for_torch_onnx
                 )
             )
-            return graph, sig, guards if dynamic else None
+            return graph, sig, guards if dynamic else None, None
         except GradientBuildError:
             raise  # the model's own (OnnxModule names its node); with dynamic dims the builder then tries concrete ones
         except Exception as err:
-            explained = _specific_error(err, wrapper, inputs, trainable)
-            if explained is not None and (explained.unreachable or not dynamic):
-                raise explained from err
-            if dynamic:
-                raise
+            if not dynamic and _branches_on_values(err):
+                on_values = err
+            else:
+                explained = _specific_error(err, wrapper, inputs, trainable)
+                if explained is not None and (explained.unreachable or not dynamic):
+                    raise explained from err
+                if dynamic:
+                    raise
+        if on_values is not None:  # outside the handler: the second trace's errors do not chain to the first's
+            return _trace_with_values(wrapper, inputs, trainable, for_torch_onnx, on_values)
         try:  # what the descriptor-based trace does not map: AOTAutograd's positional joint export
             graph, sig = traced(
                 lambda: torch_private.aot_export_joint(
                     wrapper, inputs, 0, float16=wrapper.mixed_precision, for_torch_onnx=for_torch_onnx
                 )
             )
-            return graph, sig, None
+            return graph, sig, None, None
         except GradientBuildError:
             raise
         except Exception as err:
             raise _explain_trace_error(err, wrapper, inputs, trainable) from err
 
 
+def _branches_on_values(err: Exception) -> bool:
+    """Whether a trace failed on Python reading a tensor's value that is not a random draw's."""
+    return torch_private.is_data_dependent_error(err) and torch_private.random_branch(err) is None
+
+
+def _trace_with_values(
+    wrapper: JointWrapper,
+    inputs: Sequence[torch.Tensor],
+    trainable: Sequence[str],
+    for_torch_onnx: bool,
+    failure: Exception,
+) -> TraceResult:
+    """The joint graph traced with the real values of `inputs` and of the state, for their shapes, with its value
+    guards (module docstring). Raises the error that explains `failure` (the trace without values) when this
+    trace fails too or its branches cannot be guarded, with the reason."""
+    try:  # with the real values a random draw has one too: the branches every draw takes alike are decided first
+        with tracing_context(), torch_private.random_branches_decided():
+            graph, sig, _, values = torch_private.aot_export_joint_dynamic(
+                wrapper,
+                inputs,
+                [[] for _ in inputs],
+                float16=wrapper.mixed_precision,
+                for_torch_onnx=for_torch_onnx,
+                real_values=True,
+            )
+    except GradientBuildError:
+        raise
+    except Exception as err:
+        unguarded = isinstance(err, torch_private.ValueBranchError)  # the trace ran; its branches were the problem
+        specific = None if unguarded else _specific_error(err, wrapper, inputs, trainable)
+        if specific is not None:  # what stopped the trace past the branches: parameters without gradient, LayerDrop
+            raise specific from err
+        explained = _specific_error(failure, wrapper, inputs, trainable)
+        if explained is None:
+            raise
+        if isinstance(err, torch_private.ValueBranchError) and err.state is not None:
+            state = err.state.removeprefix("inner.model.")  # the wrapper's name for the model's state (JointWrapper)
+            reason = f"the branch reads the model's state ({state}), not only the batch"
+        elif isinstance(err, torch_private.ValueBranchError):
+            reason = str(err)
+        else:
+            reason = f"{type(err).__name__}: {_first_line(err)}"
+        retried = f"Traced with the batch's values, it failed too: {reason}."
+        if type(explained) is not GradientBuildError:  # a more specific error (a custom Function's) keeps its type
+            explained.add_note(retried)
+            raise explained from err
+        raise GradientBuildError(f"{explained} ({retried})") from err
+    where = torch_private.user_frame(failure)
+    _logger.info(
+        "%s branches on tensor values%s: its graph is traced with this batch's values, and serves the batches "
+        "whose values branch the same way (conditions: %s)",
+        type(wrapper.inner.model).__name__,
+        f" at {where[0]}:{where[1]} (`{where[2]}`)" if where else "",
+        ", ".join(map(str, values.conditions)) if values is not None else "none",
+    )
+    return graph, sig, None, values
+
+
 def trace_forward(
     module: torch.nn.Module, inputs: Sequence[torch.Tensor], float16: bool = False
-) -> tuple[torch.fx.GraphModule, torch_private.JointSignature]:
+) -> tuple[torch.fx.GraphModule, torch_private.JointSignature, torch_private.ValueGuards | None]:
     """The forward-only graph of `module` (returning a tuple of tensors) on `inputs`, for their shapes, without
-    gradients, for the direct translation (an eval graph: build/torch_route.py). The module is traced as it is,
-    in its mode, under the rules of `trace_joint` (state kept, tensor attributes as constants, the same tracing
-    context); PyTorch's error propagates unexplained (the caller falls back to torch.export)."""
+    gradients, for the direct translation (an eval graph: build/torch_route.py), and its value guards (None: no
+    branch on a value). The module is traced as it is, in its mode, under the rules of `trace_joint` (state kept,
+    tensor attributes as constants, the same tracing context, a branch on a value traced with the real values);
+    PyTorch's error propagates unexplained (the caller falls back to torch.export)."""
+    detached = [t.detach() for t in inputs]
     with (
         translated_directly(True),
         torch_private.module_state_kept(module),
         tensor_attributes_as_buffers(module),
         experts_in_static_shapes(module),
     ):
-        return traced(lambda: torch_private.aot_export_forward(module, [t.detach() for t in inputs], float16=float16))
+        try:
+            return traced(lambda: torch_private.aot_export_forward(module, detached, float16=float16))
+        except Exception as err:
+            if not _branches_on_values(err):
+                raise
+        with tracing_context(), torch_private.random_branches_decided():  # as in `_trace_with_values`
+            return torch_private.aot_export_forward(module, detached, float16=float16, real_values=True)
 
 
 _trace = threading.local()

@@ -68,7 +68,9 @@ class DataParallelSession(SessionBase):
         self.graphs, self.graph = graphs, graphs.optimizer
         self.comm = comm
         step_for = cast(Callable[[Sequence[torch.Tensor]], GradientStepGraph] | None, compiled.graph_for)
-        self._runners = GraphRunners(self._session, graphs.step, step_for, "", streams, self._specializer(graphs.step))
+        self._runners = GraphRunners(
+            self._session, graphs.step, step_for, "", streams, self._specializer(graphs.step), compiled.graph_key
+        )
         update = graphs.optimizer.outside_update
         self._optimizer = TorchOptimizer(update, self.state_view) if update is not None else None
         self._train = None if update is not None else self._session(graphs.optimizer.model, config.optimized_model_path)

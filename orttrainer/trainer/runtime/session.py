@@ -31,7 +31,7 @@ import warnings
 import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
@@ -112,17 +112,21 @@ def _key_offset(key: str) -> int:
 class ShapeKeyedCache(Generic[T]):
     """One value (a gradient graph, a compiled session) per input-shape signature, least recently used evicted.
 
-    Rule: `get_or_build(inputs, build)` returns the value stored for `shape_signature(inputs)`, calling `build()`
-    only on a miss; at most `max_entries` values are kept."""
+    Rule: `get_or_build(inputs, build)` returns the value stored for `key(inputs)` (default: the shape signature;
+    the torch builder's graphs add the way a forward's branches on values go, compile/compiler.TorchShapeGraphs),
+    calling `build()` only on a miss; at most `max_entries` values are kept."""
 
-    def __init__(self, max_entries: int = 16) -> None:
+    def __init__(
+        self, max_entries: int = 16, key: Callable[[Sequence[torch.Tensor]], Hashable] = shape_signature
+    ) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries
-        self._values: OrderedDict[ShapeSignature, T] = OrderedDict()
+        self._key = key
+        self._values: OrderedDict[Hashable, T] = OrderedDict()
 
     def get_or_build(self, inputs: Sequence[torch.Tensor], build: Callable[[], T]) -> T:
-        key = shape_signature(inputs)
+        key = self._key(inputs)
         if key in self._values:
             self._values.move_to_end(key)
             return self._values[key]
@@ -138,7 +142,7 @@ class ShapeKeyedCache(Generic[T]):
             self._values[key] = rebuild(value)
 
     def __contains__(self, inputs: Sequence[torch.Tensor]) -> bool:
-        return shape_signature(inputs) in self._values
+        return self._key(inputs) in self._values
 
     def __len__(self) -> int:
         return len(self._values)
@@ -176,11 +180,14 @@ class EvalGraph:
 
 class EvalGraphs(Protocol):
     """The torch route's eval graphs: `self(inputs)` for the data (in `data_inputs` order); the same graph for
-    inputs it also serves. `serving(given)`: the graph for data that lacks some inputs (`SessionBase.evaluate`)."""
+    inputs it also serves, and for inputs of the same `key`. `serving(given)`: the graph for data that lacks some
+    inputs (`SessionBase.evaluate`)."""
 
     data_inputs: list[str]
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph: ...
+
+    def key(self, inputs: Sequence[torch.Tensor]) -> Hashable: ...
 
     def serving(self, given: dict[str, torch.Tensor]) -> EvalGraph: ...
 
@@ -188,7 +195,8 @@ class EvalGraphs(Protocol):
 class GraphRunners(Generic[G]):
     """The graph (and ONNX Runtime session) that runs a batch: `graph` for every batch, or — given `graph_for`
     (torch builder) — `graph_for(inputs)` for the shape signature of `inputs` (the data in `graph.data_inputs`
-    order), asked on the first batch with that signature; a graph it returned before keeps its session.
+    order), asked on the first batch with that signature (with `graph_key`: with that key, ShapeKeyedCache); a
+    graph it returned before keeps its session.
     `optimized_model_path` receives the first graph's optimized model (every later one would overwrite it). Each
     session is created with its graph's Dropout nodes seeded at the position `streams` has reached for it
     (`seeded`)."""
@@ -201,11 +209,14 @@ class GraphRunners(Generic[G]):
         optimized_model_path: str,
         streams: DropoutStreams,
         specialize: Callable[[G, dict[str, torch.Tensor]], G | None] | None = None,
+        graph_key: Callable[[Sequence[torch.Tensor]], Hashable] | None = None,
     ) -> None:
         self.graph, self._create, self._graph_for = graph, create, graph_for
         self.streams = streams
         self._path = optimized_model_path
-        self._cache: ShapeKeyedCache[GraphRunner[G]] = ShapeKeyedCache(MAX_TRAINING_GRAPHS)
+        self._cache: ShapeKeyedCache[GraphRunner[G]] = ShapeKeyedCache(
+            MAX_TRAINING_GRAPHS, graph_key or shape_signature
+        )
         self._specialize = specialize if graph_for is None else None
         self._static: dict[ShapeSignature, GraphRunner[G]] = {}
         self._pinned: dict[ShapeSignature, GraphRunner[G]] = {}  # graphs made for one signature (`pin`)
@@ -348,7 +359,8 @@ class SessionBase(ABC):
         self._optimized_graphs = OptimizedGraphs.for_sessions(config.session_options, config.device)
         # with eval_for, `first` only names the data inputs: the graphs are created when first needed
         first = EvalGraph(eval_model, list(eval_for.data_inputs if eval_for is not None else data_inputs))
-        self._evals = GraphRunners(self._eval_session, first, eval_for, "", streams)
+        key = eval_for.key if eval_for is not None else None
+        self._evals = GraphRunners(self._eval_session, first, eval_for, "", streams, graph_key=key)
         self._eval_for = eval_for
         # eval_step without some inputs: (graph, given inputs, outputs) -> the pruned graph's runners
         self._pruned: OrderedDict[tuple, GraphRunners[EvalGraph]] = OrderedDict()
@@ -581,7 +593,13 @@ class TrainingSession(SessionBase):
         self.graph = graph = compiled.training
         graph_for = cast(Callable[[Sequence[torch.Tensor]], TrainingGraph] | None, compiled.graph_for)  # one process
         self._runners = GraphRunners(
-            self._session, graph, graph_for, config.optimized_model_path, streams, self._specializer(graph)
+            self._session,
+            graph,
+            graph_for,
+            config.optimized_model_path,
+            streams,
+            self._specializer(graph),
+            compiled.graph_key,
         )
         self._zeros = {name: self._to_device(np.zeros_like(state[name])) for name in graph.accumulation}
         update = graph.outside_update

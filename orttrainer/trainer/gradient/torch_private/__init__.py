@@ -40,6 +40,8 @@ from .tracing import (
     RandomBranchError,
     SavedTensorDroppedError,
     ShapeGuards,
+    ValueBranchError,
+    ValueGuards,
     aot_export_forward,
     aot_export_joint,
     aot_export_joint_dynamic,
@@ -63,6 +65,7 @@ from .tracing import (
     saved_tensors_dropped,
     storage_reads,
     traceable_cumulative_batch_norm,
+    truth_reads,
     user_frame,
 )
 
@@ -77,6 +80,8 @@ __all__ = [
     "RandomBranchError",
     "SavedTensorDroppedError",
     "ShapeGuards",
+    "ValueBranchError",
+    "ValueGuards",
     "_quiet_exporter",
     "aot_export_forward",
     "aot_export_joint",
@@ -108,6 +113,7 @@ __all__ = [
     "saved_tensors_dropped",
     "storage_reads",
     "traceable_cumulative_batch_norm",
+    "truth_reads",
     "trace_decompositions",
     "unsupported_at_opset",
     "training_decompositions",

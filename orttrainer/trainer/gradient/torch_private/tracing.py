@@ -9,6 +9,7 @@ import bisect
 import contextlib
 import dis
 import functools
+import linecache
 import os
 import sys
 import types
@@ -116,6 +117,36 @@ def random_branches_decided() -> Iterator[None]:
 
     with DecidedDraws():
         yield
+
+
+@contextlib.contextmanager
+def truth_reads() -> Iterator[list[str]]:
+    """Within the block (this thread), each place where Python takes a tensor's truth value (`if mask.any():`,
+    `bool(t)`, `and`/`or`/`not` on a tensor) is appended to the yielded list, once, as "file:line (`source`)"; a
+    Python `assert` is left out (`_in_assert_statement`). Run eagerly, where sizes are Python numbers, these are
+    branches on values, never on shapes.
+
+    Why: the TorchScript exporter records the way its sample takes such a branch for every later input, with only
+    a TracerWarning, which it also gives for branches on sizes (traced as tensors there)."""
+    from torch.overrides import TorchFunctionMode
+
+    found: list[str] = []
+
+    class TruthReads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
+            if func in _TRUTH_READS and func is not torch.Tensor.item:
+                frame = sys._getframe(1)
+                while frame.f_back is not None and frame.f_code.co_filename == torch.overrides.__file__:
+                    frame = frame.f_back
+                if not _in_assert_statement(frame):
+                    place = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                    source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+                    if not any(entry.startswith(place + " ") for entry in found):
+                        found.append(f"{place} (`{source}`)")
+            return func(*args, **(kwargs or {}))
+
+    with TruthReads():
+        yield found
 
 
 def _is_number(value: Any) -> bool:
@@ -365,24 +396,32 @@ def aot_export_joint(
 
 
 def aot_export_forward(
-    module: torch.nn.Module, args: Sequence[Any], float16: bool = False
-) -> tuple[torch.fx.GraphModule, JointSignature]:
+    module: torch.nn.Module, args: Sequence[Any], float16: bool = False, real_values: bool = False
+) -> tuple[torch.fx.GraphModule, JointSignature, ValueGuards | None]:
     """Trace `module(*args)` without a backward into one functional aten graph for the input shapes of `args`,
     decomposed for the direct translation (`forward_decompositions(float16)`). Placeholders
     are (parameters, buffers, user inputs); outputs are (mutated inputs, user outputs): a `JointSignature` without
     gradients. `module` must return a tuple of tensors. The inputs are fake tensors of their own shapes in an
-    `asserting_shape_env`, as the joint trace's are; the trace's checks are removed (`_assertions_removed`)."""
+    `asserting_shape_env`, as the joint trace's are; the trace's checks are removed (`_assertions_removed`).
+    `real_values`: as `aot_export_joint_dynamic`'s (the value guards, else None)."""
     from torch._functorch.aot_autograd import aot_export_module
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode(shape_env=asserting_shape_env(), allow_non_fake_inputs=True)
-    fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in args]
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # as in `aot_export_joint`
-        graph, sig = aot_export_module(module, fakes, trace_joint=False, decompositions=forward_decompositions(float16))
+    shape_env = asserting_shape_env()
+    with contextlib.ExitStack() as stack:
+        if real_values:
+            stack.enter_context(_real_values_propagated())
+        mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in args]
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # as in `aot_export_joint`
+            table = forward_decompositions(float16)
+            graph, sig = aot_export_module(module, fakes, trace_joint=False, decompositions=table)
     if not isinstance(graph, torch.fx.GraphModule):
         raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
-    return _assertions_removed(graph), _joint_signature(graph, sig)
+    user_inputs = {str(name): k for k, name in enumerate(sig.user_inputs)}
+    values = _value_guards(graph, shape_env, user_inputs) if real_values else None
+    return _assertions_removed(graph), _joint_signature(graph, sig), values
 
 
 def _assertions_removed(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -434,7 +473,9 @@ def asserting_shape_env() -> Any:
     Why: models check their inputs so (transformers' XLM and FlauBERT: `assert lengths.max().item() <= slen`;
     ProphetNet: `assert torch.all(ids >= 0).item(), "..."`), and a traced tensor has no value to check. The
     trainer's dry run runs the forward eagerly on the first batch, so an assert that fails there still raises;
-    later batches are not checked, as in a model exported to ONNX. Any other branch on a value still fails."""
+    later batches are not checked, as in a model exported to ONNX. Any other branch on a value fails, unless the
+    fake tensors carry real values (`_real_values_propagated`): the ShapeEnv then takes the condition's value
+    from them, silently (`_value_guards` reads the conditions back)."""
     return _asserting_shape_env_class()(trace_asserts=True)
 
 
@@ -450,6 +491,11 @@ def _asserting_shape_env_class() -> type:
             while frame is not None and frame.f_code.co_filename in uninteresting_files():
                 frame = frame.f_back
             return frame is not None and _in_assert_statement(frame)
+
+        def _log_real_tensor_propagation(self, orig_expr: Any, unsound_result: Any) -> None:
+            # a condition taken from a real value is what a trace with real values is for (`_value_guards` reads
+            # each one back); PyTorch warns of each, as its draft export reports them as findings
+            return None
 
     return AssertingShapeEnv
 
@@ -477,7 +523,8 @@ def aot_export_joint_dynamic(
     same_sizes: Sequence[Sequence[tuple[int, int]]] = (),
     float16: bool = False,
     for_torch_onnx: bool = True,
-) -> tuple[torch.fx.GraphModule, JointSignature, ShapeGuards]:
+    real_values: bool = False,
+) -> tuple[torch.fx.GraphModule, JointSignature, ShapeGuards, ValueGuards | None]:
     """`aot_export_joint` with the dims `dynamic_dims[i]` of `args[i]` symbolic: one graph for every size of
     those dims that satisfies the returned guards. Each group of `same_sizes` ((input, dim) pairs) is one size
     (model_desc names them alike): one symbol, which keeps the symbolic arithmetic small. `float16`,
@@ -491,30 +538,43 @@ def aot_export_joint_dynamic(
     tensors (`.item()`) become graph computations; tensors the forward reads that are neither parameters,
     buffers nor inputs become constants of the graph (as torch.export treats them). Raises NotImplementedError
     for a graph feature this mapping does not know, and `MissingGradientError` when a parameter requiring grad
-    gets no gradient."""
+    gets no gradient.
+
+    `real_values` (no dynamic dims): the fake tensors carry the values of `args` and of the module's state, so a
+    branch on a value (`if mask.any():`) takes the way these inputs take, and the graph comes with the
+    `ValueGuards` that say which inputs it is valid for (else None). Every op then also runs on the real values:
+    a slower trace, for the models that need it."""
     from torch._dynamo.source import ConstantSource
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
+    if real_values and any(dynamic_dims):
+        raise ValueError("a trace with real values has no dynamic dims")
     shape_env = asserting_shape_env()
-    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
-    fakes = []
-    for i, (tensor, dims) in enumerate(zip(args, dynamic_dims, strict=True)):
-        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(tensor.dim())]
-        context: Any = StatelessSymbolicContext(dynamic_sizes=sizes)
-        # a fresh contiguous tensor: the guards must not pin the sample's strides or storage offset (a shard of a
-        # batch is a view with an offset), since `ShapeGuards.accepts` checks contiguous inputs
-        base = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        fakes.append(mode.from_tensor(base, symbolic_context=context, source=ConstantSource(f"input{i}")))
-    for group in same_sizes:
-        (first, first_dim), *others = group
-        for i, d in others:  # a guard: the ShapeEnv replaces the second symbol by the first
-            torch._check(fakes[i].shape[d] == fakes[first].shape[first_dim])
-    with contextlib.ExitStack() as stack, torch.enable_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        table = trace_decompositions(float16, for_torch_onnx)
-        joint = aot_export_joint_with_descriptors(stack, module, tuple(fakes), decompositions=table)
+    with contextlib.ExitStack() as stack:
+        if real_values:
+            stack.enter_context(_real_values_propagated())
+        mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+        fakes = []
+        for i, (tensor, dims) in enumerate(zip(args, dynamic_dims, strict=True)):
+            sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(tensor.dim())]
+            context: Any = StatelessSymbolicContext(dynamic_sizes=sizes)
+            # a fresh contiguous tensor: the guards must not pin the sample's strides or storage offset (a shard of
+            # a batch is a view with an offset), since `ShapeGuards.accepts` checks contiguous inputs
+            base = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
+            if real_values:
+                base.copy_(tensor.detach())
+            fakes.append(mode.from_tensor(base, symbolic_context=context, source=ConstantSource(f"input{i}")))
+        for group in same_sizes:
+            (first, first_dim), *others = group
+            for i, d in others:  # a guard: the ShapeEnv replaces the second symbol by the first
+                torch._check(fakes[i].shape[d] == fakes[first].shape[first_dim])
+        with contextlib.ExitStack() as trace, torch.enable_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            table = trace_decompositions(float16, for_torch_onnx)
+            joint = aot_export_joint_with_descriptors(trace, module, tuple(fakes), decompositions=table)
+    values = _value_guards(joint.graph_module, shape_env, _plain_inputs(joint.graph_module)) if real_values else None
     graph = _assertions_removed(joint.graph_module)
     tied: dict[int, list[str]] = {}  # a parameter's names (several when tied), in module order
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -523,7 +583,157 @@ def aot_export_joint_dynamic(
     sig = _descriptor_signature(graph, list(tied.values()))
     pairs = zip(fakes, dynamic_dims, strict=True)
     kept = [[d for d in dims if _still_symbolic(shape_env, fake.shape[d])] for fake, dims in pairs]
-    return graph, sig, ShapeGuards(shape_env, shape_env.produce_guards_expression(fakes, ignore_static=False), kept)
+    guards = ShapeGuards(shape_env, shape_env.produce_guards_expression(fakes, ignore_static=False), kept)
+    return graph, sig, guards, values
+
+
+class ValueBranchError(RuntimeError):
+    """A branch on a value that a graph cannot be guarded by: what it reads is not only the batch. `state`: the
+    qualified name of the parameter or buffer it reads (of the traced module), if that is why."""
+
+    def __init__(self, message: str, state: str | None = None) -> None:
+        super().__init__(message)
+        self.state = state
+
+
+# The ShapeEnv's message for a condition it took from a real value (`fake_tensor_propagate_real_tensors`)
+_REAL_VALUE_MESSAGE = "propagate_real_tensors"
+
+
+@dataclass(frozen=True)
+class ValueGuards:
+    """The way each branch on a tensor's value went when a graph was traced with real values
+    (`aot_export_joint_dynamic(real_values=True)`): the graph is valid for the inputs whose values go the same way.
+
+    `program` holds the ops of the trace that compute the values read (from the user inputs at positions
+    `inputs`); `bindings` says, per output of the program, which symbol of the trace it gives and where in the
+    output it is (PyTorch's key path); `conditions` are the trace's assumptions about those symbols
+    (`u0 == 1`: `mask.any()` was true). `hold(inputs)` runs the program on the batch in PyTorch and checks them."""
+
+    program: torch.fx.GraphModule
+    inputs: tuple[int, ...]
+    bindings: tuple[tuple[Any, Any], ...]
+    conditions: tuple[Any, ...]
+
+    def hold(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """Rule: every condition is true for the values `program` computes from `inputs` (the user inputs, in
+        trace order)."""
+        import sympy
+        from torch.utils._pytree import key_get
+
+        with torch.no_grad():
+            outputs = self.program(*(inputs[i] for i in self.inputs))
+        bound = zip(outputs, self.bindings, strict=True)
+        values = {symbol: sympy.sympify(key_get(out, path)) for out, (symbol, path) in bound}
+        return all(bool(condition.xreplace(values)) for condition in self.conditions)
+
+
+@contextlib.contextmanager
+def _real_values_propagated() -> Iterator[None]:
+    """Within the block, fake tensors made from real ones carry their values and every traced op also runs on
+    them (PyTorch's `fake_tensor_propagate_real_tensors`, the mechanism of its draft export), and the trace keeps
+    the ops that read a value (`aten._local_scalar_dense`) although their results only steered Python, so that
+    `_value_guards` finds them."""
+    import torch._functorch.config
+    import torch.fx.node
+
+    read = torch.ops.aten._local_scalar_dense.default
+    kept = torch.fx.node._side_effectful_functions
+    added = read not in kept
+    kept.add(read)
+    try:
+        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True):
+            yield
+    finally:
+        if added:
+            kept.discard(read)
+
+
+def _plain_inputs(graph: torch.fx.GraphModule) -> dict[str, int]:
+    """The position among the user inputs of each placeholder of a descriptor-annotated joint graph that is one."""
+    from torch._functorch._aot_autograd.descriptors import PlainAOTInput
+
+    return {
+        node.name: node.meta["desc"].idx
+        for node in graph.graph.nodes
+        if node.op == "placeholder" and isinstance(node.meta.get("desc"), PlainAOTInput)
+    }
+
+
+def _value_guards(graph: torch.fx.GraphModule, shape_env: Any, user_inputs: dict[str, int]) -> ValueGuards | None:
+    """The `ValueGuards` of a graph traced with real values, which are cut out of `graph` (edited in place);
+    `user_inputs`: the position among the user inputs of each placeholder that is one.
+
+    Rule: a condition the ShapeEnv took from a real value is kept when every symbol it names is bound by a node of
+    the final graph (AOTAutograd runs the forward once more to collect metadata; that run's symbols are bound
+    nowhere, and its conditions repeat the final run's). The program is those nodes and everything they read; it
+    may read the user inputs only. Raises ValueBranchError when it reads a parameter or buffer or a condition
+    cannot be computed from the graph, RandomBranchError when it reads a random draw (LayerDrop at a probability
+    `random_branches_decided` cannot decide). None when the trace took no branch on a value."""
+    recorded = [
+        ra.expr
+        for assertions in shape_env.deferred_runtime_asserts.values()
+        for ra in assertions
+        if ra.msg.startswith(_REAL_VALUE_MESSAGE)
+    ]
+    binders = {
+        symbol: (node, path)
+        for node in graph.graph.nodes
+        for symbol, path in (node.meta.get("unbacked_bindings") or {}).items()
+    }
+    conditions = tuple(dict.fromkeys(c for c in recorded if c.free_symbols <= binders.keys()))
+    if recorded and not conditions:
+        listed = ", ".join(map(str, recorded))
+        raise ValueBranchError(f"the branches on values ({listed}) read no value the graph computes")
+    read = torch.ops.aten._local_scalar_dense.default
+    if not conditions:
+        _erase_unread(graph, read)
+        return None
+    symbols = sorted({s for c in conditions for s in c.free_symbols}, key=str)
+    needed: set[torch.fx.Node] = set()
+    stack = [binders[s][0] for s in symbols]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    program, inputs = torch.fx.Graph(), []
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.graph.nodes:
+        if node not in needed:
+            continue
+        if node.op == "placeholder":
+            if node.name not in user_inputs:
+                state = str(getattr(node.meta.get("desc"), "target", node.name))
+                raise ValueBranchError(f"a branch on a value reads {state}, not only the batch", state)
+            inputs.append(user_inputs[node.name])
+        elif node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            raise RandomBranchError(_compared_draw(node, needed))
+        copies[node] = program.node_copy(node, lambda n: copies[n])
+    program.output(tuple(copies[binders[s][0]] for s in symbols))
+    runnable = torch.fx.GraphModule(graph, program)  # with the constants it reads (`get_attr`), copied from `graph`
+    _erase_unread(graph, read)
+    bindings = tuple((s, binders[s][1]) for s in symbols)
+    return ValueGuards(runnable, tuple(inputs), bindings, conditions)
+
+
+def _compared_draw(draw: torch.fx.Node, nodes: set[torch.fx.Node]) -> str:
+    """How a branch compares a random `draw` (a node of the graph), for `RandomBranchError`: `torch.rand(...) <
+    0.1` where one of `nodes` compares it with a number, else the draw's op."""
+    aten = torch.ops.aten
+    ops = {aten.lt.Scalar: "<", aten.le.Scalar: "<=", aten.gt.Scalar: ">", aten.ge.Scalar: ">="}
+    for user in draw.users:
+        if user in nodes and user.target in ops and user.args[0] is draw and _is_number(user.args[1]):
+            return f"torch.rand(...) {ops[user.target]} {user.args[1]!r}"
+    return f"a draw of {draw.target}"
+
+
+def _erase_unread(graph: torch.fx.GraphModule, op: Any) -> None:
+    """Erase the nodes of `op` nothing reads (a value read only to steer Python), then what only they read."""
+    for node in list(graph.graph.nodes):
+        if node.op == "call_function" and node.target is op and not node.users:
+            graph.graph.erase_node(node)
+    graph.graph.eliminate_dead_code()
 
 
 def _still_symbolic(shape_env: Any, size: Any) -> bool:
@@ -539,6 +749,7 @@ def _descriptor_signature(graph: torch.fx.GraphModule, requiring_grad: list[list
 
     fx = graph.graph
     inputs: list[tuple[str, str]] = []
+    plain: dict[int, str] = {}  # a user input's position -> its placeholder's name
     for node in [n for n in fx.nodes if n.op == "placeholder"]:
         desc = node.meta.get("desc")
         if isinstance(desc, d.TangentAOTInput):  # the loss's incoming gradient: d loss / d loss = 1
@@ -555,6 +766,7 @@ def _descriptor_signature(graph: torch.fx.GraphModule, requiring_grad: list[list
             inputs.append(("buffer", desc.target))
         elif isinstance(desc, d.PlainAOTInput):
             inputs.append(("user", node.name))
+            plain[desc.idx] = node.name
         else:
             raise NotImplementedError(f"dynamic-shape trace: unsupported graph input {desc}")
     kept, outputs = [], []
@@ -568,6 +780,10 @@ def _descriptor_signature(graph: torch.fx.GraphModule, requiring_grad: list[list
             outputs.append(("gradient", desc.grad_of.target))
         elif isinstance(desc, d.InputMutationAOTOutput) and isinstance(desc.mutated_input, d.BufferAOTInput):
             outputs.append(("mutation", desc.mutated_input.target))
+        elif isinstance(desc, d.InputMutationAOTOutput) and isinstance(desc.mutated_input, d.PlainAOTInput):
+            # a forward writing into its input in place (FSMT: `labels.masked_fill_(labels == -100, pad)`): the
+            # graph computes with the new value; the input's new value is an output, as `aot_export_joint` gives it
+            outputs.append(("mutation", plain[desc.mutated_input.idx]))
         else:
             raise NotImplementedError(f"dynamic-shape trace: unsupported graph output {desc}")
         kept.append(value)
