@@ -785,6 +785,87 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
         "Qwen3NextForCausalLM",
         "tokens",
     ),
+    "gpt_oss": (
+        "GptOssConfig",
+        _lm(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=8),
+        "GptOssForCausalLM",
+        "tokens",
+    ),
+    "mpt": (
+        "MptConfig",
+        dict(d_model=H, n_heads=NH, n_layers=L, max_seq_len=64, vocab_size=V, expansion_ratio=2),
+        "MptForCausalLM",
+        "tokens",
+    ),
+    "persimmon": ("PersimmonConfig", _lm(), "PersimmonForCausalLM", "tokens"),
+    "falcon_h1": (
+        "FalconH1Config",
+        _lm(
+            num_key_value_heads=2,
+            head_dim=8,
+            mamba_d_state=8,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_n_groups=1,
+            mamba_d_ssm=32,
+        ),
+        "FalconH1ForCausalLM",
+        "tokens",
+    ),
+    "minicpm3": (
+        "MiniCPM3Config",
+        _lm(
+            num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4
+        ),
+        "MiniCPM3ForCausalLM",
+        "tokens",
+    ),
+    "vaultgemma": ("VaultGemmaConfig", _lm(num_key_value_heads=2, head_dim=8), "VaultGemmaForCausalLM", "tokens"),
+    "bitnet": ("BitNetConfig", _lm(num_key_value_heads=2), "BitNetForCausalLM", "tokens"),
+    "hunyuan_moe": (
+        "HunYuanMoEV1Config",
+        _lm(num_key_value_heads=2, num_experts=4, moe_topk=2, head_dim=8),
+        "HunYuanMoEV1ForCausalLM",
+        "tokens",
+    ),
+    "roformer_lm": ("RoFormerConfig", _lm(is_decoder=True), "RoFormerForCausalLM", "tokens"),
+    # its experts' token counts are read with .item()/.tolist(): data-dependent shapes, through torch.onnx
+    "jetmoe": (
+        "JetMoeConfig",
+        dict(
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_key_value_heads=2,
+            kv_channels=8,
+            intermediate_size=FF,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+        ),
+        "JetMoeForCausalLM",
+        "tokens",
+    ),
+    # rotary embeddings as complex numbers (torch.polar), which the direct translation does not write
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        _lm(
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            qk_nope_head_dim=4,
+            first_k_dense_replace=1,
+        ),
+        "DeepseekV2ForCausalLM",
+        "tokens",
+    ),
+    # quantisation-aware: a branch on its running activation range (buffers), refused with the line
+    "ibert": ("IBertConfig", _lm(), "IBertForMaskedLM", "tokens"),
     "gpt_neox_japanese": (
         "GPTNeoXJapaneseConfig",
         dict(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, intermediate_multiple_size=2),

@@ -155,3 +155,14 @@ def assert_plain(flag: bool) -> None:
 
 def assert_with_message(flag: bool) -> None:
     assert flag, f"flag was {flag}"
+
+
+def assert_all(flag: bool) -> None:
+    """Each operand of `and` in an assert holds when the assert does (transformers' I-BERT: `assert
+    x_max.isnan().sum() == 0 and x_min.isnan().sum() == 0, (...)`)."""
+    assert flag and flag, "both"
+
+
+def assert_any(flag: bool) -> None:
+    """An operand of `or` need not hold when the assert does."""
+    assert flag or not flag

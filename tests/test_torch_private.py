@@ -10,7 +10,15 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
-from models import CheckedInputs, DoubledGradient, StraightThrough, assert_plain, assert_with_message
+from models import (
+    CheckedInputs,
+    DoubledGradient,
+    StraightThrough,
+    assert_all,
+    assert_any,
+    assert_plain,
+    assert_with_message,
+)
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -564,9 +572,12 @@ def _plain_if(flag):
 
 
 @pytest.mark.parametrize(
-    ("function", "is_assert"), [(assert_plain, True), (assert_with_message, True), (_plain_if, False)]
+    ("function", "is_assert"),
+    [(assert_plain, True), (assert_with_message, True), (assert_all, True), (assert_any, False), (_plain_if, False)],
 )
 def test_in_assert_statement_recognises_an_assert_with_or_without_a_message(function, is_assert):
+    """At the first jump: of an assert (with or without a message), of the first operand of `and` in one (it holds
+    when the assert does), not of `or` (it need not), not of an `if`."""
     from orttrainer.trainer.gradient.torch_private.tracing import _in_assert_statement
 
     assert _at_first_jump(function, _in_assert_statement) is is_assert

@@ -260,11 +260,16 @@ def user_frame(err: BaseException) -> tuple[str, int, str] | None:
     for e in _chain(err):
         for frame, line in traceback.walk_tb(e.__traceback__):
             path = frame.f_code.co_filename
-            posix = path.replace(os.sep, "/")
-            internal = any(part in posix for part in ("/torch/_", "/torch/fx/", "/torch/utils/", "/torch/overrides.py"))
-            if not internal and not os.path.abspath(path).startswith(ours + os.sep):
+            if not _tracing_machinery(path) and not os.path.abspath(path).startswith(ours + os.sep):
                 found = (path, line, linecache.getline(path, line).strip())
     return found
+
+
+def _tracing_machinery(path: str) -> bool:
+    """Whether a source file is PyTorch's tracing machinery (torch/_*, torch/fx, torch/utils, torch/overrides.py),
+    not model code or a torch.nn function."""
+    posix = path.replace(os.sep, "/")
+    return any(part in posix for part in ("/torch/_", "/torch/fx/", "/torch/utils/", "/torch/overrides.py"))
 
 
 def _chain(err: BaseException) -> list[BaseException]:
@@ -485,10 +490,16 @@ def _asserting_shape_env_class() -> type:
 
     class AssertingShapeEnv(ShapeEnv):
         def _is_python_assert(self) -> bool:
-            # the frame that asked for the value: the first outside PyTorch's own files, above this method (which
-            # PyTorch's `_get_user_frame` would take for it)
+            # the frame that asked for the value: the first outside PyTorch's tracing machinery (its list, and
+            # `_tracing_machinery`: a FunctionalTensor's `__bool__` is Python) and this file (whose torch function
+            # modes, `random_branches_decided`, pass the question on), above this method (which PyTorch's
+            # `_get_user_frame` would take for it)
             frame: types.FrameType | None = sys._getframe(1)
-            while frame is not None and frame.f_code.co_filename in uninteresting_files():
+            while frame is not None and (
+                frame.f_code.co_filename in uninteresting_files()
+                or frame.f_code.co_filename == __file__
+                or _tracing_machinery(frame.f_code.co_filename)
+            ):
                 frame = frame.f_back
             return frame is not None and _in_assert_statement(frame)
 
@@ -501,19 +512,22 @@ def _asserting_shape_env_class() -> type:
 
 
 def _in_assert_statement(frame: types.FrameType) -> bool:
-    """Rule: `frame` stands at the jump of an `assert` statement — a POP_JUMP..._IF_TRUE (after Python 3.13's
-    TO_BOOL or COMPARE_OP) followed by LOAD_ASSERTION_ERROR, which only `assert` emits — with or without a
-    message."""
+    """Rule: `frame` stands at a jump whose false side raises an `assert` statement's error — LOAD_ASSERTION_ERROR,
+    which only `assert` emits — so the value it asks for is true when the assert holds: a POP_JUMP..._IF_TRUE
+    (after Python 3.13's TO_BOOL or COMPARE_OP) followed by LOAD_ASSERTION_ERROR (the assert's condition, with or
+    without a message), or a POP_JUMP..._IF_FALSE to it (an operand of `and` in the condition). An operand of
+    `or` jumps on true to the statement after, and need not hold: not recognised."""
     instructions = list(dis.get_instructions(frame.f_code))
     at = bisect.bisect_left([i.offset for i in instructions], frame.f_lasti)
     while at < len(instructions) and instructions[at].opname in ("TO_BOOL", "COMPARE_OP"):
         at += 1
-    return (
-        at + 1 < len(instructions)
-        and instructions[at].opname.startswith("POP_JUMP")
-        and instructions[at].opname.endswith("IF_TRUE")
-        and instructions[at + 1].opname == "LOAD_ASSERTION_ERROR"
-    )
+    if at >= len(instructions) or not instructions[at].opname.startswith("POP_JUMP"):
+        return False
+    jump = instructions[at]
+    if jump.opname.endswith("IF_TRUE"):
+        return at + 1 < len(instructions) and instructions[at + 1].opname == "LOAD_ASSERTION_ERROR"
+    target = next((i for i in instructions if i.offset == jump.argval), None)
+    return jump.opname.endswith("IF_FALSE") and target is not None and target.opname == "LOAD_ASSERTION_ERROR"
 
 
 def aot_export_joint_dynamic(
