@@ -39,7 +39,8 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   Floor, `remainder`/`fmod` Mod, `flip` a backwards Slice, `empty` zeros, `rand`/`randn` ONNX's random ops, as
   torch.onnx writes them (docs/engine.md §30);
 - what transformers' models meet (docs/engine.md §31): `topk` TopK, `argmax`/`argmin` ArgMax/ArgMin, `slice_scatter`
-  with a step ScatterElements, `as_strided` of a contiguous tensor a Reshape or a Gather at constant positions,
+  with a step ScatterElements, `as_strided` of a tensor that fills its storage (transposed to the storage's order
+  first, §34) a Reshape or a Gather at constant positions,
   `bernoulli.p` a uniform draw below p; and (§32) `sort` TopK of every element, `diagonal` a Gather at constant
   positions, logical ops of numbers a Cast to bool first, `scatter_reduce` ScatterElements with ONNX's reductions,
   `log2`/`log10` a Log divided by the base's, `isinf` IsInf, `max`/`min` of every element a reduction, `unfold`

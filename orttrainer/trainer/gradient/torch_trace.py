@@ -269,7 +269,7 @@ def _trace_with_values(
         if isinstance(err, torch_private.ValueBranchError) and err.state is not None:
             state = err.state.removeprefix("inner.model.")  # the wrapper's name for the model's state (JointWrapper)
             reason = f"the branch reads the model's state ({state}), not only the batch"
-        elif isinstance(err, torch_private.ValueBranchError):
+        elif unguarded:
             reason = str(err)
         else:
             reason = f"{type(err).__name__}: {_first_line(err)}"
