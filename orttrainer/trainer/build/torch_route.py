@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +50,7 @@ from ..graph.class_labels import guard_pytorch_indices
 from ..graph.passes import rewrite_enabled
 from ..graph.pipeline import build_eval_model
 from ..graph.statistics import marks_to_identity
-from ..runtime.session import EvalGraph, ShapeKeyedCache, ShapeSignature, shape_signature
+from ..runtime.session import EvalGraph, GraphKeys, ShapeKeyedCache, ShapeSignature, shape_signature
 from .export import MODEL_PREFIX, TRACING, DryRun, _ModelWithLoss, set_initializers, strip_prefix
 
 _logger = logging.getLogger(__name__)
@@ -252,7 +252,8 @@ class TorchEvalGraphs:
       else one is exported for their shapes (logged at INFO, kept).
     Traced graphs are kept in the compile cache (`cache`, build/cached.py) for the next process. A forward that
     branches on tensor values (gradient/torch_trace.py) gets a traced graph for each way its branches go, for each
-    signature, kept in this process only; `key(inputs)` tells the session which graph serves a batch.
+    signature, kept in this process only; `keys` (runtime/session.GraphKeys) tells the session which graph serves a
+    batch.
     Why both: on the benchmark transformer a trace takes 0.45 s and an export 2.5 s (docs/engine.md §29), but the
     exported graph's dynamic dims serve the shapes to come (STATIC_SIGNATURES: gradient/torch_graphs.py).
 
@@ -279,6 +280,7 @@ class TorchEvalGraphs:
         self._traced: dict[ShapeSignature, EvalGraph] = {}
         # traced for the way a forward's branches on values went: the signature, the graph, its value guards
         self._on_values: list[tuple[ShapeSignature, EvalGraph, ValueGuards]] = []
+        self.keys = GraphKeys()
         self._cache = cache  # the compile cache's traced eval graphs (build/cached.py)
         self._first: tuple[EvalGraph, list[list[DimSpec]]] | None = None  # the first exported graph
         self._others: ShapeKeyedCache[EvalGraph] = ShapeKeyedCache(16)
@@ -288,14 +290,6 @@ class TorchEvalGraphs:
             self._export_first(self._sample_inputs())
         assert self._forward is not None  # set by the first export
         return self._forward
-
-    def key(self, inputs: Sequence[torch.Tensor]) -> Hashable:
-        """Inputs with the same key get the same graph: their shape signature, and which graphs traced for
-        branches on values accept them."""
-        signature = shape_signature(inputs)
-        if not self._on_values:
-            return signature
-        return signature, tuple(s == signature and guards.hold(inputs) for s, _, guards in self._on_values)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph:
         signature = shape_signature(inputs)
@@ -373,7 +367,9 @@ class TorchEvalGraphs:
         values = {n: t.detach() for n, t in [*source.module.named_parameters(), *source.module.named_buffers()]}
         graph = self._eval_graph(bind_foreign_state(model, len(inputs), self._state, values))
         if guards is not None:
-            self._on_values.append((shape_signature(inputs), graph, guards))
+            signature = shape_signature(inputs)
+            self._on_values.append((signature, graph, guards))
+            self.keys.on_values.append(lambda batch: shape_signature(batch) == signature and guards.hold(batch))
         elif slot is not None:
             slot.store(graph.model)
         return graph

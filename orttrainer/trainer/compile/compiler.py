@@ -42,7 +42,7 @@ from ..graph.pipeline import (
 )
 from ..graph.recompute import RecomputePlan
 from ..runtime.ort import writable_debug_path
-from ..runtime.session import shape_signature
+from ..runtime.session import GraphKeys, shape_signature
 from ..update.path import choose_update_path, param_groups
 from .contract import (
     GradientStepGraph,
@@ -123,7 +123,7 @@ class CompiledModel:
     gradient builder may have frozen parameters that do not reach the loss); `accumulation_buffers` are the
     gradient sums kept as state. `graph_for` (torch builder): inputs -> the training graph (data parallel: the
     gradient-step graph) for their shapes; `graph_key` (torch builder): the key under which a graph `graph_for`
-    gave may serve other inputs (`TorchShapeGraphs.key`)."""
+    gave may serve other inputs (`TorchShapeGraphs.keys`)."""
 
     training: TrainingGraph
     eval_model: onnx.ModelProto
@@ -188,7 +188,7 @@ def compile_model(request: CompileRequest) -> tuple[CompiledModel, InitialState]
         step=step,
         reduced_inputs=reduced,
         graph_for=graph_for,
-        graph_key=graph_for.key if graph_for is not None else None,
+        graph_key=graph_for.keys if graph_for is not None else None,
         branches_on_values=gradient.branches_on_values,
     )
     return compiled, initial
@@ -382,7 +382,8 @@ class TorchShapeGraphs:
     traced with model_desc's string dims dynamic, which then serves every later batch its guards accept. With it
     off, that dynamic graph comes at the first new signature. Any other batch gets a graph traced for its shapes.
     Each runs through stages 2-4 (graph/pipeline.py) and must have `first`'s state contract (checked). The
-    session caches the results per `key`: the signature, and for a model whose forward branches on tensor values
+    session caches the results per `keys` (runtime/session.GraphKeys): the signature, and for a model whose forward
+    branches on tensor values
     (gradient/torch_trace.py), which of the graphs traced for such branches accept the batch. Those graphs are
     traced for the values of a batch, and one of them serves a later batch of their shapes only when its values
     branch the same way; a batch no graph accepts gets one traced for it.
@@ -405,16 +406,10 @@ class TorchShapeGraphs:
         self._loaded: dict[str, StepGraph] = {}  # graphs loaded from the cache, by content: one session each
         # the graphs traced for branches on values, each with the rule saying which inputs it serves
         self._on_values: list[tuple[StepGraph, Accepts]] = [(first, accepts)] if branches_on_values and accepts else []
+        self.keys = GraphKeys()
+        self.keys.on_values.extend(accepts for _, accepts in self._on_values)
         # keeps no batch and no forward model alive
         self._request = replace(request, forward=onnx.ModelProto(), sample_inputs=None)
-
-    def key(self, inputs: Sequence[torch.Tensor]) -> Hashable:
-        """Inputs with the same key get the same graph: their shape signature, and which of the graphs traced for
-        branches on values accept them (each runs the ops its branches read, on the batch)."""
-        signature = shape_signature(inputs)
-        if not self._on_values:
-            return signature
-        return signature, tuple(accepts(inputs) for _, accepts in self._on_values)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> StepGraph:
         shapes = [list(t.shape) for t in inputs]
@@ -466,6 +461,7 @@ class TorchShapeGraphs:
         check_same_state_contract(self.first, graph)
         if traced.branches_on_values:
             self._on_values.append((graph, accepts))
+            self.keys.on_values.append(accepts)
             slot = None  # kept in this process only: the compile cache keys graphs by shapes
         if dynamic:
             self._dynamic_tried = True

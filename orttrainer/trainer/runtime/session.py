@@ -152,6 +152,22 @@ class ShapeKeyedCache(Generic[T]):
         return list(self._values.values())
 
 
+class GraphKeys:
+    """The key under which a graph of the torch builder serves a batch (`ShapeKeyedCache(key=...)`): the batch's
+    shape signature, and which of the graphs traced for a forward's branches on values accept it (`on_values`,
+    which compile/compiler.TorchShapeGraphs and build/torch_route.TorchEvalGraphs fill). Why here: it runs on
+    every step, and without such graphs it is the signature alone."""
+
+    def __init__(self) -> None:
+        self.on_values: list[Callable[[Sequence[torch.Tensor]], bool]] = []
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> Hashable:
+        signature = shape_signature(inputs)
+        if not self.on_values:
+            return signature
+        return signature, tuple(accepts(inputs) for accepts in self.on_values)
+
+
 MAX_TRAINING_GRAPHS = 16  # torch builder: input-shape signatures kept compiled at once
 MAX_PRUNED_EVAL_GRAPHS = 16  # eval graphs pruned for eval steps without some inputs, kept at once
 
@@ -180,14 +196,14 @@ class EvalGraph:
 
 class EvalGraphs(Protocol):
     """The torch route's eval graphs: `self(inputs)` for the data (in `data_inputs` order); the same graph for
-    inputs it also serves, and for inputs of the same `key`. `serving(given)`: the graph for data that lacks some
+    inputs it also serves, and for inputs of the same `keys`. `serving(given)`: the graph for data that lacks some
     inputs (`SessionBase.evaluate`)."""
 
     data_inputs: list[str]
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph: ...
+    keys: GraphKeys
 
-    def key(self, inputs: Sequence[torch.Tensor]) -> Hashable: ...
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> EvalGraph: ...
 
     def serving(self, given: dict[str, torch.Tensor]) -> EvalGraph: ...
 
@@ -359,8 +375,8 @@ class SessionBase(ABC):
         self._optimized_graphs = OptimizedGraphs.for_sessions(config.session_options, config.device)
         # with eval_for, `first` only names the data inputs: the graphs are created when first needed
         first = EvalGraph(eval_model, list(eval_for.data_inputs if eval_for is not None else data_inputs))
-        key = eval_for.key if eval_for is not None else None
-        self._evals = GraphRunners(self._eval_session, first, eval_for, "", streams, graph_key=key)
+        keys = eval_for.keys if eval_for is not None else None
+        self._evals = GraphRunners(self._eval_session, first, eval_for, "", streams, graph_key=keys)
         self._eval_for = eval_for
         # eval_step without some inputs: (graph, given inputs, outputs) -> the pruned graph's runners
         self._pruned: OrderedDict[tuple, GraphRunners[EvalGraph]] = OrderedDict()
