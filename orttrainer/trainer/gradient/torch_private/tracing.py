@@ -612,6 +612,7 @@ class ValueBranchError(RuntimeError):
 
 # The ShapeEnv's message for a condition it took from a real value (`fake_tensor_propagate_real_tensors`)
 _REAL_VALUE_MESSAGE = "propagate_real_tensors"
+_VALUE_READ = torch.ops.aten._local_scalar_dense.default  # what bool(), .item() and .tolist() of a tensor lower to
 
 
 @dataclass(frozen=True)
@@ -651,16 +652,15 @@ def _real_values_propagated() -> Iterator[None]:
     import torch._functorch.config
     import torch.fx.node
 
-    read = torch.ops.aten._local_scalar_dense.default
     kept = torch.fx.node._side_effectful_functions
-    added = read not in kept
-    kept.add(read)
+    added = _VALUE_READ not in kept
+    kept.add(_VALUE_READ)
     try:
         with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True):
             yield
     finally:
         if added:
-            kept.discard(read)
+            kept.discard(_VALUE_READ)
 
 
 def _plain_inputs(graph: torch.fx.GraphModule) -> dict[str, int]:
@@ -699,9 +699,8 @@ def _value_guards(graph: torch.fx.GraphModule, shape_env: Any, user_inputs: dict
     if recorded and not conditions:
         listed = ", ".join(map(str, recorded))
         raise ValueBranchError(f"the branches on values ({listed}) read no value the graph computes")
-    read = torch.ops.aten._local_scalar_dense.default
     if not conditions:
-        _erase_unread(graph, read)
+        _erase_unread(graph)
         return None
     symbols = sorted({s for c in conditions for s in c.free_symbols}, key=str)
     needed: set[torch.fx.Node] = set()
@@ -726,7 +725,7 @@ def _value_guards(graph: torch.fx.GraphModule, shape_env: Any, user_inputs: dict
         copies[node] = program.node_copy(node, lambda n: copies[n])
     program.output(tuple(copies[binders[s][0]] for s in symbols))
     runnable = torch.fx.GraphModule(graph, program)  # with the constants it reads (`get_attr`), copied from `graph`
-    _erase_unread(graph, read)
+    _erase_unread(graph)
     bindings = tuple((s, binders[s][1]) for s in symbols)
     return ValueGuards(runnable, tuple(inputs), bindings, conditions)
 
@@ -742,10 +741,11 @@ def _compared_draw(draw: torch.fx.Node, nodes: set[torch.fx.Node]) -> str:
     return f"a draw of {draw.target}"
 
 
-def _erase_unread(graph: torch.fx.GraphModule, op: Any) -> None:
-    """Erase the nodes of `op` nothing reads (a value read only to steer Python), then what only they read."""
+def _erase_unread(graph: torch.fx.GraphModule) -> None:
+    """Erase the value reads (`_VALUE_READ`) nothing reads (a value read only to steer Python), then what only
+    they read."""
     for node in list(graph.graph.nodes):
-        if node.op == "call_function" and node.target is op and not node.users:
+        if node.op == "call_function" and node.target is _VALUE_READ and not node.users:
             graph.graph.erase_node(node)
     graph.graph.eliminate_dead_code()
 
