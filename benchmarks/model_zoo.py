@@ -846,7 +846,20 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
         "JetMoeForCausalLM",
         "tokens",
     ),
-    # rotary embeddings as complex numbers (torch.polar), which the direct translation does not write
+    # rotary embeddings as complex numbers (torch.polar), written as pairs of reals (gradient/aten_onnx_complex.py)
+    "llama4": (
+        "Llama4TextConfig",
+        _lm(
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size_mlp=FF,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            attention_chunk_size=8,
+        ),
+        "Llama4ForCausalLM",
+        "tokens",
+    ),
     "deepseek_v2": (
         "DeepseekV2Config",
         _lm(

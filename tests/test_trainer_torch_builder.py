@@ -572,6 +572,69 @@ def test_an_in_place_copy_and_bfloat16_state_train_like_pytorch(model_class):
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-6
 
 
+class ComplexRotary(nn.Module):
+    """Rotary position embeddings written with complex numbers, as LLaMA's reference code and transformers' Llama 4
+    and DeepSeek-V2 write them: a table of unit complex numbers kept as a plain attribute (a constant of the graph),
+    and one computed in forward from learned frequencies (`torch.polar`, whose gradient reaches them)."""
+
+    def __init__(self, table_as_buffer: bool = False) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 48)
+        self.log_frequency = nn.Parameter(torch.linspace(-3.0, 0.0, 4))
+        table = torch.polar(torch.ones(6, 4), torch.outer(torch.arange(6.0), torch.linspace(0.1, 1.0, 4)))
+        if table_as_buffer:
+            self.register_buffer("table", table)
+        else:
+            self.table = table
+        self.head = nn.Linear(48, 10)
+
+    def forward(self, x):
+        h = torch.view_as_complex(self.proj(x).view(x.shape[0], 6, 4, 2))
+        angles = torch.outer(torch.arange(6.0), self.log_frequency.exp())
+        rotated = h * torch.polar(torch.ones_like(angles), angles) * self.table.conj()
+        return self.head(torch.view_as_real(rotated).flatten(1))
+
+
+def test_complex_rotary_embeddings_train_and_evaluate_like_pytorch_on_the_direct_translation(caplog):
+    torch.manual_seed(0)
+    data = batches(3)
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, ref = train_with_reference(
+            ComplexRotary(),
+            mlp_desc(),
+            optim.AdamConfig(lr=0.01),
+            lambda ps: torch.optim.Adam(ps, lr=0.01),
+            CE,
+            data,
+            {**TORCH, **NO_CLIP},
+        )
+        ref.eval()
+        with torch.no_grad():
+            _, logits = trainer.eval_step(*data[0])
+            torch.testing.assert_close(torch.as_tensor(logits), ref(data[0][0]), atol=1e-5, rtol=1e-5)
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-6
+    assert "torch.onnx" not in caplog.text and "is exported" not in caplog.text
+
+
+class ComplexInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(torch.view_as_real(x).flatten(1))
+
+
+def test_a_complex_buffer_or_input_is_refused_naming_it_and_what_to_do_instead():
+    x, y = batches(1)[0]
+    trainer = make_trainer(ComplexRotary(table_as_buffer=True), mlp_desc(), optim.SGDConfig(lr=0.1), CE, TORCH)
+    with pytest.raises(GradientBuildError, match=r"complex tensors as state \(table\).*plain tensor attribute"):
+        trainer.train_step(x, y)
+    trainer = make_trainer(ComplexInput(), mlp_desc(), optim.SGDConfig(lr=0.1), CE, TORCH)
+    with pytest.raises(GradientBuildError, match=r"complex inputs \(x\).*torch.view_as_real\(input\)"):
+        trainer.train_step(x.to(torch.complex64), y)
+
+
 class SmallBatchesOnly(torch.autograd.Function):
     """Traceable for batches of up to 8 rows only: the dynamic-shape trace records the guard `batch <= 8`."""
 

@@ -45,7 +45,9 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   positions, logical ops of numbers a Cast to bool first, `scatter_reduce` ScatterElements with ONNX's reductions,
   `log2`/`log10` a Log divided by the base's, `isinf` IsInf, `max`/`min` of every element a reduction, `unfold`
   a Gather of the windows and its backward a ScatterElements adding them, `linalg_vector_norm` of every order;
-- a view to its input's own shape is that input's value (no node).
+- a view to its input's own shape is that input's value (no node);
+- a complex value is the pair of reals `view_as_real` gives, and each node that reads or makes one is translated by
+  gradient/aten_onnx_complex.py (docs/engine.md §35).
 
 Why: torch.onnx re-traces the graph with torch.export, needs onnxscript's table of translations (built from the
 source of ~500 functions on first use) and runs a general optimiser; on the benchmark transformer's joint graph
@@ -95,6 +97,8 @@ def translate(
     if len(placeholders) != len(input_names):
         raise ValueError(f"{len(placeholders)} graph inputs, {len(input_names)} names")
     for node, name in zip(placeholders, input_names, strict=True):
+        if is_complex(node):
+            raise UntranslatableGraph(f"graph input {node.name} is complex (ONNX Runtime's kernels take none)")
         g.inputs.append(_value_info(name, _meta(node)))
         g.values[node] = name
     for node in graph.graph.nodes:
@@ -104,6 +108,8 @@ def translate(
     if len(results) != len(output_names):
         raise ValueError(f"{len(results)} graph outputs, {len(output_names)} names")
     for value, name in zip(results, output_names, strict=True):
+        if is_complex(value):
+            raise UntranslatableGraph(f"graph output {value} is complex (ONNX Runtime's kernels take none)")
         g.output(value, name)
     return g.model()
 
@@ -115,6 +121,14 @@ def _meta(node: Any) -> torch.Tensor:
     if any(not isinstance(d, int) for d in value.shape):
         raise UntranslatableGraph(f"node {node} has a symbolic shape {tuple(value.shape)}")
     return value
+
+
+def is_complex(arg: Any) -> bool:
+    """Whether an fx node's value (any of its values) is complex: such a value is translated as a pair of reals
+    (gradient/aten_onnx_complex.py)."""
+    value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+    values = value if isinstance(value, (tuple, list)) else [value]
+    return any(isinstance(v, torch.Tensor) and v.dtype.is_complex for v in values)
 
 
 def _value_info(name: str, value: torch.Tensor) -> onnx.ValueInfoProto:
@@ -159,6 +173,8 @@ class _Graph:
     def const(self, value: torch.Tensor | np.ndarray) -> Value:
         if isinstance(value, torch.Tensor) and value.dtype in _NO_NUMPY_FORM:
             raise UntranslatableGraph(f"a constant of dtype {value.dtype}, which numpy cannot hold")
+        if isinstance(value, torch.Tensor) and value.dtype.is_complex:  # its pair form (gradient/aten_onnx_complex.py)
+            value = torch.view_as_real(value.resolve_conj())
         array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
         key = (array.dtype.str, array.shape, array.tobytes())
         if key not in self._emitted:
@@ -234,19 +250,24 @@ class _Graph:
                 raise UntranslatableGraph(f"getitem of the single-output node {source}")
             self.values[node] = values[index]  # type: ignore[index]
             return
-        if self._fold(node):
+        complex_values = is_complex(node) or any(is_complex(a) for a in node.all_input_nodes)
+        table = _complex_translations() if complex_values else _TRANSLATIONS
+        if self._fold(node, table):
             return
-        translation = _TRANSLATIONS.get(node.target) or _CUSTOM_TRANSLATIONS.get(_custom_op_name(node.target))
+        translation = table.get(node.target)
+        if translation is None and not complex_values:
+            translation = _CUSTOM_TRANSLATIONS.get(_custom_op_name(node.target))
         if translation is None:
-            raise UntranslatableGraph(f"no direct ONNX translation for {node.target} (node {node.name})")
+            on = " on complex values" if complex_values else ""
+            raise UntranslatableGraph(f"no direct ONNX translation for {node.target}{on} (node {node.name})")
         result = translation(self, node)
         if result is None:
             raise UntranslatableGraph(f"{node.target} (node {node.name}) with arguments {node.args} {node.kwargs}")
         self.values[node] = result
 
-    def _fold(self, node: torch.fx.Node) -> bool:
+    def _fold(self, node: torch.fx.Node, table: dict[Any, Translation]) -> bool:
         """Compute a node whose tensor arguments are all known constants (module docstring)."""
-        if node.target not in _TRANSLATIONS or node.target in _RANDOM or node.target in _UNSPECIFIED:
+        if node.target not in table or node.target in _RANDOM or node.target in _UNSPECIFIED:
             return False
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor) or value.numel() > FOLD_LIMIT:
@@ -1854,6 +1875,13 @@ def _activation_mark(g: _Graph, node: torch.fx.Node) -> Value:
     marked = g.one(MARK_OP, [g.tensor(x)], domain=MARK_DOMAIN, activation=name, direction=direction)
     g.stated_types[marked] = _meta(node)  # the statistics report the activation's dtype (float16 under mixed precision)
     return marked
+
+
+def _complex_translations() -> dict[Any, Translation]:
+    """The translations of the ops that read or make complex values: imported when a graph has one."""
+    from .aten_onnx_complex import TRANSLATIONS
+
+    return TRANSLATIONS
 
 
 def _custom_op_name(target: Any) -> str | None:

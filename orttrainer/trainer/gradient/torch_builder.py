@@ -407,6 +407,20 @@ def _check_arguments(
         raise ValueError(
             f"trainable/frozen must name parameters of {type(module).__name__}: unknown {unknown}, in both lists {both}"
         )
+    complex_state = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_complex()]
+    if complex_state:  # complex values inside the graph are pairs of reals (gradient/aten_onnx_complex.py)
+        raise GradientBuildError(
+            f"{type(module).__name__} holds complex tensors as state ({', '.join(complex_state)}): ONNX Runtime "
+            "keeps no complex tensor between steps. Keep a complex constant as a plain tensor attribute "
+            "(self.name = tensor: the graph holds it as a constant), compute it in forward, or register "
+            "torch.view_as_real(tensor) and call torch.view_as_complex on it in forward"
+        )
+    complex_inputs = [n for n, t in zip(input_names, sample_inputs, strict=True) if t.is_complex()]
+    if complex_inputs:
+        raise GradientBuildError(
+            f"complex inputs ({', '.join(complex_inputs)}): ONNX Runtime takes none; pass torch.view_as_real(input) "
+            "and call torch.view_as_complex on it in forward"
+        )
 
 
 def _effective_opset(opset_version: int) -> int:
