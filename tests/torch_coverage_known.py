@@ -10,7 +10,6 @@ MODULE_DB_UNSUPPORTED = {
 OP_DB_UNSUPPORTED = {
     "bernoulli": "random: the graph draws random numbers (ONNX Runtime's gener",
     "bfloat16": "InvalidGraph:INVALID_GRAPH",
-    "chalf": "ValueError: torch dtype torch.complex32 has no ONNX element ",
     "combinations": "aten.masked_select.default runs eagerly, which needs static output shapes",
     "corrcoef": "reads a tensor's value in Python",
     "cov": "reads a tensor's value in Python",
