@@ -8,6 +8,7 @@ import warnings
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from helpers import (
@@ -595,7 +596,7 @@ class ComplexRotary(nn.Module):
         return self.head(torch.view_as_real(rotated).flatten(1))
 
 
-def test_complex_rotary_embeddings_train_and_evaluate_like_pytorch_on_the_direct_translation(caplog):
+def test_complex_rotary_embeddings_train_evaluate_and_save_like_pytorch_on_the_direct_translation(caplog, tmp_path):
     torch.manual_seed(0)
     data = batches(3)
     with caplog.at_level(logging.INFO, logger="orttrainer"):
@@ -614,6 +615,10 @@ def test_complex_rotary_embeddings_train_and_evaluate_like_pytorch_on_the_direct
             torch.testing.assert_close(torch.as_tensor(logits), ref(data[0][0]), atol=1e-5, rtol=1e-5)
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-6
     assert "torch.onnx" not in caplog.text and "is exported" not in caplog.text
+    trainer.save_as_onnx(str(tmp_path / "model.onnx"))  # the eval graph, its complex values as pairs of reals
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = dict(zip([i.name for i in session.get_inputs()], [t.numpy() for t in data[0]], strict=True))
+    np.testing.assert_allclose(session.run(None, feeds)[1], torch.as_tensor(logits).numpy(), atol=1e-6)
 
 
 class ComplexInput(nn.Module):
