@@ -590,15 +590,21 @@ class ComplexRotary(nn.Module):
         self.head = nn.Linear(48, 10)
 
     def forward(self, x):
-        h = torch.view_as_complex(self.proj(x).view(x.shape[0], 6, 4, 2))
+        projected = self.proj(x)  # in float16 under mixed precision: the rotation is in float32, as LLaMA's
+        h = torch.view_as_complex(projected.float().view(x.shape[0], 6, 4, 2))
         angles = torch.outer(torch.arange(6.0), self.log_frequency.exp())
-        rotated = h * torch.polar(torch.ones_like(angles), angles) * self.table.conj()
-        return self.head(torch.view_as_real(rotated).flatten(1))
+        rotated = h * torch.polar(torch.ones_like(angles), angles) * self.table
+        return self.head(torch.view_as_real(rotated).flatten(1).type_as(projected))
 
 
-def test_complex_rotary_embeddings_train_evaluate_and_save_like_pytorch_on_the_direct_translation(caplog, tmp_path):
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_complex_rotary_embeddings_train_evaluate_and_save_like_pytorch_on_the_direct_translation(
+    mixed_precision, caplog, tmp_path
+):
     torch.manual_seed(0)
     data = batches(3)
+    options = {**TORCH, **NO_CLIP, "mixed_precision": {"enabled": mixed_precision}}
+    tolerance = 1e-3 if mixed_precision else 1e-6  # of the weights: float16 products against PyTorch's float32
     with caplog.at_level(logging.INFO, logger="orttrainer"):
         trainer, ref = train_with_reference(
             ComplexRotary(),
@@ -607,18 +613,18 @@ def test_complex_rotary_embeddings_train_evaluate_and_save_like_pytorch_on_the_d
             lambda ps: torch.optim.Adam(ps, lr=0.01),
             CE,
             data,
-            {**TORCH, **NO_CLIP},
+            options,
         )
         ref.eval()
         with torch.no_grad():
             _, logits = trainer.eval_step(*data[0])
-            torch.testing.assert_close(torch.as_tensor(logits), ref(data[0][0]), atol=1e-5, rtol=1e-5)
-    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-6
+            torch.testing.assert_close(torch.as_tensor(logits).float(), ref(data[0][0]), atol=tolerance * 10, rtol=0)
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < tolerance
     assert "torch.onnx" not in caplog.text and "is exported" not in caplog.text
     trainer.save_as_onnx(str(tmp_path / "model.onnx"))  # the eval graph, its complex values as pairs of reals
     session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
     feeds = dict(zip([i.name for i in session.get_inputs()], [t.numpy() for t in data[0]], strict=True))
-    np.testing.assert_allclose(session.run(None, feeds)[1], torch.as_tensor(logits).numpy(), atol=1e-6)
+    np.testing.assert_allclose(session.run(None, feeds)[1], torch.as_tensor(logits).numpy(), atol=tolerance * 10)
 
 
 class ComplexInput(nn.Module):

@@ -97,7 +97,7 @@ def translate(
     if len(placeholders) != len(input_names):
         raise ValueError(f"{len(placeholders)} graph inputs, {len(input_names)} names")
     for node, name in zip(placeholders, input_names, strict=True):
-        if is_complex(node):
+        if g.is_complex(node):
             raise UntranslatableGraph(f"graph input {node.name} is complex (ONNX Runtime's kernels take none)")
         g.inputs.append(_value_info(name, _meta(node)))
         g.values[node] = name
@@ -108,7 +108,7 @@ def translate(
     if len(results) != len(output_names):
         raise ValueError(f"{len(results)} graph outputs, {len(output_names)} names")
     for value, name in zip(results, output_names, strict=True):
-        if is_complex(value):
+        if g.is_complex(value):
             raise UntranslatableGraph(f"graph output {value} is complex (ONNX Runtime's kernels take none)")
         g.output(value, name)
     return g.model()
@@ -121,14 +121,6 @@ def _meta(node: Any) -> torch.Tensor:
     if any(not isinstance(d, int) for d in value.shape):
         raise UntranslatableGraph(f"node {node} has a symbolic shape {tuple(value.shape)}")
     return value
-
-
-def is_complex(arg: Any) -> bool:
-    """Whether an fx node's value (any of its values) is complex: such a value is translated as a pair of reals
-    (gradient/aten_onnx_complex.py)."""
-    value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
-    values = value if isinstance(value, (tuple, list)) else [value]
-    return any(isinstance(v, torch.Tensor) and v.dtype.is_complex for v in values)
 
 
 def _value_info(name: str, value: torch.Tensor) -> onnx.ValueInfoProto:
@@ -218,6 +210,15 @@ class _Graph:
     def meta(self, arg: torch.fx.Node) -> torch.Tensor:
         return self.constants[arg] if arg in self.constants else _meta(arg)
 
+    def is_complex(self, arg: Any) -> bool:
+        """Whether `arg` is a node with a complex value (any of its values; a constant's own): such a value is
+        translated as a pair of reals (gradient/aten_onnx_complex.py)."""
+        if not isinstance(arg, torch.fx.Node):
+            return False
+        value = self.constants[arg] if arg in self.constants else arg.meta.get("val")
+        values = value if isinstance(value, (tuple, list)) else [value]
+        return any(isinstance(v, torch.Tensor) and v.dtype.is_complex for v in values)
+
     def promoted(self, a: Any, b: Any) -> torch.dtype:
         """PyTorch's result dtype of an elementwise op on `a` and `b` (tensors or Python numbers)."""
         left, right = self._probe(a), self._probe(b)
@@ -250,7 +251,7 @@ class _Graph:
                 raise UntranslatableGraph(f"getitem of the single-output node {source}")
             self.values[node] = values[index]  # type: ignore[index]
             return
-        complex_values = is_complex(node) or any(is_complex(a) for a in node.all_input_nodes)
+        complex_values = self.is_complex(node) or any(self.is_complex(a) for a in node.all_input_nodes)
         table = _complex_translations() if complex_values else _TRANSLATIONS
         if self._fold(node, table):
             return

@@ -36,7 +36,6 @@ from .aten_onnx import (
     _meta,
     _np,
     _same_shape_view,
-    is_complex,
 )
 
 aten = torch.ops.aten
@@ -58,13 +57,13 @@ def _last(g: _Graph, value: Value) -> Value:
     return g.one("Unsqueeze", [value, g.ints([-1])])
 
 
-def _is_complex_operand(arg: Any) -> bool:
-    return isinstance(arg, complex) or (isinstance(arg, torch.fx.Node) and is_complex(arg))
+def _is_complex_operand(g: _Graph, arg: Any) -> bool:
+    return isinstance(arg, complex) or g.is_complex(arg)
 
 
 def _pair(g: _Graph, arg: Any, real: torch.dtype) -> Value:
     """`arg` (a complex or real tensor, or a number) in pair form, its parts of dtype `real`."""
-    if isinstance(arg, torch.fx.Node) and is_complex(arg):
+    if g.is_complex(arg):
         return g.cast(g.tensor(arg), g.meta(arg).dtype.to_real(), real)
     if isinstance(arg, torch.fx.Node):
         value = _last(g, g.typed(arg, real))
@@ -123,9 +122,9 @@ def _multiply(g: _Graph, node: torch.fx.Node) -> Value:
     if node.kwargs or not all(isinstance(x, (torch.fx.Node, bool, int, float, complex)) for x in (a, b)):
         return None  # type: ignore[return-value]
     real = _real_of(node)
-    if not _is_complex_operand(a):
+    if not _is_complex_operand(g, a):
         a, b = b, a  # a is complex
-    if not _is_complex_operand(b):  # a real factor multiplies both parts
+    if not _is_complex_operand(g, b):  # a real factor multiplies both parts
         factor = _last(g, g.typed(b, real)) if isinstance(b, torch.fx.Node) else g.scalar(b, real)
         return g.one("Mul", [_pair(g, a, real), factor])
     (ar, ai), (br, bi) = _parts(g, _pair(g, a, real)), _parts(g, _pair(g, b, real))
@@ -139,7 +138,7 @@ def _divide(g: _Graph, node: torch.fx.Node) -> Value:
     if node.kwargs or not all(isinstance(x, (torch.fx.Node, bool, int, float, complex)) for x in (a, b)):
         return None  # type: ignore[return-value]
     real = _real_of(node)
-    if not _is_complex_operand(b):  # a real divisor divides both parts
+    if not _is_complex_operand(g, b):  # a real divisor divides both parts
         divisor = _last(g, g.typed(b, real)) if isinstance(b, torch.fx.Node) else g.scalar(b, real)
         return g.one("Div", [_pair(g, a, real), divisor])
     (ar, ai), (br, bi) = _parts(g, _pair(g, a, real)), _parts(g, _pair(g, b, real))
