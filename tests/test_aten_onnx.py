@@ -640,6 +640,12 @@ def test_a_correction_of_every_element_is_left_to_torch_onnx():
         translate(graph, ["x"], ["v", "m"], 18)
 
 
+def test_logsumexp_is_stable_for_large_and_very_negative_values():
+    x = torch.tensor([[1000.0, 1000.0, -1e30], [-1e30, -1e30, -1e30], [-3.0, 2.0, 0.5]])
+    graph = make_fx(lambda x: (torch.logsumexp(x, [1]), torch.logsumexp(x, [0, 1], keepdim=True)))(x)
+    assert _ops(_check(graph, [x])) == ["ReduceLogSumExp", "ReduceLogSumExp"]
+
+
 def test_outputs_that_are_inputs_or_repeated_get_their_own_names():
     def f(x):
         y = x * 2

@@ -270,6 +270,51 @@ def test_embedding_bag_and_its_gradient(mode, variant):
         close(a, b)
 
 
+@pytest.mark.parametrize("blank", [0, 3])
+@pytest.mark.parametrize("layout", ["padded", "concatenated"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("zero_infinity", [False, True])
+@pytest.mark.parametrize("normalised", [True, False])
+def test_ctc_loss_and_its_gradient(blank, layout, reduction, zero_infinity, normalised):
+    """Per-sample losses equal aten._ctc_loss's (repeated labels, an empty target, a sample shorter than its input,
+    one with no alignment: +inf); gradients equal F.ctc_loss's where PyTorch's are finite (with zero_infinity,
+    everywhere), of log-probabilities from a log_softmax and of raw scores alike."""
+    torch.manual_seed(0)
+    steps, batch, classes, width = 12, 5, 6, 5
+    logits = torch.randn(steps, batch, classes, dtype=torch.float64)
+    targets = torch.randint(0, classes - 1, (batch, width))
+    targets = targets + (targets >= blank).to(targets.dtype)  # no blank among the labels
+    targets[0, :3] = targets[0, 0]  # a repeated label needs a blank between: no skip
+    input_lengths = torch.tensor([12, 10, 12, 2, 7])
+    target_lengths = torch.tensor([5, 3, 0, 3, 4])  # sample 3: 3 labels in 2 steps, no alignment
+    if layout == "concatenated":
+        targets = torch.cat([targets[b, : target_lengths[b]] for b in range(batch)])
+    log_probs = logits.log_softmax(-1)
+    ours = D.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank)[0]
+    theirs = torch.ops.aten._ctc_loss.Tensor(log_probs, targets, input_lengths, target_lengths, blank, False)[0]
+    close(ours, theirs)
+    assert torch.isinf(ours[3])
+
+    def scores(x):
+        return x.log_softmax(-1) if normalised else x
+
+    def reference(x):
+        return F.ctc_loss(scores(x), targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
+
+    def decomposed(x):
+        loss = D.ctc_loss(scores(x), targets, input_lengths, target_lengths, blank)[0]
+        loss = torch.where(torch.isinf(loss), torch.zeros_like(loss), loss) if zero_infinity else loss
+        if reduction == "mean":
+            return (loss / target_lengths.clamp(min=1)).mean()
+        return loss.sum() if reduction == "sum" else loss
+
+    (want,), (got,) = grads_of(reference, logits), grads_of(decomposed, logits)
+    finite = torch.isfinite(want)
+    assert finite.all() or not zero_infinity
+    close(got[finite], want[finite])
+    assert torch.isfinite(got).all()  # an infinite loss's gradient: 0 here, NaN in PyTorch
+
+
 def test_as_strided_and_diagonal_scatter_are_the_ops():
     torch.manual_seed(0)
     x, src = torch.randn(4, 5), torch.randn(2, 3)

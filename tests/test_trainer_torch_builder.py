@@ -646,6 +646,93 @@ def test_a_complex_buffer_or_input_is_refused_naming_it_and_what_to_do_instead()
         trainer.train_step(x.to(torch.complex64), y)
 
 
+class CTCHead(nn.Module):
+    """A speech model's CTC head: per-frame log-probabilities, nn.CTCLoss over padded label sequences whose lengths,
+    and the frames each sample has, vary with the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.ctc = nn.CTCLoss(zero_infinity=True)
+
+    def forward(self, frames, frame_lengths, labels, label_lengths):
+        log_probs = self.fc(frames).log_softmax(-1).transpose(0, 1)  # [T, B, C]
+        return self.ctc(log_probs, labels, frame_lengths, label_lengths)
+
+
+CTC_DESC = {
+    "inputs": [
+        ("frames", ["batch", 12, 8]),
+        ("frame_lengths", ["batch"]),
+        ("labels", ["batch", 4]),
+        ("label_lengths", ["batch"]),
+    ],
+    "outputs": [("loss", [], True)],
+}
+
+
+def test_a_ctc_loss_trains_and_evaluates_like_pytorch_on_the_direct_translation(caplog):
+    torch.manual_seed(0)
+    model = CTCHead()
+    reference = clone(model)
+    trainer = make_trainer(model, CTC_DESC, optim.SGDConfig(lr=0.5), None, TORCH)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (
+            torch.randn(3, 12, 8, generator=g),
+            torch.tensor(lengths),
+            torch.randint(1, 6, (3, 4), generator=g),
+            torch.tensor(labels),
+        )
+        for lengths, labels in (([12, 9, 12], [4, 2, 0]), ([5, 12, 2], [4, 4, 3]), ([12, 12, 12], [1, 3, 4]))
+    ]  # the second batch's last sample has no alignment (3 labels in 2 frames): zero_infinity
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        for batch in data:
+            loss = trainer.train_step(*batch)
+            sgd.zero_grad()
+            expected = reference(*batch)
+            expected.backward()
+            sgd.step()
+            torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+        # the recursion's float32 sums run in another order than PyTorch's kernel: weights of up to 2.5, 2e-6 apart
+        assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
+        with torch.no_grad():
+            torch.testing.assert_close(torch.as_tensor(trainer.eval_step(*data[0])), reference(*data[0]))
+    assert "does not cover" not in caplog.text and "torch.onnx" not in caplog.text
+
+
+class CTCFixedLengths(nn.Module):
+    """F.ctc_loss with the lengths as Python ints (its `IntList` overload), the labels' lengths fixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, frames, labels):
+        log_probs = self.fc(frames).log_softmax(-1).transpose(0, 1)
+        return F.ctc_loss(log_probs, labels, (12, 10, 12), (4, 2, 3), reduction="sum")
+
+
+def test_a_ctc_loss_with_lengths_as_python_ints_trains_like_pytorch():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(3, 12, 8, generator=g), torch.randint(1, 6, (3, 4), generator=g)) for _ in range(2)]
+    desc = {"inputs": [("frames", [3, 12, 8]), ("labels", [3, 4])], "outputs": [("loss", [], True)]}
+    model = CTCFixedLengths()
+    reference = clone(model)
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), None, TORCH)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for frames, labels in data:
+        loss = trainer.train_step(frames, labels)
+        sgd.zero_grad()
+        expected = reference(frames, labels)
+        expected.backward()
+        sgd.step()
+        torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
+
+
 class SmallBatchesOnly(torch.autograd.Function):
     """Traceable for batches of up to 8 rows only: the dynamic-shape trace records the guard `batch <= 8`."""
 

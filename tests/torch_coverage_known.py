@@ -3,7 +3,6 @@ the entries of PyTorch's test databases the torch builder does not handle, and t
 (`torch_coverage.error_key`) each gives. docs/torch_builder_coverage.md has the whole errors."""
 
 MODULE_DB_UNSUPPORTED = {
-    "nn.CTCLoss": "DynamicOutputShapeException",
     "nn.GaussianNLLLoss": "reads a tensor's value in Python",
 }
 
@@ -16,7 +15,6 @@ OP_DB_UNSUPPORTED = {
     "linalg.lstsq": "DynamicOutputShapeException",
     "linalg.lstsq.grad_oriented": "DynamicOutputShapeException",
     "masked_select": "aten.masked_select.default runs eagerly, which needs static output shapes",
-    "nn.functional.ctc_loss": "DynamicOutputShapeException",
     "nn.functional.gaussian_nll_loss": "reads a tensor's value in Python",
     "nn.functional.multi_head_attention_forward": "random: the graph draws random numbers (ONNX Runtime's gener",
     "nn.functional.rrelu": "random: the graph draws random numbers (ONNX Runtime's gener",

@@ -2022,6 +2022,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.sum.dim_IntList: _reduce("ReduceSum"),
     aten.sum.default: _reduce("ReduceSum"),
     aten.mean.dim: _reduce("ReduceMean"),
+    aten.logsumexp.default: _reduce("ReduceLogSumExp"),
     aten.mean.default: _reduce("ReduceMean"),
     aten.var_mean.correction: _variance("var_mean"),
     aten.var.correction: _variance("var"),

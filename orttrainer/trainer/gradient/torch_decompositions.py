@@ -9,8 +9,8 @@ why. Two kinds:
   traced joint graph like PyTorch's post-autograd decompositions; one of them, `threshold_backward`, replaces
   PyTorch's own decomposition for speed, not coverage;
 - forward ops whose derivative PyTorch writes as an untranslatable backward op (`_embedding_bag`, `_trilinear`,
-  `_adaptive_avg_pool3d`, ...): autograd differentiates the decomposition instead (`stage="autograd"` in the
-  table), so the backward is made of the decomposition's own derivatives.
+  `_adaptive_avg_pool3d`, `_ctc_loss`, ...): autograd differentiates the decomposition instead (`stage="autograd"`
+  in the table), so the backward is made of the decomposition's own derivatives.
 
 Shapes are the trace's: a size that is a Python int is used as one (kernel sizes, spatial sizes); batch and channel
 sizes may be symbolic and are only passed through.
@@ -520,6 +520,95 @@ def embedding_bag(
             out = out / sizes.clamp(min=1).to(weight.dtype).unsqueeze(1)
     max_indices = torch.zeros((bags, dim) if mode == 2 else (bags,), dtype=torch.int64, device=flat.device)
     return out, bag, sizes, max_indices
+
+
+_UNREACHABLE = -1e30  # the log-probability of an alignment state no path reaches: finite, so gradients stay finite
+
+
+def ctc_loss(
+    log_probs: torch.Tensor,
+    targets: torch.Tensor,
+    input_lengths: torch.Tensor | Sequence[int],
+    target_lengths: torch.Tensor | Sequence[int],
+    blank: int = 0,
+    zero_infinity: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten._ctc_loss` (F.ctc_loss, nn.CTCLoss, which reduce its result) by the forward recursion over the
+    alignment states, in shapes that the batch's sizes fix.
+
+    Rules (Graves et al., as PyTorch computes it): sample b's labels are extended with a blank before, between and
+    after them (2·S + 1 states for targets padded to S labels, or, concatenated, for S the whole concatenation's
+    length: an upper bound of each sample's); α₀ holds the first blank's and the first label's log-probabilities;
+    each step t < input_lengths[b] sets αₜ(s) = logsumexp(αₜ₋₁(s), αₜ₋₁(s−1), αₜ₋₁(s−2) where label s is no
+    blank and differs from label s−2) + log_probs[t, b, label s]; later steps keep α. The negative log-likelihood
+    is −logsumexp of α at the last blank and the last label (2·len and 2·len − 1), +inf where no alignment exists.
+    States no path reaches hold −1e30 rather than −inf, so that the derivative autograd takes is finite (it is that
+    of the reachable states); log-probabilities in float16 or bfloat16 are computed in float32. The derivative is
+    PyTorch's: its backward adds exp(log_probs) over each sample's frames, which a log_softmax before the loss
+    cancels, and so does this. Returns (negative log-likelihood per sample, the α of every step [B, T, 2·S + 1],
+    which only PyTorch's own backward reads).
+    `zero_infinity` is applied by the caller (`ctc_loss` zeroes an infinite loss, whose gradient is then 0)."""
+    if log_probs.dim() != 3:
+        raise NotImplementedError("the torch gradient builder's ctc_loss takes batched log_probs [T, B, C]")
+    compute = torch.float32 if log_probs.dtype in (torch.float16, torch.bfloat16) else log_probs.dtype
+    scores = log_probs.to(compute)
+    steps, batch = scores.shape[0], scores.shape[1]
+    device = scores.device
+    lengths_in = torch.as_tensor(input_lengths, device=device).to(torch.int64).reshape(batch)
+    lengths = torch.as_tensor(target_lengths, device=device).to(torch.int64).reshape(batch)
+    if targets.dim() == 2:
+        padded = targets.to(torch.int64)
+    else:  # concatenated: sample b's labels start after the labels of the samples before it
+        width = targets.shape[0]
+        starts = torch.cumsum(lengths, 0) - lengths
+        positions = (starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)).clamp(max=max(width - 1, 0))
+        padded = targets.to(torch.int64)[positions]
+    width = padded.shape[1]
+    states = 2 * width + 1
+    blanks = torch.full((batch, 1), blank, dtype=torch.int64, device=device)
+    labels = torch.cat([torch.stack([blanks.expand(batch, width), padded], 2).reshape(batch, 2 * width), blanks], 1)
+    emitted = scores.gather(2, labels.unsqueeze(0).expand(steps, batch, states))  # [T, B, states]
+    before = torch.cat([torch.full((batch, 2), blank, dtype=torch.int64, device=device), labels[:, :-2]], 1)
+    skips = (labels != blank) & (labels != before)  # state s may follow state s - 2
+    unreachable = torch.full((batch, 1), _UNREACHABLE, dtype=compute, device=device)
+    position = torch.arange(states, device=device).unsqueeze(0)
+    alpha = torch.where((position == 0) | ((position == 1) & (lengths.unsqueeze(1) > 0)), emitted[0], unreachable)
+    alphas = [alpha]
+    for t in range(1, steps):
+        one_back = torch.cat([unreachable, alpha[:, :-1]], 1)
+        two_back = torch.where(skips, torch.cat([unreachable, unreachable, alpha[:, :-2]], 1), unreachable)
+        step = torch.logsumexp(torch.stack([alpha, one_back, two_back]), 0) + emitted[t]
+        alpha = torch.where((lengths_in > t).unsqueeze(1), step, alpha)
+        alphas.append(alpha)
+    last_blank = alpha.gather(1, (2 * lengths).unsqueeze(1)).squeeze(1)
+    last_label = alpha.gather(1, (2 * lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    last_label = torch.where(lengths > 0, last_label, unreachable.squeeze(1))
+    loss = -torch.logsumexp(torch.stack([last_blank, last_label]), 0)
+    loss = torch.where(loss > -_UNREACHABLE / 10, torch.full_like(loss, math.inf), loss)  # no alignment
+    # PyTorch's backward adds exp(log_probs) over each sample's frames, which the derivative of a log_softmax before
+    # the loss (as it should be used) cancels: the same term here, adding nothing to the value
+    frames = (torch.arange(steps, device=device).unsqueeze(1) < lengths_in.unsqueeze(0)).to(compute)  # [T, B]
+    mass = (scores.exp() * frames.unsqueeze(2)).sum((0, 2))
+    loss = loss + (mass - mass.detach())
+    return loss.to(log_probs.dtype), torch.stack(alphas, 1).to(log_probs.dtype)
+
+
+def ctc_loss_int_lengths(
+    log_probs: torch.Tensor,
+    targets: torch.Tensor,
+    input_lengths: Sequence[int],
+    target_lengths: Sequence[int],
+    blank: int = 0,
+    reduction: int = 1,
+    zero_infinity: bool = False,
+) -> torch.Tensor:
+    """`aten.ctc_loss.IntList` (lengths given as Python ints) as `aten.ctc_loss.Tensor` of the lengths as tensors:
+    PyTorch's composite for ints fills a tensor with them, which a traced (fake) tensor cannot hold ("its data is
+    not allocated yet")."""
+    lengths = [
+        torch.tensor(list(n), dtype=torch.int64, device=log_probs.device) for n in (input_lengths, target_lengths)
+    ]
+    return aten.ctc_loss.Tensor(log_probs, targets, *lengths, blank, reduction, zero_infinity)
 
 
 def copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

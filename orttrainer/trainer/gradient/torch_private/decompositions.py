@@ -435,6 +435,23 @@ TABLE: tuple[Entry, ...] = (
         for name in ("rnn_tanh", "rnn_relu")
     ),
     Entry(
+        ("aten._ctc_loss.Tensor", "aten._ctc_loss.default"),
+        "autograd",
+        "orttrainer",
+        "nn.CTCLoss, F.ctc_loss: the shape of _ctc_loss's second output depends on the target lengths' values, "
+        "which no fake tensor has (DynamicOutputShapeException), and _ctc_loss_backward has no translation; the "
+        "forward recursion in the batch's padded shapes is differentiable",
+        own.ctc_loss,
+    ),
+    Entry(
+        ("aten.ctc_loss.IntList",),
+        "autograd",
+        "orttrainer",
+        "F.ctc_loss with lengths as Python ints: PyTorch's composite fills a tensor with them, which a fake tensor "
+        "cannot hold; the same call with the lengths as tensors",
+        own.ctc_loss_int_lengths,
+    ),
+    Entry(
         ("aten._embedding_bag.default", "aten._embedding_bag_forward_only.default"),
         "autograd",
         "orttrainer",
@@ -551,7 +568,8 @@ def autograd_decompositions() -> Iterator[None]:
                 if DispatchKey.Autograd in op.py_kernels and op not in own_ops:
                     continue
                 keys = [DispatchKey.Autograd]
-                if op in own_ops and DispatchKey.CompositeImplicitAutograd in op.py_kernels:
+                composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+                if op in own_ops and (composite or DispatchKey.CompositeImplicitAutograd in op.py_kernels):
                     # the Python dispatcher resolves an autograd key to this kernel before the Autograd one
                     keys.append(DispatchKey.CompositeImplicitAutograd)
                 for key in keys:
