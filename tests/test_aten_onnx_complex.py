@@ -70,7 +70,7 @@ def test_complex_arithmetic_with_numbers_reals_and_constants(case):
         elif case == "real_tensors":
             out = (z + r) * r - r / (z - 2.0) + (r - z) / r.abs().add(1)
         elif case == "constant":
-            out = z * table - table.conj()
+            out = z * table - table.conj() + z[1] * z[:, -1:]  # a select and a slice of complex values
         elif case == "fills_and_where":
             out = torch.where(r > 0, z, torch.full((3, 4), 1 - 2j)) + torch.zeros(3, 4, dtype=torch.complex64)
         elif case == "strided_slice_scatter":

@@ -36,6 +36,8 @@ from .aten_onnx import (
     _meta,
     _np,
     _same_shape_view,
+    _select,
+    _slice,
 )
 
 aten = torch.ops.aten
@@ -207,26 +209,6 @@ def _permute(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("Transpose", [g.tensor(x)], perm=[*perm, rank])
 
 
-def _select(g: _Graph, node: torch.fx.Node) -> Value:
-    x, dim, index = node.args
-    axis = _axis(dim, g.meta(x).dim())  # type: ignore[arg-type]
-    size = g.meta(x).shape[axis]  # type: ignore[arg-type]
-    return g.one("Gather", [g.tensor(x), g.const(np.asarray(index % size, dtype=np.int64))], axis=axis)  # type: ignore[operator]
-
-
-def _slice(g: _Graph, node: torch.fx.Node) -> Value:
-    x = node.args[0]
-    if node.kwargs:
-        return None  # type: ignore[return-value]
-    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1 :])[:4]
-    axis = _axis(dim, g.meta(x).dim())  # type: ignore[arg-type]
-    size = g.meta(x).shape[axis]  # type: ignore[arg-type]
-    s, e, st = slice(start, end, step).indices(size)
-    if (s, e, st) == (0, size, 1):
-        return g.tensor(x)
-    return g.one("Slice", [g.tensor(x), g.ints([s]), g.ints([max(e, s)]), g.ints([axis]), g.ints([st])])
-
-
 def _cat(g: _Graph, node: torch.fx.Node) -> Value:
     tensors = list(node.args[0])  # type: ignore[arg-type]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
@@ -346,7 +328,7 @@ TRANSLATIONS: dict[Any, Translation] = {
     aten.permute.default: _permute,
     aten.transpose.int: _permute,
     aten.t.default: _permute,
-    aten.select.int: _select,
+    aten.select.int: _select,  # the real translations: they index an axis before the pair's
     aten.slice.Tensor: _slice,
     aten.slice_scatter.default: _slice_scatter,
     aten.cat.default: _cat,
