@@ -549,7 +549,7 @@ def ctc_loss(
     which only PyTorch's own backward reads).
     `zero_infinity` is applied by the caller (`ctc_loss` zeroes an infinite loss, whose gradient is then 0)."""
     if log_probs.dim() != 3:
-        raise NotImplementedError("the torch gradient builder's ctc_loss takes batched log_probs [T, B, C]")
+        raise ValueError(f"aten._ctc_loss takes log_probs [T, B, C] (F.ctc_loss adds B), got {list(log_probs.shape)}")
     compute = torch.float32 if log_probs.dtype in (torch.float16, torch.bfloat16) else log_probs.dtype
     scores = log_probs.to(compute)
     steps, batch = scores.shape[0], scores.shape[1]
