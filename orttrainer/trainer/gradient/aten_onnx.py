@@ -1914,6 +1914,18 @@ _VIEWS = (
     torch.ops.prims.squeeze.default,
 )
 
+_FILLS = (
+    aten.full.default,
+    aten.full_like.default,
+    aten.zeros.default,
+    aten.zeros_like.default,
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.ones.default,
+    aten.ones_like.default,
+    aten.scalar_tensor.default,
+)
+
 _TRANSLATIONS: dict[Any, Translation] = {
     **{op: _reshape for op in _VIEWS},
     **{op: _same for op in (aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default)},
@@ -2072,20 +2084,7 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.bernoulli.p: _bernoulli,
     aten.exponential.default: _exponential,
     aten.uniform.default: _uniform,
-    **{
-        op: _fill
-        for op in (
-            aten.full.default,
-            aten.full_like.default,
-            aten.zeros.default,
-            aten.zeros_like.default,
-            aten.empty.memory_format,
-            aten.empty_like.default,
-            aten.ones.default,
-            aten.ones_like.default,
-            aten.scalar_tensor.default,
-        )
-    },
+    **{op: _fill for op in _FILLS},
     # creation ops with static arguments: always folded (`_fold`); untranslatable otherwise
     **{op: (lambda g, node: None) for op in (aten.arange.default, aten.arange.start, aten.arange.start_step)},
 }

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .aten_onnx import (
+    _FILLS,
     _VIEWS,
     Translation,
     UntranslatableGraph,
@@ -250,8 +251,8 @@ def _where(g: _Graph, node: torch.fx.Node) -> Value:
 
 
 def _fill(g: _Graph, node: torch.fx.Node) -> Value:
-    """full/zeros/ones/scalar_tensor/*_like of a complex dtype (small ones are folded before): the pair of the value
-    expanded to the shape."""
+    """full/zeros/ones/empty/scalar_tensor/*_like of a complex dtype (small ones are folded before): the pair of the
+    value expanded to the shape (empty's: zeros, as aten_onnx's)."""
     out = _meta(node)
     if node.target in (aten.full.default, aten.full_like.default):
         value = node.args[1]
@@ -333,18 +334,7 @@ TRANSLATIONS: dict[Any, Translation] = {
     aten.slice_scatter.default: _slice_scatter,
     aten.cat.default: _cat,
     aten.where.self: _where,
-    **{
-        op: _fill
-        for op in (
-            aten.full.default,
-            aten.full_like.default,
-            aten.zeros.default,
-            aten.zeros_like.default,
-            aten.ones.default,
-            aten.ones_like.default,
-            aten.scalar_tensor.default,
-        )
-    },
+    **{op: _fill for op in _FILLS},
     aten.sum.dim_IntList: _reduce("ReduceSum"),
     aten.sum.default: _reduce("ReduceSum"),
     aten.mean.dim: _reduce("ReduceMean"),
