@@ -561,6 +561,8 @@ def _at_first_jump(function, rule):
     sys.settrace(trace)
     try:
         function(True)
+    except ValueError:  # a check that raises on True (`_raises_if`) was asked at its jump before
+        pass
     finally:
         sys.settrace(None)
     return results[0]
@@ -581,6 +583,64 @@ def test_in_assert_statement_recognises_an_assert_with_or_without_a_message(func
     from orttrainer.trainer.gradient.torch_private.tracing import _in_assert_statement
 
     assert _at_first_jump(function, _in_assert_statement) is is_assert
+
+
+def _raises_if(flag):
+    if flag:
+        raise ValueError("var has negative entry/entries")
+
+
+def _raises_if_not_with_a_formatted_message(flag):
+    if not flag:
+        raise ValueError(f"expected a true flag, got {flag!r} of {type(flag).__name__}")
+
+
+def _logs_then_raises(flag):
+    if flag:
+        print("about to stop")
+        raise ValueError("stopped")
+
+
+def _chooses(flag):
+    value = 1.0
+    if flag:
+        value = 2.0
+    return value
+
+
+def _returns_early(flag):
+    if flag:
+        return None
+    raise ValueError("unreachable from the true way only")
+
+
+def _raises_conditionally_formatted(flag):
+    if flag:
+        raise ValueError("a" if flag else "b")  # the message has a jump of its own: not straight
+
+
+@pytest.mark.parametrize(
+    ("function", "is_check"),
+    [
+        (assert_plain, True),
+        (assert_with_message, True),
+        (assert_all, True),
+        (_plain_if, True),
+        (_raises_if, True),
+        (_raises_if_not_with_a_formatted_message, True),
+        (_logs_then_raises, True),
+        (_returns_early, True),  # the false way raises at once
+        (assert_any, False),
+        (_chooses, False),
+        (_raises_conditionally_formatted, False),
+    ],
+)
+def test_in_check_recognises_a_jump_one_of_whose_ways_raises_at_once(function, is_check):
+    """At the first jump: an assert, or an `if` one of whose ways runs straight into `raise` (building the error
+    and its message) is a check; an `if` that chooses a value, and an operand of `or` in an assert, are not."""
+    from orttrainer.trainer.gradient.torch_private.tracing import _in_check
+
+    assert _at_first_jump(function, _in_check) is is_check
 
 
 class _Loss(nn.Module):
@@ -686,6 +746,91 @@ def test_a_branch_on_a_parameter_or_a_random_draw_cannot_be_guarded_by_the_batch
     assert refused.value.state == "fc.weight"
     with pytest.raises(torch_private.RandomBranchError, match=r"torch.rand\(...\) < 0.3"):
         torch_private.aot_export_joint_dynamic(OnDraw(), [x], [[]], real_values=True)
+
+
+class _PredictedVariance(nn.Module):
+    """Gaussian NLL with a predicted variance: torch.nn's loss checks `if torch.any(var < 0): raise`, a check on
+    an activation; `ids` also steers a branch (as `_Padded`'s) when `branch_on_ids`."""
+
+    def __init__(self, branch_on_ids: bool = False) -> None:
+        super().__init__()
+        self.fc, self.var = nn.Linear(3, 2), nn.Linear(3, 2)
+        self.branch_on_ids = branch_on_ids
+
+    def forward(self, x, ids, target):
+        mean = self.fc(x)
+        if self.branch_on_ids and ids.eq(0).any():
+            mean = mean * 3
+        return (F.gaussian_nll_loss(mean, target, F.softplus(self.var(x))),)
+
+
+def test_a_check_on_the_models_state_is_assumed_and_a_branch_on_the_batch_still_guarded():
+    """A trace with real values assumes a check that reads an activation (no guard can read one) instead of refusing
+    it; a branch on the batch beside it is still guarded by its value, and a check on the batch too."""
+    x, target = torch.randn(2, 3), torch.randn(2, 2)
+    padded, unpadded = torch.tensor([0, 4]), torch.tensor([5, 4])
+    checked = _PredictedVariance()
+    joint, _, _, values = torch_private.aot_export_joint_dynamic(
+        checked, [x, padded, target], [[], [], []], for_torch_onnx=False, real_values=True
+    )
+    forward, _, eval_values = torch_private.aot_export_forward(checked, [x, padded, target], real_values=True)
+    assert values is None and eval_values is None  # the check was the only branch: one graph for every batch
+    for graph in (joint, forward):
+        assert aten._local_scalar_dense.default not in {n.target for n in graph.graph.nodes}
+    torch.testing.assert_close(forward(*checked.parameters(), x, unpadded, target)[0], checked(x, unpadded, target)[0])
+
+    both = _PredictedVariance(branch_on_ids=True)
+    _, _, _, values = torch_private.aot_export_joint_dynamic(
+        both, [x, padded, target], [[], [], []], for_torch_onnx=False, real_values=True
+    )
+    assert values is not None and values.inputs == (1,) and len(values.conditions) == 1  # `ids` only
+    assert values.hold([x, padded, target]) and not values.hold([x, unpadded, target])
+
+    class ChecksLabels(nn.Module):  # a check on the batch is a guard, as any branch on it: each batch is checked
+        def forward(self, labels):
+            if labels.max() >= 2:
+                raise ValueError("a label out of range")
+            return (labels * 2,)
+
+    _, _, label_values = torch_private.aot_export_forward(ChecksLabels(), [torch.tensor([0, 1])], real_values=True)
+    assert label_values is not None and not label_values.hold([torch.tensor([0, 2])])
+
+
+def test_raised_by_model_tells_a_models_own_raise_from_the_tracers_errors():
+    class ChecksLabels(nn.Module):
+        def forward(self, labels):
+            if labels.max() >= 2:
+                raise ValueError("a label out of range")
+            return (labels * 2,)
+
+    with pytest.raises(ValueError) as own:
+        torch_private.aot_export_forward(ChecksLabels(), [torch.tensor([0, 3])], real_values=True)
+    with pytest.raises(Exception) as traced:  # no values: PyTorch's data-dependent error
+        torch_private.aot_export_forward(ChecksLabels(), [torch.tensor([0, 3])])
+    with pytest.raises(RuntimeError, match="same reduction dim") as kernel:  # raised by PyTorch for an op
+        torch_private.aot_export_forward(nn.Sequential(nn.Linear(3, 2)), [torch.randn(4, 5)])
+    assert torch_private.raised_by_model(own.value)
+    assert not torch_private.raised_by_model(traced.value) and not torch_private.raised_by_model(kernel.value)
+
+
+def test_a_trace_with_real_values_sees_the_parameters_values():
+    """The check passes on the parameter's real values (PyTorch's converter left a fake parameter's uninitialised)."""
+
+    class ChecksItsScale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.full((3,), 5.0))
+
+        def forward(self, x):
+            if not (self.scale > 4).all():
+                raise ValueError("the scale fell to 4 or below")
+            return ((x * self.scale).sum(),)
+
+    model, x = ChecksItsScale(), torch.randn(2, 3)
+    _, _, _, values = torch_private.aot_export_joint_dynamic(model, [x], [[]], for_torch_onnx=False, real_values=True)
+    forward, _, _ = torch_private.aot_export_forward(model, [x], real_values=True)
+    assert values is None
+    torch.testing.assert_close(forward(*model.parameters(), x)[0], model(x)[0])
 
 
 def test_a_forward_writing_into_its_input_is_a_mutation_output_of_the_joint_graph():

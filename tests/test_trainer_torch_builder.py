@@ -191,6 +191,112 @@ def test_asserts_on_input_values_train_and_evaluate_like_pytorch(caplog):
     assert "torch.onnx" not in caplog.text and "is exported" not in caplog.text
 
 
+class Heteroscedastic(nn.Module):
+    """Regression with a predicted variance through torch.nn's Gaussian NLL loss, which checks `if torch.any(var <
+    0): raise ValueError(...)`: a check on an activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.mean, self.log_var = nn.Linear(6, 16), nn.Linear(16, 2), nn.Linear(16, 2)
+
+    def forward(self, x, target):
+        hidden = torch.tanh(self.body(x))
+        return F.gaussian_nll_loss(self.mean(hidden), target, self.log_var(hidden).exp())
+
+
+REGRESSION = {"inputs": [("x", ["batch", 6]), ("target", ["batch", 2])], "outputs": [("loss", [], True)]}
+
+
+def regression_batches(n: int, rows: int = 8, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, 6, generator=g), torch.randn(rows, 2, generator=g)) for _ in range(n)]
+
+
+def test_a_check_on_activations_that_raises_trains_and_evaluates_like_pytorch(caplog):
+    """A check that reads activations cannot be guarded by the batch; it is assumed to pass, as an assert is, and
+    one graph on the direct translation serves every batch."""
+    torch.manual_seed(0)
+    model, data = Heteroscedastic(), regression_batches(3)
+    reference = clone(model)
+    trainer = make_trainer(model, REGRESSION, optim.SGDConfig(lr=0.1), None, TORCH)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        for x, target in data:
+            loss = trainer.train_step(x, target)
+            sgd.zero_grad()
+            expected = reference(x, target)
+            expected.backward()
+            sgd.step()
+            torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+        held_out = regression_batches(1, rows=5, seed=2)[0]
+        evaluated = trainer.eval_step(*held_out)
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-6
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(evaluated), reference.eval()(*held_out))
+    assert "Heteroscedastic checks tensor values at" in caplog.text and "`elif torch.any(var < 0):`" in caplog.text
+    assert "torch.onnx" not in caplog.text and "is exported" not in caplog.text
+    assert trainer._training_session.training_graph_count == 1
+
+
+class ChecksActivations(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        logits = self.fc(x)
+        if (logits.abs() > 1e3).any():
+            raise ValueError("the logits blew up")
+        return logits
+
+
+def test_a_check_on_activations_that_fails_on_the_first_batch_raises_the_models_error():
+    """The dry run runs the first batch eagerly: a check that fails there raises the model's own error."""
+    trainer = make_trainer(ChecksActivations(), mlp_desc(), optim.SGDConfig(), CE, TORCH)
+    x, y = batches(1)[0]
+    with pytest.raises(ValueError, match="the logits blew up"):
+        trainer.train_step(x * 1e6, y)
+    trainer.train_step(x, y)  # a batch that passes the check trains
+
+
+class ChecksLabels(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x, labels):
+        if labels.max() >= 10:  # as transformers' CTC heads check `labels.max() >= vocab_size`
+            raise ValueError("a label out of range")
+        return CE(self.fc(x), labels)
+
+
+def test_a_check_on_the_batch_raises_the_models_error_for_a_later_batch_that_fails_it():
+    """A check on the batch alone is traced as a branch on it: a later batch that fails it raises the model's own
+    error in train_step and eval_step, and the trainer goes on with the next good batch like PyTorch."""
+    model = ChecksLabels()
+    reference = clone(model)
+    desc = {"inputs": [("x", ["batch", 32]), ("labels", ["batch"])], "outputs": [("loss", [], True)]}
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), None, TORCH)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    (x, y), (x2, y2) = batches(2)
+    bad = y2.clone()
+    bad[0] = 12
+    for inputs in ((x, y), (x2, bad), (x2, y2)):
+        if inputs[1] is bad:
+            with pytest.raises(ValueError, match="a label out of range"):
+                trainer.train_step(*inputs)
+            with pytest.raises(ValueError, match="a label out of range"):
+                trainer.eval_step(*inputs)
+            continue
+        trainer.train_step(*inputs)
+        sgd.zero_grad()
+        reference(*inputs).backward()
+        sgd.step()
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-6
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(trainer.eval_step(x, y)), reference(x, y))
+
+
 class CachedBias(nn.Module):
     """In eval mode, caches a tensor computed from a parameter in a plain dict, as transformers' LeViT caches its
     attention biases (`self.attention_bias_cache[device]`)."""
@@ -437,6 +543,16 @@ def test_the_ort_route_warns_of_a_branch_on_values_naming_the_line_and_the_torch
 def test_the_ort_route_does_not_warn_of_an_assert_on_a_value():
     """An assert records the way every valid batch takes (the dry run checks the first): no warning."""
     trainer = make_trainer(CheckedLoss(), mlp_desc_with_labels(), optim.SGDConfig(), None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*truth value of a tensor")
+        trainer.train_step(*batches(1)[0])
+    assert trainer.gradient_builder == "ort"
+
+
+@needs_training_build
+def test_the_ort_route_does_not_warn_of_a_check_that_raises():
+    """A check (`if ...: raise`) records the way every batch that trains takes: no warning."""
+    trainer = make_trainer(ChecksActivations(), mlp_desc(), optim.SGDConfig(), CE)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*truth value of a tensor")
         trainer.train_step(*batches(1)[0])

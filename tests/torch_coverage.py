@@ -506,12 +506,13 @@ def write_known(json_paths: list[str], out_path: str) -> None:
     ]
     for db, prefix in (("module_db", "MODULE_DB"), ("op_db", "OP_DB")):
         failing = {n: r for n, r in records.get(db, {}).items() if r[0] != "pass"}
-        lines.append(f"{prefix}_UNSUPPORTED = {{")
+        entries = []
         for n, r in sorted(failing.items()):
             if r[3]:
                 line = f"    {json.dumps(n)}: {json.dumps(error_key(Outcome(r[0], r[1])))},"
-                lines.append(line if len(line) <= 120 else line + "  # noqa: E501")
-        lines += ["}", ""]
+                entries.append(line if len(line) <= 120 else line + "  # noqa: E501")
+        head = f"{prefix}_UNSUPPORTED: dict[str, str] = {{"
+        lines += [head, *entries, "}", ""] if entries else [head + "}", ""]
     with open(out_path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
 

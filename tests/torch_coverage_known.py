@@ -2,11 +2,9 @@
 the entries of PyTorch's test databases the torch builder does not handle, and the error key
 (`torch_coverage.error_key`) each gives. docs/torch_builder_coverage.md has the whole errors."""
 
-MODULE_DB_UNSUPPORTED = {
-    "nn.GaussianNLLLoss": "reads a tensor's value in Python",
-}
+MODULE_DB_UNSUPPORTED: dict[str, str] = {}
 
-OP_DB_UNSUPPORTED = {
+OP_DB_UNSUPPORTED: dict[str, str] = {
     "bernoulli": "random: the graph draws random numbers (ONNX Runtime's gener",
     "bfloat16": "InvalidGraph:INVALID_GRAPH",
     "combinations": "aten.masked_select.default runs eagerly, which needs static output shapes",
@@ -15,7 +13,6 @@ OP_DB_UNSUPPORTED = {
     "linalg.lstsq": "DynamicOutputShapeException",
     "linalg.lstsq.grad_oriented": "DynamicOutputShapeException",
     "masked_select": "aten.masked_select.default runs eagerly, which needs static output shapes",
-    "nn.functional.gaussian_nll_loss": "reads a tensor's value in Python",
     "nn.functional.multi_head_attention_forward": "random: the graph draws random numbers (ONNX Runtime's gener",
     "nn.functional.rrelu": "random: the graph draws random numbers (ONNX Runtime's gener",
     "normal": "random: the graph draws random numbers (ONNX Runtime's gener",

@@ -355,6 +355,8 @@ class TorchEvalGraphs:
                     source.mixed_precision,
                 )
         except Exception as err:
+            if torch_private.raised_by_model(err):  # the model's own check failed on this batch, as it would eagerly
+                raise
             self._tracing = False
             reason = str(err).strip().split("\n")[0]
             _logger.info(

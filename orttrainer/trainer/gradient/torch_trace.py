@@ -259,6 +259,8 @@ def _trace_with_values(
     except GradientBuildError:
         raise
     except Exception as err:
+        if torch_private.raised_by_model(err):  # a check of the model failed on these values, as it would eagerly
+            raise
         unguarded = isinstance(err, torch_private.ValueBranchError)  # the trace ran; its branches were the problem
         specific = None if unguarded else _specific_error(err, wrapper, inputs, trainable)
         if specific is not None:  # what stopped the trace past the branches: parameters without gradient, LayerDrop
@@ -279,13 +281,23 @@ def _trace_with_values(
             raise explained from err
         raise GradientBuildError(f"{explained} ({retried})") from err
     where = torch_private.user_frame(failure)
-    _logger.info(
-        "%s branches on tensor values%s: its graph is traced with this batch's values, and serves the batches "
-        "whose values branch the same way (conditions: %s)",
-        type(wrapper.inner.model).__name__,
-        f" at {where[0]}:{where[1]} (`{where[2]}`)" if where else "",
-        ", ".join(map(str, values.conditions)) if values is not None else "none",
-    )
+    at = f" at {where[0]}:{where[1]} (`{where[2]}`)" if where else ""
+    if values is None:  # every branch was a check on the model's state, assumed to pass (`_value_guards`)
+        _logger.info(
+            "%s checks tensor values%s: its graph is traced with this batch's values and serves every batch; the "
+            "check reads the model's state and is assumed to pass, as an assert is (the dry run checked the first "
+            "batch eagerly)",
+            type(wrapper.inner.model).__name__,
+            at,
+        )
+    else:
+        _logger.info(
+            "%s branches on tensor values%s: its graph is traced with this batch's values, and serves the batches "
+            "whose values branch the same way (conditions: %s)",
+            type(wrapper.inner.model).__name__,
+            at,
+            ", ".join(map(str, values.conditions)),
+        )
     return graph, sig, None, values
 
 

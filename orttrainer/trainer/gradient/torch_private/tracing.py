@@ -123,8 +123,9 @@ def random_branches_decided() -> Iterator[None]:
 def truth_reads() -> Iterator[list[str]]:
     """Within the block (this thread), each place where Python takes a tensor's truth value (`if mask.any():`,
     `bool(t)`, `and`/`or`/`not` on a tensor) is appended to the yielded list, once, as "file:line (`source`)"; a
-    Python `assert` is left out (`_in_assert_statement`). Run eagerly, where sizes are Python numbers, these are
-    branches on values, never on shapes.
+    check (`_in_check`: an `assert`, or an `if` that raises at once) is left out, since every batch that trains
+    takes it the same way. Run eagerly, where sizes are Python numbers, these are branches on values, never on
+    shapes.
 
     Why: the TorchScript exporter records the way its sample takes such a branch for every later input, with only
     a TracerWarning, which it also gives for branches on sizes (traced as tensors there)."""
@@ -138,7 +139,7 @@ def truth_reads() -> Iterator[list[str]]:
                 frame = sys._getframe(1)
                 while frame.f_back is not None and frame.f_code.co_filename == torch.overrides.__file__:
                     frame = frame.f_back
-                if not _in_assert_statement(frame):
+                if not _in_check(frame):
                     place = f"{frame.f_code.co_filename}:{frame.f_lineno}"
                     source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
                     if not any(entry.startswith(place + " ") for entry in found):
@@ -252,17 +253,37 @@ def user_frame(err: BaseException) -> tuple[str, int, str] | None:
     """(file, line, source) of the innermost frame of the failing stack that is not PyTorch's tracing machinery
     (torch/_*, torch/fx, torch/utils, torch/overrides.py): the model code (or the torch.nn function) whose
     Python reads a tensor's value."""
-    import linecache
     import traceback
 
-    ours = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     found = None
     for e in _chain(err):
         for frame, line in traceback.walk_tb(e.__traceback__):
             path = frame.f_code.co_filename
-            if not _tracing_machinery(path) and not os.path.abspath(path).startswith(ours + os.sep):
+            if _model_code(path):
                 found = (path, line, linecache.getline(path, line).strip())
     return found
+
+
+def raised_by_model(err: BaseException) -> bool:
+    """Whether `err` comes from a `raise` statement of model code (`_model_code`): the model's own check failing on
+    the values of a trace with real values (`if labels.max() >= vocab: raise ValueError(...)`), as it would eagerly.
+    """
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if not _model_code(code.co_filename):
+        return False
+    return any(i.offset == tb.tb_lasti and i.opname == "RAISE_VARARGS" for i in dis.get_instructions(code))
+
+
+def _model_code(path: str) -> bool:
+    """Whether a source file is model code (or a torch.nn function): neither PyTorch's tracing machinery nor
+    orttrainer's."""
+    ours = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    return not _tracing_machinery(path) and not os.path.abspath(path).startswith(ours + os.sep)
 
 
 def _tracing_machinery(path: str) -> bool:
@@ -480,35 +501,51 @@ def asserting_shape_env() -> Any:
     trainer's dry run runs the forward eagerly on the first batch, so an assert that fails there still raises;
     later batches are not checked, as in a model exported to ONNX. Any other branch on a value fails, unless the
     fake tensors carry real values (`_real_values_propagated`): the ShapeEnv then takes the condition's value
-    from them, silently (`_value_guards` reads the conditions back)."""
+    from them, silently (`_value_guards` reads the conditions back), and remembers the symbols of those it took at
+    a check (`_in_check`: an assert, or an `if` that raises at once), in `checked_symbols`."""
     return _asserting_shape_env_class()(trace_asserts=True)
 
 
 @functools.cache
 def _asserting_shape_env_class() -> type:
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv, uninteresting_files
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     class AssertingShapeEnv(ShapeEnv):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # the symbols of the conditions a trace with real values took at a check (`_in_check`): `_value_guards`
+            # assumes such a condition instead of refusing it when it reads the model's state
+            self.checked_symbols: set[Any] = set()
+
         def _is_python_assert(self) -> bool:
-            # the frame that asked for the value: the first outside PyTorch's tracing machinery (its list, and
-            # `_tracing_machinery`: a FunctionalTensor's `__bool__` is Python) and this file (whose torch function
-            # modes, `random_branches_decided`, pass the question on), above this method (which PyTorch's
-            # `_get_user_frame` would take for it)
-            frame: types.FrameType | None = sys._getframe(1)
-            while frame is not None and (
-                frame.f_code.co_filename in uninteresting_files()
-                or frame.f_code.co_filename == __file__
-                or _tracing_machinery(frame.f_code.co_filename)
-            ):
-                frame = frame.f_back
+            frame = _asking_frame(sys._getframe(1))
             return frame is not None and _in_assert_statement(frame)
 
         def _log_real_tensor_propagation(self, orig_expr: Any, unsound_result: Any) -> None:
             # a condition taken from a real value is what a trace with real values is for (`_value_guards` reads
-            # each one back); PyTorch warns of each, as its draft export reports them as findings
-            return None
+            # each one back); PyTorch warns of each, as its draft export reports them as findings. A check's are
+            # remembered here, where the asking frame is known.
+            frame = _asking_frame(sys._getframe(1))
+            if frame is not None and _in_check(frame):
+                self.checked_symbols |= orig_expr.free_symbols
 
     return AssertingShapeEnv
+
+
+def _asking_frame(frame: types.FrameType | None) -> types.FrameType | None:
+    """The frame that asked the ShapeEnv for a value, from `frame` outwards: the first outside PyTorch's tracing
+    machinery (its list, and `_tracing_machinery`: a FunctionalTensor's `__bool__` is Python) and this file (whose
+    torch function modes, `random_branches_decided`, pass the question on). PyTorch's `_get_user_frame` would take
+    a ShapeEnv method defined outside its files for it."""
+    from torch.fx.experimental.symbolic_shapes import uninteresting_files
+
+    while frame is not None and (
+        frame.f_code.co_filename in uninteresting_files()
+        or frame.f_code.co_filename == __file__
+        or _tracing_machinery(frame.f_code.co_filename)
+    ):
+        frame = frame.f_back
+    return frame
 
 
 def _in_assert_statement(frame: types.FrameType) -> bool:
@@ -517,17 +554,60 @@ def _in_assert_statement(frame: types.FrameType) -> bool:
     (after Python 3.13's TO_BOOL or COMPARE_OP) followed by LOAD_ASSERTION_ERROR (the assert's condition, with or
     without a message), or a POP_JUMP..._IF_FALSE to it (an operand of `and` in the condition). An operand of
     `or` jumps on true to the statement after, and need not hold: not recognised."""
+    found = _jump_at(frame)
+    if found is None:
+        return False
+    instructions, at, target = found
+    if instructions[at].opname.endswith("IF_TRUE"):
+        return at + 1 < len(instructions) and instructions[at + 1].opname == "LOAD_ASSERTION_ERROR"
+    return (
+        instructions[at].opname.endswith("IF_FALSE")
+        and target is not None
+        and instructions[target].opname == "LOAD_ASSERTION_ERROR"
+    )
+
+
+def _jump_at(frame: types.FrameType) -> tuple[list[dis.Instruction], int, int | None] | None:
+    """The instructions of `frame`'s code, the index of the conditional jump at which it asks for a truth value
+    (past Python 3.13's TO_BOOL, or a COMPARE_OP), and the index of the jump's target; None when it stands at
+    none."""
     instructions = list(dis.get_instructions(frame.f_code))
     at = bisect.bisect_left([i.offset for i in instructions], frame.f_lasti)
     while at < len(instructions) and instructions[at].opname in ("TO_BOOL", "COMPARE_OP"):
         at += 1
     if at >= len(instructions) or not instructions[at].opname.startswith("POP_JUMP"):
+        return None
+    target = next((k for k, i in enumerate(instructions) if i.offset == instructions[at].argval), None)
+    return instructions, at, target
+
+
+def _in_check(frame: types.FrameType) -> bool:
+    """Rule: `frame` stands at a check — a jump one of whose ways raises at once: `if torch.any(var < 0): raise
+    ValueError(...)` (torch.nn's Gaussian NLL loss), `if not ok: raise`, or an `assert` statement. A way raises at
+    once when it runs straight (no jump, store or return) into RAISE_VARARGS: it may build the error and its
+    message, f-strings without conditions included.
+
+    Why: such a branch does not choose what the model computes, only whether it stops; the way a trace takes it is
+    the way every batch that trains takes it."""
+    found = _jump_at(frame)
+    if found is None:
         return False
-    jump = instructions[at]
-    if jump.opname.endswith("IF_TRUE"):
-        return at + 1 < len(instructions) and instructions[at + 1].opname == "LOAD_ASSERTION_ERROR"
-    target = next((i for i in instructions if i.offset == jump.argval), None)
-    return jump.opname.endswith("IF_FALSE") and target is not None and target.opname == "LOAD_ASSERTION_ERROR"
+    instructions, at, target = found
+    return _raises_at_once(instructions, at + 1) or (target is not None and _raises_at_once(instructions, target))
+
+
+# what ends a way that raises at once before its RAISE_VARARGS: control flow, a store, an exception handler's ops
+_NOT_STRAIGHT = ("JUMP", "RETURN", "STORE", "DELETE", "YIELD", "FOR_ITER", "SEND", "SETUP", "WITH", "RERAISE", "EXC")
+
+
+def _raises_at_once(instructions: list[dis.Instruction], start: int) -> bool:
+    """Whether the code from `instructions[start]` runs straight into RAISE_VARARGS (`_in_check`)."""
+    for instruction in instructions[start : start + 64]:
+        if instruction.opname == "RAISE_VARARGS":
+            return True
+        if any(word in instruction.opname for word in _NOT_STRAIGHT):
+            return False
+    return False
 
 
 def aot_export_joint_dynamic(
@@ -648,17 +728,29 @@ def _real_values_propagated() -> Iterator[None]:
     """Within the block, fake tensors made from real ones carry their values and every traced op also runs on
     them (PyTorch's `fake_tensor_propagate_real_tensors`, the mechanism of its draft export), and the trace keeps
     the ops that read a value (`aten._local_scalar_dense`) although their results only steered Python, so that
-    `_value_guards` finds them."""
+    `_value_guards` finds them.
+
+    A parameter's values are copied too: PyTorch's converter copies the data of a plain `torch.Tensor` only
+    (`meta_utils._safe_copy` tests `type(src) is torch.Tensor`), so a fake parameter's real values were left
+    uninitialised memory (verified on 2.13: `from_tensor(nn.Linear(4, 2).weight).real_tensor` held 6e-38 and 0)."""
     import torch._functorch.config
     import torch.fx.node
+    from torch._subclasses import meta_utils
 
     kept = torch.fx.node._side_effectful_functions
     added = _VALUE_READ not in kept
     kept.add(_VALUE_READ)
+    plain_copy = meta_utils._safe_copy
+
+    def copy_with_parameters(dst: torch.Tensor, src: torch.Tensor | None) -> None:
+        plain_copy(dst, src.detach() if type(src) is torch.nn.Parameter else src)
+
+    meta_utils._safe_copy = copy_with_parameters
     try:
         with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True):
             yield
     finally:
+        meta_utils._safe_copy = plain_copy
         if added:
             kept.discard(_VALUE_READ)
 
@@ -681,9 +773,12 @@ def _value_guards(graph: torch.fx.GraphModule, shape_env: Any, user_inputs: dict
     Rule: a condition the ShapeEnv took from a real value is kept when every symbol it names is bound by a node of
     the final graph (AOTAutograd runs the forward once more to collect metadata; that run's symbols are bound
     nowhere, and its conditions repeat the final run's). The program is those nodes and everything they read; it
-    may read the user inputs only. Raises ValueBranchError when it reads a parameter or buffer or a condition
-    cannot be computed from the graph, RandomBranchError when it reads a random draw (LayerDrop at a probability
-    `random_branches_decided` cannot decide). None when the trace took no branch on a value."""
+    may read the user inputs only. A condition taken at a check (`_in_check`: `if torch.any(var < 0): raise`, in
+    torch.nn's Gaussian NLL loss with a predicted variance) that reads a parameter or buffer is assumed instead, as
+    an assert is: the dry run checked the first batch eagerly. Raises ValueBranchError when any other condition
+    reads a parameter or buffer or a condition cannot be computed from the graph, RandomBranchError when it reads a
+    random draw (LayerDrop at a probability `random_branches_decided` cannot decide). None when no condition is
+    left to guard."""
     recorded = [
         ra.expr
         for assertions in shape_env.deferred_runtime_asserts.values()
@@ -699,17 +794,17 @@ def _value_guards(graph: torch.fx.GraphModule, shape_env: Any, user_inputs: dict
     if recorded and not conditions:
         listed = ", ".join(map(str, recorded))
         raise ValueBranchError(f"the branches on values ({listed}) read no value the graph computes")
+    checked = getattr(shape_env, "checked_symbols", set())
+    conditions = tuple(
+        c
+        for c in conditions
+        if not (c.free_symbols <= checked and _reads_state(_read_by(binders, c.free_symbols), user_inputs))
+    )
     if not conditions:
         _erase_unread(graph)
         return None
     symbols = sorted({s for c in conditions for s in c.free_symbols}, key=str)
-    needed: set[torch.fx.Node] = set()
-    stack = [binders[s][0] for s in symbols]
-    while stack:
-        node = stack.pop()
-        if node not in needed:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
+    needed = _read_by(binders, symbols)
     program, inputs = torch.fx.Graph(), []
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in graph.graph.nodes:
@@ -728,6 +823,23 @@ def _value_guards(graph: torch.fx.GraphModule, shape_env: Any, user_inputs: dict
     _erase_unread(graph)
     bindings = tuple((s, binders[s][1]) for s in symbols)
     return ValueGuards(runnable, tuple(inputs), bindings, conditions)
+
+
+def _read_by(binders: dict[Any, tuple[torch.fx.Node, Any]], symbols: Any) -> set[torch.fx.Node]:
+    """The nodes that compute `symbols` (their binding nodes in `binders`), with everything they read."""
+    needed: set[torch.fx.Node] = set()
+    stack = [binders[s][0] for s in symbols]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    return needed
+
+
+def _reads_state(nodes: set[torch.fx.Node], user_inputs: dict[str, int]) -> bool:
+    """Whether `nodes` read a placeholder that is not a user input: a parameter or buffer."""
+    return any(n.op == "placeholder" and n.name not in user_inputs for n in nodes)
 
 
 def _compared_draw(draw: torch.fx.Node, nodes: set[torch.fx.Node]) -> str:
