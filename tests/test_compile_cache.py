@@ -273,6 +273,31 @@ class Scaled(MLP):
         return self.fc2(h * scale)
 
 
+class Rotated(MLP):
+    """The hidden activations rotated pairwise by a table kept as a non-persistent buffer, as transformers' rotary
+    embeddings keep `inv_freq` (real) and torchtitan its `freqs_cis` (complex): no trainer state, so the graphs
+    hold its values. `theta` changes the values, not the shapes."""
+
+    def __init__(self, theta: float = 10000.0, complex_table: bool = False) -> None:
+        super().__init__()
+        angles = torch.arange(32.0) / theta ** (torch.arange(32.0) / 32)
+        self.complex_table = complex_table
+        table = torch.polar(torch.ones(32), angles) if complex_table else angles
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.fc1(x))
+        pairs = h.float().view(h.shape[0], 32, 2)
+        if self.complex_table:
+            rotated = torch.view_as_real(torch.view_as_complex(pairs) * self.table)
+        else:
+            cos, sin = self.table.cos().unsqueeze(-1), self.table.sin().unsqueeze(-1)
+            rotated = torch.cat(
+                [pairs[..., :1] * cos - pairs[..., 1:] * sin, pairs[..., :1] * sin + pairs[..., 1:] * cos], -1
+            )
+        return self.fc2(rotated.flatten(1))
+
+
 CHANGES = {
     "model structure (width)": {"model": Wider},
     "model structure (same parameters, another forward)": {"model": OtherActivation},
@@ -287,14 +312,19 @@ CHANGES = {
     "BatchNorm's momentum": {"model": CumulativeNormalised},
     "a custom Function's backward": {"model": lambda: Through(_Tripled)},
     "a gradient not taken (no_grad)": {"model": lambda: Scaled(scale_gradient=False)},
+    "a non-persistent buffer's values": {"model": lambda: Rotated(theta=500000.0)},
+    "a complex non-persistent buffer's values": {"model": lambda: Rotated(theta=500000.0, complex_table=True)},
 }
 BASES = {
     "a constant of the loss": {"loss_fn": _weighted([1.0] * 10)},
     "BatchNorm's momentum": {"model": Normalised},
     "a custom Function's backward": {"model": Through},
     "a gradient not taken (no_grad)": {"model": Scaled},
+    "a non-persistent buffer's values": {"model": Rotated},
+    "a complex non-persistent buffer's values": {"model": lambda: Rotated(complex_table=True)},
 }
-TORCH_ONLY = ("parameter dtypes", "a custom Function's backward")  # the 'ort' builder refuses custom Functions
+# the 'ort' builder refuses custom Functions; its exporter, complex values
+TORCH_ONLY = ("parameter dtypes", "a custom Function's backward", "a complex non-persistent buffer's values")
 
 
 # float64 needs the torch builder: ONNX Runtime's SoftmaxCrossEntropyLossGrad mixes float32 and float64

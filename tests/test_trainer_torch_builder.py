@@ -694,13 +694,13 @@ class ComplexRotary(nn.Module):
     and DeepSeek-V2 write them: a table of unit complex numbers kept as a plain attribute (a constant of the graph),
     and one computed in forward from learned frequencies (`torch.polar`, whose gradient reaches them)."""
 
-    def __init__(self, table_as_buffer: bool = False) -> None:
+    def __init__(self, table_as_buffer: bool = False, persistent: bool = True) -> None:
         super().__init__()
         self.proj = nn.Linear(32, 48)
         self.log_frequency = nn.Parameter(torch.linspace(-3.0, 0.0, 4))
         table = torch.polar(torch.ones(6, 4), torch.outer(torch.arange(6.0), torch.linspace(0.1, 1.0, 4)))
         if table_as_buffer:
-            self.register_buffer("table", table)
+            self.register_buffer("table", table, persistent=persistent)
         else:
             self.table = table
         self.head = nn.Linear(48, 10)
@@ -741,6 +741,45 @@ def test_complex_rotary_embeddings_train_evaluate_and_save_like_pytorch_on_the_d
     session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
     feeds = dict(zip([i.name for i in session.get_inputs()], [t.numpy() for t in data[0]], strict=True))
     np.testing.assert_allclose(session.run(None, feeds)[1], torch.as_tensor(logits).numpy(), atol=tolerance * 10)
+
+
+def test_a_complex_non_persistent_buffer_is_a_constant_of_the_graph_and_trains_like_pytorch(caplog):
+    """torchtitan keeps its rotary table as `register_buffer("freqs_cis", ..., persistent=False)`: no checkpoint
+    holds it, so the graphs hold it as a constant, as they hold a plain tensor attribute."""
+    torch.manual_seed(0)
+    data = batches(3)
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, ref = train_with_reference(
+            ComplexRotary(table_as_buffer=True, persistent=False),
+            mlp_desc(),
+            optim.AdamConfig(lr=0.01),
+            lambda ps: torch.optim.Adam(ps, lr=0.01),
+            CE,
+            data,
+            {**TORCH, **NO_CLIP},
+        )
+        ref.eval()
+        with torch.no_grad():
+            _, logits = trainer.eval_step(*data[0])
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-6
+    torch.testing.assert_close(torch.as_tensor(logits), ref(data[0][0]), atol=1e-5, rtol=0)
+    assert "torch.onnx" not in caplog.text and "is exported" not in caplog.text
+    assert "table" not in trainer.state_dict(pytorch_format=True)
+
+
+class RotatesItsTable(ComplexRotary):
+    def __init__(self) -> None:
+        super().__init__(table_as_buffer=True, persistent=False)
+
+    def forward(self, x):
+        self.table.mul_(torch.polar(torch.ones(()), torch.tensor(0.01)))  # the table turns a little each step
+        return super().forward(x)
+
+
+def test_a_forward_that_writes_into_a_complex_non_persistent_buffer_is_refused_naming_it():
+    trainer = make_trainer(RotatesItsTable(), mlp_desc(), optim.SGDConfig(lr=0.1), CE, TORCH)
+    with pytest.raises(GradientBuildError, match=r"writes into its complex buffer table in forward.*view_as_real"):
+        trainer.train_step(*batches(1)[0])
 
 
 class ComplexInput(nn.Module):

@@ -7,10 +7,11 @@ delete the directory to reclaim the space.
 
 The key (`TrainerKey`) covers everything a compiled graph depends on; any change gives another key, a miss:
 - the model: the aten-level dataflow of one training-mode forward and backward of the model and its loss on the
-  batch (`torch_private.dataflow_digest`: every op, its arguments wired by role — input, named state tensor,
-  earlier result, constant by value — so the architecture, its hyper-parameters, the loss and constants such as a
-  loss's class weights all count; the backward by its autograd graph, or by its ops when Python can run in it; an
-  eval graph's: the eval-mode forward's, build/cached.py),
+  batch (`torch_private.dataflow_digest`: every op, its arguments wired by role — input, named state tensor (the
+  state_dict's), earlier result, constant by value — so the architecture, its hyper-parameters, the loss and
+  constants such as a loss's class weights or a non-persistent buffer (a rotary table) all count; the backward by
+  its autograd graph, or by its ops when Python can run in it; an eval graph's: the eval-mode forward's,
+  build/cached.py),
   the source of the model's and loss function's own classes and functions, every parameter's and buffer's name,
   shape, dtype and `requires_grad`, and the modules' train/eval modes;
 - the input shapes and dtypes (in the dataflow, and in each graph's key);
@@ -272,10 +273,10 @@ def dataflow(
     from ..gradient.torch_trace import flatten_tensors
 
     wrapper = _ModelWithLoss(module, loss_fn, list(input_names))
-    state = {
-        **dict(module.named_parameters(remove_duplicate=False)),
-        **dict(module.named_buffers(remove_duplicate=False)),
-    }
+    # the trainer's state, which every step feeds, by name; a non-persistent buffer (transformers' rotary `inv_freq`)
+    # is no trainer state: the graphs hold its values (graph/state_inputs.bind_foreign_state), so the digest takes
+    # it as a constant, by its bytes
+    state = dict(module.state_dict(keep_vars=True))
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     params = [p for p in module.parameters() if p.requires_grad]
     copies = [t.detach().clone() for t in inputs]

@@ -407,13 +407,14 @@ def _check_arguments(
         raise ValueError(
             f"trainable/frozen must name parameters of {type(module).__name__}: unknown {unknown}, in both lists {both}"
         )
-    complex_state = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_complex()]
+    complex_state = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_complex()]
     if complex_state:  # complex values inside the graph are pairs of reals (gradient/aten_onnx_complex.py)
         raise GradientBuildError(
             f"{type(module).__name__} holds complex tensors as state ({', '.join(complex_state)}): ONNX Runtime "
-            "keeps no complex tensor between steps. Keep a complex constant as a plain tensor attribute "
-            "(self.name = tensor: the graph holds it as a constant), compute it in forward, or register "
-            "torch.view_as_real(tensor) and call torch.view_as_complex on it in forward"
+            "keeps no complex tensor between steps. Keep a complex constant as a non-persistent buffer "
+            "(register_buffer(name, tensor, persistent=False)) or a plain tensor attribute (the graph holds "
+            "either as a constant), compute it in forward, or register torch.view_as_real(tensor) and call "
+            "torch.view_as_complex on it in forward"
         )
     complex_inputs = [n for n, t in zip(input_names, sample_inputs, strict=True) if t.is_complex()]
     if complex_inputs:
@@ -440,10 +441,15 @@ def _traced_state(wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _canonical_names(module: torch.nn.Module) -> dict[int, str]:
-    """id(tensor) -> the module's name for it: its first name, so tied parameters share one."""
+    """id(tensor) -> the module's name for it: its first name, so tied parameters share one. A complex buffer that
+    is not persistent (torchtitan's rotary table, `register_buffer("freqs_cis", ..., persistent=False)`) is left
+    out: the graph holds it as a constant, as a plain tensor attribute, since ONNX Runtime keeps no complex tensor
+    between steps (`_check_arguments` refuses complex state) and a checkpoint never holds it."""
+    persistent = module.state_dict(keep_vars=True)
     names: dict[int, str] = {}
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        names.setdefault(id(tensor), name)
+        if not (tensor.is_complex() and name not in persistent):
+            names.setdefault(id(tensor), name)
     return names
 
 
@@ -492,6 +498,13 @@ def _rewrite_joint(
             grads.setdefault(canonical[id(tensors[name])], []).append(value)
         elif kind == "mutation" and name in tensors and id(tensors[name]) in canonical:
             updates[canonical[id(tensors[name])]] = value
+        elif kind == "mutation" and name in tensors and tensors[name].is_complex():  # a constant (_canonical_names)
+            buffer = name.removeprefix("inner.").removeprefix("model.")  # past JointWrapper and _EvalForward
+            raise GradientBuildError(
+                f"{model_name} writes into its complex buffer {buffer} in forward: the graph holds a complex buffer "
+                "as a constant. Register torch.view_as_real(tensor) as the buffer and call torch.view_as_complex "
+                "on it in forward"
+            )
     with fx.inserting_before(out):
         summed = [_sum_nodes(fx, grads[p]) for p in trainable]
     mutated = sorted(updates)

@@ -794,7 +794,7 @@ def _value_guards(graph: torch.fx.GraphModule, shape_env: Any, user_inputs: dict
     if recorded and not conditions:
         listed = ", ".join(map(str, recorded))
         raise ValueBranchError(f"the branches on values ({listed}) read no value the graph computes")
-    checked = getattr(shape_env, "checked_symbols", set())
+    checked: set[Any] = getattr(shape_env, "checked_symbols", set())
     conditions = tuple(
         c
         for c in conditions
