@@ -315,6 +315,17 @@ def test_ctc_loss_and_its_gradient(blank, layout, reduction, zero_infinity, norm
     assert torch.isfinite(got).all()  # an infinite loss's gradient: finite here, NaN in PyTorch
 
 
+@pytest.mark.parametrize(
+    "shape, mask_shape",
+    [((3, 4), (3, 4)), ((3, 4), (4,)), ((1, 4), (3, 4)), ((2, 3, 4), (3, 1)), ((5,), (5,))],
+)
+def test_masked_select_is_the_op(shape, mask_shape):
+    torch.manual_seed(0)
+    x, mask = torch.randn(shape), torch.rand(mask_shape) < 0.5
+    close(D.masked_select(x, mask), aten.masked_select(x, mask))
+    close(D.masked_select(x, torch.zeros(mask_shape, dtype=torch.bool)), aten.masked_select(x, mask & False))
+
+
 def test_as_strided_and_diagonal_scatter_are_the_ops():
     torch.manual_seed(0)
     x, src = torch.randn(4, 5), torch.randn(2, 3)

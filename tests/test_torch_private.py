@@ -573,18 +573,6 @@ def _plain_if(flag):
         raise AssertionError("an if, not an assert statement")
 
 
-@pytest.mark.parametrize(
-    ("function", "is_assert"),
-    [(assert_plain, True), (assert_with_message, True), (assert_all, True), (assert_any, False), (_plain_if, False)],
-)
-def test_in_assert_statement_recognises_an_assert_with_or_without_a_message(function, is_assert):
-    """At the first jump: of an assert (with or without a message), of the first operand of `and` in one (it holds
-    when the assert does), not of `or` (it need not), not of an `if`."""
-    from orttrainer.trainer.gradient.torch_private.tracing import _in_assert_statement
-
-    assert _at_first_jump(function, _in_assert_statement) is is_assert
-
-
 def _raises_if(flag):
     if flag:
         raise ValueError("var has negative entry/entries")
@@ -620,27 +608,28 @@ def _raises_conditionally_formatted(flag):
 
 
 @pytest.mark.parametrize(
-    ("function", "is_check"),
+    ("function", "passing"),
     [
         (assert_plain, True),
         (assert_with_message, True),
-        (assert_all, True),
-        (_plain_if, True),
-        (_raises_if, True),
+        (assert_all, True),  # the first operand of `and` in an assert holds when the assert does
+        (_plain_if, True),  # `if not flag: raise`
+        (_raises_if, False),
         (_raises_if_not_with_a_formatted_message, True),
-        (_logs_then_raises, True),
+        (_logs_then_raises, False),
         (_returns_early, True),  # the false way raises at once
-        (assert_any, False),
-        (_chooses, False),
-        (_raises_conditionally_formatted, False),
+        (assert_any, None),  # an operand of `or` need not hold
+        (_chooses, None),
+        (_raises_conditionally_formatted, None),
     ],
 )
-def test_in_check_recognises_a_jump_one_of_whose_ways_raises_at_once(function, is_check):
+def test_passing_way_is_the_truth_value_that_avoids_a_raise_at_once(function, passing):
     """At the first jump: an assert, or an `if` one of whose ways runs straight into `raise` (building the error
-    and its message) is a check; an `if` that chooses a value, and an operand of `or` in an assert, are not."""
-    from orttrainer.trainer.gradient.torch_private.tracing import _in_check
+    and its message) is a check, which the truth value `passing` passes; an `if` that chooses a value, and an
+    operand of `or` in an assert, are no check (None)."""
+    from orttrainer.trainer.gradient.torch_private.tracing import _passing_way
 
-    assert _at_first_jump(function, _in_check) is is_check
+    assert _at_first_jump(function, _passing_way) is passing
 
 
 class _Loss(nn.Module):
@@ -662,11 +651,11 @@ def test_traces_assume_an_assert_on_a_value_holds_and_leave_its_check_out():
     torch.testing.assert_close(forward(*model.parameters(), x, labels)[0], model(x, labels)[0])
 
 
-def test_a_branch_on_a_value_that_is_not_an_assert_still_fails_the_trace():
+def test_a_branch_on_a_value_that_is_no_check_still_fails_the_trace():
     class Branches(nn.Module):
         def forward(self, labels):
             if labels.max().item() >= 2:
-                raise ValueError("a label out of range")
+                labels = labels - 1
             return (labels * 2,)
 
     with pytest.raises(Exception, match="data-dependent|_local_scalar_dense"):
@@ -764,19 +753,27 @@ class _PredictedVariance(nn.Module):
         return (F.gaussian_nll_loss(mean, target, F.softplus(self.var(x))),)
 
 
-def test_a_check_on_the_models_state_is_assumed_and_a_branch_on_the_batch_still_guarded():
-    """A trace with real values assumes a check that reads an activation (no guard can read one) instead of refusing
-    it; a branch on the batch beside it is still guarded by its value, and a check on the batch too."""
+class _ChecksLabels(nn.Module):
+    def forward(self, labels):
+        if labels.max() >= 2:  # as transformers' CTC heads check `labels.max() >= vocab_size`
+            raise ValueError("a label out of range")
+        return (labels * 2,)
+
+
+def test_a_check_is_assumed_to_pass_on_the_state_and_on_the_batch_and_a_branch_beside_it_is_guarded():
+    """A check that reads an activation (torch.nn's Gaussian NLL on a predicted variance) or the batch traces
+    without values, as the way that passes, and leaves nothing in the graph; with real values, a branch on the
+    batch beside the check is guarded, and only it."""
     x, target = torch.randn(2, 3), torch.randn(2, 2)
     padded, unpadded = torch.tensor([0, 4]), torch.tensor([5, 4])
     checked = _PredictedVariance()
-    joint, _, _, values = torch_private.aot_export_joint_dynamic(
-        checked, [x, padded, target], [[], [], []], for_torch_onnx=False, real_values=True
-    )
-    forward, _, eval_values = torch_private.aot_export_forward(checked, [x, padded, target], real_values=True)
-    assert values is None and eval_values is None  # the check was the only branch: one graph for every batch
+    joint, _, _, values = torch_private.aot_export_joint_dynamic(checked, [x, padded, target], [[], [], []])
+    forward, _, eval_values = torch_private.aot_export_forward(checked, [x, padded, target])
+    assert values is None and eval_values is None
     for graph in (joint, forward):
-        assert aten._local_scalar_dense.default not in {n.target for n in graph.graph.nodes}
+        assert not {aten._local_scalar_dense.default, aten._assert_scalar.default} & {
+            n.target for n in graph.graph.nodes
+        }
     torch.testing.assert_close(forward(*checked.parameters(), x, unpadded, target)[0], checked(x, unpadded, target)[0])
 
     both = _PredictedVariance(branch_on_ids=True)
@@ -786,27 +783,29 @@ def test_a_check_on_the_models_state_is_assumed_and_a_branch_on_the_batch_still_
     assert values is not None and values.inputs == (1,) and len(values.conditions) == 1  # `ids` only
     assert values.hold([x, padded, target]) and not values.hold([x, unpadded, target])
 
-    class ChecksLabels(nn.Module):  # a check on the batch is a guard, as any branch on it: each batch is checked
-        def forward(self, labels):
-            if labels.max() >= 2:
-                raise ValueError("a label out of range")
-            return (labels * 2,)
-
-    _, _, label_values = torch_private.aot_export_forward(ChecksLabels(), [torch.tensor([0, 1])], real_values=True)
-    assert label_values is not None and not label_values.hold([torch.tensor([0, 2])])
+    for real_values in (False, True):  # a label out of range: the dry run's eager forward raises, not the trace
+        labels, _, label_values = torch_private.aot_export_forward(
+            _ChecksLabels(), [torch.tensor([0, 3])], real_values=real_values
+        )
+        assert label_values is None
+        torch.testing.assert_close(labels(torch.tensor([0, 1]))[0], torch.tensor([0, 2]))
 
 
 def test_raised_by_model_tells_a_models_own_raise_from_the_tracers_errors():
-    class ChecksLabels(nn.Module):
+    class SmallBatches(nn.Module):
         def forward(self, labels):
-            if labels.max() >= 2:
-                raise ValueError("a label out of range")
+            if labels.shape[0] > 8:
+                raise ValueError("batches of up to 8 labels")
             return (labels * 2,)
 
+    class Branches(nn.Module):
+        def forward(self, labels):
+            return (labels * 2 if labels.max() >= 2 else labels,)
+
     with pytest.raises(ValueError) as own:
-        torch_private.aot_export_forward(ChecksLabels(), [torch.tensor([0, 3])], real_values=True)
+        torch_private.aot_export_forward(SmallBatches(), [torch.zeros(9, dtype=torch.int64)])
     with pytest.raises(Exception) as traced:  # no values: PyTorch's data-dependent error
-        torch_private.aot_export_forward(ChecksLabels(), [torch.tensor([0, 3])])
+        torch_private.aot_export_forward(Branches(), [torch.tensor([0, 3])])
     with pytest.raises(RuntimeError, match="same reduction dim") as kernel:  # raised by PyTorch for an op
         torch_private.aot_export_forward(nn.Sequential(nn.Linear(3, 2)), [torch.randn(4, 5)])
     assert torch_private.raised_by_model(own.value)
@@ -814,23 +813,15 @@ def test_raised_by_model_tells_a_models_own_raise_from_the_tracers_errors():
 
 
 def test_a_trace_with_real_values_sees_the_parameters_values():
-    """The check passes on the parameter's real values (PyTorch's converter left a fake parameter's uninitialised)."""
+    """PyTorch's converter left a fake parameter's real values uninitialised (it copies plain tensors only)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    class ChecksItsScale(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.scale = nn.Parameter(torch.full((3,), 5.0))
+    from orttrainer.trainer.gradient.torch_private.tracing import _real_values_propagated
 
-        def forward(self, x):
-            if not (self.scale > 4).all():
-                raise ValueError("the scale fell to 4 or below")
-            return ((x * self.scale).sum(),)
-
-    model, x = ChecksItsScale(), torch.randn(2, 3)
-    _, _, _, values = torch_private.aot_export_joint_dynamic(model, [x], [[]], for_torch_onnx=False, real_values=True)
-    forward, _, _ = torch_private.aot_export_forward(model, [x], real_values=True)
-    assert values is None
-    torch.testing.assert_close(forward(*model.parameters(), x)[0], model(x)[0])
+    layer = nn.Linear(4, 2)
+    with _real_values_propagated():
+        fake = FakeTensorMode(allow_non_fake_inputs=True).from_tensor(layer.weight)
+    torch.testing.assert_close(fake.real_tensor, layer.weight.detach())
 
 
 def test_a_forward_writing_into_its_input_is_a_mutation_output_of_the_joint_graph():

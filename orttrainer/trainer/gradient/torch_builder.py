@@ -210,8 +210,10 @@ def build_torch_forward_graph(
     len(output_names) outputs, so named, then the new value of each buffer the forward updates in place
     (`<buffer>__updated`). State of `wrapper` outside `module` (a loss module's weight) and tensor attributes are
     constants. Traced in the mode the module is in; `float16`: the wrapper computes in float16 (mixed precision).
-    With the model, the value guards of its branches on values (None: none; gradient/torch_trace.py). Raises
-    UntranslatableGraph for an op the direct translation lacks, PyTorch's error when the trace fails."""
+    With the model, the value guards of its branches on values (None: none; gradient/torch_trace.py). A graph the
+    direct translation does not cover (a size the values decide: `x[mask]`, `masked_select`) goes to torch.onnx,
+    as the training graph does. Raises UntranslatableGraph when torch.onnx fails too, PyTorch's error when the
+    trace fails."""
     opset = _effective_opset(opset_version)
     canonical = _canonical_names(module)  # before tracing: tensor attributes are buffers only while it runs
     state = {name: tensor.detach() for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
@@ -220,7 +222,22 @@ def build_torch_forward_graph(
         graph, sig, _traced_state(wrapper), canonical, [], len(output_names), type(module).__name__
     )
     outputs = [*output_names, *map(buffer_update_name, mutated)]
-    model = translate(graph, [*state_inputs, *input_names], outputs, opset)
+    try:
+        model = translate(graph, [*state_inputs, *input_names], outputs, opset)
+    except UntranslatableGraph as err:
+        _logger.info("the direct ONNX translation does not cover this eval graph (%s); using torch.onnx", err)
+        del graph
+        graph, sig, _ = trace_forward(wrapper, inputs, float16, for_torch_onnx=True)  # its decompositions
+        state_inputs, _ = _rewrite_joint(
+            graph, sig, _traced_state(wrapper), canonical, [], len(output_names), type(module).__name__
+        )
+        graph.recompile()  # the rewrites edited the graph only; torch.onnx runs its Python code
+        try:
+            model = export_with_eager_fallback(
+                graph, [*(state[n] for n in state_inputs), *inputs], [*state_inputs, *input_names], outputs, opset
+            )
+        except Exception as onnx_err:
+            raise UntranslatableGraph(f"{err}; torch.onnx: {type(onnx_err).__name__}: {onnx_err}") from onnx_err
     del graph  # the traced graph and its fake tensors are not needed any more
     return _order_inputs(model, list(input_names), {n: state[n] for n in canonical.values()}), values
 

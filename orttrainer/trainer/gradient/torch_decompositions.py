@@ -561,7 +561,7 @@ def ctc_loss(
     else:  # concatenated: sample b's labels start after the labels of the samples before it
         width = targets.shape[0]
         starts = torch.cumsum(lengths, 0) - lengths
-        positions = (starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)).clamp(max=max(width - 1, 0))
+        positions = (starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)).clamp(max=width - 1)
         padded = targets.to(torch.int64)[positions]
     width = padded.shape[1]
     states = 2 * width + 1
@@ -609,6 +609,15 @@ def ctc_loss_int_lengths(
         torch.tensor(list(n), dtype=torch.int64, device=log_probs.device) for n in (input_lengths, target_lengths)
     ]
     return aten.ctc_loss.Tensor(log_probs, targets, *lengths, blank, reduction, zero_infinity)
+
+
+def masked_select(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`aten.masked_select` as indexing with the mask, both broadcast to one shape (`x[mask]`): the elements where
+    `mask` holds, in row-major order, a size the mask's values decide. Why: torch.onnx has no translation of the op
+    (its graph ran it eagerly, which needs a static shape), and writes boolean indexing as NonZero and GatherND
+    (transformers' CTC heads select their labels with `labels.masked_select(labels >= 0)`)."""
+    shape = torch.broadcast_shapes(self.shape, mask.shape)
+    return self.expand(shape)[mask.expand(shape)]
 
 
 def copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

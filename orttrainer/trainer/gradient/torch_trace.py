@@ -259,7 +259,7 @@ def _trace_with_values(
     except GradientBuildError:
         raise
     except Exception as err:
-        if torch_private.raised_by_model(err):  # a check of the model failed on these values, as it would eagerly
+        if torch_private.raised_by_model(err):  # the model raised its own error on these values, as it would eagerly
             raise
         unguarded = isinstance(err, torch_private.ValueBranchError)  # the trace ran; its branches were the problem
         specific = None if unguarded else _specific_error(err, wrapper, inputs, trainable)
@@ -281,48 +281,41 @@ def _trace_with_values(
             raise explained from err
         raise GradientBuildError(f"{explained} ({retried})") from err
     where = torch_private.user_frame(failure)
-    at = f" at {where[0]}:{where[1]} (`{where[2]}`)" if where else ""
-    if values is None:  # every branch was a check on the model's state, assumed to pass (`_value_guards`)
-        _logger.info(
-            "%s checks tensor values%s: its graph is traced with this batch's values and serves every batch; the "
-            "check reads the model's state and is assumed to pass, as an assert is (the dry run checked the first "
-            "batch eagerly)",
-            type(wrapper.inner.model).__name__,
-            at,
-        )
-    else:
-        _logger.info(
-            "%s branches on tensor values%s: its graph is traced with this batch's values, and serves the batches "
-            "whose values branch the same way (conditions: %s)",
-            type(wrapper.inner.model).__name__,
-            at,
-            ", ".join(map(str, values.conditions)),
-        )
+    _logger.info(
+        "%s branches on tensor values%s: its graph is traced with this batch's values, and serves the batches "
+        "whose values branch the same way (conditions: %s)",
+        type(wrapper.inner.model).__name__,
+        f" at {where[0]}:{where[1]} (`{where[2]}`)" if where else "",
+        ", ".join(map(str, values.conditions)) if values is not None else "none",
+    )
     return graph, sig, None, values
 
 
 def trace_forward(
-    module: torch.nn.Module, inputs: Sequence[torch.Tensor], float16: bool = False
+    module: torch.nn.Module, inputs: Sequence[torch.Tensor], float16: bool = False, for_torch_onnx: bool = False
 ) -> tuple[torch.fx.GraphModule, torch_private.JointSignature, torch_private.ValueGuards | None]:
     """The forward-only graph of `module` (returning a tuple of tensors) on `inputs`, for their shapes, without
-    gradients, for the direct translation (an eval graph: build/torch_route.py), and its value guards (None: no
-    branch on a value). The module is traced as it is, in its mode, under the rules of `trace_joint` (state kept,
-    tensor attributes as constants, the same tracing context, a branch on a value traced with the real values);
-    PyTorch's error propagates unexplained (the caller falls back to torch.export)."""
+    gradients, for the direct translation (an eval graph: build/torch_route.py) or, `for_torch_onnx`, for
+    torch.onnx, and its value guards (None: no branch on a value). The module is traced as it is, in its mode,
+    under the rules of `trace_joint` (state kept, tensor attributes as constants, the same tracing context, a branch
+    on a value traced with the real values); PyTorch's error propagates unexplained (the caller falls back to
+    torch.export)."""
     detached = [t.detach() for t in inputs]
     with (
-        translated_directly(True),
+        translated_directly(not for_torch_onnx),
         torch_private.module_state_kept(module),
         tensor_attributes_as_buffers(module),
         experts_in_static_shapes(module),
     ):
         try:
-            return traced(lambda: torch_private.aot_export_forward(module, detached, float16=float16))
+            return traced(
+                lambda: torch_private.aot_export_forward(module, detached, float16, for_torch_onnx=for_torch_onnx)
+            )
         except Exception as err:
             if not _branches_on_values(err):
                 raise
         with tracing_context(), torch_private.random_branches_decided():  # as in `_trace_with_values`
-            return torch_private.aot_export_forward(module, detached, float16=float16, real_values=True)
+            return torch_private.aot_export_forward(module, detached, float16, True, for_torch_onnx)
 
 
 _trace = threading.local()

@@ -452,6 +452,14 @@ TABLE: tuple[Entry, ...] = (
         own.ctc_loss_int_lengths,
     ),
     Entry(
+        ("aten.masked_select.default",),
+        "trace",
+        "orttrainer",
+        "torch.onnx has no translation (its graph ran the op eagerly, which needs a static output shape); "
+        "boolean indexing with the broadcast mask, which torch.onnx writes as NonZero and GatherND",
+        own.masked_select,
+    ),
+    Entry(
         ("aten._embedding_bag.default", "aten._embedding_bag_forward_only.default"),
         "autograd",
         "orttrainer",
@@ -510,15 +518,15 @@ def trace_decompositions(float16: bool = False, for_torch_onnx: bool = True) -> 
     return table
 
 
-def forward_decompositions(float16: bool = False) -> dict:
-    """What a forward traced without a backward for the direct translation is traced with (an eval graph,
-    `tracing.aot_export_forward`): `trace_decompositions(float16, for_torch_onnx=False)` less BatchNorm on its
-    running statistics (`_native_batch_norm_legit_no_training`), which the direct translation writes as ONNX
-    BatchNormalization in inference mode; ONNX Runtime folds that into the Conv before it, where the lowered form
+def forward_decompositions(float16: bool = False, for_torch_onnx: bool = False) -> dict:
+    """What a forward traced without a backward is traced with (an eval graph, `tracing.aot_export_forward`):
+    `trace_decompositions(float16, for_torch_onnx)` less BatchNorm on its running statistics
+    (`_native_batch_norm_legit_no_training`), which the direct translation writes as ONNX BatchNormalization in
+    inference mode, as torch.onnx does; ONNX Runtime folds that into the Conv before it, where the lowered form
     (a reshape, subtraction, square root, reciprocal and two products per BatchNorm) stays elementwise ops.
     TABLE's reason for lowering it, onnxscript's translation in training mode, concerns neither this op nor the
     direct translation."""
-    table = trace_decompositions(float16, for_torch_onnx=False)
+    table = trace_decompositions(float16, for_torch_onnx)
     table.pop(aten._native_batch_norm_legit_no_training.default, None)
     return table
 

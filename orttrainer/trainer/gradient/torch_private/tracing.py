@@ -422,10 +422,14 @@ def aot_export_joint(
 
 
 def aot_export_forward(
-    module: torch.nn.Module, args: Sequence[Any], float16: bool = False, real_values: bool = False
+    module: torch.nn.Module,
+    args: Sequence[Any],
+    float16: bool = False,
+    real_values: bool = False,
+    for_torch_onnx: bool = False,
 ) -> tuple[torch.fx.GraphModule, JointSignature, ValueGuards | None]:
     """Trace `module(*args)` without a backward into one functional aten graph for the input shapes of `args`,
-    decomposed for the direct translation (`forward_decompositions(float16)`). Placeholders
+    decomposed for the direct translation or, `for_torch_onnx`, for torch.onnx (`forward_decompositions`). Placeholders
     are (parameters, buffers, user inputs); outputs are (mutated inputs, user outputs): a `JointSignature` without
     gradients. `module` must return a tuple of tensors. The inputs are fake tensors of their own shapes in an
     `asserting_shape_env`, as the joint trace's are; the trace's checks are removed (`_assertions_removed`).
@@ -441,7 +445,7 @@ def aot_export_forward(
         fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in args]
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # as in `aot_export_joint`
-            table = forward_decompositions(float16)
+            table = forward_decompositions(float16, for_torch_onnx)
             graph, sig = aot_export_module(module, fakes, trace_joint=False, decompositions=table)
     if not isinstance(graph, torch.fx.GraphModule):
         raise TypeError(f"aot_export_module returned {type(graph).__name__}, not a GraphModule")
@@ -491,43 +495,53 @@ class ShapeGuards:
 
 
 def asserting_shape_env() -> Any:
-    """A ShapeEnv in which a Python `assert` on a traced value is assumed to hold: PyTorch's own rule for an assert
-    statement (`trace_asserts`: the condition becomes a runtime check in the graph, which `_assertions_removed`
-    takes out, as torch.onnx does), here also for an assert with a message, which PyTorch's test of the bytecode
-    does not recognise (`_in_assert_statement`). Values read from tensors (`.item()`) become unbacked symbols.
+    """A ShapeEnv in which a check on a traced value is assumed to pass: an `assert` statement, or an `if` one of
+    whose ways raises at once (`if torch.any(var < 0): raise ValueError(...)`, `_passing_way`). Where a condition
+    on a value the trace does not know (a symbol `.item()`, `bool()` or a data-dependent size made) is asked for at
+    a check, the ShapeEnv answers the way that passes, as PyTorch's `guard_or_false` answers: no guard, no check
+    in the graph. Values read from tensors become unbacked symbols.
 
     Why: models check their inputs so (transformers' XLM and FlauBERT: `assert lengths.max().item() <= slen`;
-    ProphetNet: `assert torch.all(ids >= 0).item(), "..."`), and a traced tensor has no value to check. The
-    trainer's dry run runs the forward eagerly on the first batch, so an assert that fails there still raises;
-    later batches are not checked, as in a model exported to ONNX. Any other branch on a value fails, unless the
-    fake tensors carry real values (`_real_values_propagated`): the ShapeEnv then takes the condition's value
-    from them, silently (`_value_guards` reads the conditions back), and remembers the symbols of those it took at
-    a check (`_in_check`: an assert, or an `if` that raises at once), in `checked_symbols`."""
-    return _asserting_shape_env_class()(trace_asserts=True)
+    ProphetNet: `assert torch.all(ids >= 0).item(), "..."`; the CTC heads: `if labels.max() >= vocab_size:
+    raise`), torch.nn's Gaussian NLL loss checks an activation (a predicted variance), and a traced tensor has no
+    value to check. Such a branch decides whether the model stops, not what it computes. The trainer's dry run runs
+    the forward eagerly on the first batch, so a check that fails there still raises; later batches are not
+    checked, as in a model exported to ONNX. Any other branch on a value fails, unless the fake tensors carry real
+    values (`_real_values_propagated`): the ShapeEnv then takes the condition's value from them, silently
+    (`_value_guards` reads the conditions back)."""
+    return _asserting_shape_env_class()()
 
 
 @functools.cache
 def _asserting_shape_env_class() -> type:
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
     class AssertingShapeEnv(ShapeEnv):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            # the symbols of the conditions a trace with real values took at a check (`_in_check`): `_value_guards`
-            # assumes such a condition instead of refusing it when it reads the model's state
-            self.checked_symbols: set[Any] = set()
-
-        def _is_python_assert(self) -> bool:
-            frame = _asking_frame(sys._getframe(1))
-            return frame is not None and _in_assert_statement(frame)
+        def evaluate_expr(
+            self,
+            orig_expr: Any,
+            hint: Any = None,
+            fx_node: Any = None,
+            size_oblivious: bool = False,
+            fallback_value: bool | None = None,
+            *,
+            forcing_spec: bool = False,
+        ) -> Any:
+            if fallback_value is None and free_unbacked_symbols(orig_expr):  # a value the trace may not know
+                frame = _asking_frame(sys._getframe(1))
+                fallback_value = _passing_way(frame) if frame is not None else None
+            return super().evaluate_expr(
+                orig_expr, hint, fx_node, size_oblivious, fallback_value, forcing_spec=forcing_spec
+            )
 
         def _log_real_tensor_propagation(self, orig_expr: Any, unsound_result: Any) -> None:
             # a condition taken from a real value is what a trace with real values is for (`_value_guards` reads
-            # each one back); PyTorch warns of each, as its draft export reports them as findings. A check's are
-            # remembered here, where the asking frame is known.
-            frame = _asking_frame(sys._getframe(1))
-            if frame is not None and _in_check(frame):
-                self.checked_symbols |= orig_expr.free_symbols
+            # each one back); PyTorch warns of each, as its draft export reports them as findings
+            return None
+
+        def _log_suppressed_dde(self, a: Any, assumed_value: bool) -> None:
+            # a check assumed to pass (`evaluate_expr`) is this ShapeEnv's rule, not a finding; PyTorch logs each
+            return None
 
     return AssertingShapeEnv
 
@@ -535,8 +549,7 @@ def _asserting_shape_env_class() -> type:
 def _asking_frame(frame: types.FrameType | None) -> types.FrameType | None:
     """The frame that asked the ShapeEnv for a value, from `frame` outwards: the first outside PyTorch's tracing
     machinery (its list, and `_tracing_machinery`: a FunctionalTensor's `__bool__` is Python) and this file (whose
-    torch function modes, `random_branches_decided`, pass the question on). PyTorch's `_get_user_frame` would take
-    a ShapeEnv method defined outside its files for it."""
+    torch function modes, `random_branches_decided`, pass the question on)."""
     from torch.fx.experimental.symbolic_shapes import uninteresting_files
 
     while frame is not None and (
@@ -548,23 +561,31 @@ def _asking_frame(frame: types.FrameType | None) -> types.FrameType | None:
     return frame
 
 
-def _in_assert_statement(frame: types.FrameType) -> bool:
-    """Rule: `frame` stands at a jump whose false side raises an `assert` statement's error — LOAD_ASSERTION_ERROR,
-    which only `assert` emits — so the value it asks for is true when the assert holds: a POP_JUMP..._IF_TRUE
-    (after Python 3.13's TO_BOOL or COMPARE_OP) followed by LOAD_ASSERTION_ERROR (the assert's condition, with or
-    without a message), or a POP_JUMP..._IF_FALSE to it (an operand of `and` in the condition). An operand of
-    `or` jumps on true to the statement after, and need not hold: not recognised."""
+def _passing_way(frame: types.FrameType) -> bool | None:
+    """Rule: where `frame` stands at a check — a conditional jump one of whose ways raises at once — the truth value
+    that takes the other way; None elsewhere. A way raises at once when it runs straight (no jump, store or
+    return) into RAISE_VARARGS: it may build the error and its message, f-strings without conditions included.
+    So `if cond: raise` passes on False, `if not cond: raise` and `assert cond` (the jump over
+    LOAD_ASSERTION_ERROR ... RAISE_VARARGS) on True, as does each operand of `and` in an assert (its jump goes to
+    the raise). An operand of `or` in an assert jumps on true to the statement after and goes on to the next
+    operand on false: neither way raises at once, so it is no check."""
     found = _jump_at(frame)
     if found is None:
-        return False
+        return None
     instructions, at, target = found
-    if instructions[at].opname.endswith("IF_TRUE"):
-        return at + 1 < len(instructions) and instructions[at + 1].opname == "LOAD_ASSERTION_ERROR"
-    return (
-        instructions[at].opname.endswith("IF_FALSE")
-        and target is not None
-        and instructions[target].opname == "LOAD_ASSERTION_ERROR"
-    )
+    jumps_on = instructions[at].opname.endswith("IF_TRUE")
+    if not jumps_on and not instructions[at].opname.endswith("IF_FALSE"):
+        return None  # POP_JUMP_IF_NONE and the like: no truth value
+    if _raises_at_once(instructions, at + 1):
+        return jumps_on  # the jump passes
+    if target is not None and _raises_at_once(instructions, target):
+        return not jumps_on  # going on passes
+    return None
+
+
+def _in_check(frame: types.FrameType) -> bool:
+    """Whether `frame` stands at a check (`_passing_way`)."""
+    return _passing_way(frame) is not None
 
 
 def _jump_at(frame: types.FrameType) -> tuple[list[dis.Instruction], int, int | None] | None:
@@ -581,27 +602,12 @@ def _jump_at(frame: types.FrameType) -> tuple[list[dis.Instruction], int, int | 
     return instructions, at, target
 
 
-def _in_check(frame: types.FrameType) -> bool:
-    """Rule: `frame` stands at a check — a jump one of whose ways raises at once: `if torch.any(var < 0): raise
-    ValueError(...)` (torch.nn's Gaussian NLL loss), `if not ok: raise`, or an `assert` statement. A way raises at
-    once when it runs straight (no jump, store or return) into RAISE_VARARGS: it may build the error and its
-    message, f-strings without conditions included.
-
-    Why: such a branch does not choose what the model computes, only whether it stops; the way a trace takes it is
-    the way every batch that trains takes it."""
-    found = _jump_at(frame)
-    if found is None:
-        return False
-    instructions, at, target = found
-    return _raises_at_once(instructions, at + 1) or (target is not None and _raises_at_once(instructions, target))
-
-
 # what ends a way that raises at once before its RAISE_VARARGS: control flow, a store, an exception handler's ops
 _NOT_STRAIGHT = ("JUMP", "RETURN", "STORE", "DELETE", "YIELD", "FOR_ITER", "SEND", "SETUP", "WITH", "RERAISE", "EXC")
 
 
 def _raises_at_once(instructions: list[dis.Instruction], start: int) -> bool:
-    """Whether the code from `instructions[start]` runs straight into RAISE_VARARGS (`_in_check`)."""
+    """Whether the code from `instructions[start]` runs straight into RAISE_VARARGS (`_passing_way`)."""
     for instruction in instructions[start : start + 64]:
         if instruction.opname == "RAISE_VARARGS":
             return True
@@ -773,12 +779,10 @@ def _value_guards(graph: torch.fx.GraphModule, shape_env: Any, user_inputs: dict
     Rule: a condition the ShapeEnv took from a real value is kept when every symbol it names is bound by a node of
     the final graph (AOTAutograd runs the forward once more to collect metadata; that run's symbols are bound
     nowhere, and its conditions repeat the final run's). The program is those nodes and everything they read; it
-    may read the user inputs only. A condition taken at a check (`_in_check`: `if torch.any(var < 0): raise`, in
-    torch.nn's Gaussian NLL loss with a predicted variance) that reads a parameter or buffer is assumed instead, as
-    an assert is: the dry run checked the first batch eagerly. Raises ValueBranchError when any other condition
-    reads a parameter or buffer or a condition cannot be computed from the graph, RandomBranchError when it reads a
-    random draw (LayerDrop at a probability `random_branches_decided` cannot decide). None when no condition is
-    left to guard."""
+    may read the user inputs only (a check is no condition: `asserting_shape_env` assumes it passes). Raises
+    ValueBranchError when it reads a parameter or buffer or a condition cannot be computed from the graph,
+    RandomBranchError when it reads a random draw (LayerDrop at a probability `random_branches_decided` cannot
+    decide). None when the trace took no branch on a value."""
     recorded = [
         ra.expr
         for assertions in shape_env.deferred_runtime_asserts.values()
@@ -794,17 +798,17 @@ def _value_guards(graph: torch.fx.GraphModule, shape_env: Any, user_inputs: dict
     if recorded and not conditions:
         listed = ", ".join(map(str, recorded))
         raise ValueBranchError(f"the branches on values ({listed}) read no value the graph computes")
-    checked: set[Any] = getattr(shape_env, "checked_symbols", set())
-    conditions = tuple(
-        c
-        for c in conditions
-        if not (c.free_symbols <= checked and _reads_state(_read_by(binders, c.free_symbols), user_inputs))
-    )
     if not conditions:
         _erase_unread(graph)
         return None
     symbols = sorted({s for c in conditions for s in c.free_symbols}, key=str)
-    needed = _read_by(binders, symbols)
+    needed: set[torch.fx.Node] = set()
+    stack = [binders[s][0] for s in symbols]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
     program, inputs = torch.fx.Graph(), []
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in graph.graph.nodes:
@@ -823,23 +827,6 @@ def _value_guards(graph: torch.fx.GraphModule, shape_env: Any, user_inputs: dict
     _erase_unread(graph)
     bindings = tuple((s, binders[s][1]) for s in symbols)
     return ValueGuards(runnable, tuple(inputs), bindings, conditions)
-
-
-def _read_by(binders: dict[Any, tuple[torch.fx.Node, Any]], symbols: Any) -> set[torch.fx.Node]:
-    """The nodes that compute `symbols` (their binding nodes in `binders`), with everything they read."""
-    needed: set[torch.fx.Node] = set()
-    stack = [binders[s][0] for s in symbols]
-    while stack:
-        node = stack.pop()
-        if node not in needed:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
-    return needed
-
-
-def _reads_state(nodes: set[torch.fx.Node], user_inputs: dict[str, int]) -> bool:
-    """Whether `nodes` read a placeholder that is not a user input: a parameter or buffer."""
-    return any(n.op == "placeholder" and n.name not in user_inputs for n in nodes)
 
 
 def _compared_draw(draw: torch.fx.Node, nodes: set[torch.fx.Node]) -> str:
