@@ -970,6 +970,27 @@ def test_a_signature_that_fails_to_build_leaves_the_trainer_as_it_was():
     assert trainer._train_step_info.step == 2 and trainer._training_session.training_graph_count == 2
 
 
+class RefusesLargeBatches(MLP):
+    def forward(self, x):
+        if x.shape[0] > 8:
+            raise ValueError("batches of up to 8 rows")
+        return super().forward(x)
+
+
+def test_a_batch_the_model_refuses_raises_the_models_own_error_and_changes_nothing():
+    """A later batch of another shape is traced again; the model's own error for it comes out as it would eagerly
+    (it was wrapped in a GradientBuildError about torch.compile's flags)."""
+    trainer = make_trainer(RefusesLargeBatches(), mlp_desc(), optim.SGDConfig(lr=0.1), CE, TORCH)
+    trainer.train_step(*batches(1, sizes=(4,))[0])
+    before = trainer_weights(trainer)
+    for step in (trainer.train_step, trainer.eval_step):
+        with pytest.raises(ValueError, match="batches of up to 8 rows"):
+            step(*batches(1, sizes=(9,))[0])
+    assert trainer._train_step_info.step == 1 and max_difference(trainer_weights(trainer), before) == 0
+    trainer.train_step(*batches(1, sizes=(6,))[0])
+    assert trainer._train_step_info.step == 2
+
+
 class Normalised(MLP):
     def __init__(self) -> None:
         super().__init__()

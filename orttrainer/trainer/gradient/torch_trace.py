@@ -208,6 +208,8 @@ def trace_joint(
         except GradientBuildError:
             raise  # the model's own (OnnxModule names its node); with dynamic dims the builder then tries concrete ones
         except Exception as err:
+            if torch_private.raised_by_model(err) and _fails_eagerly(wrapper, inputs, type(err), compiling=False):
+                raise  # the model refuses these inputs (a shape it does not take), as it does eagerly
             if not dynamic and _branches_on_values(err):
                 on_values = err
             else:
@@ -458,7 +460,7 @@ def _explain_trace_error(
     message = (
         f"PyTorch could not trace the forward and backward of {model_name} into a graph: {type(err).__name__}: {err}"
     )
-    if _fails_eagerly_when_compiling(wrapper, inputs, type(err)):
+    if _fails_eagerly(wrapper, inputs, type(err), compiling=True):
         message += (
             f". {model_name} raises {type(err).__name__} in eager PyTorch too when torch.compiler.is_compiling() is "
             "True, as it is under torch.compile and torch.export and in this trace: its code takes another path "
@@ -469,19 +471,20 @@ def _explain_trace_error(
     return GradientBuildError(message)
 
 
-def _fails_eagerly_when_compiling(
-    wrapper: JointWrapper, inputs: Sequence[torch.Tensor], error: type[Exception]
+def _fails_eagerly(
+    wrapper: JointWrapper, inputs: Sequence[torch.Tensor], error: type[Exception], compiling: bool
 ) -> bool:
-    """Whether the model (+ loss_fn), run eagerly on `inputs` with the flags torch.export sets
-    (`torch_private.export_tracing_flags`), raises `error`. The trainer's dry run ran the model without the flags,
-    so such a failure is the model's path under those flags, not the trace's. The run leaves the model as it was:
-    no autograd graph (`no_grad`), its buffers' values put back (a BatchNorm in training mode updates its
-    statistics), the user's random stream forked, and its attributes restored by the caller's
-    `torch_private.module_state_kept`. No copy of the model: a large model that fails to trace must not need twice
-    its memory to say why."""
+    """Whether the model (+ loss_fn), run eagerly on `inputs`, raises `error`; `compiling`: with the flags
+    torch.export sets (`torch_private.export_tracing_flags`). The trainer's dry run ran the model on the first
+    batch without the flags, so a failure with them is the model's path under those flags, not the trace's; one
+    without them is the model's own refusal of these inputs. The run leaves the model as it was: no autograd graph
+    (`no_grad`), its buffers' values put back (a BatchNorm in training mode updates its statistics), the user's
+    random stream forked, and its attributes restored by the caller's `torch_private.module_state_kept`. No copy of
+    the model: a large model that fails to trace must not need twice its memory to say why."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in wrapper.inner.buffers()]
+    flags = torch_private.export_tracing_flags() if compiling else contextlib.nullcontext()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), torch_private.export_tracing_flags():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), flags:
             wrapper.inner(*inputs)
     except error:
         return True
