@@ -7,12 +7,10 @@ MODULE_DB_UNSUPPORTED: dict[str, str] = {}
 OP_DB_UNSUPPORTED: dict[str, str] = {
     "bernoulli": "random: the graph draws random numbers (ONNX Runtime's gener",
     "bfloat16": "InvalidGraph:INVALID_GRAPH",
-    "combinations": "aten.masked_select.default runs eagerly, which needs static output shapes",
     "corrcoef": "reads a tensor's value in Python",
     "cov": "reads a tensor's value in Python",
     "linalg.lstsq": "DynamicOutputShapeException",
     "linalg.lstsq.grad_oriented": "DynamicOutputShapeException",
-    "masked_select": "aten.masked_select.default runs eagerly, which needs static output shapes",
     "nn.functional.multi_head_attention_forward": "random: the graph draws random numbers (ONNX Runtime's gener",
     "nn.functional.rrelu": "random: the graph draws random numbers (ONNX Runtime's gener",
     "normal": "random: the graph draws random numbers (ONNX Runtime's gener",
