@@ -355,7 +355,7 @@ class TorchEvalGraphs:
                     source.mixed_precision,
                 )
         except Exception as err:
-            if torch_private.raised_by_model(err):  # the model's own check failed on this batch, as it would eagerly
+            if torch_private.raised_by_model(err):  # the model refuses this batch (its own raise), as it would eagerly
                 raise
             self._tracing = False
             reason = str(err).strip().split("\n")[0]

@@ -208,8 +208,8 @@ def trace_joint(
         except GradientBuildError:
             raise  # the model's own (OnnxModule names its node); with dynamic dims the builder then tries concrete ones
         except Exception as err:
-            if torch_private.raised_by_model(err) and _fails_eagerly(wrapper, inputs, type(err), compiling=False):
-                raise  # the model refuses these inputs (a shape it does not take), as it does eagerly
+            if _refused_by_model(err, wrapper, inputs):
+                raise
             if not dynamic and _branches_on_values(err):
                 on_values = err
             else:
@@ -261,7 +261,7 @@ def _trace_with_values(
     except GradientBuildError:
         raise
     except Exception as err:
-        if torch_private.raised_by_model(err):  # the model raised its own error on these values, as it would eagerly
+        if _refused_by_model(err, wrapper, inputs):
             raise
         unguarded = isinstance(err, torch_private.ValueBranchError)  # the trace ran; its branches were the problem
         specific = None if unguarded else _specific_error(err, wrapper, inputs, trainable)
@@ -469,6 +469,13 @@ def _explain_trace_error(
             "maintainers the failure"
         )
     return GradientBuildError(message)
+
+
+def _refused_by_model(err: Exception, wrapper: JointWrapper, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether a trace failed because the model refuses these inputs (a shape it does not take), as it does eagerly:
+    its own `raise` (`torch_private.raised_by_model`), which it also raises run eagerly without torch.compile's
+    flags. Such an error goes to the caller as it is."""
+    return torch_private.raised_by_model(err) and _fails_eagerly(wrapper, inputs, type(err), compiling=False)
 
 
 def _fails_eagerly(

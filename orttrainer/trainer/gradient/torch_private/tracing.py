@@ -265,9 +265,8 @@ def user_frame(err: BaseException) -> tuple[str, int, str] | None:
 
 
 def raised_by_model(err: BaseException) -> bool:
-    """Whether `err` comes from a `raise` statement of model code (`_model_code`): the model's own check failing on
-    the values of a trace with real values (`if labels.max() >= vocab: raise ValueError(...)`), as it would eagerly.
-    """
+    """Whether `err` comes from a `raise` statement of model code (`_model_code`): the model refusing the inputs it
+    is traced on (`if x.shape[0] > 8: raise ValueError(...)`), as it would eagerly."""
     tb = err.__traceback__
     if tb is None:
         return False
@@ -276,7 +275,9 @@ def raised_by_model(err: BaseException) -> bool:
     code = tb.tb_frame.f_code
     if not _model_code(code.co_filename):
         return False
-    return any(i.offset == tb.tb_lasti and i.opname == "RAISE_VARARGS" for i in dis.get_instructions(code))
+    instructions, offsets = _instructions(code)
+    at = bisect.bisect_left(offsets, tb.tb_lasti)
+    return at < len(offsets) and offsets[at] == tb.tb_lasti and instructions[at].opname == "RAISE_VARARGS"
 
 
 def _model_code(path: str) -> bool:
@@ -457,8 +458,8 @@ def aot_export_forward(
 def _assertions_removed(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Rule: the checks a trace records are removed from `graph` (edited in place, returned): a tensor's dtype,
     shape and device (`aten._assert_tensor_metadata`, which `Tensor.to` records in forward traces), a tensor's
-    truth (`torch._assert_async`, in transformers' LongT5), a Python `assert` on a traced value
-    (`aten._assert_scalar`: `asserting_shape_env`) and a traced size's range. They return nothing and
+    truth (`torch._assert_async`, in transformers' LongT5), a check on a traced value (`aten._assert_scalar`:
+    `torch._check`) and a traced size's range. They return nothing and
     ONNX has no assertion op; torch.onnx drops the same ops. The trace is for the checked shapes and dtypes; a
     value check does not run in the graph, as it would not in a model exported to ONNX."""
     aten = torch.ops.aten
@@ -592,14 +593,21 @@ def _jump_at(frame: types.FrameType) -> tuple[list[dis.Instruction], int, int | 
     """The instructions of `frame`'s code, the index of the conditional jump at which it asks for a truth value
     (past Python 3.13's TO_BOOL, or a COMPARE_OP), and the index of the jump's target; None when it stands at
     none."""
-    instructions = list(dis.get_instructions(frame.f_code))
-    at = bisect.bisect_left([i.offset for i in instructions], frame.f_lasti)
+    instructions, offsets = _instructions(frame.f_code)
+    at = bisect.bisect_left(offsets, frame.f_lasti)
     while at < len(instructions) and instructions[at].opname in ("TO_BOOL", "COMPARE_OP"):
         at += 1
     if at >= len(instructions) or not instructions[at].opname.startswith("POP_JUMP"):
         return None
     target = next((k for k, i in enumerate(instructions) if i.offset == instructions[at].argval), None)
     return instructions, at, target
+
+
+@functools.lru_cache(maxsize=256)
+def _instructions(code: types.CodeType) -> tuple[list[dis.Instruction], list[int]]:
+    """`code`'s instructions and their offsets (a trace asks at the same few places many times)."""
+    instructions = list(dis.get_instructions(code))
+    return instructions, [i.offset for i in instructions]
 
 
 # what ends a way that raises at once before its RAISE_VARARGS: control flow, a store, an exception handler's ops
