@@ -602,6 +602,22 @@ def _returns_early(flag):
     raise ValueError("unreachable from the true way only")
 
 
+def _raises_to_its_own_except(flag):
+    try:
+        if flag:
+            raise ValueError("not this way")
+    except ValueError:
+        return 1.0  # the raise chooses a value here: no check
+    return 0.0
+
+
+def _raises_inside_a_with_block(flag):
+    with torch.no_grad():
+        if not flag:
+            raise ValueError("a check all the same: the with block raises it again")
+    return 0.0
+
+
 def _raises_conditionally_formatted(flag):
     if flag:
         raise ValueError("a" if flag else "b")  # the message has a jump of its own: not straight
@@ -621,6 +637,8 @@ def _raises_conditionally_formatted(flag):
         (assert_any, None),  # an operand of `or` need not hold
         (_chooses, None),
         (_raises_conditionally_formatted, None),
+        (_raises_to_its_own_except, None),
+        (_raises_inside_a_with_block, True),
     ],
 )
 def test_passing_way_is_the_truth_value_that_avoids_a_raise_at_once(function, passing):

@@ -565,7 +565,9 @@ def _asking_frame(frame: types.FrameType | None) -> types.FrameType | None:
 def _passing_way(frame: types.FrameType) -> bool | None:
     """Rule: where `frame` stands at a check — a conditional jump one of whose ways raises at once — the truth value
     that takes the other way; None elsewhere. A way raises at once when it runs straight (no jump, store or
-    return) into RAISE_VARARGS: it may build the error and its message, f-strings without conditions included.
+    return) into RAISE_VARARGS: it may build the error and its message, f-strings without conditions included; a
+    raise inside a `try` block with an `except` clause is none, since the clause may turn it into a way of
+    computing.
     So `if cond: raise` passes on False, `if not cond: raise` and `assert cond` (the jump over
     LOAD_ASSERTION_ERROR ... RAISE_VARARGS) on True, as does each operand of `and` in an assert (its jump goes to
     the raise). An operand of `or` in an assert jumps on true to the statement after and goes on to the next
@@ -577,9 +579,10 @@ def _passing_way(frame: types.FrameType) -> bool | None:
     jumps_on = instructions[at].opname.endswith("IF_TRUE")
     if not jumps_on and not instructions[at].opname.endswith("IF_FALSE"):
         return None  # POP_JUMP_IF_NONE and the like: no truth value
-    if _raises_at_once(instructions, at + 1):
+    handled = _handled_ranges(frame.f_code)
+    if _raises_at_once(instructions, at + 1, handled):
         return jumps_on  # the jump passes
-    if target is not None and _raises_at_once(instructions, target):
+    if target is not None and _raises_at_once(instructions, target, handled):
         return not jumps_on  # going on passes
     return None
 
@@ -610,15 +613,30 @@ def _instructions(code: types.CodeType) -> tuple[list[dis.Instruction], list[int
     return instructions, [i.offset for i in instructions]
 
 
+@functools.lru_cache(maxsize=256)
+def _handled_ranges(code: types.CodeType) -> tuple[range, ...]:
+    """The offsets of `code` whose exceptions an `except` clause may catch: the ranges of Python 3.11's exception
+    table whose handler tests the exception's type (CHECK_EXC_MATCH). A `with` block's handler (WITH_EXCEPT_START)
+    and a `finally` raise again."""
+    instructions, offsets = _instructions(code)
+    ranges = []
+    for entry in dis.Bytecode(code).exception_entries:
+        at = bisect.bisect_left(offsets, entry.target)
+        if any(i.opname in ("CHECK_EXC_MATCH", "CHECK_EG_MATCH") for i in instructions[at : at + 8]):
+            ranges.append(range(entry.start, entry.end))
+    return tuple(ranges)
+
+
 # what ends a way that raises at once before its RAISE_VARARGS: control flow, a store, an exception handler's ops
 _NOT_STRAIGHT = ("JUMP", "RETURN", "STORE", "DELETE", "YIELD", "FOR_ITER", "SEND", "SETUP", "WITH", "RERAISE", "EXC")
 
 
-def _raises_at_once(instructions: list[dis.Instruction], start: int) -> bool:
-    """Whether the code from `instructions[start]` runs straight into RAISE_VARARGS (`_passing_way`)."""
+def _raises_at_once(instructions: list[dis.Instruction], start: int, handled: tuple[range, ...]) -> bool:
+    """Whether the code from `instructions[start]` runs straight into a RAISE_VARARGS that no `except` clause
+    around it may catch (`handled`: a raise caught so is control flow, not a check)."""
     for instruction in instructions[start : start + 64]:
         if instruction.opname == "RAISE_VARARGS":
-            return True
+            return not any(instruction.offset in covered for covered in handled)
         if any(word in instruction.opname for word in _NOT_STRAIGHT):
             return False
     return False
