@@ -83,6 +83,42 @@ def test_linalg_model_trains_like_torch_optim():
     np.testing.assert_allclose(float(got[0] if isinstance(got, (list, tuple)) else got), want, rtol=1e-5)
 
 
+class Probit(nn.Module):
+    """A probit classifier's negative log-likelihood, `torch.special.log_ndtr` of scores down to about -30, which
+    PyTorch decomposes through `special_erfcx`: torchlib's translation of it gave NaN there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.fc.weight.mul_(8)
+
+    def forward(self, x, y):
+        z = self.fc(x).squeeze(-1)
+        return -(y * torch.special.log_ndtr(z) + (1 - y) * torch.special.log_ndtr(-z)).mean()
+
+
+def test_a_probit_loss_trains_like_torch_optim_with_erfcx_run_eagerly():
+    torch.manual_seed(0)
+    model = Probit()
+    reference = clone(model)
+    desc = {"inputs": [("x", ["batch", 4]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), None, TORCH)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(16, 4, generator=g), (torch.rand(16, generator=g) < 0.5).float()
+        loss = trainer.train_step(x, y)
+        optimizer.zero_grad()
+        expected = reference(x, y)
+        expected.backward()
+        optimizer.step()
+        torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+    assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(trainer.eval_step(x, y)), reference(x, y))
+
+
 def test_only_untranslatable_nodes_run_eagerly():
     model = SquaredSum(LinalgModel())
     x = torch.randn(6, 4)
