@@ -762,29 +762,37 @@ def _real_values_propagated() -> Iterator[None]:
     the ops that read a value (`aten._local_scalar_dense`) although their results only steered Python, so that
     `_value_guards` finds them.
 
-    A parameter's values are copied too: PyTorch's converter copies the data of a plain `torch.Tensor` only
-    (`meta_utils._safe_copy` tests `type(src) is torch.Tensor`), so a fake parameter's real values were left
-    uninitialised memory (verified on 2.13: `from_tensor(nn.Linear(4, 2).weight).real_tensor` held 6e-38 and 0)."""
+    A parameter's values are copied too (`_parameters_copied`)."""
     import torch._functorch.config
     import torch.fx.node
-    from torch._subclasses import meta_utils
 
+    _parameters_copied()
     kept = torch.fx.node._side_effectful_functions
     added = _VALUE_READ not in kept
     kept.add(_VALUE_READ)
+    try:
+        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True):
+            yield
+    finally:
+        if added:
+            kept.discard(_VALUE_READ)
+
+
+@functools.cache
+def _parameters_copied() -> None:
+    """PyTorch's converter, asked to copy a real tensor's data into its fake (only when real values propagate),
+    copies a plain `torch.Tensor`'s only (`meta_utils._safe_copy` tests `type(src) is torch.Tensor`): a fake
+    parameter's real values were uninitialised memory (verified on 2.13: the `real_tensor` of
+    `from_tensor(nn.Linear(4, 2).weight)` held 6e-38 and 0). Installed once for the process, not per trace, so that
+    traces in two threads cannot undo each other's: it changes nothing but what such a copy reads."""
+    from torch._subclasses import meta_utils
+
     plain_copy = meta_utils._safe_copy
 
     def copy_with_parameters(dst: torch.Tensor, src: torch.Tensor | None) -> None:
         plain_copy(dst, src.detach() if type(src) is torch.nn.Parameter else src)
 
     meta_utils._safe_copy = copy_with_parameters
-    try:
-        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True):
-            yield
-    finally:
-        meta_utils._safe_copy = plain_copy
-        if added:
-            kept.discard(_VALUE_READ)
 
 
 def _plain_inputs(graph: torch.fx.GraphModule) -> dict[str, int]:
