@@ -775,6 +775,8 @@ class _ChecksLabels(nn.Module):
     def forward(self, labels):
         if labels.max() >= 2:  # as transformers' CTC heads check `labels.max() >= vocab_size`
             raise ValueError("a label out of range")
+        if not labels.min().item() >= 0:  # a number read with .item(): the ShapeEnv is asked through a SymBool
+            raise ValueError(f"a negative label, {labels.min().item()}")
         return (labels * 2,)
 
 
