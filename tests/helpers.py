@@ -61,6 +61,18 @@ def adam_weights(make_model, batches, lr: float) -> dict[str, np.ndarray]:
     return {n: p.detach().numpy() for n, p in reference.named_parameters()}
 
 
+def steps_like_pytorch(trainer: ORTTrainer, reference: torch.nn.Module, optimizer, batches) -> None:
+    """Train `trainer` and `reference` (a copy of its model, which returns its loss, under the torch `optimizer`)
+    on `batches`, asserting that each step's loss is PyTorch's."""
+    for batch in batches:
+        loss = trainer.train_step(*batch)
+        optimizer.zero_grad()
+        expected = reference(*batch)
+        expected.backward()
+        optimizer.step()
+        torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+
+
 def trainer_weights(trainer: ORTTrainer) -> dict[str, np.ndarray]:
     return trainer._training_session.get_state(list(trainer._built.compiled.trainable))
 

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import clone, make_trainer, max_difference, torch_weights, trainer_weights
+from helpers import clone, make_trainer, max_difference, steps_like_pytorch, torch_weights, trainer_weights
 from torch import nn
 
 from orttrainer import optim
@@ -106,15 +106,10 @@ def test_a_probit_loss_trains_like_torch_optim_with_erfcx_run_eagerly():
     trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), None, TORCH)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(16, 4, generator=g), (torch.rand(16, generator=g) < 0.5).float()
-        loss = trainer.train_step(x, y)
-        optimizer.zero_grad()
-        expected = reference(x, y)
-        expected.backward()
-        optimizer.step()
-        torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+    data = [(torch.randn(16, 4, generator=g), (torch.rand(16, generator=g) < 0.5).float()) for _ in range(3)]
+    steps_like_pytorch(trainer, reference, optimizer, data)
     assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
+    x, y = data[-1]
     with torch.no_grad():
         torch.testing.assert_close(torch.as_tensor(trainer.eval_step(x, y)), reference(x, y))
 

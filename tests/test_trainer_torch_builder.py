@@ -17,6 +17,7 @@ from helpers import (
     make_trainer,
     max_difference,
     needs_training_build,
+    steps_like_pytorch,
     torch_weights,
     trainer_weights,
 )
@@ -221,13 +222,7 @@ def test_a_check_on_activations_that_raises_trains_and_evaluates_like_pytorch(ca
     trainer = make_trainer(model, REGRESSION, optim.SGDConfig(lr=0.1), None, TORCH)
     sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
     with caplog.at_level(logging.INFO, logger="orttrainer"):
-        for x, target in data:
-            loss = trainer.train_step(x, target)
-            sgd.zero_grad()
-            expected = reference(x, target)
-            expected.backward()
-            sgd.step()
-            torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+        steps_like_pytorch(trainer, reference, sgd, data)
         held_out = regression_batches(1, rows=5, seed=2)[0]
         evaluated = trainer.eval_step(*held_out)
     assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-6
@@ -379,13 +374,7 @@ def test_a_branch_on_input_values_trains_and_evaluates_like_pytorch_either_way(c
     trainer = make_trainer(model, TOKENS, optim.SGDConfig(lr=0.5), None, TORCH)
     sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
     with caplog.at_level(logging.INFO, logger="orttrainer"):
-        for ids, labels in data:
-            loss = trainer.train_step(ids, labels)
-            sgd.zero_grad()
-            expected = reference(ids, labels)
-            expected.backward()
-            sgd.step()
-            torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+        steps_like_pytorch(trainer, reference, sgd, data)
         assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-6
         reference.eval()
         for ids, labels in data:
@@ -847,13 +836,7 @@ def test_a_ctc_loss_trains_and_evaluates_like_pytorch_on_the_direct_translation(
         for lengths, labels in (([12, 9, 12], [4, 2, 0]), ([5, 12, 2], [4, 4, 3]), ([12, 12, 12], [1, 3, 4]))
     ]  # the second batch's last sample has no alignment (3 labels in 2 frames): zero_infinity
     with caplog.at_level(logging.INFO, logger="orttrainer"):
-        for batch in data:
-            loss = trainer.train_step(*batch)
-            sgd.zero_grad()
-            expected = reference(*batch)
-            expected.backward()
-            sgd.step()
-            torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+        steps_like_pytorch(trainer, reference, sgd, data)
         # the recursion's float32 sums run in another order than PyTorch's kernel: weights of up to 2.5, 2e-6 apart
         assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
         with torch.no_grad():
@@ -899,13 +882,7 @@ def test_labels_selected_in_a_size_the_values_decide_train_and_evaluate_like_pyt
             )
         )
     with caplog.at_level(logging.INFO, logger="orttrainer"):
-        for batch in data:
-            loss = trainer.train_step(*batch)
-            sgd.zero_grad()
-            expected = reference(*batch)
-            expected.backward()
-            sgd.step()
-            torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+        steps_like_pytorch(trainer, reference, sgd, data)
         assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
         with torch.no_grad():
             for batch in data:
@@ -935,13 +912,7 @@ def test_a_ctc_loss_with_lengths_as_python_ints_trains_like_pytorch():
     reference = clone(model)
     trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.1), None, TORCH)
     sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for frames, labels in data:
-        loss = trainer.train_step(frames, labels)
-        sgd.zero_grad()
-        expected = reference(frames, labels)
-        expected.backward()
-        sgd.step()
-        torch.testing.assert_close(torch.as_tensor(loss), expected.detach())
+    steps_like_pytorch(trainer, reference, sgd, data)
     assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-5
 
 
