@@ -3,6 +3,7 @@ upgrade changes one, the failure points here."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import numpy as np
@@ -560,9 +561,8 @@ def _at_first_jump(function, rule):
 
     sys.settrace(trace)
     try:
-        function(True)
-    except ValueError:  # a check that raises on True (`_raises_if`) was asked at its jump before
-        pass
+        with contextlib.suppress(ValueError):  # a check that raises on True (`_raises_if`): asked at its jump first
+            function(True)
     finally:
         sys.settrace(None)
     return results[0]
