@@ -828,8 +828,17 @@ def test_raised_by_model_tells_a_models_own_raise_from_the_tracers_errors():
         torch_private.aot_export_forward(Branches(), [torch.tensor([0, 3])])
     with pytest.raises(RuntimeError, match="same reduction dim") as kernel:  # raised by PyTorch for an op
         torch_private.aot_export_forward(nn.Sequential(nn.Linear(3, 2)), [torch.randn(4, 5)])
+    from orttrainer.trainer.gradient.aten_onnx import UntranslatableGraph
+
+    class RaisesOrttrainers(nn.Module):  # as a stand-in for the builder would, in a test
+        def forward(self, labels):
+            raise UntranslatableGraph("no direct translation of aten.some_op")
+
+    with pytest.raises(UntranslatableGraph) as ours:
+        torch_private.aot_export_forward(RaisesOrttrainers(), [torch.tensor([0, 3])])
     assert torch_private.raised_by_model(own.value)
     assert not torch_private.raised_by_model(traced.value) and not torch_private.raised_by_model(kernel.value)
+    assert not torch_private.raised_by_model(ours.value)  # orttrainer's own error type, wherever it was raised
 
 
 def test_a_trace_with_real_values_sees_the_parameters_values():

@@ -266,9 +266,10 @@ def user_frame(err: BaseException) -> tuple[str, int, str] | None:
 
 def raised_by_model(err: BaseException) -> bool:
     """Whether `err` comes from a `raise` statement of model code (`_model_code`): the model refusing the inputs it
-    is traced on (`if x.shape[0] > 8: raise ValueError(...)`), as it would eagerly."""
+    is traced on (`if x.shape[0] > 8: raise ValueError(...)`), as it would eagerly. An error of orttrainer's own
+    types never is, wherever it was raised."""
     tb = err.__traceback__
-    if tb is None:
+    if tb is None or type(err).__module__.split(".")[0] == __name__.split(".")[0]:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
