@@ -621,7 +621,7 @@ def _handled_ranges(code: types.CodeType) -> tuple[range, ...]:
     and a `finally` raise again."""
     instructions, offsets = _instructions(code)
     ranges = []
-    for entry in dis.Bytecode(code).exception_entries:
+    for entry in dis.Bytecode(code).exception_entries:  # type: ignore[attr-defined]  # Python 3.11's, untyped
         at = bisect.bisect_left(offsets, entry.target)
         if any(i.opname in ("CHECK_EXC_MATCH", "CHECK_EG_MATCH") for i in instructions[at : at + 8]):
             ranges.append(range(entry.start, entry.end))
