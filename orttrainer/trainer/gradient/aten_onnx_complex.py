@@ -120,16 +120,29 @@ def _to_copy(g: _Graph, node: torch.fx.Node) -> Value:
     return _pair(g, source, out.to_real())
 
 
-def _multiply(g: _Graph, node: torch.fx.Node) -> Value:
+def _operands(node: torch.fx.Node) -> tuple[Any, Any] | None:
+    """A binary op's two operands when each is a tensor or a number and no keyword is given, else None."""
     a, b = node.args[:2]
     if node.kwargs or not all(isinstance(x, (torch.fx.Node, bool, int, float, complex)) for x in (a, b)):
+        return None
+    return a, b
+
+
+def _real_operand(g: _Graph, arg: Any, real: torch.dtype) -> Value:
+    """A real tensor or number, of dtype `real`, broadcasting against both parts of a pair (a trailing dim of 1)."""
+    return _last(g, g.typed(arg, real)) if isinstance(arg, torch.fx.Node) else g.scalar(arg, real)
+
+
+def _multiply(g: _Graph, node: torch.fx.Node) -> Value:
+    operands = _operands(node)
+    if operands is None:
         return None  # type: ignore[return-value]
+    a, b = operands
     real = _real_of(node)
     if not _is_complex_operand(g, a):
         a, b = b, a  # a is complex
     if not _is_complex_operand(g, b):  # a real factor multiplies both parts
-        factor = _last(g, g.typed(b, real)) if isinstance(b, torch.fx.Node) else g.scalar(b, real)
-        return g.one("Mul", [_pair(g, a, real), factor])
+        return g.one("Mul", [_pair(g, a, real), _real_operand(g, b, real)])
     (ar, ai), (br, bi) = _parts(g, _pair(g, a, real)), _parts(g, _pair(g, b, real))
     real_part = g.one("Sub", [g.one("Mul", [ar, br]), g.one("Mul", [ai, bi])])
     imag_part = g.one("Add", [g.one("Mul", [ar, bi]), g.one("Mul", [ai, br])])
@@ -137,13 +150,13 @@ def _multiply(g: _Graph, node: torch.fx.Node) -> Value:
 
 
 def _divide(g: _Graph, node: torch.fx.Node) -> Value:
-    a, b = node.args[:2]
-    if node.kwargs or not all(isinstance(x, (torch.fx.Node, bool, int, float, complex)) for x in (a, b)):
+    operands = _operands(node)
+    if operands is None:
         return None  # type: ignore[return-value]
+    a, b = operands
     real = _real_of(node)
     if not _is_complex_operand(g, b):  # a real divisor divides both parts
-        divisor = _last(g, g.typed(b, real)) if isinstance(b, torch.fx.Node) else g.scalar(b, real)
-        return g.one("Div", [_pair(g, a, real), divisor])
+        return g.one("Div", [_pair(g, a, real), _real_operand(g, b, real)])
     (ar, ai), (br, bi) = _parts(g, _pair(g, a, real)), _parts(g, _pair(g, b, real))
     norm = g.one("Add", [g.one("Mul", [br, br]), g.one("Mul", [bi, bi])])
     real_part = g.one("Add", [g.one("Mul", [ar, br]), g.one("Mul", [ai, bi])])
