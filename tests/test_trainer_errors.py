@@ -218,6 +218,27 @@ def test_cuda_asked_for_without_cuda_is_a_clear_error():
         trainer.train_step(X, Y)
 
 
+@pytest.mark.parametrize("builder", ["auto", "torch"])
+def test_cuda_without_cuda_is_refused_before_the_model_is_exported_or_traced(builder):
+    """The first step checks the device before it exports or traces: the model's forward never runs, so a large
+    model does not trace for seconds only to be refused at the session."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the legacy default device works (test above)")
+    calls = []
+
+    class Counted(MLP):
+        def forward(self, x):
+            calls.append(x.shape)
+            return super().forward(x)
+
+    options = ORTTrainerOptions({"_internal_use": {"gradient_builder": builder}})  # device.id 'cuda'
+    trainer = ORTTrainer(Counted(), mlp_desc(), optim.SGDConfig(), CE, options=options)
+    with pytest.raises(RuntimeError, match=r"options device.id asks for CUDA \(cuda:0\) but CUDA is not available"):
+        trainer.train_step(X, Y)
+    assert calls == []
+    assert trainer._training_session is None
+
+
 @pytest.mark.parametrize("device", ["gpu", "cuda:x"])
 def test_a_malformed_device_id_is_rejected_in_the_constructor(device):
     with pytest.raises(ValueError, match=f"options device.id '{device}'"):

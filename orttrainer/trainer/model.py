@@ -62,7 +62,7 @@ from .gradient.ort_options import GradientOptions
 from .inputs import check_inputs
 from .runtime import ort_private
 from .runtime.data_parallel import Communicator, DataParallelSession, partition_parameters, start_from_rank0
-from .runtime.ort import writable_debug_path
+from .runtime.ort import providers_for, writable_debug_path
 from .runtime.session import SessionBase, SessionConfig, TrainingSession
 from .state import TrainerState
 
@@ -115,6 +115,7 @@ def build_onnx_model(config: TrainerConfig, state: TrainerState, model: onnx.Mod
     forward = onnx_forward(config, model)
     if forward.choice.builder == "torch":
         return Unbuilt(onnx=forward)
+    _check_providers(config)
     return _compile_and_open(config, state, forward)
 
 
@@ -122,6 +123,7 @@ def build_model(
     config: TrainerConfig, state: TrainerState, model: Unbuilt, sample_inputs: list, activations: ActivationStatistics
 ) -> Built:
     """Build `model` with its first batch, one thread at a time (`TRACING`)."""
+    _check_providers(config)
     with TRACING:
         if model.onnx is not None:
             check_inputs(sample_inputs, config.model_desc.inputs)
@@ -130,6 +132,15 @@ def build_model(
         if model.module is None:
             raise RuntimeError("Model is uninitialized. Only ONNX and PyTorch models are supported")
         return _build_torch(config, state, model.module, sample_inputs, activations)
+
+
+def _check_providers(config: TrainerConfig) -> None:
+    """Raise before the export, the trace and the compile when no session could open: `device.id` asks for CUDA on
+    a machine without it. A PyTorch model's construction does not check it: a trainer that only loads and saves
+    checkpoints opens no session (the legacy default device is 'cuda')."""
+    providers_for(
+        config.device, config.options.device.mem_limit, dict(config.options._validated_opts["provider_options"])
+    )
 
 
 def _build_torch(
