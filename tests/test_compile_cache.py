@@ -409,6 +409,39 @@ def test_a_corrupt_entry_is_detected_rebuilt_and_rewritten(damage, cache_dir, ca
     assert hit and again == losses
 
 
+@pytest.mark.parametrize("planted", ["another user's file", "writable by others", "symlink", "fifo"])
+def test_an_entry_that_is_not_this_users_own_file_is_not_read(planted, cache_dir, caplog, monkeypatch, tmp_path):
+    """A shared or world-writable cache directory: what someone else put at an entry's name is never read (a FIFO
+    does not block the read); the graph is built again and the trainer's own entry replaces it."""
+    _, losses, _ = _train(MLP, "torch", caplog)
+    (path,) = _entries(cache_dir)
+    reason = {
+        "another user's file": "belongs to another user",
+        "writable by others": "is writable by other users",
+        "symlink": "cannot read the compile cache entry",
+        "fifo": "is not a regular file",
+    }[planted]
+    real_getuid = os.getuid
+    if planted == "another user's file":  # the same bytes, seen from another uid
+        monkeypatch.setattr(cache_module.os, "getuid", lambda: real_getuid() + 1)
+    elif planted == "writable by others":
+        os.chmod(path, 0o666)
+    elif planted == "symlink":  # to a valid entry of this key: still not read through the link
+        target = tmp_path / "elsewhere.entry"
+        os.replace(path, target)
+        os.symlink(target, path)
+    else:
+        os.remove(path)
+        os.mkfifo(path)
+    with pytest.warns(RuntimeWarning, match=reason):
+        _, rebuilt, hit = _train(MLP, "torch", caplog)
+    assert not hit and rebuilt == losses
+    monkeypatch.setattr(cache_module.os, "getuid", real_getuid)
+    assert os.path.isfile(path) and not os.path.islink(path) and os.stat(path).st_mode & 0o077 == 0
+    _, again, hit = _train(MLP, "torch", caplog)  # the trainer's own entry now
+    assert hit and again == losses
+
+
 def test_writes_are_atomic(cache_dir, caplog, monkeypatch):
     """A write that fails before its rename leaves no entry and no temporary file; training goes on."""
 

@@ -29,8 +29,9 @@ environment variable read only while exporting), or whose forward hooks an autog
 An entry (`CompileCache.store`) is one file, written to a temporary name and renamed into place (atomic): a header
 with the key, what the trainer needs besides the graphs (`meta`), and for each stored model its size and sha256.
 `load` checks all of them; a file that fails a check is removed and reported as a miss, so the graph is built
-again and the entry rewritten — a corrupt entry is never used. Failures to read or write the directory are
-warnings: training goes on without the cache.
+again and the entry rewritten — a corrupt entry is never used. `load` reads only this user's own regular file,
+writable by nobody else; a symlink, a FIFO or another user's file at an entry's name is a miss with a warning, and
+the new entry replaces it. Failures to read or write the directory are warnings: training goes on without the cache.
 
 The folder `onnxruntime` holds entries of the same layout with ONNX Runtime's optimised graphs, keyed by their
 input's bytes (runtime/ort.OptimizedGraphs).
@@ -46,6 +47,7 @@ import json
 import logging
 import os
 import platform
+import stat
 import struct
 import tempfile
 import warnings
@@ -94,16 +96,26 @@ class CompileCache:
         return os.path.join(self.directory, key[:2], f"{key}.entry")
 
     def load(self, key: str) -> Entry | None:
-        """The entry stored under `key`, or None (absent, or corrupt: then removed)."""
+        """The entry stored under `key`, or None (absent; not this user's regular file: warned, left alone; corrupt:
+        removed)."""
         path = self.path(key)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            fd = os.open(path, _READ_FLAGS)
         except FileNotFoundError:
             return None
-        except OSError as err:
-            _warn(f"cannot read the compile cache entry {path} ({err})")
+        except OSError as err:  # ELOOP: a symlink at the entry's name
+            _warn(f"cannot read the compile cache entry {path} ({err}); the graph is built again")
             return None
+        with os.fdopen(fd, "rb") as f:
+            refused = _not_this_users(os.fstat(f.fileno()))
+            if refused:
+                _warn(f"compile cache entry {path} {refused}: not used, the graph is built again")
+                return None
+            try:
+                data = f.read()
+            except OSError as err:
+                _warn(f"cannot read the compile cache entry {path} ({err}); the graph is built again")
+                return None
         try:
             return _parse(data, key)
         except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as err:
@@ -133,6 +145,23 @@ class CompileCache:
             if temporary:
                 with contextlib.suppress(OSError):
                     os.remove(temporary)
+
+
+# Opening an entry follows no symlink and does not wait on a FIFO planted at its name (docs/reliability.md §6).
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def _not_this_users(info: os.stat_result) -> str | None:
+    """Rule: an entry is read only when it is a regular file that this user owns and only this user can write
+    (`store` makes it so: mode 0600). Why: the directory may be shared, or writable by others, and a graph planted
+    there would train with other numbers than the model's (docs/reliability.md §6). What is wrong, else None."""
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        return f"belongs to another user (uid {info.st_uid})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "is writable by other users"
+    return None
 
 
 def _parse(data: bytes, key: str) -> Entry:
