@@ -154,6 +154,7 @@ def test_gradient_model_passes_drop_the_scaled_loss_cast_cpu_kernels_and_scatter
     assert [p.name for p in passes] == [
         "without_outputs",
         "cast_fp32_only_kernels",
+        "conv_grad_in_safe_form",
         "gather_grad_to_scatter_add",
         "where_sum_to_concat",
         "summed_uses_to_one",
@@ -185,6 +186,7 @@ def test_gradient_model_passes_drop_the_scaled_loss_cast_cpu_kernels_and_scatter
 def test_gradient_model_passes_without_mixed_precision_only_scatter():
     passes = gradient_model_passes(mixed_precision=False, cpu=True, scaled_loss="loss_scaled")
     assert [p.name for p in passes] == [  # CPU, float32
+        "conv_grad_in_safe_form",
         "gather_grad_to_scatter_add",
         "where_sum_to_concat",
         "summed_uses_to_one",

@@ -517,6 +517,54 @@ def test_auto_falls_back_to_torch_for_an_op_without_an_ort_gradient(caplog):
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
 
 
+class SizeKeepingHead(CumulativeHead):
+    """Keeps the batch's width in a plain attribute, as transformers' Funnel keeps `self.seq_len`: the TorchScript
+    tracer hands the forward that size as a tensor."""
+
+    def forward(self, x):
+        self.width = x.size(1)
+        return super().forward(x)
+
+
+@needs_training_build
+def test_auto_falls_back_to_torch_with_the_attributes_the_export_set_put_back():
+    """The 'ort' route fails (CumSum) after its export ran the forward, which stored a traced size in a plain
+    attribute; the torch builder then met a tensor attribute (made a buffer) that the forward sets to an int, and
+    'auto' failed with "cannot assign 'int' as buffer 'width'"."""
+    torch.manual_seed(0)
+    trainer, ref = train_with_reference(
+        SizeKeepingHead(), mlp_desc(), optim.SGDConfig(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1), CE, batches(3)
+    )
+    assert trainer.gradient_builder == "torch"
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+
+
+class AveragePooled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Linear(4 * 3 * 3, 10)
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.avg_pool2d(self.conv(x), 2).flatten(1))
+
+
+@needs_training_build
+def test_average_pooling_is_refused_by_the_ort_builder_and_auto_trains_it_with_torch():
+    """ONNX Runtime's AveragePoolGrad sized its result from the graph's symbolic batch: the first step died of a
+    floating-point exception. The 'ort' builder refuses it with a reason; 'auto' lets PyTorch differentiate."""
+    images = [(torch.randn(4, 3, 7, 7), torch.randint(0, 10, (4,))) for _ in range(3)]
+    desc = {"inputs": [("x", ["batch", 3, 7, 7]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
+    refused = make_trainer(AveragePooled(), desc, optim.SGDConfig(), CE, {"_internal_use": {"gradient_builder": "ort"}})
+    with pytest.raises(RuntimeError, match=r"AveragePool gradient kernel cannot train this model.*'torch'"):
+        refused.train_step(*images[0])
+    torch.manual_seed(0)
+    trainer, ref = train_with_reference(
+        AveragePooled(), desc, optim.SGDConfig(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1), CE, images
+    )
+    assert trainer.gradient_builder == "torch"
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+
+
 @needs_training_build
 def test_the_ort_route_warns_of_a_branch_on_values_naming_the_line_and_the_torch_builder():
     """The TorchScript export records the way the first batch takes a branch on a value for every batch: the 'ort'

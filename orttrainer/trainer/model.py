@@ -353,6 +353,7 @@ def _compile_request(
         gradient_options=GradientOptions.from_options(opts),
         statistics=forward.activations,
         batch_norms=forward.batch_norms,
+        embedding_padding=forward.embedding_padding,
         graph_cache=cached.graphs() if cached is not None else None,
     )
 

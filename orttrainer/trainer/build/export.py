@@ -254,8 +254,13 @@ def export_model(
     _register_contrib_ops(enable_contrib_ops)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     names = (input_names, output_names, _dynamic_axes(model_desc))
+    from ..gradient.torch_trace import attributes_restored  # it imports this module
+
     try:
-        exported, mutated, traced_truths = _torchscript_export(wrapper, sample_inputs, names, opset_version)
+        # the tracer's sizes are tensors: a forward that keeps one in a plain attribute (Funnel's `self.seq_len`)
+        # would leave it there for the torch builder, should 'auto' fall back to it
+        with attributes_restored(model):
+            exported, mutated, traced_truths = _torchscript_export(wrapper, sample_inputs, names, opset_version)
     except Exception as err:
         unsupported = torch_private.unsupported_at_opset(err)
         if unsupported is not None and unsupported[2] > opset_version:
@@ -279,15 +284,19 @@ def export_model(
 _DROPPED_MUTATION = re.compile(r"Removing mutation from node \S+ on block input: '([^']+)'")
 
 
-def _passed_on(caught: list[warnings.WarningMessage]) -> list[str]:
+def _passed_on(caught: list[warnings.WarningMessage], padding_kept: bool) -> list[str]:
     """The buffers whose in-place updates the TorchScript exporter said it dropped (without `model.`); every other
     warning is shown, but the exporter's deprecation notices: torch deprecates the TorchScript exporter and its
-    `training` argument, both chosen on purpose (docs/design.md: dynamo=False, TrainingMode.TRAINING)."""
+    `training` argument, both chosen on purpose (docs/design.md: dynamo=False, TrainingMode.TRAINING), and, when
+    the model's `nn.Embedding`s have a padding index (`padding_kept`), its notice that ONNX updates the padding
+    row: the 'ort' builder's graph does not (graph/embedding_padding.py)."""
     mutated = []
     for warning in caught:
         found = _DROPPED_MUTATION.search(str(warning.message))
         if found:
             mutated.append(found.group(1).removeprefix(MODEL_PREFIX))
+        elif padding_kept and _PADDING_UPDATED in str(warning.message):
+            continue
         elif not issubclass(warning.category, DeprecationWarning):
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return sorted(set(mutated))
@@ -320,9 +329,11 @@ def _torchscript_export(
         for w in caught
         if issubclass(w.category, torch.jit.TracerWarning) and _TRUTH_VALUE in str(w.message)
     }
-    return buffer.getvalue(), _passed_on(caught), truths
+    padded = any(isinstance(m, torch.nn.Embedding) and m.padding_idx is not None for m in wrapper.modules())
+    return buffer.getvalue(), _passed_on(caught, padded), truths
 
 
+_PADDING_UPDATED = "ONNX export of embedding with padding_idx >= 0 for training mode"  # the exporter's notice
 _TRUTH_VALUE = "Converting a tensor to a Python boolean"  # the tracer's TracerWarning for bool() of a traced value
 
 

@@ -85,6 +85,8 @@ class Forward:
     eval_graphs: TorchEvalGraphs | None = None  # the torch route: its forward model and eval graphs
     batch_norms: list[BatchNormStatistics] = field(default_factory=list)  # updated by a graph pass ('ort')
     fixed_branches: list[str] = field(default_factory=list)  # the export fixed them (`warn_of_fixed_branches`)
+    # 'ort' builder: each nn.Embedding weight with a padding_idx -> that index (graph/embedding_padding.py)
+    embedding_padding: dict[str, int] = field(default_factory=dict)
 
     @property
     def state_names(self) -> list[str]:
@@ -233,7 +235,29 @@ def torchscript_forward(
         statistics,
         batch_norms=batch_norms,
         fixed_branches=exported.fixed_branches,
+        embedding_padding=_embedding_padding(module, exported.aliases, trainable),
     )
+
+
+def _embedding_padding(module: torch.nn.Module, aliases: dict[str, str], trainable: list[str]) -> dict[str, int]:
+    """The trained weight of each `nn.Embedding` with a `padding_idx` -> that index (graph/embedding_padding.py).
+    A tied weight that embeddings with different padding indices share has no single answer: a warning names it,
+    and it trains as the graph computes it."""
+    found: dict[str, set[int]] = {}
+    for path, child in module.named_modules():
+        if isinstance(child, torch.nn.Embedding) and child.padding_idx is not None:
+            key = f"{path}.weight" if path else "weight"
+            found.setdefault(aliases.get(key, key), set()).add(int(child.padding_idx))
+    conflicting = sorted(name for name, indices in found.items() if len(indices) > 1)
+    if conflicting:
+        warnings.warn(
+            f"embeddings with different padding_idx share the weights {conflicting}: the 'ort' gradient builder "
+            "updates their padding rows from every lookup (PyTorch from none of each embedding's own); the torch "
+            "gradient builder (options _internal_use.gradient_builder='torch') trains them as PyTorch does",
+            UserWarning,
+            stacklevel=4,
+        )
+    return {name: indices.pop() for name, indices in found.items() if name in trainable and len(indices) == 1}
 
 
 def _batch_norm_statistics(module: torch.nn.Module) -> list[BatchNormStatistics]:

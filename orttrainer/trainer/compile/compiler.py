@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -112,6 +112,7 @@ class CompileRequest:
     statistics: StatisticsInstrument | None = None  # orttrainer.debug statistics
     lazy_eval: bool = False  # the torch route: `forward` holds only the state, eval graphs come from torch_route
     batch_norms: Sequence[BatchNormStatistics] = ()  # running statistics the 'ort' builder's graph updates
+    embedding_padding: Mapping[str, int] = field(default_factory=dict)  # 'ort' builder: graph/embedding_padding.py
     update: str = "auto"  # where the optimizer update runs (update/path.py); resolved by compile_model
     graph_cache: GraphCache | None = None  # torch builder: the graphs for other shapes, across processes
 
@@ -298,6 +299,7 @@ def _gradient_passes(request: CompileRequest, scaled_loss: str) -> list:
         recompute=RecomputePlan() if torch_built else request.recompute,
         statistics=request.statistics,
         cast_propagation=options.cast_propagation if options is not None and torch_built else None,
+        embedding_padding=None if torch_built else request.embedding_padding,
     )
 
 

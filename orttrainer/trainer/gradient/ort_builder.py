@@ -58,7 +58,25 @@ def build_ort_gradient_graph(
         raise
     except Exception as err:  # the pybind layer raises plain RuntimeError/Fail with the C++ message
         raise _explain(err, forward) from err
+    _refuse_wrong_kernels(graded)
     return _order_outputs(graded, [o.name for o in forward.graph.output], trainable)
+
+
+def _refuse_wrong_kernels(graded: onnx.ModelProto) -> None:
+    """Rule: a gradient graph with `AveragePoolGrad` is refused (GradientBuildError; 'auto' then lets PyTorch
+    differentiate the model). Why: onnxruntime-training's AveragePoolGrad kernel takes its output's shape from the
+    shape the graph declares for it, not from the forward input, and reads a symbolic size (the batch) as 0: a CNN
+    with `nn.AvgPool2d` died of a floating-point exception (SIGFPE) at its first step, EfficientNet of a segmentation
+    fault (docs/engine.md §40). `graph/conv_grad.py` mends ConvGrad's faults instead; this one has no mending that
+    keeps the kernel."""
+    nodes = [n.name or "<unnamed>" for n in graded.graph.node if n.op_type == "AveragePoolGrad"]
+    if nodes:
+        raise GradientBuildError(
+            f"ONNX Runtime's AveragePool gradient kernel cannot train this model: it takes the shape of its result "
+            f"from the graph, where the batch size is not known, and crashes the process (node"
+            f"{'s' if len(nodes) > 1 else ''} {', '.join(repr(n) for n in nodes)}). Let PyTorch differentiate the "
+            "model instead (options {'_internal_use': {'gradient_builder': 'torch'}}; the default 'auto' does so)."
+        )
 
 
 def _order_outputs(model: onnx.ModelProto, forward_outputs: list[str], trainable: list[str]) -> onnx.ModelProto:

@@ -11,11 +11,15 @@ runs them (its stages carry the same numbers).
    traces the PyTorch module (or an OnnxModule of the forward model) itself.
 3. `gradient_passes`: on the gradient model (forward outputs + `<p>_grad`), the same for both builders and every
    input-shape signature: under mixed precision the scaled loss stops being an output and (CPU) float32-only kernels
-   get casts; embedding gradients become scatter-adds; slice gradients placed by one-hot `Where`s become a `Concat`;
-   a gradient summed over a weight's uses, one matrix product per use, becomes one product; a reduction over axes
-   of size 1 becomes its input; on the CPU in float32, softmax cross-entropy becomes plain ops; then recompute (the
-   'ort' builder's; the torch builder recomputes in its trace, gradient/torch_recompute.py) and the activation
-   statistics.
+   get casts; (CPU) the 'ort' builder's convolution gradients take forms ONNX Runtime's kernel computes right
+   (explicit pads for auto_pad SAME; grouped ones of one or three spatial axes inside their output:
+   graph/conv_grad.py); the 'ort' builder's lookups of an embedding's padding row add nothing to its gradient
+   (graph/embedding_padding.py); embedding gradients become scatter-adds; slice gradients placed by one-hot `Where`s
+   become a
+   `Concat`; a gradient summed over a weight's uses, one matrix product per use, becomes one product; a reduction
+   over axes of size 1 becomes its input; on the CPU in float32, softmax cross-entropy becomes plain ops; then
+   recompute (the 'ort' builder's; the torch builder recomputes in its trace, gradient/torch_recompute.py) and the
+   activation statistics.
 4. `training_tail`: accumulation, clipping and the optimizer update as one pass whose result carries its state
    contract (graph/training.py, compile/contract.py); with data parallelism, the gradient-step pass (the optimizer
    graph is a model of its own, graph/data_parallel.build_optimizer_graph).
@@ -31,7 +35,7 @@ that runs it and the compiled graphs are cached for any CPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import onnx
@@ -39,8 +43,10 @@ import onnx
 from .batch_norm_statistics import BatchNormStatistics, batch_norm_statistics_pass
 from .cast_propagation import CastPropagation, cast_propagation_pass
 from .class_labels import GUARD_CLASS_LABELS
+from .conv_grad import CONV_GRAD_IN_SAFE_FORM
 from .cross_entropy import CROSS_ENTROPY_AS_PLAIN_OPS
 from .data_parallel import gradient_step_pass
+from .embedding_padding import padding_rows_pass
 from .fixups import (
     BATCHNORM_TO_INFERENCE,
     DROPOUT_TO_IDENTITY,
@@ -94,12 +100,21 @@ def mixed_precision_passes(state: list[str], keep_float32: list[str], loss: str)
 
 
 def gradient_model_passes(
-    *, mixed_precision: bool, cpu: bool, scaled_loss: str, cast_propagation: CastPropagation | None = None
+    *,
+    mixed_precision: bool,
+    cpu: bool,
+    scaled_loss: str,
+    cast_propagation: CastPropagation | None = None,
+    embedding_padding: Mapping[str, int] | None = None,
 ) -> list[GraphPass]:
     """On the gradient model (forward outputs + `<p>_grad`), the same for both builders and every input-shape
     signature: under mixed precision the scaled loss stops being an output; with `cast_propagation` (the torch
     builder: ONNX Runtime's builder propagates casts itself) the casts move by its rules (graph/cast_propagation.py;
-    a float32 graph is unchanged); under mixed precision (CPU) float32-only kernels get casts; embedding gradients
+    a float32 graph is unchanged); under mixed precision (CPU) float32-only kernels get casts; on the CPU the 'ort'
+    builder's `ConvGrad` gets explicit pads for auto_pad SAME and, grouped with one or three spatial axes, a form
+    whose kernel writes only its output (graph/conv_grad.py: ONNX Runtime's kernel is wrong otherwise); with
+    `embedding_padding` (the 'ort' builder's nn.Embedding weights with a padding_idx) the lookups of the padding row
+    add nothing to its gradient (graph/embedding_padding.py); embedding gradients
     become scatter-adds; the gradient of slices x[0], ..., x[n-1] placed by one-hot `Where`s and added (the torch
     builder's q/k/v projection) becomes a `Concat` (graph/static_shapes.py); a sum of matrix products over the
     same shape (a weight's gradient over its uses: an RNN's recurrent weight) becomes one product
@@ -115,6 +130,10 @@ def gradient_model_passes(
     if mixed_precision:
         if cpu:
             passes.append(CAST_FP32_ONLY_KERNELS)
+    if cpu:
+        passes.append(CONV_GRAD_IN_SAFE_FORM)
+    if embedding_padding:
+        passes.append(padding_rows_pass(embedding_padding))
     passes.append(GATHER_GRAD_TO_SCATTER_ADD)
     if rewrite_enabled("where_sum_to_concat"):
         passes.append(WHERE_SUM_TO_CONCAT)
@@ -137,11 +156,16 @@ def gradient_passes(
     recompute: RecomputePlan,
     statistics: StatisticsInstrument | None,
     cast_propagation: CastPropagation | None = None,
+    embedding_padding: Mapping[str, int] | None = None,
 ) -> list[GraphPass]:
     """`gradient_model_passes`, then recompute (an empty plan for the torch builder, which recomputes in its trace)
     and statistics."""
     passes = gradient_model_passes(
-        mixed_precision=mixed_precision, cpu=cpu, scaled_loss=scaled_loss, cast_propagation=cast_propagation
+        mixed_precision=mixed_precision,
+        cpu=cpu,
+        scaled_loss=scaled_loss,
+        cast_propagation=cast_propagation,
+        embedding_padding=embedding_padding,
     )
     if recompute:
         passes.append(recompute_pass(outputs, recompute))
