@@ -1,7 +1,11 @@
-"""Model classes of transformers through ORTTrainer's torch builder: tiny configs, random init, nothing downloaded.
+"""Model classes of transformers through ORTTrainer's gradient builders: tiny configs, random init, nothing downloaded.
 
-    python benchmarks/model_zoo.py [--models llama bart ...] [--jobs 2]
+    python benchmarks/model_zoo.py [--models llama bart ...] [--jobs 2] [--builder torch|auto|ort]
 
+`--builder` is the `_internal_use.gradient_builder` option (default `torch`; `auto` is each runtime's default, which
+on onnxruntime-training chooses the `ort` builder for most models: the `builder` column says which one built it; its
+training graph's route is then "TorchScript export"). The float dropout attributes that transformers passes to
+`F.dropout` are zeroed too.
 Each model runs in a fresh process with the compile cache off: one SGD step (lr 1) in training mode, dropout off,
 against eager PyTorch's gradients (and float64 autograd's: `_gradients_differ`), then an eval step. Reported per
 model: whether it trains and matches, the route of its training graph (`direct`: the direct ONNX
@@ -1080,7 +1084,7 @@ def _batch(kind: str) -> list[Any]:
     }[kind]()
 
 
-def worker(name: str) -> dict[str, Any]:
+def worker(name: str, builder: str = "torch") -> dict[str, Any]:
     """One model's step, in this process (see the module docstring)."""
     import torch
     import transformers
@@ -1107,7 +1111,7 @@ def worker(name: str) -> dict[str, Any]:
     for module in model.modules():  # dropout off: the step is compared with eager's
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-        for attribute in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout"):
+        for attribute in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "attn_dropout"):
             if isinstance(getattr(module, attribute, None), float):
                 setattr(module, attribute, 0.0)
     with torch.no_grad():  # a router initialised to zeros (ERNIE 4.5 MoE) ties every expert: top-k's pick is then
@@ -1123,18 +1127,22 @@ def worker(name: str) -> dict[str, Any]:
     handler = logging.StreamHandler(log)
     logging.getLogger("orttrainer").addHandler(handler)
     logging.getLogger("orttrainer").setLevel(logging.INFO)
-    options = ORTTrainerOptions({"device": {"id": "cpu"}, "_internal_use": {"gradient_builder": "torch"}})
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, "_internal_use": {"gradient_builder": builder}})
     result: dict[str, Any] = {"model": name}
     try:
         trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=1.0), options=options)
         start = time.perf_counter()
         trainer.train_step(*data)
         result["first_step_s"] = round(time.perf_counter() - start, 2)
+        result["builder"] = trainer.gradient_builder
     except Exception as err:  # the outcome being measured: reported, not raised
         text = str(err) if len(str(err)) <= 900 else f"{str(err)[:300]} ... {str(err)[-600:]}"
         return result | {"error": f"{type(err).__name__}: {text}"}
     found = re.search(r"does not cover this graph \((.*)\); using torch.onnx", log.getvalue(), re.DOTALL)
-    result["route"] = f"torch.onnx: {found.group(1)[:120]}" if found else "direct"
+    if trainer.gradient_builder == "ort":
+        result["route"] = "TorchScript export"
+    else:
+        result["route"] = f"torch.onnx: {found.group(1)[:120]}" if found else "direct"
     result["gradients_differ"] = _gradients_differ(reference, data, before, trainer.state_dict(pytorch_format=True))
     log.truncate(0)
     log.seek(0)
@@ -1169,12 +1177,11 @@ def _gradients_differ(reference: Any, data: list[Any], before: dict[str, Any], s
     return differ
 
 
-def _in_process(name: str) -> dict[str, Any]:
+def _in_process(name: str, builder: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, ORTTRAINER_COMPILE_CACHE=cache, HF_HUB_OFFLINE="1")
-        done = subprocess.run(
-            [sys.executable, __file__, "--worker", name], capture_output=True, text=True, env=env, timeout=600
-        )
+        command = [sys.executable, __file__, "--worker", name, "--builder", builder]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else {"model": name, "error": f"exit {done.returncode}: {done.stderr[-300:]}"}
 
@@ -1185,28 +1192,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--builder", choices=["torch", "auto", "ort"], default="torch")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker)))
+        print(json.dumps(worker(args.worker, args.builder)))
         return
     with ThreadPoolExecutor(args.jobs) as pool:  # each model in its own process
-        rows = list(pool.map(_in_process, args.models))
-    print("| model | trains like PyTorch | training graph | eval graph | first step (s) |")
-    print("|---|---|---|---|---|")
+        rows = list(pool.map(lambda name: _in_process(name, args.builder), args.models))
+    print("| model | trains like PyTorch | builder | training graph | eval graph | first step (s) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         trains = (
             "error: " + r["error"][:100]
             if "error" in r
             else ("no: " + ", ".join(r["gradients_differ"][:3]) if r["gradients_differ"] else "yes")
         )
-        print(f"| {r['model']} | {trains} | {r.get('route', '')} | {r.get('eval', '')} | {r.get('first_step_s', '')} |")
+        cells = [r["model"], trains, *(r.get(k, "") for k in ("builder", "route", "eval", "first_step_s"))]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
     good = [r for r in rows if "error" not in r and not r["gradients_differ"]]
     direct = [r for r in good if r["route"] == "direct" and r["eval"] == "traced"]
     print(
         f"\n{len(good)} of {len(rows)} train like PyTorch; {len(direct)} of them on the direct translation throughout"
     )
-    save_json("model_zoo.json", {"rows": rows})
+    save_json("model_zoo.json" if args.builder == "torch" else f"model_zoo_{args.builder}.json", {"rows": rows})
 
 
 if __name__ == "__main__":
