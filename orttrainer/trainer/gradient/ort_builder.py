@@ -63,13 +63,19 @@ def build_ort_gradient_graph(
 
 
 def _refuse_wrong_kernels(graded: onnx.ModelProto) -> None:
-    """Rule: a gradient graph with `AveragePoolGrad` is refused (GradientBuildError; 'auto' then lets PyTorch
-    differentiate the model). Why: onnxruntime-training's AveragePoolGrad kernel takes its output's shape from the
-    shape the graph declares for it, not from the forward input, and reads a symbolic size (the batch) as 0: a CNN
-    with `nn.AvgPool2d` died of a floating-point exception (SIGFPE) at its first step, EfficientNet of a segmentation
-    fault (docs/engine.md §40). `graph/conv_grad.py` mends ConvGrad's faults instead; this one has no mending that
-    keeps the kernel."""
-    nodes = [n.name or "<unnamed>" for n in graded.graph.node if n.op_type == "AveragePoolGrad"]
+    """Rule: a gradient graph with an `AveragePoolGrad` whose result the graph does not declare with every size
+    known is refused (GradientBuildError; 'auto' then lets PyTorch differentiate the model). Why: onnxruntime-
+    training's AveragePoolGrad kernel takes its output's shape from the shape the graph declares for it, not from
+    the forward input, and reads a symbolic size (the batch) as 0: a CNN with `nn.AvgPool2d` and a dynamic batch
+    died of a floating-point exception (SIGFPE) at its first step, EfficientNet of a segmentation fault
+    (docs/engine.md §40). With every size declared it computes ONNX's AveragePool gradient. `graph/conv_grad.py`
+    mends ConvGrad's faults instead; this one has no mending that keeps the kernel."""
+    declared = {v.name: v for v in [*graded.graph.value_info, *graded.graph.output]}
+    nodes = [
+        n.name or "<unnamed>"
+        for n in graded.graph.node
+        if n.op_type == "AveragePoolGrad" and not _sizes_known(declared.get(n.output[0]))
+    ]
     if nodes:
         raise GradientBuildError(
             f"ONNX Runtime's AveragePool gradient kernel cannot train this model: it takes the shape of its result "
@@ -77,6 +83,12 @@ def _refuse_wrong_kernels(graded: onnx.ModelProto) -> None:
             f"{'s' if len(nodes) > 1 else ''} {', '.join(repr(n) for n in nodes)}). Let PyTorch differentiate the "
             "model instead (options {'_internal_use': {'gradient_builder': 'torch'}}; the default 'auto' does so)."
         )
+
+
+def _sizes_known(value: onnx.ValueInfoProto | None) -> bool:
+    if value is None or not value.type.tensor_type.HasField("shape"):
+        return False
+    return all(d.HasField("dim_value") and d.dim_value > 0 for d in value.type.tensor_type.shape.dim)
 
 
 def _order_outputs(model: onnx.ModelProto, forward_outputs: list[str], trainable: list[str]) -> onnx.ModelProto:
