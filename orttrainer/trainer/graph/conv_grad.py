@@ -209,8 +209,9 @@ def _per_group(ed: GraphEditor, node: onnx.NodeProto, opset: int) -> None:
 
 def _split(ed: GraphEditor, name: str, axis: int, parts: int, opset: int) -> list[str]:
     """`name` split into `parts` equal parts along `axis`."""
-    extra = {"num_outputs": parts} if opset >= _SPLIT_NUM_OUTPUTS else {}
-    return ed.op_outputs("Split", [name], "split", parts, axis=axis, **extra)
+    if opset >= _SPLIT_NUM_OUTPUTS:
+        return ed.op_outputs("Split", [name], "split", parts, axis=axis, num_outputs=parts)
+    return ed.op_outputs("Split", [name], "split", parts, axis=axis)
 
 
 def _conv_grad_problem(model: onnx.ModelProto) -> Problem:
