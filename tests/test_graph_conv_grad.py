@@ -157,3 +157,78 @@ def test_grouped_conv1d_layers_train_like_pytorch_with_the_ort_builder(groups):
     weights = trainer.state_dict(pytorch_format=True)
     for name, value in reference.named_parameters():
         torch.testing.assert_close(weights[name], value.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _same_padded_model(auto_pad: str, kernel: int, stride: int, size: int | str = 6):
+    """A 2-D ConvGrad with `auto_pad` and no pads; X of spatial size `size` (a name: unknown before a run)."""
+    out = 6 if not isinstance(size, int) else -(-size // stride)
+    node = helper.make_node(
+        "ConvGrad",
+        ["dy", "x", "w"],
+        ["dx", "dw", "db"],
+        domain="com.microsoft",
+        name="same_grad",
+        auto_pad=auto_pad,
+        kernel_shape=[kernel, kernel],
+        strides=[stride, stride],
+        dilations=[1, 1],
+        group=1,
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("dy", TensorProto.FLOAT, [N, M, out, out]),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [N, C, size, size]),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [M, C, kernel, kernel]),
+        ],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("dx", "dw", "db")],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize(
+    "auto_pad, kernel, stride, pads",
+    [
+        ("SAME_UPPER", 3, 1, [1, 1, 1, 1]),
+        ("SAME_UPPER", 2, 1, [0, 0, 1, 1]),
+        ("SAME_LOWER", 2, 1, [1, 1, 0, 0]),
+        ("SAME_UPPER", 3, 2, [0, 0, 1, 1]),
+    ],
+    ids=["odd kernel", "even kernel, upper", "even kernel, lower", "stride 2 on a known size"],
+)
+def test_auto_pad_same_becomes_the_pads_onnx_defines(auto_pad, kernel, stride, pads):
+    (node,) = _conv_grads(conv_grad_in_safe_form(_same_padded_model(auto_pad, kernel, stride)))
+    assert _attribute(node, "pads") == pads
+    assert all(a.name != "auto_pad" for a in node.attribute)
+
+
+def test_auto_pad_same_with_a_stride_on_an_unknown_size_is_an_error_naming_the_way_out():
+    with pytest.raises(RuntimeError, match=r"'same_grad' has auto_pad SAME_UPPER.*gradient_builder='torch'"):
+        conv_grad_in_safe_form(_same_padded_model("SAME_UPPER", 3, 2, size="height"))
+
+
+@needs_training_build
+@pytest.mark.parametrize("auto_pad, kernel", [("SAME_UPPER", 3), ("SAME_LOWER", 2)])
+def test_the_same_padded_gradients_equal_pytorchs(auto_pad, kernel):
+    model = _same_padded_model(auto_pad, kernel, 1)
+    rng = np.random.default_rng(0)
+    feeds = {
+        "dy": rng.standard_normal((N, M, 6, 6)).astype(np.float32),
+        "x": rng.standard_normal((N, C, 6, 6)).astype(np.float32),
+        "w": rng.standard_normal((M, C, kernel, kernel)).astype(np.float32),
+    }
+    x = torch.tensor(feeds["x"], requires_grad=True)
+    w = torch.tensor(feeds["w"], requires_grad=True)
+    b = torch.zeros(M, requires_grad=True)
+    total = kernel - 1
+    before = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+    padded = torch.nn.functional.pad(x, [before, total - before] * 2)
+    torch.nn.functional.conv2d(padded, w, b).backward(torch.tensor(feeds["dy"]))
+    found = run_onnx(conv_grad_in_safe_form(model), feeds, ["dx", "dw", "db"])
+    for value, expected in zip(found, [x.grad, w.grad, b.grad], strict=True):
+        np.testing.assert_allclose(value, expected.numpy(), rtol=1e-5, atol=1e-5)
