@@ -565,6 +565,40 @@ def test_average_pooling_is_refused_by_the_ort_builder_and_auto_trains_it_with_t
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
 
 
+class RepeatedIndexAdd(MLP):
+    """Adds rows into repeated places, as a routed mixture of experts adds each token's experts into its row
+    (transformers' JetMoE): `index_add` with index [0, 0, 1, 1, ...]."""
+
+    def forward(self, x):
+        scores = super().forward(x)
+        index = torch.arange(scores.shape[0]) // 2
+        return scores + torch.zeros_like(scores).index_add(0, index, scores)
+
+
+@needs_training_build
+def test_auto_trains_an_index_add_with_repeated_indices_with_the_torch_builder(caplog):
+    """The TorchScript exporter writes index_add as a ScatterElements that overwrites (and warns that the model
+    will be incorrect): the 'ort' builder's loss differed from PyTorch's already in the forward."""
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        trainer, ref = train_with_reference(
+            RepeatedIndexAdd(),
+            mlp_desc(),
+            optim.SGDConfig(lr=0.1),
+            lambda ps: torch.optim.SGD(ps, lr=0.1),
+            CE,
+            batches(3),
+        )
+    assert trainer.gradient_builder == "torch"
+    assert "adds them all" in caplog.text
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+    explicit = make_trainer(
+        RepeatedIndexAdd(), mlp_desc(), optim.SGDConfig(), CE, {"_internal_use": {"gradient_builder": "ort"}}
+    )
+    with pytest.warns(UserWarning, match=r"adds them all: the 'ort' gradient builder .*gradient_builder='torch'"):
+        explicit.train_step(*batches(1)[0])
+
+
 @needs_training_build
 def test_the_ort_route_warns_of_a_branch_on_values_naming_the_line_and_the_torch_builder():
     """The TorchScript export records the way the first batch takes a branch on a value for every batch: the 'ort'

@@ -151,6 +151,8 @@ class ExportedModel:
     mutated: list[str]  # buffers the forward updates in place: the TorchScript export drops their updates
     # branches on a tensor's value that the export fixed to the sample's way: "file:line (`source`)"
     fixed_branches: list[str] = field(default_factory=list)
+    # the exporter wrote an `index_add`/`index_copy` as a scatter that overwrites where indices repeat (it warned)
+    overwrites_repeated_indices: bool = False
 
 
 def check_forward_accepts(model: torch.nn.Module, input_names: list[str], has_loss_fn: bool) -> None:
@@ -260,7 +262,9 @@ def export_model(
         # the tracer's sizes are tensors: a forward that keeps one in a plain attribute (Funnel's `self.seq_len`)
         # would leave it there for the torch builder, should 'auto' fall back to it
         with attributes_restored(model):
-            exported, mutated, traced_truths = _torchscript_export(wrapper, sample_inputs, names, opset_version)
+            exported, mutated, traced_truths, overwrites = _torchscript_export(
+                wrapper, sample_inputs, names, opset_version
+            )
     except Exception as err:
         unsupported = torch_private.unsupported_at_opset(err)
         if unsupported is not None and unsupported[2] > opset_version:
@@ -278,7 +282,8 @@ def export_model(
     # tracer also warns for branches on sizes (traced as tensors there), and the eager run also sees branches the
     # exporter does not meet (library code taking another path while tracing)
     fixed = [place for place in dry.value_branches if place.split(" ", 1)[0] in traced_truths]
-    return replace(exported_model(onnx_model, model, dry), mutated=mutated, fixed_branches=fixed)
+    found = exported_model(onnx_model, model, dry)
+    return replace(found, mutated=mutated, fixed_branches=fixed, overwrites_repeated_indices=overwrites)
 
 
 _DROPPED_MUTATION = re.compile(r"Removing mutation from node \S+ on block input: '([^']+)'")
@@ -287,16 +292,17 @@ _DROPPED_MUTATION = re.compile(r"Removing mutation from node \S+ on block input:
 def _passed_on(caught: list[warnings.WarningMessage], padding_kept: bool) -> list[str]:
     """The buffers whose in-place updates the TorchScript exporter said it dropped (without `model.`); every other
     warning is shown, but the exporter's deprecation notices: torch deprecates the TorchScript exporter and its
-    `training` argument, both chosen on purpose (docs/design.md: dynamo=False, TrainingMode.TRAINING), and, when
-    the model's `nn.Embedding`s have a padding index (`padding_kept`), its notice that ONNX updates the padding
-    row: the 'ort' builder's graph does not (graph/embedding_padding.py)."""
+    `training` argument, both chosen on purpose (docs/design.md: dynamo=False, TrainingMode.TRAINING), when the
+    model's `nn.Embedding`s have a padding index (`padding_kept`), its notice that ONNX updates the padding row
+    (the 'ort' builder's graph does not: graph/embedding_padding.py), and its notice about an index_add's repeated
+    indices, which `build/forward.torchscript_forward` turns into its own error or warning."""
     mutated = []
     for warning in caught:
         found = _DROPPED_MUTATION.search(str(warning.message))
         if found:
             mutated.append(found.group(1).removeprefix(MODEL_PREFIX))
-        elif padding_kept and _PADDING_UPDATED in str(warning.message):
-            continue
+        elif (padding_kept and _PADDING_UPDATED in str(warning.message)) or _REPEATED_INDICES in str(warning.message):
+            continue  # the padding row: graph/embedding_padding.py; repeated indices: build/forward.py says it
         elif not issubclass(warning.category, DeprecationWarning):
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return sorted(set(mutated))
@@ -304,10 +310,11 @@ def _passed_on(caught: list[warnings.WarningMessage], padding_kept: bool) -> lis
 
 def _torchscript_export(
     wrapper: torch.nn.Module, sample_inputs: list[torch.Tensor], names: tuple, opset_version: int
-) -> tuple[bytes, list[str], set[str]]:
+) -> tuple[bytes, list[str], set[str], bool]:
     """`torch.onnx.export` as the module docstring says; `names`: (input names, output names, dynamic axes).
-    Returns the model's bytes, the buffers whose in-place updates the exporter dropped (`_passed_on`) and the
-    places ("file:line") where the tracer warned that it turned a traced value into a Python bool."""
+    Returns the model's bytes, the buffers whose in-place updates the exporter dropped (`_passed_on`), the
+    places ("file:line") where the tracer warned that it turned a traced value into a Python bool, and whether the
+    exporter warned that an index_add it wrote overwrites where its indices repeat."""
     input_names, output_names, dynamic_axes = names
     buffer = io.BytesIO()
     with warnings.catch_warnings(record=True) as caught:
@@ -330,10 +337,12 @@ def _torchscript_export(
         if issubclass(w.category, torch.jit.TracerWarning) and _TRUTH_VALUE in str(w.message)
     }
     padded = any(isinstance(m, torch.nn.Embedding) and m.padding_idx is not None for m in wrapper.modules())
-    return buffer.getvalue(), _passed_on(caught, padded), truths
+    overwrites = any(_REPEATED_INDICES in str(w.message) for w in caught)
+    return buffer.getvalue(), _passed_on(caught, padded), truths, overwrites
 
 
 _PADDING_UPDATED = "ONNX export of embedding with padding_idx >= 0 for training mode"  # the exporter's notice
+_REPEATED_INDICES = "does not support duplicated values in 'index' field"  # index_add written as an overwrite
 _TRUTH_VALUE = "Converting a tensor to a Python boolean"  # the tracer's TracerWarning for bool() of a traced value
 
 

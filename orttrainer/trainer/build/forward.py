@@ -203,6 +203,19 @@ def torchscript_forward(
             enable_contrib_ops=internal.enable_onnx_contrib_ops,
             dry=plan.dry,
         )
+    if exported.overwrites_repeated_indices:  # a routed mixture of experts adds each token's experts into its row
+        overwrites = (
+            "the TorchScript exporter wrote an index_add as a scatter that keeps one of the values added to a "
+            "repeated index, where PyTorch adds them all"
+        )
+        if plan.choice.builder == "auto":
+            raise export_mod.TorchScriptExportError(overwrites)
+        warnings.warn(
+            f"{overwrites}: the 'ort' gradient builder trains {type(module).__name__} right only where the indices "
+            "never repeat; the torch gradient builder (options _internal_use.gradient_builder='torch') adds them",
+            UserWarning,
+            stacklevel=4,
+        )
     batch_norms = _batch_norm_statistics(module) if exported.was_training else []
     if exported.was_training:  # in eval mode PyTorch updates no buffer either
         _refuse_dropped_updates(module, exported.mutated, batch_norms)
