@@ -497,24 +497,28 @@ def test_auto_picks_ort_for_a_plain_model(caplog):
     )
 
 
-@needs_training_build
-def test_auto_falls_back_to_torch_for_an_op_without_an_ort_gradient(caplog):
+def _trained_by_torch_after_auto(model, caplog, desc=None, data=None) -> str:
+    """Trains `model` with 'auto' beside torch.optim.SGD; asserts the torch builder built it and the weights agree.
+    Returns the log ('auto' names its reason there)."""
     torch.manual_seed(0)
     with caplog.at_level(logging.INFO, logger="orttrainer"):
         trainer, ref = train_with_reference(
-            CumulativeHead(),
-            mlp_desc(),
+            model,
+            desc or mlp_desc(),
             optim.SGDConfig(lr=0.1),
             lambda ps: torch.optim.SGD(ps, lr=0.1),
             CE,
-            batches(3),
+            data or batches(3),
         )
     assert trainer.gradient_builder == "torch"
-    assert (
-        "gradient builder 'torch' (auto: ONNX Runtime's gradient builder cannot differentiate op 'CumSum')"
-        in caplog.text
-    )
     assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+    return caplog.text
+
+
+@needs_training_build
+def test_auto_falls_back_to_torch_for_an_op_without_an_ort_gradient(caplog):
+    log = _trained_by_torch_after_auto(CumulativeHead(), caplog)
+    assert "gradient builder 'torch' (auto: ONNX Runtime's gradient builder cannot differentiate op 'CumSum')" in log
 
 
 class SizeKeepingHead(CumulativeHead):
@@ -527,16 +531,11 @@ class SizeKeepingHead(CumulativeHead):
 
 
 @needs_training_build
-def test_auto_falls_back_to_torch_with_the_attributes_the_export_set_put_back():
+def test_auto_falls_back_to_torch_with_the_attributes_the_export_set_put_back(caplog):
     """The 'ort' route fails (CumSum) after its export ran the forward, which stored a traced size in a plain
     attribute; the torch builder then met a tensor attribute (made a buffer) that the forward sets to an int, and
     'auto' failed with "cannot assign 'int' as buffer 'width'"."""
-    torch.manual_seed(0)
-    trainer, ref = train_with_reference(
-        SizeKeepingHead(), mlp_desc(), optim.SGDConfig(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1), CE, batches(3)
-    )
-    assert trainer.gradient_builder == "torch"
-    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+    _trained_by_torch_after_auto(SizeKeepingHead(), caplog)
 
 
 class AveragePooled(torch.nn.Module):
@@ -549,7 +548,7 @@ class AveragePooled(torch.nn.Module):
 
 
 @needs_training_build
-def test_average_pooling_is_refused_by_the_ort_builder_and_auto_trains_it_with_torch():
+def test_average_pooling_is_refused_by_the_ort_builder_and_auto_trains_it_with_torch(caplog):
     """ONNX Runtime's AveragePoolGrad sized its result from the graph's symbolic batch: the first step died of a
     floating-point exception. The 'ort' builder refuses it with a reason; 'auto' lets PyTorch differentiate."""
     images = [(torch.randn(4, 3, 7, 7), torch.randint(0, 10, (4,))) for _ in range(3)]
@@ -557,12 +556,7 @@ def test_average_pooling_is_refused_by_the_ort_builder_and_auto_trains_it_with_t
     refused = make_trainer(AveragePooled(), desc, optim.SGDConfig(), CE, {"_internal_use": {"gradient_builder": "ort"}})
     with pytest.raises(RuntimeError, match=r"AveragePool gradient kernel cannot train this model.*'torch'"):
         refused.train_step(*images[0])
-    torch.manual_seed(0)
-    trainer, ref = train_with_reference(
-        AveragePooled(), desc, optim.SGDConfig(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1), CE, images
-    )
-    assert trainer.gradient_builder == "torch"
-    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+    _trained_by_torch_after_auto(AveragePooled(), caplog, desc, images)
 
 
 class RepeatedIndexAdd(MLP):
@@ -579,19 +573,7 @@ class RepeatedIndexAdd(MLP):
 def test_auto_trains_an_index_add_with_repeated_indices_with_the_torch_builder(caplog):
     """The TorchScript exporter writes index_add as a ScatterElements that overwrites (and warns that the model
     will be incorrect): the 'ort' builder's loss differed from PyTorch's already in the forward."""
-    torch.manual_seed(0)
-    with caplog.at_level(logging.INFO, logger="orttrainer"):
-        trainer, ref = train_with_reference(
-            RepeatedIndexAdd(),
-            mlp_desc(),
-            optim.SGDConfig(lr=0.1),
-            lambda ps: torch.optim.SGD(ps, lr=0.1),
-            CE,
-            batches(3),
-        )
-    assert trainer.gradient_builder == "torch"
-    assert "adds them all" in caplog.text
-    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+    assert "adds them all" in _trained_by_torch_after_auto(RepeatedIndexAdd(), caplog)
     explicit = make_trainer(
         RepeatedIndexAdd(), mlp_desc(), optim.SGDConfig(), CE, {"_internal_use": {"gradient_builder": "ort"}}
     )
