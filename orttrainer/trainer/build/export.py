@@ -151,7 +151,7 @@ class ExportedModel:
     mutated: list[str]  # buffers the forward updates in place: the TorchScript export drops their updates
     # branches on a tensor's value that the export fixed to the sample's way: "file:line (`source`)"
     fixed_branches: list[str] = field(default_factory=list)
-    # the exporter wrote an `index_add`/`index_copy` as a scatter that overwrites where indices repeat (it warned)
+    # the exporter wrote an `index_add` as a scatter that overwrites where indices repeat (it warned)
     overwrites_repeated_indices: bool = False
 
 

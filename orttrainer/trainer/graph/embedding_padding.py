@@ -32,8 +32,7 @@ _AXES_AS_INPUT = 13  # Unsqueeze takes its axes as an input from opset 13
 def padding_rows_without_gradient(model: onnx.ModelProto, padding: Mapping[str, int]) -> onnx.ModelProto:
     """Apply the rule above; returns a new model (the argument is not modified)."""
     shapes_of = _shape_sources(model)
-    masked = [n for n in model.graph.node if _padded_weight(n, shapes_of, padding) is not None]
-    if not masked:
+    if all(_padded_weight(n, shapes_of, padding) is None for n in model.graph.node):
         return model
     require("padding_rows_without_gradient", _padding_problem(model))
     result = copy_model(model)

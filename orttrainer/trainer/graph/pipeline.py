@@ -15,11 +15,10 @@ runs them (its stages carry the same numbers).
    (explicit pads for auto_pad SAME; grouped ones of one or three spatial axes inside their output:
    graph/conv_grad.py); the 'ort' builder's lookups of an embedding's padding row add nothing to its gradient
    (graph/embedding_padding.py); embedding gradients become scatter-adds; slice gradients placed by one-hot `Where`s
-   become a
-   `Concat`; a gradient summed over a weight's uses, one matrix product per use, becomes one product; a reduction
-   over axes of size 1 becomes its input; on the CPU in float32, softmax cross-entropy becomes plain ops; then
-   recompute (the 'ort' builder's; the torch builder recomputes in its trace, gradient/torch_recompute.py) and the
-   activation statistics.
+   become a `Concat`; a gradient summed over a weight's uses, one matrix product per use, becomes one product; a
+   reduction over axes of size 1 becomes its input; on the CPU in float32, softmax cross-entropy becomes plain ops;
+   then recompute (the 'ort' builder's; the torch builder recomputes in its trace, gradient/torch_recompute.py) and
+   the activation statistics.
 4. `training_tail`: accumulation, clipping and the optimizer update as one pass whose result carries its state
    contract (graph/training.py, compile/contract.py); with data parallelism, the gradient-step pass (the optimizer
    graph is a model of its own, graph/data_parallel.build_optimizer_graph).
