@@ -218,6 +218,62 @@ def test_auto_trains_with_the_torch_builder_without_the_training_build(monkeypat
     assert max_difference(trainer_weights(trainer), expected) < 1e-6
 
 
+class _PooledCNN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Linear(4 * 4 * 4, 10)
+
+    def forward(self, x, target):
+        logits = self.head(torch.nn.functional.avg_pool2d(torch.relu(self.conv(x)), 2).flatten(1))
+        return torch.nn.functional.cross_entropy(logits, target), logits
+
+
+def _pooled_cnn():
+    """`_PooledCNN` (seed 0) exported with its loss, a dynamic batch, and three batches."""
+    torch.manual_seed(0)
+    module = _PooledCNN()
+    g = torch.Generator().manual_seed(6)
+    data = [(torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(3)]
+    axes = {"x": {0: "batch"}, "target": {0: "batch"}, "logits": {0: "batch"}}
+    model = export_training_onnx(module, data[0], ["x", "target"], ["loss", "logits"], axes)
+    desc = {"inputs": [("x", ["batch", 1, 8, 8]), ("target", ["batch"])], "outputs": MLP_DESC["outputs"]}
+    return model, desc, data
+
+
+@needs_training_build
+def test_auto_trains_an_onnx_model_with_the_torch_builder_where_onnx_runtimes_gradient_build_fails(caplog):
+    """An exported CNN with AveragePool and a dynamic batch: ONNX Runtime's AveragePool gradient kernel is refused
+    (gradient/ort_builder.py), so 'auto' builds the ONNX model with the torch builder, which trains it like
+    torch.optim.SGD trains the module it was exported from; an explicit 'ort' is the error."""
+    model, desc, data = _pooled_cnn()
+    torch.manual_seed(0)
+    reference = _PooledCNN()
+    with pytest.raises(GradientBuildError, match="AveragePool gradient kernel cannot train this model"):
+        make_trainer(copy.deepcopy(model), desc, optim.SGDConfig(lr=0.1), extra=ORT)
+    with caplog.at_level("INFO", logger="orttrainer"):
+        trainer = train(model, desc, optim.SGDConfig(lr=0.1), data, {})
+    assert trainer.gradient_builder == "torch"
+    assert "auto: ONNX Runtime's gradient builder failed (ONNX Runtime's AveragePool gradient kernel" in caplog.text
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in data:
+        sgd.zero_grad()
+        reference(x, y)[0].backward()
+        sgd.step()
+    expected = {n: p.detach().numpy() for n, p in reference.named_parameters()}
+    assert max_difference(trainer_weights(trainer), expected) < 1e-5
+
+
+@needs_training_build
+def test_an_onnx_model_neither_builder_trains_names_both_reasons(monkeypatch):
+    def refused(*args, **kwargs):
+        raise RuntimeError("the OnnxModule cannot run this graph")
+
+    monkeypatch.setattr(build_forward, "_onnx_source", refused)
+    model, desc, _ = _pooled_cnn()
+    with pytest.raises(RuntimeError, match=r"neither gradient builder.*AveragePool.*the OnnxModule cannot run"):
+        make_trainer(model, desc, optim.SGDConfig(lr=0.1))
+
+
 def test_the_torch_builder_compiles_on_the_first_step_and_takes_a_state_loaded_before():
     model, desc, data = oddly_named()
     first = make_trainer(model, desc, optim.SGDConfig(lr=0.1), extra=TORCH)

@@ -8,7 +8,8 @@
    parallelism runtime/data_parallel.py, whose ranks then start from rank 0's weights).
 'auto' (README § Gradient builders) tries the TorchScript route first and falls back to the torch route when any
 part of it fails: the export, ONNX Runtime's gradient build, the compile or the session (`build.forward.auto_fallback`);
-when the torch route fails too, the error names both reasons.
+when the torch route fails too, the error names both reasons. An ONNX model that 'auto' gave the 'ort' builder goes
+to the torch builder when ONNX Runtime's gradient build fails on it (`build_onnx_model`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from .compile.contract import (
 )
 from .config import TrainerConfig, recompute_plan
 from .gradient.choice import BuilderChoice
+from .gradient.errors import GradientBuildError
 from .gradient.ort_options import GradientOptions
 from .inputs import check_inputs
 from .runtime import ort_private
@@ -116,7 +118,21 @@ def build_onnx_model(config: TrainerConfig, state: TrainerState, model: onnx.Mod
     if forward.choice.builder == "torch":
         return Unbuilt(onnx=forward)
     _check_providers(config)
-    return _compile_and_open(config, state, forward)
+    try:
+        return _compile_and_open(config, state, forward)
+    except GradientBuildError as err:  # 'auto' falls back as for a PyTorch model (`build.forward.auto_fallback`)
+        if config.options._internal_use.gradient_builder != "auto":
+            raise
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        reason = f"auto: ONNX Runtime's gradient builder failed ({first_line})"
+        _logger.info("%s; building with the torch gradient builder", reason)
+        try:
+            return Unbuilt(onnx=onnx_forward(config, model, BuilderChoice("torch", reason)))
+        except Exception as torch_err:
+            raise NoBuilderTrainsError(
+                f"neither gradient builder can train the ONNX model: the 'ort' builder: {reason.removeprefix('auto: ')}"
+                f"; the torch builder: {type(torch_err).__name__}: {torch_err}"
+            ) from torch_err
 
 
 def build_model(

@@ -419,12 +419,13 @@ def edited_torch_forward(
     return Forward(desc, forward, trainable, frozen, plan.choice, info, traced, sample_inputs, None, evals)
 
 
-def onnx_forward(config: TrainerConfig, model: onnx.ModelProto) -> Forward:
-    """An ONNX model with a loss output, at construction: choose the builder, post-process, record dtypes and split
-    the parameters. With the torch builder, also the `OnnxModule` the builder traces (an op it cannot run is an
-    error now); the trainer compiles it on its first step (the torch builder traces with a batch)."""
+def onnx_forward(config: TrainerConfig, model: onnx.ModelProto, choice: BuilderChoice | None = None) -> Forward:
+    """An ONNX model with a loss output, at construction: choose the builder (unless `choice` is given: 'auto'
+    falling back to the torch builder), post-process, record dtypes and split the parameters. With the torch
+    builder, also the `OnnxModule` the builder traces (an op it cannot run is an error now); the trainer compiles it
+    on its first step (the torch builder traces with a batch)."""
     options = config.options
-    choice = choose_builder(
+    choice = choice or choose_builder(
         options._internal_use.gradient_builder,
         onnx_model=True,
         training_build=has_training_build(),
