@@ -154,17 +154,25 @@ def _attribute(node: onnx.NodeProto, name: str, default):
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
+def _attributes(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _three_outputs(node: onnx.NodeProto) -> list[str]:
+    """dX, dW and dB, "" for each one the node does not name."""
+    return list(node.output) + [""] * (3 - len(node.output))
+
+
 def _as_two_dimensional(ed: GraphEditor, node: onnx.NodeProto, opset: int) -> None:
     dy, x, w = (_with_unit_axis(ed, "Unsqueeze", name, opset) for name in node.input)
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attributes = _attributes(node)
     for name in ("kernel_shape", "strides", "dilations"):
         if name in attributes:
             attributes[name] = [1, *attributes[name]]
     if "pads" in attributes:
         begin, end = attributes["pads"]
         attributes["pads"] = [0, begin, 0, end]
-    outputs = list(node.output) + [""] * (3 - len(node.output))
-    dx, dw, db = outputs
+    dx, dw, db = _three_outputs(node)
     planar = ed.op_outputs(
         "ConvGrad",
         [dy, x, w],
@@ -189,8 +197,8 @@ def _with_unit_axis(ed: GraphEditor, op: str, name: str, opset: int, output: str
 def _per_group(ed: GraphEditor, node: onnx.NodeProto, opset: int) -> None:
     groups = _attribute(node, "group", 1)
     dy, x, w = (_split(ed, name, 0 if i == 2 else 1, groups, opset) for i, name in enumerate(node.input))
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute} | {"group": 1}
-    outputs = list(node.output) + [""] * (3 - len(node.output))
+    attributes = _attributes(node) | {"group": 1}
+    outputs = _three_outputs(node)
     parts: list[list[str]] = [[], [], []]
     for g in range(groups):
         wanted = [
