@@ -221,6 +221,29 @@ def test_export_graph_to_onnx():
         torch_private.export_graph_to_onnx(graph, [model.weight, model.bias, x], ["w", "b", "x"], ["l"], 17)
 
 
+def test_export_graph_to_onnx_reads_int32_indices_as_int64():
+    """ONNX's GatherND and ScatterND take int64 indices only; PyTorch's unfold_backward indexes with int32."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def indexing(x, values, index):
+        rows = torch.ops.aten.index.Tensor(x, [None, index])
+        placed = torch.ops.aten._unsafe_index_put.default(torch.zeros_like(x), [None, index], values, True)
+        return rows.sum(1) + placed.sum(1)
+
+    x, values, index = torch.randn(3, 5), torch.randn(3, 4), torch.tensor([4, 0, 4, 2], dtype=torch.int32)
+    graph = make_fx(indexing, tracing_mode="fake")(x, values, index)
+    torch_private.int64_indices(graph)
+    read = [n for n in graph.graph.nodes if n.op == "call_function" and "index" in str(n.target)]
+    assert len(read) == 2
+    for node in read:
+        assert node.args[1][0] is None and node.args[1][1].meta["val"].dtype == torch.int64
+    assert [n.meta["val"].dtype for n in graph.graph.nodes if n.op == "placeholder"][2] == torch.int32
+    model = torch_private.export_graph_to_onnx(graph, [x, values, index], ["x", "values", "index"], ["y"], 18)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {"x": x.numpy(), "values": values.numpy(), "index": index.numpy()})
+    np.testing.assert_allclose(y, indexing(x, values, index.long()).numpy(), atol=1e-6)
+
+
 class _LinearLoss(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()

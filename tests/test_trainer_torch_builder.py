@@ -824,6 +824,33 @@ def test_a_complex_non_persistent_buffer_is_a_constant_of_the_graph_and_trains_l
     assert "table" not in trainer.state_dict(pytorch_format=True)
 
 
+class Spectrogram(nn.Module):
+    """A learnable gain on the signal, its magnitude spectrogram (`torch.stft`) and a linear head: the backward of
+    `torch.stft` (PyTorch's `unfold_backward`) indexes with int32, which torch.onnx writes into a ScatterND."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(1 + 0.1 * torch.randn(64))
+        self.head = nn.Linear(9 * 17, 10)
+
+    def forward(self, x):
+        window = torch.hann_window(16)
+        spectrum = torch.stft(x * self.gain, n_fft=16, hop_length=4, window=window, return_complex=True)
+        return self.head(torch.log1p(spectrum.abs()).flatten(1))
+
+
+def test_a_spectrogram_model_trains_and_evaluates_like_pytorch():
+    torch.manual_seed(0)
+    data = batches(3, d_in=64)
+    trainer, ref = train_with_reference(
+        Spectrogram(), mlp_desc(64), optim.SGDConfig(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1), CE, data, TORCH
+    )
+    assert max_difference(trainer_weights(trainer), torch_weights(ref)) < 1e-5
+    with torch.no_grad():
+        _, logits = trainer.eval_step(*data[0])
+        torch.testing.assert_close(torch.as_tensor(logits), ref(data[0][0]), atol=1e-5, rtol=0)
+
+
 class RotatesItsTable(ComplexRotary):
     def __init__(self) -> None:
         super().__init__(table_as_buffer=True, persistent=False)

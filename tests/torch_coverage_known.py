@@ -17,6 +17,5 @@ OP_DB_UNSUPPORTED: dict[str, str] = {
     "normal.number_mean": "no input receives a gradient from autograd (nothing to compa",
     "sparse.mm.reduce": "sparse tensors: the torch builder traces and exports dense (",
     "sparse.sampled_addmm": "sparse tensors: the torch builder traces and exports dense (",
-    "stft": "InvalidGraph:INVALID_GRAPH",
     "to_sparse": "GradientBuildError: PyTorch produced no gradient for some tr",
 }

@@ -144,9 +144,12 @@ def export_graph_to_onnx(
     (torch.export's Dim.AUTO: read the result's input shapes); opset_version must be >= MIN_DYNAMO_OPSET; the IR
     version is capped at 10 (the newest ONNX Runtime 1.19 loads). An aten graph traced with
     `onnx_decompositions` is translated without the exporter's decomposition pass (`_export_decomposed`); if
-    that fails, through `torch.onnx.export`."""
+    that fails, through `torch.onnx.export`. An aten graph's int32 indices are read as int64 first
+    (`int64_indices`)."""
     if opset_version < MIN_DYNAMO_OPSET:
         raise ValueError(f"torch.onnx's dynamo exporter writes opset >= {MIN_DYNAMO_OPSET}, got {opset_version}")
+    if isinstance(graph, torch.fx.GraphModule):
+        int64_indices(graph)
     if isinstance(graph, torch.fx.GraphModule) and not allow_static:
         try:
             if dynamic_dims is None or not any(dynamic_dims):
@@ -185,6 +188,34 @@ def views_as_reshapes(graph: torch.fx.GraphModule) -> None:
         elif node.target is aten.contiguous.default:
             node.target, node.args = aten.clone.default, node.args[:1]
             node.kwargs, changed = {"memory_format": torch.contiguous_format}, True
+    if changed:
+        graph.recompile()
+
+
+def int64_indices(graph: torch.fx.GraphModule) -> None:
+    """Rule: each int32 index tensor of `aten.index`, `aten.index_put` and their `_unsafe_` forms is read through
+    `aten._to_copy(index, dtype=torch.int64)` (in place; the other indices and ops are unchanged).
+
+    Why: torch.onnx writes these ops as GatherND and ScatterND, whose indices ONNX defines as int64 only, and passes
+    an int32 index through, so ONNX Runtime refuses the graph ("Type 'tensor(int32)' ... of operator (ScatterND) ...
+    is invalid"). PyTorch's own decomposition of `unfold_backward` (the backward of `Tensor.unfold`, `torch.stft`)
+    indexes with an int32 `arange` (torch 2.13)."""
+    aten = torch.ops.aten
+    indexing = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_put.default, aten._unsafe_index_put.default}
+    changed = False
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or node.target not in indexing or len(node.args) < 2:
+            continue
+        indices = list(node.args[1])
+        for position, index in enumerate(indices):
+            value = index.meta.get("val") if isinstance(index, torch.fx.Node) else None
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.int32:
+                continue
+            with graph.graph.inserting_before(node):
+                wide = graph.graph.call_function(aten._to_copy.default, (index,), {"dtype": torch.int64})
+            wide.meta["val"] = value.to(torch.int64)
+            indices[position], changed = wide, True
+        node.args = (node.args[0], indices, *node.args[2:])
     if changed:
         graph.recompile()
 
