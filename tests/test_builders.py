@@ -34,6 +34,15 @@ def test_builder_choice_rules():
         choose_builder("ort", custom_functions=["F"])
     with pytest.raises(NotImplementedError, match="extra_postprocess edits the exported forward graph"):
         choose_builder("auto", custom_functions=["F"], edits_forward=True)
+    stops = [f"m.py:{line} (`h.detach()`)" for line in range(1, 6)]
+    stopped = choose_builder("auto", gradient_stops=stops)
+    assert stopped.builder == "torch" and "m.py:1 (`h.detach()`); m.py:2" in stopped.reason
+    assert "and 2 more" in stopped.reason
+    assert choose_builder("torch", gradient_stops=stops).builder == "torch"
+    with pytest.raises(NotImplementedError, match="stops a gradient that reaches the loss"):
+        choose_builder("ort", gradient_stops=stops)
+    with pytest.raises(NotImplementedError, match="extra_postprocess edits the exported forward graph"):
+        choose_builder("torch", gradient_stops=stops, edits_forward=True)
 
 
 def test_every_signature_must_keep_the_state_contract():
@@ -112,3 +121,72 @@ def test_auto_trains_recurrent_layers_with_the_torch_builder_on_the_cpu():
     expected = adam_weights(LSTMTagger, batches, lr=1e-2)
     weights = trainer_weights(trainer)
     assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-5
+
+
+class StopsGradients(torch.nn.Module):
+    """Stops a gradient three ways, each on a path to the loss (`.detach()`, `torch.no_grad()`, `.data`), and once
+    where it reaches no gradient (a mask from a comparison): transformers' HRM runs its early cycles under
+    `torch.no_grad()`, vector quantisers add `(q - x).detach()`."""
+
+    def __init__(self, stop: str) -> None:
+        super().__init__()
+        self.stop = stop
+        self.inner, self.outer = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x, labels):
+        h = self.inner(x)
+        if self.stop == "detach":
+            h = h + (2 * h).detach()
+        elif self.stop == "no_grad":
+            with torch.no_grad():
+                refined = self.inner(h)
+            h = h + refined
+        elif self.stop == "data":
+            h = h * h.data
+        else:  # the detached value decides a mask only: no gradient to stop in any graph
+            h = h * (h.detach() > 0)
+        return torch.nn.functional.cross_entropy(self.outer(h), labels)
+
+
+def _stops_desc() -> dict:
+    return {"inputs": [("x", ["batch", 4]), ("labels", ["batch"])], "outputs": [("loss", [], True)]}
+
+
+def _stops_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("stop", ["detach", "no_grad", "data", "mask"])
+def test_a_forward_that_stops_a_gradient_trains_like_torch_optim(stop):
+    """'auto' gives such a model to the torch builder: ONNX Runtime's gradient builder differentiated through the
+    stop (a silently wrong step on the training runtime). A stop that reaches no gradient changes no choice."""
+    torch.manual_seed(0)
+    model = StopsGradients(stop)
+    reference = copy.deepcopy(model)
+    trainer = make_trainer(model, _stops_desc(), optim.SGDConfig(lr=0.1))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, labels in _stops_batches():
+        trainer.train_step(x, labels)
+        optimizer.zero_grad()
+        reference(x, labels).backward()
+        optimizer.step()
+    weights = trainer_weights(trainer)
+    expected = {name: p.detach().numpy() for name, p in reference.named_parameters()}
+    assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-6
+    choice = trainer._built.builder
+    if stop == "mask":
+        assert "stops a gradient" not in choice.reason
+    else:
+        assert choice.builder == "torch" and "stops a gradient that reaches the loss" in choice.reason
+        assert "test_builders.py" in choice.reason
+
+
+@needs_training_build
+def test_the_ort_builder_refuses_a_forward_that_stops_a_gradient_naming_the_place():
+    model = StopsGradients("detach")
+    trainer = make_trainer(
+        model, _stops_desc(), optim.SGDConfig(lr=0.1), extra={"_internal_use": {"gradient_builder": "ort"}}
+    )
+    with pytest.raises(NotImplementedError, match=r"test_builders.py:\d+ \(`h = h \+ \(2 \* h\).detach\(\)`\)"):
+        trainer.train_step(*_stops_batches()[0])

@@ -1044,3 +1044,25 @@ def test_dataflow_digest_keeps_the_saved_tensors_a_backward_inside_the_forward_n
     digest = _digest(penalised, model, x)
     assert digest == _digest(penalised, model, torch.randn(4, 3, requires_grad=True))
     assert digest != _digest(_plain, model, x)
+
+
+def test_gradient_stops_follow_a_stopped_value_to_what_it_computes():
+    w = torch.randn(3, requires_grad=True)
+    buffer = torch.randn(3)
+    with torch_private.gradient_stops() as reaching:
+        h = w * 2
+        detached = h + (3 * h).detach()  # line A
+        with torch.no_grad():
+            quiet = h.exp()  # line B
+        quieted = h + quiet
+        shaped = h + torch.zeros_like(h) + h.new_ones(3)  # reads no value: no stop
+        masked = h * (h.detach() > 0)  # a boolean carries nothing
+        data = h * h.data  # line C
+        frozen = buffer.detach() * 2  # nothing required grad: no stop
+        plain = (h * 2).sum()
+    for value, source in ((detached, "(3 * h).detach()"), (quieted, "quiet = h.exp()"), (data, "h * h.data")):
+        [place] = reaching(value)
+        assert place.startswith(f"{__file__}:") and source in place
+    for value in (shaped, masked, frozen, plain):
+        assert reaching(value) == []
+    assert len(reaching([detached, quieted, detached.sum()])) == 2  # nested outputs, each place once

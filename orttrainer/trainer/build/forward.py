@@ -120,6 +120,7 @@ def prepare_torch(config: TrainerConfig, module: torch.nn.Module, sample_inputs:
         edits_forward=options._internal_use.extra_postprocess is not None,
         recurrent_layers=[type(m).__name__ for m in module.modules() if isinstance(m, torch.nn.RNNBase)],
         cpu=config.device.type == "cpu",
+        gradient_stops=dry.gradient_stops,
     )
     record_export_types(desc, dry)
     return TorchPlan(desc, dry, choice)

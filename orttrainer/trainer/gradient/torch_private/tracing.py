@@ -14,6 +14,7 @@ import os
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +149,68 @@ def truth_reads() -> Iterator[list[str]]:
 
     with TruthReads():
         yield found
+
+
+@contextlib.contextmanager
+def gradient_stops() -> Iterator[Callable[[Any], list[str]]]:
+    """Within the block (this thread, grad mode on), each torch call that takes a floating-point tensor requiring
+    grad and returns one that does not is a stop (`.detach()`, `.data`, an op under `torch.no_grad()`), and every
+    floating-point result computed from a stop's result carries it on. The yielded function gives, for a tensor
+    the block computed, the places of the stops it carries: "file:line (`source`)" of the innermost calling frame
+    outside torch and orttrainer, each once. Results that a call makes only in the shape of its inputs
+    (`zeros_like`, `new_empty`, ...) read no value and are no stop; integer and boolean results carry nothing (a
+    comparison or an index computes no gradient in any graph).
+
+    Why: the TorchScript exporter writes `.detach()` and the ops under `torch.no_grad()` as plain ops, so ONNX
+    Runtime's gradient builder differentiates through them: a silently wrong gradient wherever such a value
+    reaches the loss."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
+
+    carried: dict[int, tuple[weakref.ref, tuple[str, ...]]] = {}
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    ours = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))) + os.sep
+
+    def places_of(value: Any) -> tuple[str, ...]:
+        entry = carried.get(id(value))
+        return entry[1] if entry is not None and entry[0]() is value else ()
+
+    def caller() -> str:
+        frame: Any = sys._getframe(2)
+        while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith((torch_dir, ours)):
+            frame = frame.f_back
+        source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        return f"{frame.f_code.co_filename}:{frame.f_lineno} (`{source}`)"
+
+    class GradientStops(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
+            out = func(*args, **(kwargs or {}))
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and _differentiable(t)]
+            if not outputs:
+                return out
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and _differentiable(t)]
+            inherited = tuple(dict.fromkeys(p for t in inputs for p in places_of(t)))
+            name = getattr(func, "__name__", "")
+            shaped_only = name.endswith("_like") or name.startswith("new_")
+            stops = (
+                not shaped_only and any(t.requires_grad for t in inputs) and not all(t.requires_grad for t in outputs)
+            )
+            here = caller() if stops else None
+            for t in outputs:
+                places = (*inherited, here) if here is not None and not t.requires_grad else inherited
+                if places:
+                    carried[id(t)] = (weakref.ref(t), tuple(dict.fromkeys(places)))
+            return out
+
+    def reaching(value: Any) -> list[str]:
+        return list(dict.fromkeys(p for t in tree_leaves(value) for p in places_of(t)))
+
+    with GradientStops():
+        yield reaching
+
+
+def _differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def _is_number(value: Any) -> bool:
