@@ -17,6 +17,7 @@ from orttrainer.trainer.compile.contract import check_same_state_contract
 from orttrainer.trainer.gradient.choice import BuilderChoice, choose_builder
 from orttrainer.trainer.gradient.torch_graphs import bind_foreign_state
 from orttrainer.trainer.graph.training import build_training_graph
+from orttrainer.trainer.runtime import has_training_build
 from orttrainer.trainer.update.path import param_groups
 
 
@@ -35,14 +36,14 @@ def test_builder_choice_rules():
     with pytest.raises(NotImplementedError, match="extra_postprocess edits the exported forward graph"):
         choose_builder("auto", custom_functions=["F"], edits_forward=True)
     stops = [f"m.py:{line} (`h.detach()`)" for line in range(1, 6)]
-    stopped = choose_builder("auto", gradient_stops=stops)
+    stopped = choose_builder("auto", gradient_edits=stops)
     assert stopped.builder == "torch" and "m.py:1 (`h.detach()`); m.py:2" in stopped.reason
     assert "and 2 more" in stopped.reason
-    assert choose_builder("torch", gradient_stops=stops).builder == "torch"
-    with pytest.raises(NotImplementedError, match="stops a gradient that reaches the loss"):
-        choose_builder("ort", gradient_stops=stops)
+    assert choose_builder("torch", gradient_edits=stops).builder == "torch"
+    with pytest.raises(NotImplementedError, match="stops or rewrites a gradient that reaches the loss"):
+        choose_builder("ort", gradient_edits=stops)
     with pytest.raises(NotImplementedError, match="extra_postprocess edits the exported forward graph"):
-        choose_builder("torch", gradient_stops=stops, edits_forward=True)
+        choose_builder("torch", gradient_edits=stops, edits_forward=True)
 
 
 def test_every_signature_must_keep_the_state_contract():
@@ -124,14 +125,18 @@ def test_auto_trains_recurrent_layers_with_the_torch_builder_on_the_cpu():
 
 
 class StopsGradients(torch.nn.Module):
-    """Stops a gradient three ways, each on a path to the loss (`.detach()`, `torch.no_grad()`, `.data`), and once
-    where it reaches no gradient (a mask from a comparison): transformers' HRM runs its early cycles under
-    `torch.no_grad()`, vector quantisers add `(q - x).detach()`."""
+    """Stops a gradient three ways, each on a path to the loss (`.detach()`, `torch.no_grad()`, `.data`), rewrites
+    it with a hook (on an activation, on a parameter), and once stops it where it reaches no gradient (a mask from a
+    comparison): transformers' HRM runs its early cycles under `torch.no_grad()`, vector quantisers add
+    `(q - x).detach()`, a hook on an embedding's weight trains only some of its rows."""
 
     def __init__(self, stop: str) -> None:
         super().__init__()
         self.stop = stop
         self.inner, self.outer = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+        if stop == "parameter_hook":
+            rows = torch.tensor([1.0, 0.0, 1.0, 0.5])[:, None]
+            self.inner.weight.register_hook(lambda grad: grad * rows)
 
     def forward(self, x, labels):
         h = self.inner(x)
@@ -143,7 +148,9 @@ class StopsGradients(torch.nn.Module):
             h = h + refined
         elif self.stop == "data":
             h = h * h.data
-        else:  # the detached value decides a mask only: no gradient to stop in any graph
+        elif self.stop == "activation_hook":
+            h.register_hook(lambda grad: grad.clamp(-0.01, 0.01))
+        elif self.stop == "mask":  # the detached value decides a mask only: no gradient to stop in any graph
             h = h * (h.detach() > 0)
         return torch.nn.functional.cross_entropy(self.outer(h), labels)
 
@@ -157,13 +164,15 @@ def _stops_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
 
 
-@pytest.mark.parametrize("stop", ["detach", "no_grad", "data", "mask"])
-def test_a_forward_that_stops_a_gradient_trains_like_torch_optim(stop):
+@pytest.mark.parametrize("stop", ["detach", "no_grad", "data", "activation_hook", "parameter_hook", "mask"])
+def test_a_model_that_stops_or_hooks_a_gradient_trains_like_torch_optim(stop):
     """'auto' gives such a model to the torch builder: ONNX Runtime's gradient builder differentiated through the
-    stop (a silently wrong step on the training runtime). A stop that reaches no gradient changes no choice."""
+    stop and dropped the hooks (a silently wrong step on the training runtime), and the torch builder's trace
+    dropped parameter hooks. A stop that reaches no gradient changes no choice."""
     torch.manual_seed(0)
     model = StopsGradients(stop)
-    reference = copy.deepcopy(model)
+    reference = StopsGradients(stop)  # a copy would not carry the parameter hook
+    reference.load_state_dict(model.state_dict())
     trainer = make_trainer(model, _stops_desc(), optim.SGDConfig(lr=0.1))
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for x, labels in _stops_batches():
@@ -176,10 +185,12 @@ def test_a_forward_that_stops_a_gradient_trains_like_torch_optim(stop):
     assert max(float(np.abs(weights[n] - expected[n]).max()) for n in expected) < 1e-6
     choice = trainer._built.builder
     if stop == "mask":
-        assert "stops a gradient" not in choice.reason
+        assert "a gradient that reaches the loss" not in choice.reason
     else:
-        assert choice.builder == "torch" and "stops a gradient that reaches the loss" in choice.reason
-        assert "test_builders.py" in choice.reason
+        assert choice.builder == "torch"
+        if has_training_build():  # else 'auto' means the torch builder anyway, for that reason
+            assert "stops or rewrites a gradient that reaches the loss" in choice.reason
+            assert ("parameter inner.weight" if stop == "parameter_hook" else "test_builders.py") in choice.reason
 
 
 @needs_training_build

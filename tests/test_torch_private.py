@@ -1046,10 +1046,10 @@ def test_dataflow_digest_keeps_the_saved_tensors_a_backward_inside_the_forward_n
     assert digest != _digest(_plain, model, x)
 
 
-def test_gradient_stops_follow_a_stopped_value_to_what_it_computes():
+def test_gradient_edits_follow_a_stopped_or_hooked_value_to_what_it_computes():
     w = torch.randn(3, requires_grad=True)
     buffer = torch.randn(3)
-    with torch_private.gradient_stops() as reaching:
+    with torch_private.gradient_edits() as reaching:
         h = w * 2
         detached = h + (3 * h).detach()  # line A
         with torch.no_grad():
@@ -1060,9 +1060,40 @@ def test_gradient_stops_follow_a_stopped_value_to_what_it_computes():
         data = h * h.data  # line C
         frozen = buffer.detach() * 2  # nothing required grad: no stop
         plain = (h * 2).sum()
-    for value, source in ((detached, "(3 * h).detach()"), (quieted, "quiet = h.exp()"), (data, "h * h.data")):
+        hooked = h * 3
+        hooked.register_hook(lambda grad: grad * 0.5)
+        after_hook = hooked.sum()
+    edits = ((detached, "(3 * h).detach()"), (quieted, "quiet = h.exp()"), (data, "h * h.data"))
+    for value, source in (*edits, (after_hook, "hooked.register_hook")):
         [place] = reaching(value)
         assert place.startswith(f"{__file__}:") and source in place
     for value in (shaped, masked, frozen, plain):
         assert reaching(value) == []
     assert len(reaching([detached, quieted, detached.sum()])) == 2  # nested outputs, each place once
+
+
+def test_parameter_hooks_act_once_on_a_tied_parameter_s_summed_gradient():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+            self.second.weight = self.first.weight
+
+        def forward(self, x):
+            return self.second(self.first(x)).sum()
+
+    model, calls = Tied(), []
+    model.first.weight.register_hook(lambda grad: calls.append(1) or grad.clamp(-0.1, 0.1))
+    hooks = torch_private.parameter_hooks(model)
+    assert list(hooks) == [("first.weight", "second.weight")]
+    x = torch.randn(2, 3)
+    model(x).backward()
+    expected = model.first.weight.grad.clone()
+    # what a tracer does: the parameters swapped for plain tensors, which carry no hook
+    placeholder = model.first.weight.detach().clone().requires_grad_()
+    swapped = {"first.weight": placeholder, "second.weight": placeholder}
+    with torch.nn.utils.stateless._reparametrize_module(model, swapped):
+        with torch_private.parameter_hooks_applied(model, hooks):
+            model(x).backward()
+    torch.testing.assert_close(placeholder.grad, expected)
+    assert len(calls) == 2  # once per backward, on the sum over both uses

@@ -106,8 +106,9 @@ class EvalRun:
     custom_functions: list[str]  # custom torch.autograd.Functions in the outputs' autograd graph
     # where the forward took a tensor's truth value (`if mask.any():`), asserts left out (torch_private.truth_reads)
     value_branches: list[str]
-    # where the forward stopped a gradient (`.detach()`, `torch.no_grad()`) that reaches a loss output
-    gradient_stops: list[str]
+    # where the forward stopped or hooked a gradient that reaches a loss output (`.detach()`, `torch.no_grad()`,
+    # `register_hook`): torch_private.gradient_edits
+    gradient_edits: list[str]
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,8 @@ class DryRun:
         return self.evaluated().value_branches
 
     @property
-    def gradient_stops(self) -> list[str]:
-        return self.evaluated().gradient_stops
+    def gradient_edits(self) -> list[str]:
+        return self.evaluated().gradient_edits
 
 
 @dataclass
@@ -203,7 +204,7 @@ def dry_run(
     output_names = [d.name for d in model_desc.outputs]
     check_forward_accepts(model, input_names, loss_fn is not None)
     wrapper = _ModelWithLoss(model, loss_fn, input_names)
-    sample_outputs, functions, read, branches, stops = _dry_run(wrapper, sample_inputs, record_reads)
+    sample_outputs, functions, read, branches, edits = _dry_run(wrapper, sample_inputs, record_reads)
     if len(sample_outputs) < len(output_names):
         raise ValueError(
             f"model_desc describes {len(output_names)} outputs {output_names}, but the model"
@@ -218,13 +219,13 @@ def dry_run(
     input_dtypes = [t.dtype for t in sample_inputs]
     output_dtypes = [t.dtype for t in sample_outputs[: len(output_names)]]
     read_state = [name for name in model.state_dict() if name in read] if read is not None else None
-    evaluated = EvalRun(sample_outputs, functions, branches, _reaching_losses(model_desc, stops))
+    evaluated = EvalRun(sample_outputs, functions, branches, _reaching_losses(model_desc, edits))
     return DryRun(lambda: evaluated, input_dtypes, output_dtypes, model.training, read_state)
 
 
-def _reaching_losses(model_desc, stops: list[list[str]]) -> list[str]:
-    """The gradient stops that reach a loss output (model_desc `is_loss`), each once."""
-    losses = [places for output, places in zip(model_desc.outputs, stops, strict=False) if output.is_loss]
+def _reaching_losses(model_desc, edits: list[list[str]]) -> list[str]:
+    """The gradient edits that reach a loss output (model_desc `is_loss`), each once."""
+    losses = [places for output, places in zip(model_desc.outputs, edits, strict=False) if output.is_loss]
     return list(dict.fromkeys(place for places in losses for place in places))
 
 
@@ -240,10 +241,10 @@ def deferred_dry_run(
     @functools.cache
     def evaluated() -> EvalRun:
         with TRACING, no_increase_global_step():
-            outputs, functions, _, branches, stops = _dry_run(
+            outputs, functions, _, branches, edits = _dry_run(
                 _ModelWithLoss(model, loss_fn, input_names), sample_inputs, False
             )
-        return EvalRun(outputs, functions, branches, _reaching_losses(model_desc, stops))
+        return EvalRun(outputs, functions, branches, _reaching_losses(model_desc, edits))
 
     input_dtypes = [t.dtype for t in sample_inputs]
     return DryRun(evaluated, input_dtypes, list(output_dtypes), model.training, None)
@@ -500,8 +501,8 @@ def _dry_run(
     custom autograd Functions (which the TorchScript exporter would silently inline, dropping their backward),
     the state it reads is the torch route's frozen state (build/torch_route.module_state), and the places where
     it took a tensor's truth value are branches the TorchScript export would fix (`torch_private.truth_reads`), and
-    for each output, the places where the forward stopped a gradient that reaches it, which the TorchScript export
-    writes as plain ops (`torch_private.gradient_stops`)."""
+    for each output, the places where the forward stopped or hooked a gradient that reaches it, which the
+    TorchScript export writes as plain ops (`torch_private.gradient_edits`)."""
     try:
         runner = copy.deepcopy(wrapper)
     except Exception:
@@ -526,18 +527,18 @@ def _dry_run(
             with (
                 torch_private.saved_tensors_dropped(),
                 torch_private.truth_reads() as branches,
-                torch_private.gradient_stops() as stops_reaching,
+                torch_private.gradient_edits() as edits_reaching,
             ):
                 outputs, read = run()
         except Exception:  # e.g. the forward runs a backward of its own (SavedTensorDroppedError, maybe wrapped)
-            with torch_private.truth_reads() as branches, torch_private.gradient_stops() as stops_reaching:
+            with torch_private.truth_reads() as branches, torch_private.gradient_edits() as edits_reaching:
                 outputs, read = run()
     finally:
         runner.train(was_training)
     functions = custom_autograd_functions(outputs)
-    stops = [stops_reaching(t) for t in flatten_outputs(outputs)]
+    edits = [edits_reaching(t) for t in flatten_outputs(outputs)]
     flat = [t.detach() if isinstance(t, torch.Tensor) else t for t in flatten_outputs(outputs)]
-    return flat, functions, read, branches, stops
+    return flat, functions, read, branches, edits
 
 
 def _run_recording_reads(runner: torch.nn.Module, inputs: list[torch.Tensor], state: dict) -> tuple[object, set[str]]:

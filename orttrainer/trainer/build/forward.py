@@ -31,6 +31,7 @@ from ...schema.model_desc import _ORTTrainerModelDesc
 from ..activations import ActivationStatistics
 from ..compile.compiler import GraphCache
 from ..config import TrainerConfig, recompute_plan
+from ..gradient import torch_private
 from ..gradient.choice import BuilderChoice, choose_builder
 from ..gradient.errors import GradientBuildError
 from ..gradient.onnx_module import OnnxModule, running_statistics
@@ -120,10 +121,15 @@ def prepare_torch(config: TrainerConfig, module: torch.nn.Module, sample_inputs:
         edits_forward=options._internal_use.extra_postprocess is not None,
         recurrent_layers=[type(m).__name__ for m in module.modules() if isinstance(m, torch.nn.RNNBase)],
         cpu=config.device.type == "cpu",
-        gradient_stops=dry.gradient_stops,
+        gradient_edits=[*dry.gradient_edits, *_parameter_hooks(module)],
     )
     record_export_types(desc, dry)
     return TorchPlan(desc, dry, choice)
+
+
+def _parameter_hooks(module: torch.nn.Module) -> list[str]:
+    """The parameters that carry gradient hooks (`p.register_hook`), as `gradient_edits` places."""
+    return [f"a gradient hook on parameter {names[0]}" for names in torch_private.parameter_hooks(module)]
 
 
 def prepare_cached(

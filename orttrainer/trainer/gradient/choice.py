@@ -3,13 +3,14 @@
 'ort' is ONNX Runtime's C++ builder on the exported ONNX graph (`ort_builder.py`); 'torch' traces PyTorch's own
 autograd (`torch_builder.py`); 'auto' (the default) takes 'torch' for a model with a custom
 `torch.autograd.Function` (the exporter inlines its forward, so only the torch builder keeps the user's backward),
-for a forward that stops a gradient on its way to the loss (`.detach()`, `.data`, `torch.no_grad()`: the exporter
-writes a plain op there, and ONNX Runtime's builder would differentiate through it) and, on the CPU, for a model
+for a model that stops or rewrites a gradient on its way to the loss (`.detach()`, `.data`, `torch.no_grad()`, a
+gradient hook: the exporter writes plain ops there, and ONNX Runtime's builder would differentiate through them)
+and, on the CPU, for a model
 with recurrent layers (ONNX Runtime's LSTM and GRU gradient kernels train them about 3× slower than the torch
 builder's graph of the same layers; README § Benchmarks), and otherwise tries 'ort', falling back to 'torch' when
-any part of the 'ort' route fails (`build.forward.auto_fallback`). The custom Functions and the stops come from a
-dry run in PyTorch, before any export. An ONNX model uses 'ort' where ONNX Runtime's training
-build is installed and otherwise 'torch', which traces an `OnnxModule` (`onnx_module/`) of it.
+any part of the 'ort' route fails (`build.forward.auto_fallback`). The custom Functions and the gradient edits come
+from a dry run in PyTorch, before any export. An ONNX model uses 'ort' where ONNX Runtime's training build is
+installed and otherwise 'torch', which traces an `OnnxModule` (`onnx_module/`) of it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def choose_builder(
     edits_forward: bool = False,
     recurrent_layers: Sequence[str] = (),
     cpu: bool = True,
-    gradient_stops: Sequence[str] = (),
+    gradient_edits: Sequence[str] = (),
 ) -> BuilderChoice:
     """Rules, in order:
     - an ONNX model: 'auto' means 'ort' with ONNX Runtime's training build (`training_build`) and 'torch' (an
@@ -49,13 +50,14 @@ def choose_builder(
     - custom Functions with `edits_forward` (`_internal_use.extra_postprocess` on a PyTorch model) are a
       NotImplementedError: both exporters write a Function's forward only, so the edited graph's gradient would
       ignore the user's backward;
-    - the same for `gradient_stops` (where the forward stops a gradient that reaches the loss: `.detach()`,
-      `torch.no_grad()`; places from the dry run, build/export.py): both exporters write such a value as a plain
-      op, so an edited graph, or ONNX Runtime's gradient of the exported one, would differentiate through it;
-    - 'ort' with custom Functions, then 'ort' with gradient stops, is a NotImplementedError naming them (their
-      backward would be ignored; ONNX Runtime would differentiate through the stops);
+    - the same for `gradient_edits` (where the model stops or rewrites a gradient that reaches the loss:
+      `.detach()`, `.data`, `torch.no_grad()`, a gradient hook on a parameter or an activation; places from the
+      dry run, build/export.py): both exporters write plain ops there, so an edited graph, or ONNX Runtime's
+      gradient of the exported one, would differentiate through them;
+    - 'ort' with custom Functions, then 'ort' with gradient edits, is a NotImplementedError naming them (their
+      backward would be ignored; ONNX Runtime would differentiate through the edits);
     - 'torch', and 'auto' with custom Functions, mean 'torch'; 'auto' without the training build
-      (`training_build=False`: the maintained onnxruntime) means 'torch'; 'auto' with gradient stops means 'torch';
+      (`training_build=False`: the maintained onnxruntime) means 'torch'; 'auto' with gradient edits means 'torch';
       'auto' with `recurrent_layers` (the class
       names of the model's nn.RNN/LSTM/GRU modules) on the CPU (`cpu`) means 'torch'; 'auto' otherwise stays 'auto'.
     Every trainer option works on both builders: no option decides the builder."""
@@ -69,13 +71,13 @@ def choose_builder(
             "graph's gradient would ignore their backward. Turn extra_postprocess off to train them with their "
             "backward (the torch gradient builder)."
         )
-    stops = _listed(gradient_stops)
-    if stops and edits_forward:
+    edits = _listed(gradient_edits)
+    if edits and edits_forward:
         raise NotImplementedError(
-            f"options _internal_use.extra_postprocess edits the exported forward graph, but the forward stops a "
-            f"gradient that reaches the loss ({stops}: `.detach()`, `.data` or `torch.no_grad()`): the exported graph "
-            "writes such a value as a plain op, so the edited graph's gradient would flow through it. Turn "
-            "extra_postprocess off to train the model with PyTorch's autograd (the torch gradient builder)."
+            f"options _internal_use.extra_postprocess edits the exported forward graph, but the model stops or "
+            f"rewrites a gradient that reaches the loss ({edits}; {_EDITS}): the exported graph has plain ops there, "
+            "so the edited graph's gradient would flow through them. Turn extra_postprocess off to train the model "
+            "with PyTorch's autograd (the torch gradient builder)."
         )
     if option == "ort" and functions:
         raise NotImplementedError(
@@ -83,12 +85,12 @@ def choose_builder(
             "and ONNX Runtime's gradient builder would ignore their backward (a silently wrong gradient). Set "
             f"options {OPTION} to 'torch' or 'auto' (the default) to train it with PyTorch's autograd."
         )
-    if option == "ort" and stops:
+    if option == "ort" and edits:
         raise NotImplementedError(
-            f"the forward stops a gradient that reaches the loss ({stops}: `.detach()`, `.data` or "
-            "`torch.no_grad()`): the ONNX exporter writes such a value as a plain op, and ONNX Runtime's gradient "
-            f"builder would differentiate through it (a silently wrong gradient). Set options {OPTION} to 'torch' or "
-            "'auto' (the default) to train it with PyTorch's autograd."
+            f"the model stops or rewrites a gradient that reaches the loss ({edits}; {_EDITS}): the ONNX exporter "
+            "writes plain ops there and drops hooks, and ONNX Runtime's gradient builder would differentiate through "
+            f"them (a silently wrong gradient). Set options {OPTION} to 'torch' or 'auto' (the default) to train it "
+            "with PyTorch's autograd."
         )
     if option in ("torch", "ort"):
         return BuilderChoice(option, f"options {OPTION}={option!r}")
@@ -102,10 +104,11 @@ def choose_builder(
         return BuilderChoice(
             "torch", "auto: onnxruntime-training is not installed, and the torch builder runs on any ONNX Runtime build"
         )
-    if stops:
+    if edits:
         return BuilderChoice(
             "torch",
-            f"auto: the forward stops a gradient that reaches the loss ({stops}), which only the torch builder keeps",
+            f"auto: the model stops or rewrites a gradient that reaches the loss ({edits}), which only the torch "
+            "builder keeps",
         )
     if recurrent_layers and cpu:
         return BuilderChoice(
@@ -115,6 +118,9 @@ def choose_builder(
             f"options {OPTION}='ort' for a faster first step instead",
         )
     return BuilderChoice("auto", "auto: no custom torch.autograd.Function")
+
+
+_EDITS = "`.detach()`, `.data`, `torch.no_grad()` or a gradient hook"
 
 
 def _listed(places: Sequence[str], shown: int = 3) -> str:

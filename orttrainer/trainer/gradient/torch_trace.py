@@ -122,6 +122,9 @@ class JointWrapper(torch.nn.Module):
     `float16` False (mixed precision for a module that computes in float16 itself, an ONNX model's converted graph,
     build/onnx_float16.py): the loss scale without the float16 casts.
 
+    The gradient hooks on the module's parameters (`p.register_hook`) act on the traced gradients
+    (`torch_private.parameter_hooks_applied`).
+
     `hooks`, when given, makes a context each forward runs in (a fresh one per call: a trace may call forward
     more than once): the trainer's tracing features (activation marks, layer boundaries, invertible layer norms;
     gradient/torch_builder.py)."""
@@ -139,12 +142,17 @@ class JointWrapper(torch.nn.Module):
         self.inner = _ModelWithLoss(module, loss_fn, list(input_names), float16=mixed_precision and float16)
         self.mixed_precision = mixed_precision
         self.hooks = hooks
+        self.parameter_hooks = torch_private.parameter_hooks(module)  # kept: the trace swaps the parameters
         if mixed_precision:
             self.register_buffer(LOSS_SCALE_BUFFER, torch.ones((), dtype=torch.float32))
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         hooks = self.hooks() if self.hooks is not None else contextlib.nullcontext()
-        with attributes_restored(self.inner), hooks:  # each of the tracer's runs starts from the module as it is
+        with (
+            attributes_restored(self.inner),  # each of the tracer's runs starts from the module as it is
+            hooks,
+            torch_private.parameter_hooks_applied(self.inner.model, self.parameter_hooks),
+        ):
             loss, *outputs = flatten_tensors(self.inner(*inputs))
         detached = tuple(t.detach() for t in outputs)
         if not self.mixed_precision:

@@ -152,18 +152,19 @@ def truth_reads() -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def gradient_stops() -> Iterator[Callable[[Any], list[str]]]:
+def gradient_edits() -> Iterator[Callable[[Any], list[str]]]:
     """Within the block (this thread, grad mode on), each torch call that takes a floating-point tensor requiring
-    grad and returns one that does not is a stop (`.detach()`, `.data`, an op under `torch.no_grad()`), and every
-    floating-point result computed from a stop's result carries it on. The yielded function gives, for a tensor
-    the block computed, the places of the stops it carries: "file:line (`source`)" of the innermost calling frame
-    outside torch and orttrainer, each once. Results that a call makes only in the shape of its inputs
-    (`zeros_like`, `new_empty`, ...) read no value and are no stop; integer and boolean results carry nothing (a
-    comparison or an index computes no gradient in any graph).
+    grad and returns one that does not is a stop (`.detach()`, `.data`, an op under `torch.no_grad()`), and each
+    `Tensor.register_hook` on a tensor requiring grad rewrites that tensor's gradient; every floating-point result
+    computed from such a tensor carries the place on. The yielded function gives, for a tensor the block computed,
+    the places it carries: "file:line (`source`)" of the innermost calling frame outside torch and orttrainer, each
+    once. Results that a call makes only in the shape of its inputs (`zeros_like`, `new_empty`, ...) read no value
+    and are no stop; integer and boolean results carry nothing (a comparison or an index computes no gradient in
+    any graph).
 
-    Why: the TorchScript exporter writes `.detach()` and the ops under `torch.no_grad()` as plain ops, so ONNX
-    Runtime's gradient builder differentiates through them: a silently wrong gradient wherever such a value
-    reaches the loss."""
+    Why: the TorchScript exporter writes `.detach()` and the ops under `torch.no_grad()` as plain ops and drops the
+    hooks, so ONNX Runtime's gradient builder differentiates through them: a silently wrong gradient wherever such
+    a value reaches the loss."""
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves
 
@@ -182,9 +183,15 @@ def gradient_stops() -> Iterator[Callable[[Any], list[str]]]:
         source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
         return f"{frame.f_code.co_filename}:{frame.f_lineno} (`{source}`)"
 
-    class GradientStops(TorchFunctionMode):
+    class GradientEdits(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
             out = func(*args, **(kwargs or {}))
+            if func is torch.Tensor.register_hook and args and isinstance(args[0], torch.Tensor):
+                hooked = args[0]
+                if hooked.requires_grad and _differentiable(hooked):
+                    places = (*places_of(hooked), caller())
+                    carried[id(hooked)] = (weakref.ref(hooked), tuple(dict.fromkeys(places)))
+                return out
             outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and _differentiable(t)]
             if not outputs:
                 return out
@@ -205,7 +212,7 @@ def gradient_stops() -> Iterator[Callable[[Any], list[str]]]:
     def reaching(value: Any) -> list[str]:
         return list(dict.fromkeys(p for t in tree_leaves(value) for p in places_of(t)))
 
-    with GradientStops():
+    with GradientEdits():
         yield reaching
 
 
@@ -1225,6 +1232,46 @@ def _autograd_graph(root: Any, describe: Callable[[Any], str]) -> tuple[list[str
 
 def _has_tensor_hooks(tensor: torch.Tensor) -> bool:
     return bool(getattr(tensor, "_backward_hooks", None))
+
+
+def parameter_hooks(module: torch.nn.Module) -> dict[tuple[str, ...], list[Callable]]:
+    """The gradient hooks registered on `module`'s parameters (`p.register_hook`), in registration order, keyed
+    by every name the parameter has (tied parameters: one entry)."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+        tensors[id(parameter)] = parameter
+    return {
+        tuple(names[key]): list(tensor._backward_hooks.values())  # type: ignore[union-attr]
+        for key, tensor in tensors.items()
+        if _has_tensor_hooks(tensor)
+    }
+
+
+@contextlib.contextmanager
+def parameter_hooks_applied(module: torch.nn.Module, hooks: dict[tuple[str, ...], list[Callable]]) -> Iterator[None]:
+    """Within the block, `module` reads each hooked parameter (`parameter_hooks`, taken from the module before a
+    trace put placeholders in) through a view of it that carries its hooks, so that a backward traced from the
+    block's forward passes the parameter's gradient through them, summed over its uses first, as PyTorch does.
+
+    Why: a tracer lifts the parameters into placeholders of its own, and the hooks stay on the module's tensors,
+    where no traced backward meets them."""
+    if not hooks:
+        yield
+        return
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    aliases: dict[str, torch.Tensor] = {}
+    for names, functions in hooks.items():
+        owner, _, attribute = names[0].rpartition(".")
+        parameter = getattr(module.get_submodule(owner), attribute)  # a tracer's placeholder is no nn.Parameter
+        alias = parameter.view_as(parameter)
+        for function in functions:
+            alias.register_hook(function)
+        aliases.update(dict.fromkeys(names, alias))
+    with _reparametrize_module(module, aliases):
+        yield
 
 
 def _saved_tensor_hooks_active() -> bool:
