@@ -201,3 +201,11 @@ def test_the_ort_builder_refuses_a_forward_that_stops_a_gradient_naming_the_plac
     )
     with pytest.raises(NotImplementedError, match=r"test_builders.py:\d+ \(`h = h \+ \(2 \* h\).detach\(\)`\)"):
         trainer.train_step(*_stops_batches()[0])
+
+
+def test_a_hook_that_runs_after_the_gradient_is_accumulated_is_refused_naming_the_parameter():
+    model = StopsGradients("mask")
+    model.outer.bias.register_post_accumulate_grad_hook(lambda parameter: None)
+    trainer = make_trainer(model, _stops_desc(), optim.SGDConfig(lr=0.1))
+    with pytest.raises(ValueError, match=r"parameters \['outer.bias'\] have hooks that run after .*register_hook"):
+        trainer.train_step(*_stops_batches()[0])

@@ -128,7 +128,18 @@ def prepare_torch(config: TrainerConfig, module: torch.nn.Module, sample_inputs:
 
 
 def _parameter_hooks(module: torch.nn.Module) -> list[str]:
-    """The parameters that carry gradient hooks (`p.register_hook`), as `gradient_edits` places."""
+    """The parameters that carry gradient hooks (`p.register_hook`), as `gradient_edits` places. A hook that runs
+    after `.grad` is accumulated (`register_post_accumulate_grad_hook`: an optimizer step in the backward) is a
+    ValueError naming the parameters: the trainer keeps no `.grad` and updates the weights in its own graph, so
+    no such hook could ever run."""
+    after = [name for name, p in module.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
+    if after:
+        raise ValueError(
+            f"parameters {after} have hooks that run after PyTorch accumulates their .grad "
+            "(register_post_accumulate_grad_hook); ORTTrainer keeps no .grad and updates the weights in its training "
+            "graph, so they would never run. Remove them (the trainer's optimizer config does the update), or use "
+            "p.register_hook to act on the gradient itself"
+        )
     return [f"a gradient hook on parameter {names[0]}" for names in torch_private.parameter_hooks(module)]
 
 
