@@ -80,6 +80,31 @@ def _lm(**extra: Any) -> dict[str, Any]:
     return SIZES | dict(vocab_size=V, max_position_embeddings=64, pad_token_id=0) | extra
 
 
+MLA = dict(  # DeepSeek-V3's multi-head latent attention and experts, as its followers name them
+    num_key_value_heads=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=4,
+    v_head_dim=8,
+)
+LINEAR_ATTENTION = dict(  # Qwen3-Next's gated delta rule; the linear attention's cache is for generation only
+    num_key_value_heads=2,
+    head_dim=8,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    use_cache=False,
+)
+
+
 SPEECH = _lm(  # wav2vec2-style models: a convolutional front end, no time masking
     conv_dim=(8, 8),
     conv_stride=(4, 4),
@@ -724,20 +749,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     ),
     "deepseek_v3": (
         "DeepseekV3Config",
-        _lm(
-            num_key_value_heads=4,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            kv_lora_rank=16,
-            q_lora_rank=16,
-            qk_rope_head_dim=4,
-            qk_nope_head_dim=4,
-            v_head_dim=8,
-        ),
+        _lm(**MLA),
         "DeepseekV3ForCausalLM",
         "tokens",
     ),
@@ -1328,6 +1340,99 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
             encoder=_lm(num_key_value_heads=2, head_dim=8), decoder=_lm(num_key_value_heads=2, head_dim=8), vocab_size=V
         ),
         "T5GemmaForConditionalGeneration",
+        "tokens",
+    ),
+    # and more hybrids (linear attention, Mamba), multi-head latent attention and MoE decoders
+    "deepseek_v32": ("DeepseekV32Config", _lm(**MLA), "DeepseekV32ForCausalLM", "tokens"),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", _lm(**MLA), "Glm4MoeLiteForCausalLM", "tokens"),
+    "youtu": ("YoutuConfig", _lm(**MLA), "YoutuForCausalLM", "tokens"),
+    "axk1": ("AXK1Config", _lm(**MLA), "AXK1ForCausalLM", "tokens"),
+    "qwen3_5_text": ("Qwen3_5TextConfig", _lm(**LINEAR_ATTENTION), "Qwen3_5ForCausalLM", "tokens"),
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeTextConfig",
+        _lm(
+            **LINEAR_ATTENTION,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
+        "Qwen3_5MoeForCausalLM",
+        "tokens",
+    ),
+    "kimi_linear": (
+        "KimiLinearConfig",
+        _lm(
+            num_key_value_heads=4,
+            head_dim=8,
+            use_cache=False,
+            num_experts=4,
+            num_experts_per_token=2,
+            moe_intermediate_size=16,
+            num_shared_experts=1,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            linear_head_dim=8,
+            linear_num_heads=4,
+            layer_types=["linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse"],
+        ),
+        "KimiLinearForCausalLM",
+        "tokens",
+    ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        _lm(
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_chunk_size=4,
+            use_cache=False,
+        ),
+        "GraniteMoeHybridForCausalLM",
+        "tokens",
+    ),
+    "zamba2": (
+        "Zamba2Config",
+        _lm(
+            num_key_value_heads=2,
+            layers_block_type=["mamba", "hybrid"],
+            mamba_d_state=8,
+            mamba_headdim=8,
+            n_mamba_heads=8,
+            use_cache=False,
+        ),
+        "Zamba2ForCausalLM",
+        "tokens",
+    ),
+    "lfm2_moe": (
+        "Lfm2MoeConfig",
+        _lm(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            num_dense_layers=1,
+            layer_types=["conv", "full_attention"],
+        ),
+        "Lfm2MoeForCausalLM",
+        "tokens",
+    ),
+    "hunyuan_v1_moe": (
+        "HunYuanMoEV1Config",
+        _lm(num_key_value_heads=2, head_dim=8, num_experts=4, moe_topk=2, rope_theta=10000.0),
+        "HunYuanMoEV1ForCausalLM",
+        "tokens",
+    ),
+    "ministral": (
+        "MinistralConfig",
+        _lm(num_key_value_heads=2, head_dim=8, rope_theta=10000.0),
+        "MinistralForCausalLM",
         "tokens",
     ),
 }
