@@ -5,12 +5,12 @@ autograd (`torch_builder.py`); 'auto' (the default) takes 'torch' for a model wi
 `torch.autograd.Function` (the exporter inlines its forward, so only the torch builder keeps the user's backward),
 for a model that stops or rewrites a gradient on its way to the loss (`.detach()`, `.data`, `torch.no_grad()`, a
 gradient hook: the exporter writes plain ops there, and ONNX Runtime's builder would differentiate through them)
-and, on the CPU, for a model
-with recurrent layers (ONNX Runtime's LSTM and GRU gradient kernels train them about 3× slower than the torch
-builder's graph of the same layers; README § Benchmarks), and otherwise tries 'ort', falling back to 'torch' when
-any part of the 'ort' route fails (`build.forward.auto_fallback`). The custom Functions and the gradient edits come
-from a dry run in PyTorch, before any export. An ONNX model uses 'ort' where ONNX Runtime's training build is
-installed and otherwise 'torch', which traces an `OnnxModule` (`onnx_module/`) of it.
+and, on the CPU, for a model with recurrent layers (ONNX Runtime's LSTM and GRU gradient kernels train them about
+3× slower than the torch builder's graph of the same layers; README § Benchmarks), and otherwise tries 'ort',
+falling back to 'torch' when any part of the 'ort' route fails (`build.forward.auto_fallback`). The custom
+Functions and the gradient edits come from a dry run in PyTorch, before any export. An ONNX model uses 'ort' where
+ONNX Runtime's training build is installed and otherwise 'torch', which traces an `OnnxModule` (`onnx_module/`) of
+it.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def choose_builder(
       backward would be ignored; ONNX Runtime would differentiate through the edits);
     - 'torch', and 'auto' with custom Functions, mean 'torch'; 'auto' without the training build
       (`training_build=False`: the maintained onnxruntime) means 'torch'; 'auto' with gradient edits means 'torch';
-      'auto' with `recurrent_layers` (the class
-      names of the model's nn.RNN/LSTM/GRU modules) on the CPU (`cpu`) means 'torch'; 'auto' otherwise stays 'auto'.
+      'auto' with `recurrent_layers` (the class names of the model's nn.RNN/LSTM/GRU modules) on the CPU (`cpu`)
+      means 'torch'; 'auto' otherwise stays 'auto'.
     Every trainer option works on both builders: no option decides the builder."""
     functions = list(custom_functions)
     if onnx_model:
