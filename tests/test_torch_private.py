@@ -1056,6 +1056,7 @@ def test_gradient_edits_follow_a_stopped_or_hooked_value_to_what_it_computes():
             quiet = h.exp()  # line B
         quieted = h + quiet
         shaped = h + torch.zeros_like(h) + h.new_ones(3)  # reads no value: no stop
+        typed = h + buffer.detach().type_as(h) + buffer.expand_as(h)  # h's metadata only (VideoMAE's positions)
         masked = h * (h.detach() > 0)  # a boolean carries nothing
         data = h * h.data  # line C
         frozen = buffer.detach() * 2  # nothing required grad: no stop
@@ -1067,7 +1068,7 @@ def test_gradient_edits_follow_a_stopped_or_hooked_value_to_what_it_computes():
     for value, source in (*edits, (after_hook, "hooked.register_hook")):
         [place] = reaching(value)
         assert place.startswith(f"{__file__}:") and source in place
-    for value in (shaped, masked, frozen, plain):
+    for value in (shaped, typed, masked, frozen, plain):
         assert reaching(value) == []
     assert len(reaching([detached, quieted, detached.sum()])) == 2  # nested outputs, each place once
 

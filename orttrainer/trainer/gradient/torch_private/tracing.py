@@ -153,14 +153,14 @@ def truth_reads() -> Iterator[list[str]]:
 
 @contextlib.contextmanager
 def gradient_edits() -> Iterator[Callable[[Any], list[str]]]:
-    """Within the block (this thread, grad mode on), each torch call that takes a floating-point tensor requiring
-    grad and returns one that does not is a stop (`.detach()`, `.data`, an op under `torch.no_grad()`), and each
-    `Tensor.register_hook` on a tensor requiring grad rewrites that tensor's gradient; every floating-point result
-    computed from such a tensor carries the place on. The yielded function gives, for a tensor the block computed,
-    the places it carries: "file:line (`source`)" of the innermost calling frame outside torch and orttrainer, each
-    once. Results that a call makes only in the shape of its inputs (`zeros_like`, `new_empty`, ...) read no value
-    and are no stop; integer and boolean results carry nothing (a comparison or an index computes no gradient in
-    any graph).
+    """Within the block (this thread, grad mode on), a detach (`.detach()`, `.data`) of a floating-point tensor
+    requiring grad is a stop, and so is each op under `torch.no_grad()` that takes one, but those that read only
+    its shape (`zeros_like`, `new_empty`, ...); each `Tensor.register_hook` on such a tensor rewrites its gradient.
+    Every floating-point result computed from a stopped or hooked tensor carries the place on; integer and boolean
+    results carry nothing (a comparison or an index computes no gradient in any graph). The yielded function
+    gives, for a tensor the block computed, the places it carries: "file:line (`source`)" of the innermost calling
+    frame outside torch and orttrainer, each once. With grad on, a result that does not require grad although an
+    input does is no stop unless it is a detach: `type_as(h)`, `expand_as(h)` read only h's metadata.
 
     Why: the TorchScript exporter writes `.detach()` and the ops under `torch.no_grad()` as plain ops and drops the
     hooks, so ONNX Runtime's gradient builder differentiates through them: a silently wrong gradient wherever such
@@ -197,11 +197,12 @@ def gradient_edits() -> Iterator[Callable[[Any], list[str]]]:
                 return out
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and _differentiable(t)]
             inherited = tuple(dict.fromkeys(p for t in inputs for p in places_of(t)))
-            name = getattr(func, "__name__", "")
-            shaped_only = name.endswith("_like") or name.startswith("new_")
-            stops = (
-                not shaped_only and any(t.requires_grad for t in inputs) and not all(t.requires_grad for t in outputs)
-            )
+            if torch.is_grad_enabled():  # only a detach stops; `type_as(h)` and `expand_as(h)` read h's metadata
+                reads = [args[0]] if _detaches(func) and args and isinstance(args[0], torch.Tensor) else []
+            else:  # every op under `torch.no_grad()`, but those that read only shapes
+                name = getattr(func, "__name__", "")
+                reads = [] if name.endswith("_like") or name.startswith("new_") else inputs
+            stops = any(t.requires_grad for t in reads) and not all(t.requires_grad for t in outputs)
             here = caller() if stops else None
             for t in outputs:
                 places = (*inherited, here) if here is not None and not t.requires_grad else inherited
@@ -218,6 +219,13 @@ def gradient_edits() -> Iterator[Callable[[Any], list[str]]]:
 
 def _differentiable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _detaches(func: Any) -> bool:
+    """`Tensor.detach`, `torch.detach`, `Tensor.detach_` or the `.data` getter, as a torch function mode sees it."""
+    return (
+        getattr(func, "__name__", "") in ("detach", "detach_") or getattr(func, "__self__", None) is torch.Tensor.data
+    )
 
 
 def _is_number(value: Any) -> bool:
