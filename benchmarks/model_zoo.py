@@ -74,6 +74,7 @@ T5 = dict(
     vocab_size=V, d_model=H, d_kv=8, d_ff=FF, num_layers=L, num_heads=NH, decoder_start_token_id=0, pad_token_id=0
 )
 IMAGE = SIZES | dict(image_size=16, patch_size=4, num_labels=3)
+VIDEO = IMAGE | dict(num_frames=4)
 
 
 def _lm(**extra: Any) -> dict[str, Any]:
@@ -1435,6 +1436,15 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
         "MinistralForCausalLM",
         "tokens",
     ),
+    # video classifiers: 3-D patch embeddings, attention over space and time
+    "videomae": (
+        "VideoMAEConfig",
+        VIDEO | dict(tubelet_size=2, use_mean_pooling=True),
+        "VideoMAEForVideoClassification",
+        "video",
+    ),
+    "vivit": ("VivitConfig", VIDEO | dict(tubelet_size=[2, 4, 4]), "VivitForVideoClassification", "video"),
+    "timesformer": ("TimesformerConfig", VIDEO | dict(drop_path_rate=0), "TimesformerForVideoClassification", "video"),
 }
 # Modules that draw random numbers in training mode beyond dropout (PhiMoE's router samples its experts: `sparsemixer`),
 # which no step in another generator can match: they run in eval mode, their deterministic top-k.
@@ -1454,6 +1464,7 @@ ARGUMENTS = {  # input kind -> the model's keyword arguments for its inputs
     "spectrogram": ("input_values", "labels"),
     "mae": ("pixel_values", "noise"),
     "series": ("past_values", "future_values"),
+    "video": ("pixel_values", "labels"),
 }
 
 
@@ -1478,6 +1489,7 @@ def _batch(kind: str) -> list[Any]:
         "spectrogram": lambda: [torch.randn(2, 16, 16, generator=g), labels],
         "mae": lambda: [torch.randn(2, 3, 16, 16, generator=g), torch.rand(2, 16, generator=g)],
         "series": lambda: [torch.randn(2, 32, 2, generator=g), torch.randn(2, 8, 2, generator=g)],
+        "video": lambda: [torch.randn(2, 4, 3, 16, 16, generator=g), labels],
     }[kind]()
 
 
