@@ -104,6 +104,9 @@ LINEAR_ATTENTION = dict(  # Qwen3-Next's gated delta rule; the linear attention'
     linear_value_head_dim=8,
     use_cache=False,
 )
+LINEAR_ATTENTION_EXPERTS = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+)
 
 
 SPEECH = _lm(  # wav2vec2-style models: a convolutional front end, no time masking
@@ -786,19 +789,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     ),
     "qwen3_next": (
         "Qwen3NextConfig",
-        _lm(
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            linear_num_value_heads=4,
-            linear_num_key_heads=2,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            layer_types=["linear_attention", "full_attention"],
-        ),
+        _lm(**LINEAR_ATTENTION, **LINEAR_ATTENTION_EXPERTS, layer_types=["linear_attention", "full_attention"]),
         "Qwen3NextForCausalLM",
         "tokens",
     ),
@@ -1351,13 +1342,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     "qwen3_5_text": ("Qwen3_5TextConfig", _lm(**LINEAR_ATTENTION), "Qwen3_5ForCausalLM", "tokens"),
     "qwen3_5_moe_text": (
         "Qwen3_5MoeTextConfig",
-        _lm(
-            **LINEAR_ATTENTION,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-        ),
+        _lm(**LINEAR_ATTENTION, **LINEAR_ATTENTION_EXPERTS),
         "Qwen3_5MoeForCausalLM",
         "tokens",
     ),
