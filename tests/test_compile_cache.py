@@ -323,8 +323,14 @@ BASES = {
     "a non-persistent buffer's values": {"model": Rotated},
     "a complex non-persistent buffer's values": {"model": lambda: Rotated(complex_table=True)},
 }
-# the 'ort' builder refuses custom Functions; its exporter, complex values
-TORCH_ONLY = ("parameter dtypes", "a custom Function's backward", "a complex non-persistent buffer's values")
+# the 'ort' builder refuses custom Functions and a gradient not taken (its exporter writes the ops under no_grad as
+# plain ops: docs/engine.md §42); its exporter, complex values
+TORCH_ONLY = (
+    "parameter dtypes",
+    "a custom Function's backward",
+    "a gradient not taken (no_grad)",
+    "a complex non-persistent buffer's values",
+)
 
 
 # float64 needs the torch builder: ONNX Runtime's SoftmaxCrossEntropyLossGrad mixes float32 and float64
