@@ -524,14 +524,14 @@ def _dry_run(
 
     try:
         try:  # the autograd graph is walked, never run: it need not hold the activations
-            with (
+            with (  # truth_reads innermost: it reads the model's frame right above its own
                 torch_private.saved_tensors_dropped(),
-                torch_private.truth_reads() as branches,
                 torch_private.gradient_edits() as edits_reaching,
+                torch_private.truth_reads() as branches,
             ):
                 outputs, read = run()
         except Exception:  # e.g. the forward runs a backward of its own (SavedTensorDroppedError, maybe wrapped)
-            with torch_private.truth_reads() as branches, torch_private.gradient_edits() as edits_reaching:
+            with torch_private.gradient_edits() as edits_reaching, torch_private.truth_reads() as branches:
                 outputs, read = run()
     finally:
         runner.train(was_training)
