@@ -1273,19 +1273,8 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     ),
     "pvt": (
         "PvtConfig",
-        dict(
-            image_size=16,
-            num_encoder_blocks=2,
-            depths=[1, 1],
-            sequence_reduction_ratios=[2, 1],
-            hidden_sizes=[8, 16],
-            patch_sizes=[4, 2],
-            strides=[4, 2],
-            num_attention_heads=[1, 2],
-            mlp_ratios=[2, 2],
-            num_labels=3,
-            drop_path_rate=0.0,
-        ),
+        {k: v for k, v in HIERARCHICAL.items() if k != "sr_ratios"}  # PVT (v1) names them otherwise
+        | dict(image_size=16, sequence_reduction_ratios=[2, 1], patch_sizes=[4, 2], strides=[4, 2]),
         "PvtForImageClassification",
         "pixels",
     ),

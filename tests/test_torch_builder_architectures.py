@@ -1,7 +1,7 @@
 """Real architectures, as a new user would train them: tiny random-init transformers models (BERT, GPT-2, T5, BART,
 ViT, GPT-J, CLIP, Swin, Mixtral, wav2vec2), a ResNet-style CNN with BatchNorm and an LSTM language model take one
 SGD step through ORTTrainer with default options, and the weights match eager PyTorch's step. Nothing is downloaded.
-`benchmarks/model_zoo.py` runs 154 such model classes (docs/engine.md §31 to §33).
+`benchmarks/model_zoo.py` runs 230 such model classes (docs/engine.md §31 to §37, §40 and §42).
 
 One step only: deep networks with BatchNorm over tiny batches are numerically chaotic over several steps (eager
 float32 and float64 differ by several per cent after three). The maintained runtime has the torch builder only; on
