@@ -214,8 +214,8 @@ def int64_indices(graph: torch.fx.GraphModule) -> None:
             with graph.graph.inserting_before(node):
                 wide = graph.graph.call_function(aten._to_copy.default, (index,), {"dtype": torch.int64})
             wide.meta["val"] = value.to(torch.int64)
-            indices[position], changed = wide, True
-        node.args = (node.args[0], indices, *node.args[2:])
+            indices[position] = wide
+            node.args, changed = (node.args[0], indices, *node.args[2:]), True
     if changed:
         graph.recompile()
 
