@@ -633,6 +633,18 @@ def test_uniform_draws_fill_the_interval_in_the_input_s_dtype(dtype):
     assert not np.array_equal(drawn, again)
 
 
+def test_float64_uniform_draws_spread_over_bounds_that_float32_cannot_hold():
+    """RandomUniformLike's bounds are float32 attributes: float32 holds 1e8 + 1 as 1e8, and every float64 draw of
+    `uniform_(1e8, 1e8 + 1)` was 1e8 (and `uniform_(0.9, 1.1)` drew up to 1.10000002)."""
+    x = torch.zeros(200, 50, dtype=torch.float64)
+    draw = torch.func.functionalize(lambda x: (torch.empty_like(x).uniform_(1e8, 1e8 + 1),))
+    model = translate(make_fx(draw)(x), ["x"], ["u"], 18)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    drawn = session.run(None, {"x": x.numpy()})[0]
+    assert drawn.dtype == np.float64 and 1e8 <= drawn.min() < 1e8 + 0.01 and 1e8 + 0.99 < drawn.max() <= 1e8 + 1
+    assert abs(drawn.mean() - (1e8 + 0.5)) < 0.02
+
+
 def test_a_correction_of_every_element_is_left_to_torch_onnx():
     x = torch.randn(3, 4)
     graph = make_fx(lambda x: torch.ops.aten.var_mean.correction(x, [1], correction=4))(x)

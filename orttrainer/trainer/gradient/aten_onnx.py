@@ -1559,7 +1559,9 @@ def _bernoulli(g: _Graph, node: torch.fx.Node) -> Value:
 
 def _uniform(g: _Graph, node: torch.fx.Node) -> Value:
     """`aten.uniform(x, from, to)` (`Tensor.uniform_`: PhiMoE's and Switch Transformers' router jitter): uniform draws
-    in [from, to) in x's shape and dtype, from ONNX Runtime's generator as `_random`'s. Never folded (`_RANDOM`)."""
+    in [from, to] in x's shape and dtype, from ONNX Runtime's generator as `_random`'s. Never folded (`_RANDOM`).
+    In float64, `from + (to - from) · u` of draws u in [0, 1): RandomUniformLike's `low` and `high` are float32
+    attributes, whose rounding of `from` and `to` put float64 draws outside the interval (1.1 is 1.10000002)."""
     x = node.args[0]
     low = node.args[1] if len(node.args) > 1 else node.kwargs.get("from", 0.0)
     high = node.args[2] if len(node.args) > 2 else node.kwargs.get("to", 1.0)
@@ -1568,8 +1570,12 @@ def _uniform(g: _Graph, node: torch.fx.Node) -> Value:
         return None  # type: ignore[return-value]
     if not isinstance(low, (int, float)) or not isinstance(high, (int, float)):
         return None  # type: ignore[return-value]
-    attrs = {"dtype": torch_to_onnx(out.dtype), "low": float(low), "high": float(high)}
-    return g.one("RandomUniformLike", [g.tensor(x)], **attrs)
+    if out.dtype != torch.float64:
+        attrs = {"dtype": torch_to_onnx(out.dtype), "low": float(low), "high": float(high)}
+        return g.one("RandomUniformLike", [g.tensor(x)], **attrs)
+    drawn = g.one("RandomUniformLike", [g.tensor(x)], dtype=torch_to_onnx(out.dtype), low=0.0, high=1.0)
+    spread = g.one("Mul", [drawn, g.scalar(float(high) - float(low), out.dtype)])
+    return g.one("Add", [spread, g.scalar(float(low), out.dtype)])
 
 
 def _exponential(g: _Graph, node: torch.fx.Node) -> Value:
