@@ -114,6 +114,7 @@ def prepare_torch(config: TrainerConfig, module: torch.nn.Module, sample_inputs:
     with no_increase_global_step():
         reads = options._internal_use.gradient_builder == "torch" or not has_training_build()
         dry = export_mod.dry_run(module, config.loss_fn, desc, sample_inputs, record_reads=reads)
+    _refuse_post_accumulate_hooks(module)
     choice = choose_builder(
         options._internal_use.gradient_builder,
         custom_functions=dry.custom_functions,
@@ -128,10 +129,14 @@ def prepare_torch(config: TrainerConfig, module: torch.nn.Module, sample_inputs:
 
 
 def _parameter_hooks(module: torch.nn.Module) -> list[str]:
-    """The parameters that carry gradient hooks (`p.register_hook`), as `gradient_edits` places. A hook that runs
-    after `.grad` is accumulated (`register_post_accumulate_grad_hook`: an optimizer step in the backward) is a
-    ValueError naming the parameters: the trainer keeps no `.grad` and updates the weights in its own graph, so
-    no such hook could ever run."""
+    """The parameters that carry gradient hooks (`p.register_hook`), as `gradient_edits` places."""
+    return [f"a gradient hook on parameter {names[0]}" for names in torch_private.parameter_hooks(module)]
+
+
+def _refuse_post_accumulate_hooks(module: torch.nn.Module) -> None:
+    """A hook that runs after `.grad` is accumulated (`register_post_accumulate_grad_hook`: an optimizer step in the
+    backward) is a ValueError naming the parameters: the trainer keeps no `.grad` and updates the weights in its
+    own graph, so no such hook could ever run."""
     after = [name for name, p in module.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
     if after:
         raise ValueError(
@@ -140,7 +145,6 @@ def _parameter_hooks(module: torch.nn.Module) -> list[str]:
             "graph, so they would never run. Remove them (the trainer's optimizer config does the update), or use "
             "p.register_hook to act on the gradient itself"
         )
-    return [f"a gradient hook on parameter {names[0]}" for names in torch_private.parameter_hooks(module)]
 
 
 def prepare_cached(
