@@ -538,6 +538,29 @@ def test_auto_falls_back_to_torch_with_the_attributes_the_export_set_put_back(ca
     _trained_by_torch_after_auto(SizeKeepingHead(), caplog)
 
 
+class SpectrumBranch(MLP):
+    """Fails both builders: the TorchScript exporter has no `fft_rfft`, and the forward branches on a parameter's
+    value."""
+
+    def forward(self, x):
+        if self.fc1.bias.sum() > 0:
+            x = x * 2
+        return super().forward(torch.fft.rfft(x, n=62).abs())  # 32 frequencies
+
+
+@needs_training_build
+def test_auto_names_the_models_line_when_neither_builder_trains_it():
+    """The torch builder ran inside the handler of the 'ort' route's failure, so its errors chained to the
+    exporter's: the error named a line of torch.onnx's TorchScript exporter instead of the model's branch."""
+    from orttrainer.trainer.build.forward import NoBuilderTrainsError
+
+    trainer = make_trainer(SpectrumBranch(), mlp_desc(), optim.SGDConfig(), CE)
+    with pytest.raises(
+        NoBuilderTrainsError, match=r"test_trainer_torch_builder.py:\d+ \(`if self.fc1.bias.sum\(\) > 0:`\)"
+    ):
+        trainer.train_step(*batches(1)[0])
+
+
 class AveragePooled(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

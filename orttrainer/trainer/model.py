@@ -180,21 +180,25 @@ def _build_torch(
             reason = auto_fallback(plan.choice, err)
             if reason is None:
                 raise
-            _logger.info("%s; building with the torch gradient builder", reason)
-            try:
-                forward = torch_route_forward(
-                    config, module, sample_inputs, plan.falling_back(reason), activations, None, _eval_cache(cached)
-                )
-                return _compile_and_open(config, state, forward, cached)
-            except Exception as torch_err:
-                if type(torch_err) is type(err) and str(torch_err) == str(err):
-                    raise err from None  # not the builder's failure: the user's input or options, as either says
-                raise NoBuilderTrainsError(
-                    f"neither gradient builder can train {type(module).__name__}: the 'ort' builder: "
-                    f"{reason.removeprefix('auto: ')}; the torch builder: {type(torch_err).__name__}: {torch_err}"
-                ) from torch_err
-        warn_of_fixed_branches(type(module).__name__, forward.fixed_branches)  # outside: a warning is no failure
-        return built
+            ort_failure = err
+        else:
+            warn_of_fixed_branches(type(module).__name__, forward.fixed_branches)  # outside: a warning is no failure
+            return built
+        # outside the handler: the torch builder's errors do not chain to the 'ort' builder's (an error naming the
+        # model's line would find the TorchScript exporter's frames in that chain)
+        _logger.info("%s; building with the torch gradient builder", reason)
+        try:
+            forward = torch_route_forward(
+                config, module, sample_inputs, plan.falling_back(reason), activations, None, _eval_cache(cached)
+            )
+            return _compile_and_open(config, state, forward, cached)
+        except Exception as torch_err:
+            if type(torch_err) is type(ort_failure) and str(torch_err) == str(ort_failure):
+                raise ort_failure from None  # not the builder's failure: the user's input or options, as either says
+            raise NoBuilderTrainsError(
+                f"neither gradient builder can train {type(module).__name__}: the 'ort' builder: "
+                f"{reason.removeprefix('auto: ')}; the torch builder: {type(torch_err).__name__}: {torch_err}"
+            ) from torch_err
     forward = torch_route_forward(config, module, sample_inputs, plan, activations, None, _eval_cache(cached))
     return _compile_and_open(config, state, forward, cached)
 
