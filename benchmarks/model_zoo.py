@@ -70,6 +70,21 @@ HIERARCHICAL = dict(  # SegFormer's and PVTv2's stages
 SERIES = dict(  # time series: two channels, 32 steps in patches of 8, 8 steps predicted
     num_input_channels=2, context_length=32, patch_length=8, patch_stride=8, d_model=16, prediction_length=8
 )
+FORECAST = dict(  # forecasting with time features: 8 steps of context (and 2 lags) predict 4
+    prediction_length=4,
+    context_length=8,
+    lags_sequence=[1, 2],
+    num_time_features=2,
+    d_model=16,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=2,
+    decoder_attention_heads=2,
+    encoder_ffn_dim=16,
+    decoder_ffn_dim=16,
+    encoder_layerdrop=0.0,
+    decoder_layerdrop=0.0,
+)
 T5 = dict(
     vocab_size=V, d_model=H, d_kv=8, d_ff=FF, num_layers=L, num_heads=NH, decoder_start_token_id=0, pad_token_id=0
 )
@@ -620,6 +635,14 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
         "series",
     ),
     "patchtsmixer": ("PatchTSMixerConfig", SERIES | dict(num_layers=1), "PatchTSMixerForPrediction", "series"),
+    "time_series_transformer": (
+        "TimeSeriesTransformerConfig",
+        FORECAST,
+        "TimeSeriesTransformerForPrediction",
+        "forecast",
+    ),
+    "informer": ("InformerConfig", FORECAST, "InformerForPrediction", "forecast"),
+    "autoformer": ("AutoformerConfig", FORECAST | dict(label_length=4), "AutoformerForPrediction", "forecast"),
     "ast": (
         "ASTConfig",
         SIZES
@@ -1438,6 +1461,7 @@ ARGUMENTS = {  # input kind -> the model's keyword arguments for its inputs
     "spectrogram": ("input_values", "labels"),
     "mae": ("pixel_values", "noise"),
     "series": ("past_values", "future_values"),
+    "forecast": ("past_values", "past_time_features", "past_observed_mask", "future_values", "future_time_features"),
     "video": ("pixel_values", "labels"),
 }
 
@@ -1463,6 +1487,13 @@ def _batch(kind: str) -> list[Any]:
         "spectrogram": lambda: [torch.randn(2, 16, 16, generator=g), labels],
         "mae": lambda: [torch.randn(2, 3, 16, 16, generator=g), torch.rand(2, 16, generator=g)],
         "series": lambda: [torch.randn(2, 32, 2, generator=g), torch.randn(2, 8, 2, generator=g)],
+        "forecast": lambda: [  # the past is the context and the largest lag: 10 steps
+            torch.randn(2, 10, generator=g),
+            torch.randn(2, 10, 2, generator=g),
+            torch.ones(2, 10),
+            torch.randn(2, 4, generator=g),
+            torch.randn(2, 4, 2, generator=g),
+        ],
         "video": lambda: [torch.randn(2, 4, 3, 16, 16, generator=g), labels],
     }[kind]()
 
@@ -1485,9 +1516,16 @@ def worker(name: str, builder: str = "torch") -> dict[str, Any]:
             super().__init__()
             self.model = getattr(transformers, model_class)._from_config(config, attn_implementation="eager")
 
-        def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+        def forward(
+            self,
+            a: torch.Tensor,
+            b: torch.Tensor,
+            c: torch.Tensor | None = None,
+            d: torch.Tensor | None = None,
+            e: torch.Tensor | None = None,
+        ) -> torch.Tensor:
             extra = {"return_loss": True} if kind == "clip" else {}
-            return self.model(**dict(zip(names, (a, b, c), strict=False)), **extra).loss
+            return self.model(**dict(zip(names, (a, b, c, d, e), strict=False)), **extra).loss
 
     torch.manual_seed(0)
     model = Loss().train()
@@ -1507,7 +1545,7 @@ def worker(name: str, builder: str = "torch") -> dict[str, Any]:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     data = _batch(kind)
     dims = [[("batch" if d == 0 else size) for d, size in enumerate(t.shape)] for t in data]
-    desc = {"inputs": list(zip(["a", "b", "c"], dims, strict=False)), "outputs": [("loss", [], True)]}
+    desc = {"inputs": list(zip("abcde", dims, strict=False)), "outputs": [("loss", [], True)]}
     log = io.StringIO()
     handler = logging.StreamHandler(log)
     logging.getLogger("orttrainer").addHandler(handler)

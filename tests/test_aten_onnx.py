@@ -645,6 +645,24 @@ def test_float64_uniform_draws_spread_over_bounds_that_float32_cannot_hold():
     assert abs(drawn.mean() - (1e8 + 0.5)) < 0.02
 
 
+@pytest.mark.parametrize(("low", "high", "dtype"), [(0, 7, torch.int64), (-3, 2, torch.int32), (5, 6, torch.int64)])
+def test_randint_draws_every_integer_of_the_interval_evenly(low, high, dtype):
+    """`aten.randint` (Informer's sampled keys): integers in [low, high), each about as often, the result's shape
+    and dtype, new numbers every run."""
+    draw = (
+        (lambda: torch.randint(high, (400, 50), dtype=dtype))
+        if low == 0
+        else lambda: torch.randint(low, high, (400, 50), dtype=dtype)
+    )
+    model = translate(make_fx(lambda: (draw(),))(), [], ["r"], 18)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    drawn, again = (session.run(None, {})[0] for _ in range(2))
+    assert drawn.dtype == torch.empty(0, dtype=dtype).numpy().dtype and drawn.shape == (400, 50)
+    counts = np.bincount((drawn - low).ravel(), minlength=high - low)
+    assert len(counts) == high - low and counts.min() > 0.9 * drawn.size / (high - low)
+    assert high - low == 1 or not np.array_equal(drawn, again)
+
+
 def test_a_correction_of_every_element_is_left_to_torch_onnx():
     x = torch.randn(3, 4)
     graph = make_fx(lambda x: torch.ops.aten.var_mean.correction(x, [1], correction=4))(x)

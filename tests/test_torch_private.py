@@ -554,6 +554,54 @@ def test_random_branches_decided_names_a_branch_whose_draws_differ():
     assert outcomes == {True, False}
 
 
+INDEXED_BY_A_SCALAR_TENSOR = [  # (index of x of shape (5, 4, 3) built from the 0-dim tensor t, eager's own index)
+    lambda t: t,
+    lambda t: (slice(None), t),
+    lambda t: (Ellipsis, t),
+    lambda t: (None, slice(1, None), t, 2),
+    lambda t: (t, Ellipsis, t),
+    lambda t: (torch.tensor([True, False, True, True, False]), t),  # a mask takes its dims before t's
+    lambda t: (slice(None), torch.tensor([0, 2, 1]), t),  # a tensor of indices beside it
+]
+
+
+@pytest.mark.parametrize("index", INDEXED_BY_A_SCALAR_TENSOR)
+def test_tensor_indices_selected_traces_indexing_by_a_scalar_tensor_as_eager_indexes(index):
+    """Rule: `x[..., t, ...]` with a 0-dim integer tensor t selects as `x[..., int(t), ...]` (PyTorch reads t's
+    value); traced, it is a select by t, one graph for every value of t (negative ones too), with eager's gradient."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(x, t):
+        out = x[index(t)]
+        return out, torch.autograd.grad((out * out).sum(), x)[0]
+
+    x = torch.randn(5, 4, 3, requires_grad=True)
+    with pytest.raises(Exception, match="data-dependent|_local_scalar_dense"):  # PyTorch alone needs t's value
+        make_fx(step, tracing_mode="fake")(x, torch.tensor(1))
+    with torch_private.tensor_indices_selected():
+        graph = make_fx(step, tracing_mode="fake")(x, torch.tensor(1))
+    assert aten._local_scalar_dense.default not in {n.target for n in graph.graph.nodes}
+    for value in (0, 2, -1, -3):
+        t = torch.tensor(value)
+        expected = step(x, t)
+        got = graph(x, t)
+        assert got[0].shape == expected[0].shape
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+
+
+def test_tensor_indices_selected_leaves_other_indices_to_pytorch():
+    """A float, bool or 1-dim tensor index, and an index with a list inside, are not rewritten."""
+    from orttrainer.trainer.gradient.torch_private.tracing import _selected_dims
+
+    assert _selected_dims([slice(None), torch.tensor([1])], 2) == []
+    assert _selected_dims([torch.tensor(True)], 2) == []
+    assert _selected_dims([torch.tensor(1.0)], 2) == []
+    assert _selected_dims([[0, 1], torch.tensor(1)], 2) is None
+    assert _selected_dims([Ellipsis, torch.tensor(1), Ellipsis], 2) is None
+    assert _selected_dims([torch.tensor(1, dtype=torch.int32), Ellipsis, torch.tensor(0)], 4) == [(0, 0), (2, 3)]
+
+
 @pytest.mark.parametrize("op", ["<", "<=", ">", ">="])
 def test_random_branch_outcomes_hold_for_every_draw(op):
     """What `_every_draw` decides is what 100,000 draws (and the edge values 0 and just below 1) give."""

@@ -415,6 +415,46 @@ def test_a_branch_on_a_parameters_value_is_refused_naming_the_line():
         trainer.train_step(*batches(1)[0])
 
 
+class TaskHeads(nn.Module):
+    """Indexes by 0-dim tensors: its head by a task id that is a model input, and its features by the top-k
+    positions of its own activations, one at a time (transformers' Autoformer picks its delays so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.heads = nn.Parameter(torch.randn(4, 3, 3))
+
+    def forward(self, x, task, labels):
+        h = self.body(x)
+        top = torch.topk(h.mean(0), 3).indices
+        picked = torch.stack([h[:, top[k]] for k in range(3)], dim=-1)
+        return CE(picked @ self.heads[task], labels)
+
+
+def test_indexing_by_a_scalar_tensor_trains_and_evaluates_like_pytorch_in_one_graph(caplog):
+    """PyTorch indexes by a 0-dim tensor's value; the trace selects by the tensor (docs/engine.md §43): one graph
+    for every task id (negative ones too) and every top-k, which depends on the weights."""
+    torch.manual_seed(0)
+    model = TaskHeads()
+    reference = clone(model)
+    desc = {"inputs": [("x", ["batch", 6]), ("task", []), ("labels", ["batch"])], "outputs": [("loss", [], True)]}
+    trainer = make_trainer(model, desc, optim.SGDConfig(lr=0.5), None, TORCH)
+    g = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(5, 6, generator=g), torch.tensor(task), torch.randint(0, 3, (5,), generator=g))
+        for task in (1, 3, -1, 0, 2)
+    ]
+    with caplog.at_level(logging.INFO, logger="orttrainer"):
+        steps_like_pytorch(trainer, reference, torch.optim.SGD(reference.parameters(), lr=0.5), data)
+        assert max_difference(trainer_weights(trainer), torch_weights(reference)) < 1e-6
+        reference.eval()
+        for batch in data:
+            with torch.no_grad():
+                torch.testing.assert_close(torch.as_tensor(trainer.eval_step(*batch)), reference(*batch))
+    assert "branches on tensor values" not in caplog.text and "torch.onnx" not in caplog.text
+    assert trainer._training_session.training_graph_count == 1
+
+
 class RelabelsInPlace(nn.Module):
     """Writes into its input in place, as transformers' FSMT rewrites the labels' -100 to its padding id."""
 

@@ -37,7 +37,7 @@ How: one ONNX node (or a few) per aten node, by the aten op's documented semanti
   (`_native_batch_norm_legit.no_stats`) are reductions, advanced indexing (`index.Tensor`, and `index_put` with
   several indices, its backward) Gather, GatherND or ScatterND, `repeat` Tile, `div` with a rounding mode Div and
   Floor, `remainder`/`fmod` Mod, `flip` a backwards Slice, `empty` zeros, `rand`/`randn` ONNX's random ops, as
-  torch.onnx writes them (docs/engine.md §30);
+  torch.onnx writes them (docs/engine.md §30), and `randint` a float64 uniform draw floored (§43);
 - what transformers' models meet (docs/engine.md §31): `topk` TopK, `argmax`/`argmin` ArgMax/ArgMin, `slice_scatter`
   with a step ScatterElements, `as_strided` of a tensor that fills its storage (transposed to the storage's order
   first, §34) a Reshape or a Gather at constant positions,
@@ -1578,6 +1578,26 @@ def _uniform(g: _Graph, node: torch.fx.Node) -> Value:
     return g.one("Add", [spread, g.scalar(float(low), out.dtype)])
 
 
+def _randint(g: _Graph, node: torch.fx.Node) -> Value:
+    """`aten.randint(high, size)` and `randint.low(low, high, size)` (a static size: Informer's ProbSparse attention
+    samples its keys so in training mode): integers uniform in [low, high), as `low + floor((high - low) · u)` of
+    float64 draws u in [0, 1) from ONNX Runtime's generator as `_random`'s, at most high - 1 (float64 rounds
+    `(high - low) · u` up to high - low for u just below 1), cast to the result's dtype. Never folded (`_RANDOM`)."""
+    low, high = (0, node.args[0]) if node.target == aten.randint.default else node.args[:2]
+    out = _meta(node)
+    if not isinstance(low, int) or not isinstance(high, int) or high <= low or node.kwargs.get("generator"):
+        return None  # type: ignore[return-value]
+    if out.dtype == torch.bool or out.dtype.is_complex:
+        return None  # type: ignore[return-value]
+    drawn = g.one("RandomUniform", [], shape=list(out.shape) or [1], dtype=TensorProto.DOUBLE, low=0.0, high=1.0)
+    spread = g.one("Floor", [g.one("Mul", [drawn, g.scalar(float(high - low), torch.float64)])])
+    shifted = g.one("Add", [spread, g.scalar(float(low), torch.float64)])
+    value = g.one(
+        "Cast", [g.one("Min", [shifted, g.scalar(float(high - 1), torch.float64)])], to=torch_to_onnx(out.dtype)
+    )
+    return value if out.dim() > 0 else g.one("Reshape", [value, g.ints([])])
+
+
 def _exponential(g: _Graph, node: torch.fx.Node) -> Value:
     """`aten.exponential(x, lambd)` (`Tensor.exponential_`: the Gumbel noise of `F.gumbel_softmax`, PhiMoE's router):
     draws from the exponential distribution of rate lambd in x's shape and dtype, as -log(1 - u) / lambd of a
@@ -1904,6 +1924,8 @@ _RANDOM = {
     aten.bernoulli.p,
     aten.exponential.default,
     aten.uniform.default,
+    aten.randint.default,
+    aten.randint.low,
     *_RANDOM_DRAWS,
 }
 _UNSPECIFIED = {aten.empty.memory_format, aten.empty_like.default}  # not folded: their values are whatever memory held
@@ -2088,6 +2110,8 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.native_dropout.default: _dropout,
     **{op: _random for op in _RANDOM_DRAWS},
     aten.bernoulli.p: _bernoulli,
+    aten.randint.default: _randint,
+    aten.randint.low: _randint,
     aten.exponential.default: _exponential,
     aten.uniform.default: _uniform,
     **{op: _fill for op in _FILLS},

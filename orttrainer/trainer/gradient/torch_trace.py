@@ -257,7 +257,7 @@ def _trace_with_values(
     guards (module docstring). Raises the error that explains `failure` (the trace without values) when this
     trace fails too or its branches cannot be guarded, with the reason."""
     try:  # with the real values a random draw has one too: the branches every draw takes alike are decided first
-        with tracing_context(), torch_private.random_branches_decided():
+        with tracing_context(), value_reads_avoided():
             graph, sig, _, values = torch_private.aot_export_joint_dynamic(
                 wrapper,
                 inputs,
@@ -368,18 +368,27 @@ def tracing_context() -> Iterator[None]:
 
 
 def traced(trace: Callable[[], _T]) -> _T:
-    """`trace()` under `tracing_context`; where it fails on reading a traced tensor's value, once more with the
-    branches on random draws that every draw takes alike decided (`torch_private.random_branches_decided`:
-    transformers' LayerDrop at probability 0, BART's default). The retry's error is the one raised. Only the models
-    that branch on a value pay for the mode, which sees every torch call of the trace (about a tenth more time)."""
+    """`trace()` under `tracing_context`; where it fails on reading a traced tensor's value, once more under
+    `value_reads_avoided`. The retry's error is the one raised. Only the models that read a value pay for those
+    modes, which see every torch call of the trace (about a tenth more time)."""
     try:
         with tracing_context():
             return trace()
     except Exception as err:
         if not torch_private.is_data_dependent_error(err):
             raise
-    with tracing_context(), torch_private.random_branches_decided():
+    with tracing_context(), value_reads_avoided():
         return trace()
+
+
+@contextlib.contextmanager
+def value_reads_avoided() -> Iterator[None]:
+    """The two reads of a tensor's value that a trace can do without: a branch on a random draw that every draw
+    takes alike (`torch_private.random_branches_decided`: transformers' LayerDrop at probability 0, BART's
+    default) and indexing by a 0-dim integer tensor, traced as a select by that tensor
+    (`torch_private.tensor_indices_selected`: Autoformer's top-k delays)."""
+    with torch_private.random_branches_decided(), torch_private.tensor_indices_selected():
+        yield
 
 
 @contextlib.contextmanager

@@ -121,6 +121,78 @@ def random_branches_decided() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def tensor_indices_selected() -> Iterator[None]:
+    """Within the block (this thread), indexing by a 0-dim integer tensor `t` (neither bool nor uint8:
+    `x[:, t]`) is traced as the select it is: `x.index_select(d, t)` of the dim `d` that `t` indexes (`t` wrapped
+    into `[0, x.size(d))` as a negative index is), then the int 0 in `t`'s place. Values and gradients are
+    eager's: PyTorch's indexing reads such a `t` as the Python int `t.item()` and selects (docs/engine.md §43),
+    which a traced tensor cannot answer (it has no value: DataDependentOutputException).
+
+    Why: transformers' Autoformer picks its top-k delays in training mode by `x[:, top_k_delays_index[i]]`.
+    Only an index that is a tuple (or a bare tensor) of None, Ellipsis, bools, ints, slices and tensors is
+    rewritten (`_selected_dims`); a list inside it (PyTorch's rules for sequences) is left as it is."""
+    from torch.overrides import TorchFunctionMode
+
+    class SelectedIndices(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
+            kwargs = kwargs or {}
+            if func is torch.Tensor.__getitem__ and len(args) == 2 and not kwargs:
+                tensor, index = args
+                items = list(index) if isinstance(index, tuple) else [index]
+                selected = _selected_dims(items, tensor.dim())
+                if selected:
+                    for at, dim in selected:
+                        position = items[at].long()
+                        position = torch.where(position < 0, position + tensor.size(dim), position)
+                        tensor = tensor.index_select(dim, position.reshape(1))
+                        items[at] = 0
+                    return tensor[tuple(items)]
+            return func(*args, **kwargs)
+
+    with SelectedIndices():
+        yield
+
+
+def _selected_dims(items: list[Any], ndim: int) -> list[tuple[int, int]] | None:
+    """For an index's items (PyTorch's tuple index), the (item position, dim of the indexed tensor) of each 0-dim
+    integer tensor among them; None when an item is of a kind not listed in `tensor_indices_selected`. Rule, as
+    PyTorch's indexing counts dims: None and a Python bool take no dim, a bool or uint8 tensor takes as many as it
+    has, any other tensor, an int and a slice one; Ellipsis takes the dims the others leave."""
+
+    def taken(item: Any) -> int | None:
+        if item is None or item is Ellipsis or isinstance(item, bool):
+            return 0
+        if isinstance(item, (int, slice, torch.SymInt)):
+            return 1
+        if isinstance(item, torch.Tensor):
+            return item.dim() if item.dtype in (torch.bool, torch.uint8) else 1
+        return None
+
+    counts = [taken(item) for item in items]
+    if any(count is None for count in counts) or sum(item is Ellipsis for item in items) > 1:
+        return None
+    sizes = [count or 0 for count in counts]
+    if Ellipsis in items:
+        sizes[items.index(Ellipsis)] = ndim - sum(sizes)
+    selected, dim = [], 0
+    for at, item in enumerate(items):
+        if _is_integer_scalar_tensor(item):
+            selected.append((at, dim))
+        dim += sizes[at]
+    return selected
+
+
+def _is_integer_scalar_tensor(item: Any) -> bool:
+    return (
+        isinstance(item, torch.Tensor)
+        and item.dim() == 0
+        and not item.dtype.is_floating_point
+        and not item.dtype.is_complex
+        and item.dtype not in (torch.bool, torch.uint8)
+    )
+
+
+@contextlib.contextmanager
 def truth_reads() -> Iterator[list[str]]:
     """Within the block (this thread), each place where Python takes a tensor's truth value (`if mask.any():`,
     `bool(t)`, `and`/`or`/`not` on a tensor) is appended to the yielded list, once, as "file:line (`source`)"; a
