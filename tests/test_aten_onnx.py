@@ -207,6 +207,25 @@ def test_logical_ops_of_numbers_read_nonzero_as_true():
     assert {"And", "Or", "Xor", "Not", "Cast"} <= set(_ops(model))
 
 
+def test_bitwise_ops_of_integers_combine_bits_and_of_bools_truth_values():
+    """On integers `&`, `|`, `^` and `~` work on the bits in the promoted dtype (they were read as truth values,
+    and gave bools: `5 & 2` was True where PyTorch gives 0; CpmAnt's int32 masks then failed to open); on bools
+    they stay logic."""
+
+    def f(a, b, c, d, e):
+        return a & b, a | c, b ^ c, ~a, (a & 6).float(), d & e, d | e, ~d, d ^ e, a | d
+
+    inputs = [
+        torch.tensor([5, 12, -3, 0, 7], dtype=torch.int32),
+        torch.tensor([2, 10, 6, 1, -1], dtype=torch.int32),
+        torch.tensor([1, 3, 255, 0, 64]),  # int64: the promoted dtype
+        torch.tensor([True, False, True, False, True]),
+        torch.tensor([True, True, False, False, True]),
+    ]
+    model = _check(make_fx(f)(*inputs), inputs)
+    assert {"BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "And", "Or", "Xor", "Not"} <= set(_ops(model))
+
+
 def test_constants_are_folded_and_large_fills_are_constant_of_shape():
     def f(x):
         masks = torch.arange(3).view(3, 1) == torch.tensor([0, 1, 2])  # constant: folded into one initializer

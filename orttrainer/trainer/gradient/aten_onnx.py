@@ -820,6 +820,24 @@ def _logical(op: str) -> Translation:
     return translate_node
 
 
+def _bitwise(logical: str, bitwise: str) -> Translation:
+    """`aten.bitwise_*`: on bools ONNX's `logical` op; on integers ONNX's `bitwise` op (opset 18) on the result's
+    dtype (the promoted one): the bits, not the truth values (`5 & 3` is 1; CpmAnt builds its masks as int32
+    `|` and `&`); a number argument (`.Scalar`: `x & 6`) in that dtype too."""
+
+    def translate_node(g: _Graph, node: torch.fx.Node) -> Value:
+        if any(not isinstance(a, (torch.fx.Node, bool, int)) for a in node.args) or node.kwargs:
+            return None  # type: ignore[return-value]
+        out = _meta(node).dtype
+        if out == torch.bool:
+            return g.one(logical, [g.typed(a, torch.bool) for a in node.args])
+        if out.is_floating_point or out.is_complex:
+            return None  # type: ignore[return-value]
+        return g.one(bitwise, [g.typed(a, out) for a in node.args])
+
+    return translate_node
+
+
 def _where(g: _Graph, node: torch.fx.Node) -> Value:
     cond, a, b = node.args
     if not isinstance(cond, torch.fx.Node) or g.meta(cond).dtype != torch.bool:
@@ -2041,13 +2059,16 @@ _TRANSLATIONS: dict[Any, Translation] = {
     aten.leaky_relu.default: _leaky_relu,
     aten.linalg_vector_norm.default: _vector_norm,
     aten.logical_not.default: _logical("Not"),
-    aten.bitwise_not.default: _logical("Not"),
+    aten.bitwise_not.default: _bitwise("Not", "BitwiseNot"),
     aten.logical_and.default: _logical("And"),
-    aten.bitwise_and.Tensor: _logical("And"),
+    aten.bitwise_and.Tensor: _bitwise("And", "BitwiseAnd"),
+    aten.bitwise_and.Scalar: _bitwise("And", "BitwiseAnd"),
+    aten.bitwise_or.Scalar: _bitwise("Or", "BitwiseOr"),
+    aten.bitwise_xor.Scalar: _bitwise("Xor", "BitwiseXor"),
     aten.logical_or.default: _logical("Or"),
-    aten.bitwise_or.Tensor: _logical("Or"),
+    aten.bitwise_or.Tensor: _bitwise("Or", "BitwiseOr"),
     aten.logical_xor.default: _logical("Xor"),
-    aten.bitwise_xor.Tensor: _logical("Xor"),
+    aten.bitwise_xor.Tensor: _bitwise("Xor", "BitwiseXor"),
     aten.where.self: _where,
     aten.masked_fill.Scalar: _masked_fill,
     aten.clamp.default: _clamp,
