@@ -226,6 +226,69 @@ def test_bitwise_ops_of_integers_combine_bits_and_of_bools_truth_values():
     assert {"BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "And", "Or", "Xor", "Not"} <= set(_ops(model))
 
 
+def test_where_and_masked_fill_of_masks_choose_bools():
+    """ONNX Runtime has no Where kernel for bools: `torch.where` of two masks failed to open."""
+
+    def f(cond, a, b):
+        return torch.where(cond, a, b), b.masked_fill(cond, True), torch.where(cond, a.to(torch.int16), 3)
+
+    inputs = [
+        torch.tensor([True, False, True, False]),
+        torch.tensor([True, True, False, False]),
+        torch.tensor([False, True, False, True]),
+    ]
+    _check(make_fx(f)(*inputs), inputs)
+
+
+def test_reductions_of_a_0_dim_tensor_over_its_dim_are_the_tensor():
+    """aten reduces a 0-d tensor over dim 0 or -1 to itself; ONNX's reductions take no axis of a rank-0 tensor
+    (the graph failed to open), and ONNX Runtime's CumSum takes no 0-d tensor."""
+
+    def f(x, flags):
+        return (
+            x.sum(0),
+            x.sum(-1, keepdim=True),
+            x.amax(0),
+            *x.max(0),
+            x.cumsum(0),
+            flags.any(0),
+            torch.count_nonzero(x, 0),
+        )
+
+    inputs = [torch.tensor(7), torch.tensor(3, dtype=torch.uint8)]
+    _check(make_fx(f, decomposition_table=torch_private.trace_decompositions(for_torch_onnx=False))(*inputs), inputs)
+
+
+def test_integer_ops_that_onnx_runtime_lacks_for_narrow_types_compute_in_int32():
+    """ONNX Runtime has no Neg, Relu, Sign, Max, Min or Where for some of bool, uint8, int8 and int16: they are
+    computed in int32 and cast back (uint8's negation wraps, as aten's); a uint8 CumSum sums in int64; `any` of
+    uint8 is uint8 (aten's rule); a number out of an unsigned type's range wraps (`x * -1`)."""
+
+    def f(u, b, s):
+        return (
+            -u,
+            torch.relu(u),
+            torch.sign(b),
+            u.clamp(3, 200),
+            torch.maximum(s, s.flip(0)),
+            u * -1,
+            u.cumsum(0, dtype=torch.uint8),
+            u.any(),
+        )
+
+    inputs = [
+        torch.tensor([0, 1, 200, 255], dtype=torch.uint8),
+        torch.tensor([True, False, True, False]),
+        torch.tensor([-300, 7, 2, 1000], dtype=torch.int16),
+    ]
+    _check(make_fx(f)(*inputs), inputs)
+
+
+def test_gather_takes_an_empty_index_of_any_integer_type():
+    inputs = [torch.tensor([1, 2, 3]), torch.tensor([], dtype=torch.uint8)]
+    _check(make_fx(lambda x, i: (torch.gather(x, 0, i),))(*inputs), inputs)
+
+
 def test_constants_are_folded_and_large_fills_are_constant_of_shape():
     def f(x):
         masks = torch.arange(3).view(3, 1) == torch.tensor([0, 1, 2])  # constant: folded into one initializer

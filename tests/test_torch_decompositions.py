@@ -362,6 +362,8 @@ def test_special_functions_match_torch():
     x = torch.cat([torch.linspace(-7.3, 30, 200), torch.tensor([0.1, 0.5, 1.0, 2.0, 1e-3, 100.0])])
     close(D.lgamma(x), torch.lgamma(x), atol=1e-4, rtol=1e-4)  # float32 series: ~1e-5 relative near the poles
     close(D.digamma(x), torch.digamma(x), atol=1e-4, rtol=1e-4)
+    poles = torch.tensor([0.0, -1.0, -5.0, -30.0])  # the reflection alone gave finite values there (lgamma(-5) 10.6)
+    assert torch.equal(D.lgamma(poles), torch.lgamma(poles)) and torch.isinf(D.lgamma(poles)).all()
     positive = torch.linspace(0.05, 20, 200)
     for n in range(1, 5):
         close(D.polygamma(n, positive), torch.polygamma(n, positive), atol=1e-4)

@@ -179,6 +179,8 @@ class _Graph:
         return self.const(np.asarray(list(values), dtype=np.int64))
 
     def scalar(self, value: Any, dtype: torch.dtype) -> Value:
+        if isinstance(value, int) and not isinstance(value, bool) and not dtype.is_floating_point:
+            return self.const(np.asarray(value).astype(_np(dtype)))  # wrapped as aten's (`uint8 * -1` is `* 255`)
         return self.const(np.asarray(value, dtype=_np(dtype)))
 
     def cast(self, name: Value, source: torch.dtype, target: torch.dtype) -> Value:
@@ -592,6 +594,8 @@ def _elementwise(op: str, compute: str = "promoted") -> Translation:
             return g.cast(g.one(_ON_BOOLS[op], [g.typed(a, dtype) for a in args]), dtype, out)
         if dtype == torch.bool and op != "Equal":
             dtype = torch.int32  # ONNX Runtime's order comparisons take no bools; False < True as 0 < 1
+        if dtype in (torch.int8, torch.int16) and op in ("Max", "Min"):
+            dtype = torch.int32  # `_NARROW_INTEGERS`
         result = g.one(op, [g.typed(a, dtype) for a in args])
         return g.cast(result, dtype if op not in _BOOL_RESULT else torch.bool, out)
 
@@ -646,9 +650,16 @@ def _unary(op: str, floating: bool = True) -> Translation:
         x, out = node.args[0], _meta(node).dtype
         if floating and not out.is_floating_point:
             return None  # type: ignore[return-value]
+        if out in _NARROW_INTEGERS:
+            return g.cast(g.one(op, [g.typed(x, torch.int32)]), torch.int32, out)
         return g.one(op, [g.typed(x, out)])
 
     return translate_node
+
+
+# ONNX Runtime has no Neg, Relu, Sign, Max or Min kernel for these: computed in int32, cast back (uint8's negation
+# then wraps as aten's does; the result of a bool is a bool again)
+_NARROW_INTEGERS = (torch.bool, torch.uint8, torch.int8, torch.int16)
 
 
 def _log1p(g: _Graph, node: torch.fx.Node) -> Value:
@@ -722,7 +733,11 @@ def _cumsum(g: _Graph, node: torch.fx.Node) -> Value:
     out = _meta(node).dtype
     if out in (torch.bool, torch.float16, torch.bfloat16):  # PyTorch sums halves in float32, ONNX Runtime in float16
         return None  # type: ignore[return-value]
+    if _rank(g, x) == 0:  # type: ignore[arg-type] # ONNX Runtime's CumSum takes no 0-d tensor: it is its own sum
+        return g.typed(x, out)
     axis = g.const(np.asarray(_axis(dim, _rank(g, x)), dtype=np.int64))  # type: ignore[arg-type]
+    if out in (torch.uint8, torch.int8, torch.int16):  # no CumSum kernel: summed in int64, wrapped back as aten's
+        return g.cast(g.one("CumSum", [g.typed(x, torch.int64), axis]), torch.int64, out)
     return g.one("CumSum", [g.typed(x, out), axis])
 
 
@@ -843,13 +858,25 @@ def _where(g: _Graph, node: torch.fx.Node) -> Value:
     if not isinstance(cond, torch.fx.Node) or g.meta(cond).dtype != torch.bool:
         return None  # type: ignore[return-value]
     out = _meta(node).dtype
-    return g.one("Where", [g.tensor(cond), g.typed(a, out), g.typed(b, out)])
+    return _chosen(g, g.tensor(cond), g.typed(a, out), g.typed(b, out), out)
 
 
 def _masked_fill(g: _Graph, node: torch.fx.Node) -> Value:
     x, mask, value = node.args
     out = _meta(node).dtype
-    return g.one("Where", [g.tensor(mask), g.typed(value, out), g.typed(x, out)])
+    return _chosen(g, g.tensor(mask), g.typed(value, out), g.typed(x, out), out)
+
+
+def _chosen(g: _Graph, cond: Value, a: Value, b: Value, dtype: torch.dtype) -> Value:
+    """ONNX Where(cond, a, b) of values of `dtype`; for bools `(cond and a) or (not cond and b)`: ONNX Runtime has
+    no Where kernel for bool values (`torch.where` of two masks), nor for int8 and int16 (chosen in int32)."""
+    if dtype in (torch.int8, torch.int16):  # no Where kernel either: chosen in int32
+        return g.cast(
+            g.one("Where", [cond, g.cast(a, dtype, torch.int32), g.cast(b, dtype, torch.int32)]), torch.int32, dtype
+        )
+    if dtype != torch.bool:
+        return g.one("Where", [cond, a, b])
+    return g.one("Or", [g.one("And", [cond, a]), g.one("And", [g.one("Not", [cond]), b])])
 
 
 def _clamp(g: _Graph, node: torch.fx.Node) -> Value:
@@ -862,12 +889,13 @@ def _clamp(g: _Graph, node: torch.fx.Node) -> Value:
         low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
         high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
     out = _meta(node).dtype
-    result = g.typed(x, out)
+    compute = torch.int32 if out in _NARROW_INTEGERS else out
+    result = g.typed(x, compute)
     if low is not None:
-        result = g.one("Max", [result, g.typed(low, out)])
+        result = g.one("Max", [result, g.typed(low, compute)])
     if high is not None:
-        result = g.one("Min", [result, g.typed(high, out)])
-    return result
+        result = g.one("Min", [result, g.typed(high, compute)])
+    return g.cast(result, compute, out)
 
 
 def _hardtanh(g: _Graph, node: torch.fx.Node) -> Value:
@@ -950,13 +978,15 @@ def _reduce(op: str) -> Translation:
         axes = [_axis(d, rank) for d in (dims or [])]
         if op == "any":
             flag = g.cast(g.tensor(x), g.meta(x).dtype, torch.bool)  # type: ignore[arg-type]
+            if rank == 0:  # aten reduces a 0-d tensor over dim 0 or -1 to itself; ONNX takes no axis of rank 0
+                return g.cast(flag, torch.bool, out.dtype)
             source = g.one("Cast", [flag], to=TensorProto.INT32)
             reduced = _reduce_node(g, "ReduceMax", source, axes, keepdim)
-            return g.one("Cast", [reduced], to=TensorProto.BOOL)
+            return g.one("Cast", [reduced], to=torch_to_onnx(out.dtype))  # bool; uint8 for uint8 (aten's rule)
         if out.dtype == torch.bool and op in ("ReduceMax", "ReduceMin"):
             return None  # type: ignore[return-value]
         source = g.typed(x, out.dtype)
-        return _reduce_node(g, op, source, axes, keepdim)
+        return source if rank == 0 else _reduce_node(g, op, source, axes, keepdim)
 
     return translate_node
 
@@ -975,6 +1005,8 @@ def _extreme(op: str) -> Translation:
         keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
         if g.meta(x).dtype == torch.bool:  # type: ignore[arg-type]
             return None  # type: ignore[return-value]
+        if _rank(g, x) == 0:  # type: ignore[arg-type] # a 0-d tensor is its own extreme, at index 0
+            return g.tensor(x), g.scalar(0, torch.int64)  # type: ignore[arg-type]
         axis = _axis(dim, _rank(g, x))  # type: ignore[arg-type]
         values = _reduce_node(g, f"Reduce{op}", g.tensor(x), [axis], keepdim)
         if not _readers(node, 1):
@@ -1361,7 +1393,8 @@ def _gather(g: _Graph, node: torch.fx.Node) -> Value:
     x, dim, index = node.args[:3]
     if node.kwargs.get("sparse_grad") or (len(node.args) > 3 and node.args[3]):
         return None  # type: ignore[return-value]
-    return g.one("GatherElements", [g.tensor(x), g.tensor(index)], axis=_axis(dim, _rank(g, x)))  # type: ignore[arg-type]
+    index_value = g.cast(g.tensor(index), g.meta(index).dtype, torch.int64)  # type: ignore[arg-type] # an empty one may be any integer type
+    return g.one("GatherElements", [g.tensor(x), index_value], axis=_axis(dim, _rank(g, x)))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -930,13 +930,16 @@ _BERNOULLI = (1.0 / 6, -1.0 / 30, 1.0 / 42, -1.0 / 30, 5.0 / 66, -691.0 / 2730) 
 
 def lgamma(input: torch.Tensor) -> torch.Tensor:
     """`aten.lgamma` (log |Gamma(x)|): Stirling's series at x + 8, the recurrence back down, and the reflection
-    formula log(pi / |sin(pi x)|) - lgamma(1 - x) below 0.5 (infinite at the poles 0, -1, ...)."""
+    formula log(pi / |sin(pi x)|) - lgamma(1 - x) below 0.5; infinite at the poles 0, -1, ..., as PyTorch (the
+    reflection alone is finite there: float32's pi * x misses the zero of sin, sin(pi * -5) is 5.7e-7)."""
     x = input
     reflect = x < 0.5
     z = torch.where(reflect, 1.0 - x, x)
     series = _lgamma_shifted(z)
     reflected = math.log(math.pi) - torch.log(torch.abs(torch.sin(math.pi * x))) - series
-    return torch.where(reflect, reflected, series)
+    out = torch.where(reflect, reflected, series)
+    pole = (x <= 0) & (x == torch.floor(x))
+    return torch.where(pole, torch.full_like(out, float("inf")), out)
 
 
 def _lgamma_shifted(z: torch.Tensor) -> torch.Tensor:
