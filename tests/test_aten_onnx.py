@@ -284,6 +284,13 @@ def test_integer_ops_that_onnx_runtime_lacks_for_narrow_types_compute_in_int32()
     _check(make_fx(f)(*inputs), inputs)
 
 
+def test_max_over_a_dim_of_int64_names_the_first_maximum():
+    """onnxruntime 1.19 has no ArgMax for int64: `max(dim)`'s indices are the first position equal to the maximum,
+    as `argmax`'s are (a float would not hold every int64 exactly)."""
+    inputs = [torch.tensor([[3, 9, 9, -2], [2**60, 5, 2**60 + 1, 2**60 + 1]])]
+    _check(make_fx(lambda x: (*x.max(1), *x.min(0, keepdim=True)))(*inputs), inputs)
+
+
 def test_gather_takes_an_empty_index_of_any_integer_type():
     inputs = [torch.tensor([1, 2, 3]), torch.tensor([], dtype=torch.uint8)]
     _check(make_fx(lambda x, i: (torch.gather(x, 0, i),))(*inputs), inputs)

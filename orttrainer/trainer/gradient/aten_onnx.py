@@ -997,8 +997,8 @@ def _reduce_node(g: _Graph, op: str, source: Value, axes: list[int], keepdim: bo
 
 
 def _extreme(op: str) -> Translation:
-    """`aten.max.dim` / `aten.min.dim(x, dim, keepdim)`: ReduceMax/ReduceMin and, where read, ArgMax/ArgMin, which
-    name the first extreme along the dim as PyTorch's CPU kernels do."""
+    """`aten.max.dim` / `aten.min.dim(x, dim, keepdim)`: ReduceMax/ReduceMin and, where read, the first extreme along
+    the dim as PyTorch's CPU kernels name it (`_first_extreme`: int64 through its Equal mask)."""
 
     def translate_node(g: _Graph, node: torch.fx.Node) -> tuple[Value, ...]:
         x, dim = node.args[:2]
@@ -1011,7 +1011,8 @@ def _extreme(op: str) -> Translation:
         values = _reduce_node(g, f"Reduce{op}", g.tensor(x), [axis], keepdim)
         if not _readers(node, 1):
             return values, g.fresh("unread_indices")
-        return values, g.one(f"Arg{op}", [g.tensor(x)], axis=axis, keepdims=int(keepdim))
+        indices = _first_extreme(g, op, g.tensor(x), g.meta(x).dtype, axis, keepdim)  # type: ignore[arg-type]
+        return None if indices is None else (values, indices)  # type: ignore[return-value]
 
     return translate_node
 
@@ -1059,25 +1060,34 @@ def _arg_extreme(op: str) -> Translation:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
         source = g.meta(x)  # type: ignore[arg-type]
-        value, rank, arg = g.tensor(x), source.dim(), f"Arg{op}"
+        value, rank = g.tensor(x), source.dim()
         flat = dim is None or rank == 0
         if flat:
             value, axis = g.one("Reshape", [value, g.ints([-1])]), 0
         else:
             axis = _axis(dim, rank)  # type: ignore[arg-type]
-        if source.dtype in (torch.uint8, torch.int8, torch.int16):
-            value = g.one("Cast", [value], to=TensorProto.INT32)
-        elif source.dtype == torch.int64:
-            extreme = _reduce_node(g, f"Reduce{op}", value, [axis], True)
-            value, arg = g.one("Cast", [g.one("Equal", [value, extreme])], to=TensorProto.INT32), "ArgMax"
-        elif source.dtype not in (torch.float16, torch.float32, torch.float64, torch.int32):
+        found = _first_extreme(g, op, value, source.dtype, axis, keepdim and not flat)
+        if found is None:
             return None  # type: ignore[return-value]
-        found = g.one(arg, [value], axis=axis, keepdims=int(keepdim and not flat))
         if flat and keepdim:
             return g.one("Reshape", [found, g.ints([1] * rank)], allowzero=1)
         return found
 
     return translate_node
+
+
+def _first_extreme(g: _Graph, op: str, value: Value, dtype: torch.dtype, axis: int, keepdim: bool) -> Value | None:
+    """The position of the first maximum (`op` "Max") or minimum along `axis` of `value` (of `dtype`), as
+    `_arg_extreme`'s docstring says; None for a dtype no form covers."""
+    arg = f"Arg{op}"
+    if dtype in (torch.uint8, torch.int8, torch.int16):
+        value = g.one("Cast", [value], to=TensorProto.INT32)
+    elif dtype == torch.int64:
+        extreme = _reduce_node(g, f"Reduce{op}", value, [axis], True)
+        value, arg = g.one("Cast", [g.one("Equal", [value, extreme])], to=TensorProto.INT32), "ArgMax"
+    elif dtype not in (torch.float16, torch.float32, torch.float64, torch.int32):
+        return None
+    return g.one(arg, [value], axis=axis, keepdims=int(keepdim))
 
 
 def _variance(result: str) -> Translation:
