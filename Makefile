@@ -40,7 +40,8 @@ test-maintained: $(STAMP_M)
 
 # The coverage tables, regenerated on the maintained runtime: PyTorch's module_db/op_db through the torch builder
 # (docs/torch_builder_coverage.md and tests/torch_coverage_known.py; the default lanes test a sample of the entries,
-# this runs them all) and the onnx package's backend node cases through OnnxModule (docs/onnx_coverage.md).
+# this runs them all), op_db's integer and bool samples through the direct translation, and the onnx package's
+# backend node cases through OnnxModule (docs/onnx_coverage.md).
 COVERAGE_JSON := benchmarks/results
 coverage: $(STAMP_M)
 	mkdir -p $(COVERAGE_JSON)
@@ -49,7 +50,8 @@ coverage: $(STAMP_M)
 	PYTHONPATH=. $(PY_M) tests/torch_coverage.py --table $(COVERAGE_JSON)/module_db.json $(COVERAGE_JSON)/op_db.json \
 		--known $(COVERAGE_JSON)/module_db.json $(COVERAGE_JSON)/op_db.json
 	PYTHONPATH=. $(PY_M) tests/test_onnx_conformance.py
-	$(PY_M) -m pytest -m "sweep or not sweep" tests/test_torch_builder_module_db.py tests/test_torch_builder_op_db.py
+	$(PY_M) -m pytest -m "sweep or not sweep" tests/test_torch_builder_module_db.py tests/test_torch_builder_op_db.py \
+		tests/test_aten_onnx_op_db_values.py
 
 # The style and type gates CI runs before the tests.
 lint: $(STAMP)
