@@ -1006,7 +1006,7 @@ def _extreme(op: str) -> Translation:
         if g.meta(x).dtype == torch.bool:  # type: ignore[arg-type]
             return None  # type: ignore[return-value]
         if _rank(g, x) == 0:  # type: ignore[arg-type] # a 0-d tensor is its own extreme, at index 0
-            return g.tensor(x), g.scalar(0, torch.int64)  # type: ignore[arg-type]
+            return g.tensor(x), g.scalar(0, torch.int64)
         axis = _axis(dim, _rank(g, x))  # type: ignore[arg-type]
         values = _reduce_node(g, f"Reduce{op}", g.tensor(x), [axis], keepdim)
         if not _readers(node, 1):
