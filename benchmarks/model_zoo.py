@@ -1442,6 +1442,66 @@ MODELS: dict[str, tuple[str, dict[str, Any], str, str]] = {
     ),
     "vivit": ("VivitConfig", VIDEO | dict(tubelet_size=[2, 4, 4]), "VivitForVideoClassification", "video"),
     "timesformer": ("TimesformerConfig", VIDEO | dict(drop_path_rate=0), "TimesformerForVideoClassification", "video"),
+    "openai_gpt": (
+        "OpenAIGPTConfig",
+        dict(vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=64),
+        "OpenAIGPTLMHeadModel",
+        "tokens",
+    ),
+    "imagegpt": (
+        "ImageGPTConfig",
+        dict(vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=64),
+        "ImageGPTForCausalImageModeling",
+        "tokens",
+    ),
+    "camembert": ("CamembertConfig", _lm(), "CamembertForMaskedLM", "tokens"),
+    "data2vec_text": ("Data2VecTextConfig", _lm(), "Data2VecTextForMaskedLM", "tokens"),
+    "xmod": ("XmodConfig", _lm(languages=["en_XX"], default_language="en_XX"), "XmodForMaskedLM", "tokens"),
+    "bert_generation": ("BertGenerationConfig", _lm(), "BertGenerationDecoder", "tokens"),
+    "modernbert_decoder": (
+        "ModernBertDecoderConfig",
+        _lm(global_attn_every_n_layers=1, local_attention=8),
+        "ModernBertDecoderForCausalLM",
+        "tokens",
+    ),
+    "cpmant": (
+        "CpmAntConfig",
+        dict(
+            vocab_size=V,
+            hidden_size=H,
+            num_attention_heads=NH,
+            dim_head=8,
+            dim_ff=FF,
+            num_hidden_layers=L,
+            prompt_length=4,
+        ),
+        "CpmAntForCausalLM",
+        "tokens",
+    ),
+    "xlstm": (
+        "xLSTMConfig",
+        dict(vocab_size=V, hidden_size=H, embedding_dim=H, num_hidden_layers=L, num_heads=NH, use_cache=False),
+        "xLSTMForCausalLM",
+        "tokens",
+    ),
+    "mistral4": ("Mistral4Config", _lm(**MLA, n_shared_experts=1), "Mistral4ForCausalLM", "tokens"),
+    "deepseek_v4": (  # its compressed attentions over MLA-style experts, one shared key/value head
+        "DeepseekV4Config",
+        _lm(
+            **{
+                k: v
+                for k, v in MLA.items()
+                if k in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+            },
+            q_lora_rank=16,
+            num_key_value_heads=1,
+            head_dim=8,
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        ),
+        "DeepseekV4ForCausalLM",
+        "tokens",
+    ),
+    "unispeech_sat": ("UniSpeechSatConfig", SPEECH | dict(layerdrop=0.0), "UniSpeechSatForCTC", "audio"),
 }
 # Modules that draw random numbers in training mode beyond dropout (PhiMoE's router samples its experts: `sparsemixer`),
 # which no step in another generator can match: they run in eval mode, their deterministic top-k.
