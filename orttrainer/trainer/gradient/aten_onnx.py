@@ -1403,7 +1403,8 @@ def _gather(g: _Graph, node: torch.fx.Node) -> Value:
     x, dim, index = node.args[:3]
     if node.kwargs.get("sparse_grad") or (len(node.args) > 3 and node.args[3]):
         return None  # type: ignore[return-value]
-    index_value = g.cast(g.tensor(index), g.meta(index).dtype, torch.int64)  # type: ignore[arg-type] # an empty one may be any integer type
+    # aten takes an empty index of any integer type; GatherElements takes int32 and int64 only
+    index_value = g.cast(g.tensor(index), g.meta(index).dtype, torch.int64)  # type: ignore[arg-type]
     return g.one("GatherElements", [g.tensor(x), index_value], axis=_axis(dim, _rank(g, x)))  # type: ignore[arg-type]
 
 
